@@ -1,0 +1,43 @@
+"""flashjit: JIT-compiled attention kernels for LLM inference.
+
+Importing flashjit is cheap: it imports neither torch nor jinja2, initialises
+no CUDA context, renders and compiles nothing. Public names resolve on first use.
+"""
+
+from ._version import __version__
+
+_LAZY = {
+    "single_prefill_with_kv_cache": "flashjit.ops.prefill",
+    "BatchPrefillWithRaggedKVCacheWrapper": "flashjit.ops.prefill",
+    "single_decode_with_kv_cache": "flashjit.ops.decode",
+    "tolerance": "flashjit.tolerance",
+    "Tolerance": "flashjit.tolerance",
+    "KernelSpec": "flashjit.spec",
+    "attention_reference": "flashjit.reference",
+    "ragged_reference": "flashjit.reference",
+    "build_many": "flashjit.jit",
+    "get_module": "flashjit.jit",
+    "FlashjitError": "flashjit.errors",
+    "BuildError": "flashjit.errors",
+    "CacheError": "flashjit.errors",
+    "JitDisabledError": "flashjit.errors",
+    "ToolchainError": "flashjit.errors",
+    "KernelLaunchError": "flashjit.errors",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'flashjit' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,173 @@
+"""The toolchain and the hardware: where nvcc is and which version, which GPU
+arches to compile for, and which backend `auto` picks on this device.
+
+Raises ToolchainError (flashjit.errors) with the fix for: nvcc not found, nvcc
+too old for an arch, an arch name we do not know, a GPU older than SM80.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from .errors import ToolchainError
+
+log = logging.getLogger("flashjit")
+
+# Arch name -> (nvcc gencode flag, minimum nvcc (major, minor)).
+ARCHES = {
+    "sm_80": ("-gencode=arch=compute_80,code=sm_80", (11, 0)),
+    "sm_86": ("-gencode=arch=compute_86,code=sm_86", (11, 1)),
+    "sm_89": ("-gencode=arch=compute_89,code=sm_89", (11, 8)),
+    # "a": wgmma and setmaxnreg exist only in the arch-specific sm_90a target.
+    "sm_90a": ("-gencode=arch=compute_90a,code=sm_90a", (12, 0)),
+    "sm_100a": ("-gencode=arch=compute_100a,code=sm_100a", (12, 8)),
+    "sm_120": ("-gencode=arch=compute_120,code=sm_120", (12, 8)),
+}
+# What a prewarm with no GPU and no arch named compiles for: A100, L40/4090, H100/H200.
+DEFAULT_ARCHES = ("sm_80", "sm_89", "sm_90a")
+NVCC_HINT = ("install the CUDA toolkit (12.0 or newer) and put nvcc on PATH, "
+             "or set CUDA_HOME to the toolkit directory")
+
+
+def find_nvcc() -> str | None:
+    for env in ("FLASHJIT_NVCC", "CUDA_HOME", "CUDA_PATH"):
+        value = os.environ.get(env)
+        if value:
+            path = Path(value) if env == "FLASHJIT_NVCC" else Path(value) / "bin" / "nvcc"
+            if path.is_file():
+                return str(path)
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.is_file() else None
+
+
+def require_nvcc() -> str:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise ToolchainError(f"nvcc not found (looked at $FLASHJIT_NVCC, $CUDA_HOME, $CUDA_PATH, PATH, "
+                             f"/usr/local/cuda): {NVCC_HINT}")
+    return nvcc
+
+
+def _version_memo_path() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flashjit-nvcc-versions.json"
+
+
+@functools.lru_cache(maxsize=8)
+def nvcc_version(nvcc: str) -> str:
+    """'13.0.88' for the given nvcc. Running nvcc costs ~30 ms, so the answer is
+    remembered per (path, size, mtime) on disk as well as in this process."""
+    st = os.stat(nvcc)
+    ident = f"{os.path.realpath(nvcc)}:{st.st_size}:{st.st_mtime_ns}"
+    memo = _version_memo_path()
+    try:
+        known = json.loads(memo.read_text())
+        if ident in known:
+            return known[ident]
+    except (OSError, ValueError):
+        known = {}
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except OSError as exc:
+        raise ToolchainError(f"cannot run {nvcc}: {exc}; {NVCC_HINT}") from exc
+    match = re.search(r"release [\d.]+, V(\d+\.\d+\.\d+)", out) or re.search(r"release (\d+\.\d+)", out)
+    if not match:
+        raise ToolchainError(f"cannot read the version of {nvcc} from: {out.strip()[:200]!r}")
+    version = match.group(1)
+    try:
+        known[ident] = version
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, memo)
+    except OSError:
+        pass  # the memo is an optimisation only
+    return version
+
+
+def normalize_arch(arch: str) -> str:
+    """'9.0a', '90a', 'sm_90a', 'sm90' -> 'sm_90a' (9.0 always means sm_90a)."""
+    text = arch.strip().lower().removeprefix("sm_").removeprefix("sm").removeprefix("compute_")
+    text = text.replace(".", "")
+    name = "sm_" + text
+    if name == "sm_90":
+        name = "sm_90a"
+    if name == "sm_100":
+        name = "sm_100a"
+    if name not in ARCHES:
+        raise ToolchainError(f"arch: expected one of {', '.join(ARCHES)} (or 8.0, 8.9, 9.0a ...), got {arch!r}")
+    return name
+
+
+def arch_of_capability(major: int, minor: int, device_name: str = "GPU") -> str:
+    if major < 8:
+        raise ToolchainError(f"{device_name} is sm_{major}{minor}; flashjit needs SM80 or newer "
+                             f"(A100, L40, RTX 30xx/40xx, H100/H200)")
+    try:
+        return normalize_arch(f"{major}{minor}")
+    except ToolchainError as exc:
+        raise ToolchainError(f"{device_name} is sm_{major}{minor}, which flashjit cannot target yet; "
+                             f"set FLASHJIT_CUDA_ARCH_LIST to one of {', '.join(ARCHES)} that it runs") from exc
+
+
+def env_arches() -> tuple[str, ...] | None:
+    value = os.environ.get("FLASHJIT_CUDA_ARCH_LIST")
+    if not value:
+        return None
+    return tuple(sorted({normalize_arch(a) for a in re.split(r"[\s,;]+", value) if a}))
+
+
+def device_arch() -> str | None:
+    """The current CUDA device's arch, or None without a GPU (initialises CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    idx = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(idx)
+    return arch_of_capability(major, minor, torch.cuda.get_device_name(idx))
+
+
+def check_nvcc_supports(version: str, arches) -> None:
+    have = tuple(int(x) for x in version.split(".")[:2])
+    for arch in arches:
+        need = ARCHES[arch][1]
+        if have < need:
+            raise ToolchainError(f"nvcc {version} cannot compile for {arch} (needs CUDA {need[0]}.{need[1]} "
+                                 f"or newer): upgrade the CUDA toolkit, or set FLASHJIT_CUDA_ARCH_LIST "
+                                 f"to arches it supports")
+
+
+def gencode_flags(arches) -> list[str]:
+    return [ARCHES[a][0] for a in arches]
+
+
+def choose_backend(dtype: str, use_tensor_cores: bool | None, backend: str) -> tuple[str, bool, str]:
+    """Resolves backend='auto' / use_tensor_cores=None for this process's device.
+
+    Returns (backend, use_tensor_cores, reason). Tensor-core kernels are not
+    generated yet, so auto picks the CUDA-core kernels and says so.
+    """
+    if backend not in ("auto", "fa2", "fa3"):
+        raise ValueError(f"backend: expected 'auto', 'fa2' or 'fa3', got {backend!r}")
+    if use_tensor_cores is None:
+        use_tensor_cores = False
+        reason = ("float32 runs on CUDA cores only" if dtype == "float32"
+                  else "tensor-core kernels are not generated yet; CUDA-core kernels keep fp32 softmax and P.V")
+    else:
+        reason = f"use_tensor_cores={use_tensor_cores} was requested"
+    if backend == "auto":
+        backend = "fa2"
+        reason += "; fa2 (SM80+) is the only backend generated so far"
+    else:
+        reason += f"; backend={backend} was requested"
+    return backend, use_tensor_cores, reason

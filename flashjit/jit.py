@@ -1,0 +1,255 @@
+"""From a configuration to a loaded kernel: cache lookup, build on a miss, load.
+
+`get_module(spec)` is what the ops call (memoised per process); `build_many`
+is what prewarm calls: every missing configuration in one parallel ninja run.
+
+Errors: ValueError for an unsupported spec (before anything else);
+ToolchainError (no nvcc, arch not supported); JitDisabledError (a miss with
+FLASHJIT_DISABLE_JIT=1); BuildError (nvcc failed: command and first errors);
+CacheError (cache unusable, or an entry still bad after one rebuild).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import arch as arch_mod
+from . import build, cache
+from ._version import __version__
+from .errors import CacheError, FlashjitError, JitDisabledError, ToolchainError
+from .loader import ABI_VERSION, KernelModule, load_library
+from .render import RenderedSource, render
+from .spec import KernelSpec
+from .tolerance import profile
+
+log = logging.getLogger("flashjit")
+_modules: dict[tuple, KernelModule] = {}
+_modules_lock = threading.Lock()
+
+
+def jit_disabled() -> bool:
+    return os.environ.get("FLASHJIT_DISABLE_JIT", "0").lower() not in ("", "0", "false", "no")
+
+
+def resolve_arches(arches=None) -> tuple[str, ...]:
+    """Explicit arches, else FLASHJIT_CUDA_ARCH_LIST, else this GPU's, else the default set."""
+    if arches:
+        return tuple(sorted({arch_mod.normalize_arch(a) for a in arches}))
+    env = arch_mod.env_arches()
+    if env:
+        return env
+    dev = arch_mod.device_arch()
+    if dev is not None:
+        return (dev,)
+    log.info("flashjit: no GPU visible and no arch named; compiling for %s", ", ".join(arch_mod.DEFAULT_ARCHES))
+    return arch_mod.DEFAULT_ARCHES
+
+
+@dataclass
+class Planned:
+    """One configuration's build plan: what it renders to and its cache key."""
+
+    spec: KernelSpec
+    arches: tuple[str, ...]
+    rendered: RenderedSource
+    nvcc: str | None
+    key_inputs: dict
+    key: str
+
+    @property
+    def artifact_name(self) -> str:
+        return f"lib{self.spec.name}.so"
+
+
+def plan(spec: KernelSpec, arches: tuple[str, ...], nvcc: str | None) -> Planned:
+    rendered = render(spec)
+    args = build.nvcc_args(arches, rendered.filename, f"lib{spec.name}.so")
+    key_inputs = {
+        **rendered.digest_inputs(),
+        "nvcc_command": ["nvcc", *args],
+        "nvcc_version": arch_mod.nvcc_version(nvcc) if nvcc else None,
+        "flashjit_version": __version__,
+        "abi_version": ABI_VERSION,
+    }
+    return Planned(spec, arches, rendered, nvcc, key_inputs, cache.compute_key(key_inputs))
+
+
+def _lookup(root: Path, p: Planned) -> cache.Entry | None:
+    if p.nvcc is None:
+        return cache.find_entry_any_toolchain(root, p.spec.name, p.key_inputs)
+    return cache.find_entry(root, p.spec.name, p.key)
+
+
+def _miss_error(p: Planned) -> Exception:
+    prewarm = (f"flashjit prewarm --op {p.spec.op} --dtype {p.spec.dtype_q} --head-dim {p.spec.head_dim_qk} "
+               f"--tensor-cores {'on' if p.spec.use_tensor_cores else 'off'} --arch {' '.join(p.arches)}")
+    if jit_disabled():
+        return JitDisabledError(f"{p.spec.name} is not in the cache and FLASHJIT_DISABLE_JIT is set; "
+                                f"build it first with: {prewarm} (variant flags are built by presets/ops)")
+    return ToolchainError(f"{p.spec.name} is not in the cache and nvcc was not found: {arch_mod.NVCC_HINT}")
+
+
+def _write_sources(build_dir: Path, rendered: RenderedSource) -> None:
+    cache.write_file(build_dir / rendered.filename, rendered.text)
+    for rel, data in rendered.headers.items():
+        cache.write_file(build_dir / "include" / rel, data)
+
+
+def _manifest(p: Planned, job: build.BuildJob) -> dict:
+    log_text = job.log_path.read_text(errors="replace") if job.log_path.exists() else ""
+    return {
+        "format": cache.MANIFEST_FORMAT,
+        "name": p.spec.name,
+        "spec": p.spec.as_dict(),
+        "arches": list(p.arches),
+        "key": p.key,
+        "key_inputs": p.key_inputs,
+        "artifact": p.artifact_name,
+        "artifact_sha256": cache.sha256_file(job.build_dir / p.artifact_name),
+        "tolerance": profile(p.spec),
+        "resources": build.resource_usage(log_text),
+        "build_seconds": round(job.seconds, 3),
+        "created_unix": time.time(),
+    }
+
+
+@dataclass
+class BuildResult:
+    spec: KernelSpec
+    entry: cache.Entry | None
+    built: bool
+    seconds: float
+    error: Exception | None = None
+
+
+def build_many(specs, arches=None, jobs: int | None = None, progress=None, root: Path | None = None,
+               raise_first: bool = True) -> list[BuildResult]:
+    """Makes every spec present in the cache; builds the missing ones in one ninja run.
+
+    Locks are taken in name order (no deadlock between two prewarms), sources
+    are rendered and written inside them, and each entry is published by an
+    atomic rename with its manifest written last."""
+    specs = [s.validate() for s in specs]
+    arches = resolve_arches(arches)
+    root = cache.ensure_root(root)
+    nvcc = arch_mod.find_nvcc()
+    if nvcc is not None:
+        arch_mod.check_nvcc_supports(arch_mod.nvcc_version(nvcc), arches)
+    planned = sorted((plan(s, arches, nvcc) for s in dict.fromkeys(specs)), key=lambda p: (p.spec.name, p.key))
+    results: dict[KernelSpec, BuildResult] = {}
+    missing = []
+    for p in planned:
+        entry = _lookup(root, p)
+        if entry is not None:
+            results[p.spec] = BuildResult(p.spec, entry, built=False, seconds=0.0)
+        else:
+            missing.append(p)
+    if missing and (jit_disabled() or nvcc is None):
+        raise _miss_error(missing[0])
+
+    with _LockSet(root, missing) as locked:
+        todo: list[tuple[Planned, build.BuildJob]] = []
+        for p in locked:
+            p = plan(p.spec, arches, nvcc)  # rendered again, inside the lock
+            entry = cache.find_entry(root, p.spec.name, p.key)
+            if entry is not None:  # another process built it while we waited
+                results[p.spec] = BuildResult(p.spec, entry, built=False, seconds=0.0)
+                continue
+            build_dir = cache.new_build_dir(root, p.spec.name, p.key)
+            _write_sources(build_dir, p.rendered)
+            args = build.nvcc_args(arches, p.rendered.filename, p.artifact_name)
+            todo.append((p, build.BuildJob(p.spec.name, build_dir, nvcc, args, p.artifact_name)))
+        build.run_builds([job for _, job in todo], root, jobs, progress)
+        for p, job in todo:
+            if job.error is not None:
+                results[p.spec] = BuildResult(p.spec, None, built=False, seconds=job.seconds, error=job.error)
+                continue
+            entry = cache.publish(job.build_dir, _manifest(p, job))
+            cache.write_file(entry.path / "tolerance.json", json.dumps(entry.manifest["tolerance"], indent=1))
+            results[p.spec] = BuildResult(p.spec, entry, built=True, seconds=job.seconds)
+    ordered = [results[s] for s in dict.fromkeys(specs)]
+    if raise_first:
+        for r in ordered:
+            if r.error is not None:
+                raise r.error
+    return ordered
+
+
+class _LockSet:
+    """Holds the locks of several configurations, acquired in sorted order."""
+
+    def __init__(self, root: Path, planned: list[Planned]):
+        self._root, self._planned, self._held = root, planned, []
+
+    def __enter__(self) -> list[Planned]:
+        try:
+            for p in self._planned:
+                ctx = cache.config_lock(self._root, p.spec.name, p.key)
+                ctx.__enter__()
+                self._held.append(ctx)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self._planned
+
+    def __exit__(self, *exc) -> None:
+        while self._held:
+            self._held.pop().__exit__(None, None, None)
+
+
+def _candidate_arches(arches) -> list[tuple[str, ...]]:
+    """Arch lists whose entries can serve this process: the requested or device
+    one first, then the default fat set of a GPU-less prewarm if it covers the device."""
+    if arches or arch_mod.env_arches():
+        return [resolve_arches(arches)]
+    dev = resolve_arches(None)
+    if len(dev) == 1 and dev[0] in arch_mod.DEFAULT_ARCHES:
+        return [dev, arch_mod.DEFAULT_ARCHES]
+    return [dev]
+
+
+def get_module(spec: KernelSpec, arches=None) -> KernelModule:
+    """The loaded kernel of a configuration, built if missing (memoised per process)."""
+    memo_key = (spec, tuple(arches) if arches else None)
+    module = _modules.get(memo_key)
+    if module is not None:
+        return module
+    with _modules_lock:
+        module = _modules.get(memo_key)
+        if module is None:
+            module = _load(spec.validate(), arches)
+            _modules[memo_key] = module
+    return module
+
+
+def _load(spec: KernelSpec, arches) -> KernelModule:
+    """Loads a cached entry (trying the fat default set too), else builds one.
+    An entry that verifies but will not load is removed and rebuilt once; a
+    second failure raises."""
+    candidates = _candidate_arches(arches)
+    root = cache.ensure_root()
+    nvcc = arch_mod.find_nvcc()
+    for extra in candidates[1:]:
+        entry = _lookup(root, plan(spec, extra, nvcc))
+        if entry is not None:
+            try:
+                return load_library(spec, entry.artifact, entry.manifest)
+            except FlashjitError as exc:
+                log.warning("flashjit: %s", exc)
+    for attempt in (1, 2):
+        result = build_many([spec], candidates[0], root=root)[0]
+        try:
+            return load_library(spec, result.entry.artifact, result.entry.manifest)
+        except FlashjitError as exc:
+            if result.built or attempt == 2:
+                raise CacheError(f"{spec.name}: entry {result.entry.path} does not load after a rebuild: "
+                                 f"{exc}") from exc
+            log.warning("flashjit: cached %s does not load (%s); rebuilding once", result.entry.path, exc)
+            cache.remove_entry(root, result.entry)
+    raise AssertionError("unreachable")

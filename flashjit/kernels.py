@@ -1,0 +1,69 @@
+"""The kernel catalogue: which template renders a configuration, with which
+tiling. The tiling is chosen here, once, and handed to the template; the
+generated library reports the resulting rows-per-CTA back so the host-side plan
+never has to duplicate it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import DTYPES, KernelSpec
+
+# Dynamic shared memory one CTA may use on every target (SM89 allows 99 KB).
+SMEM_BUDGET = 96 * 1024
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class CudaCoreTiling:
+    rows_per_warp: int
+    row_warps: int
+    kv_warps: int
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        """Mirror of CudaCoreTraits::kSmemBytes (cuda_core_attention.cuh)."""
+        elt = _DTYPE_BYTES[spec.dtype_kv]
+        keys = 32
+        rows = self.rows_per_warp * self.row_warps
+        warps = self.row_warps * self.kv_warps
+        q = 4 * rows * spec.head_dim_qk
+        k_tile = elt * keys * (spec.head_dim_qk + 16 // elt)
+        v_tile = elt * keys * spec.head_dim_vo
+        p = 4 * warps * self.rows_per_warp * keys
+        merge = 4 * warps * self.rows_per_warp * (spec.head_dim_vo + 2)
+        return q + p + max(self.kv_warps * (k_tile + v_tile), merge)
+
+
+def cuda_core_tiling(spec: KernelSpec) -> CudaCoreTiling:
+    if spec.op == "single_decode":
+        # One query token: its GQA group is the rows; warps split the keys.
+        for kv_warps in (4, 2, 1):
+            tiling = CudaCoreTiling(rows_per_warp=4, row_warps=1, kv_warps=kv_warps)
+            if tiling.smem_bytes(spec) <= SMEM_BUDGET:
+                return tiling
+    else:
+        tiling = CudaCoreTiling(rows_per_warp=4, row_warps=4, kv_warps=1)
+        if tiling.smem_bytes(spec) <= SMEM_BUDGET:
+            return tiling
+    raise ValueError(f"{spec.name}: no CUDA-core tiling fits {SMEM_BUDGET} bytes of shared memory")
+
+
+def template_for(spec: KernelSpec) -> tuple[str, dict]:
+    """The template file and its context for a validated spec."""
+    context = {
+        "name": spec.name,
+        "dtype_q": DTYPES[spec.dtype_q][1],
+        "dtype_kv": DTYPES[spec.dtype_kv][1],
+        "dtype_o": DTYPES[spec.dtype_o][1],
+        "head_dim_qk": spec.head_dim_qk,
+        "head_dim_vo": spec.head_dim_vo,
+        "causal": spec.causal,
+        "sliding_window": spec.sliding_window,
+        "soft_cap": spec.soft_cap,
+        "return_lse": spec.return_lse,
+    }
+    if not spec.use_tensor_cores:
+        context["tiling"] = cuda_core_tiling(spec)
+        return "attention_cuda_core.cu.jinja", context
+    raise ValueError(f"{spec.name}: no template generates tensor-core kernels yet")

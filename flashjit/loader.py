@@ -1,0 +1,78 @@
+"""Loading a compiled library and calling it through its plain C ABI (ctypes).
+
+The library is linked against the static CUDA runtime, so nothing but the
+driver must be found at load time; torch's stream is passed as a raw handle.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import FlashjitError, KernelLaunchError
+from .spec import KernelSpec
+
+ABI_VERSION = 1  # FLASHJIT_ABI_VERSION in templates/include/flashjit/attention_params.cuh
+
+_p = ctypes.c_void_p
+_i32 = ctypes.c_int32
+_i64 = ctypes.c_int64
+
+
+class AttentionParams(ctypes.Structure):
+    """Mirror of FlashjitAttentionParams (attention_params.cuh); field order matters."""
+
+    _fields_ = [
+        ("q", _p), ("k", _p), ("v", _p), ("o", _p), ("lse", _p),
+        ("qo_indptr", _p), ("kv_indptr", _p), ("work_request", _p), ("work_tile", _p),
+        ("num_work", _i32), ("qo_len", _i32), ("kv_len", _i32), ("num_qo_heads", _i32), ("num_kv_heads", _i32),
+        ("q_stride_n", _i64), ("q_stride_h", _i64), ("k_stride_n", _i64), ("k_stride_h", _i64),
+        ("v_stride_n", _i64), ("v_stride_h", _i64), ("o_stride_n", _i64), ("o_stride_h", _i64),
+        ("lse_stride_n", _i64),
+        ("sm_scale", ctypes.c_float), ("logits_soft_cap", ctypes.c_float), ("window_left", _i32),
+    ]
+
+
+@dataclass
+class KernelModule:
+    """A loaded configuration: call `run(params, stream)`; `tolerance` is its profile."""
+
+    spec: KernelSpec
+    path: Path
+    manifest: dict
+    rows_per_cta: int
+    _run: object
+    _error_string: object
+
+    @property
+    def tolerance_profile(self) -> dict:
+        return self.manifest["tolerance"]
+
+    def run(self, params: AttentionParams, stream: int) -> None:
+        code = self._run(ctypes.byref(params), stream)
+        if code != 0:
+            message = self._error_string(code).decode(errors="replace")
+            raise KernelLaunchError(f"{self.spec.name}: CUDA error {code} ({message}) at launch")
+
+
+def load_library(spec: KernelSpec, path: Path, manifest: dict) -> KernelModule:
+    """dlopen()s the artifact (already verified against its manifest) and binds its C ABI.
+    Raises FlashjitError if it cannot be loaded or speaks another ABI version."""
+    try:
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+    except OSError as exc:
+        raise FlashjitError(f"cannot load {path} for {spec.name}: {exc}") from exc
+    lib.flashjit_abi_version.restype = ctypes.c_int
+    if lib.flashjit_abi_version() != ABI_VERSION:
+        raise FlashjitError(f"{path} speaks ABI {lib.flashjit_abi_version()}, this flashjit {ABI_VERSION}; "
+                            f"run `flashjit cache clear`")
+    run = lib.flashjit_attention_run
+    run.argtypes = [ctypes.POINTER(AttentionParams), ctypes.c_void_p]
+    run.restype = ctypes.c_int
+    err = lib.flashjit_error_string
+    err.argtypes = [ctypes.c_int]
+    err.restype = ctypes.c_char_p
+    lib.flashjit_rows_per_cta.restype = ctypes.c_int
+    return KernelModule(spec=spec, path=path, manifest=manifest, rows_per_cta=lib.flashjit_rows_per_cta(),
+                        _run=run, _error_string=err)

@@ -1,0 +1,134 @@
+"""Argument checks shared by the ops: every bad input becomes a ValueError (or
+NotImplementedError for options we do not support) that names the argument,
+what was expected and what came, before any kernel runs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..spec import HEAD_DIMS
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LAYOUTS = ("NHD", "HND")
+
+
+def check_tensor(name: str, t, ndim: int, device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name}: expected a CUDA tensor, got a tensor on {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (where q is), got {t.device}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name}: expected dtype float16, bfloat16 or float32, got {t.dtype}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, got strides {t.stride()}")
+
+
+def check_vector_aligned(name: str, t: torch.Tensor) -> None:
+    """K and V are copied with 16-byte vectors: base and row strides must allow it."""
+    vec = 16 // t.element_size()
+    if t.numel() and (t.data_ptr() % 16 or any(s % vec for s in t.stride()[:-1])):
+        raise ValueError(f"{name}: expected a 16-byte aligned tensor with strides that are multiples of {vec} "
+                         f"elements (e.g. .contiguous()), got data_ptr % 16 = {t.data_ptr() % 16}, "
+                         f"strides {t.stride()}")
+
+
+def check_same_dtype(**tensors) -> torch.dtype:
+    (first_name, first), *rest = tensors.items()
+    for name, t in rest:
+        if t.dtype != first.dtype:
+            raise ValueError(f"{name}: expected dtype {first.dtype} (the dtype of {first_name}), got {t.dtype}")
+    return first.dtype
+
+
+def check_layout(kv_layout: str) -> str:
+    if kv_layout not in LAYOUTS:
+        raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
+    return kv_layout
+
+
+def kv_dims(name: str, t: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int, int]:
+    """(tokens, heads, head_dim, stride_token, stride_head) of a 3-D K or V tensor."""
+    if kv_layout == "NHD":
+        return t.shape[0], t.shape[1], t.shape[2], t.stride(0), t.stride(1)
+    return t.shape[1], t.shape[0], t.shape[2], t.stride(1), t.stride(0)
+
+
+def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
+    if num_kv_heads < 1 or num_qo_heads < 1:
+        raise ValueError(f"num_qo_heads / num_kv_heads: expected positive, got {num_qo_heads} / {num_kv_heads}")
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) "
+                         f"for GQA/MQA")
+
+
+def check_head_dim(name: str, head_dim: int) -> None:
+    if head_dim not in HEAD_DIMS:
+        nearest = min(HEAD_DIMS, key=lambda d: (abs(d - head_dim), d))
+        raise ValueError(f"{name}: expected a head_dim in {HEAD_DIMS}, got {head_dim} (nearest supported: {nearest})")
+
+
+def check_unsupported(**options) -> None:
+    """Raises NotImplementedError for FlashInfer options we do not support (value not at its default)."""
+    reasons = {
+        "custom_mask": "custom masks are not supported; use causal / window_left",
+        "packed_custom_mask": "custom masks are not supported; use causal / window_left",
+        "pos_encoding_mode": "fused RoPE is not supported; apply rotary embeddings before attention",
+        "use_fp16_qk_reduction": "fp16 Q.K reduction is not supported; flashjit accumulates Q.K in fp32",
+        "scale_q": "fp8 scales are not supported", "scale_k": "fp8 scales are not supported",
+        "scale_v": "fp8 scales are not supported", "q_scale": "fp8 scales are not supported",
+        "k_scale": "fp8 scales are not supported", "v_scale": "fp8 scales are not supported",
+        "use_cuda_graph": "CUDA-graph capture of this wrapper is not supported yet",
+    }
+    defaults = {"pos_encoding_mode": "NONE", "use_fp16_qk_reduction": False, "use_cuda_graph": False}
+    for name, value in options.items():
+        default = defaults.get(name)
+        if value is None or (default is not None and value == default):
+            continue
+        raise NotImplementedError(f"{name}={value!r}: {reasons[name]}")
+
+
+def variant_values(sm_scale, head_dim: int, window_left: int, logits_soft_cap) -> tuple[float, int, float, bool, bool]:
+    """(sm_scale, window_left, soft_cap, has_window, has_soft_cap) with FlashInfer's defaults."""
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    sm_scale = float(sm_scale)
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale: expected a finite number, got {sm_scale}")
+    window_left = -1 if window_left is None else int(window_left)
+    if window_left < -1:
+        raise ValueError(f"window_left: expected -1 (no window) or >= 0, got {window_left}")
+    cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+    if cap < 0 or not math.isfinite(cap):
+        raise ValueError(f"logits_soft_cap: expected None, 0 or a positive number, got {logits_soft_cap}")
+    return sm_scale, window_left, cap, window_left >= 0, cap > 0
+
+
+def check_indptr(name: str, indptr, batch_size: int | None = None) -> list[int]:
+    """Host copy of an indptr (CPU or CUDA tensor, or a sequence): 1-D, non-negative, non-decreasing."""
+    if isinstance(indptr, torch.Tensor):
+        if indptr.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(indptr.shape)}")
+        if indptr.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: expected an int32 or int64 tensor, got {indptr.dtype}")
+        values = indptr.tolist()
+    else:
+        values = [int(x) for x in indptr]
+    if len(values) < 1:
+        raise ValueError(f"{name}: expected at least one element (batch_size + 1), got none")
+    if batch_size is not None and len(values) != batch_size + 1:
+        raise ValueError(f"{name}: expected {batch_size + 1} elements (batch_size + 1), got {len(values)}")
+    if values[0] < 0:
+        raise ValueError(f"{name}: expected non-negative offsets, got {name}[0] = {values[0]}")
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1]:
+            raise ValueError(f"{name}: expected non-decreasing offsets, got {name}[{i - 1}] = {values[i - 1]} > "
+                             f"{name}[{i}] = {values[i]}")
+    if values[-1] >= 2**31:
+        raise ValueError(f"{name}: offsets must fit in int32, got {values[-1]}")
+    return values

@@ -1,0 +1,52 @@
+"""Exact attention in float64: the reference every tolerance profile is measured
+against. Same semantics as the kernels: bottom-right causal alignment, sliding
+window, soft-cap, GQA; a query that sees no key outputs 0 with LSE -inf; LSE is
+base 2."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                        sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
+                        kv_layout: str = "NHD") -> tuple[torch.Tensor, torch.Tensor]:
+    """q [qo_len, H, D], k/v [kv_len, Hkv, D] (NHD) -> (o [qo_len, H, Dv] float64, lse [qo_len, H] float64)."""
+    if kv_layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    qo_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    qd = q.double()
+    kd = k.double().repeat_interleave(group, dim=1)
+    vd = v.double().repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", qd, kd) * sm_scale
+    if logits_soft_cap:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    i = torch.arange(qo_len, device=q.device)[:, None]
+    j = torch.arange(kv_len, device=q.device)[None, :]
+    visible = torch.ones(qo_len, kv_len, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= j <= i + (kv_len - qo_len)
+    if window_left is not None and window_left >= 0:
+        visible &= j >= i + (kv_len - qo_len) - window_left
+    logits = logits.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)                      # [H, qo_len], natural log
+    weights = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("hqk,khd->qhd", weights, vd)
+    return out, (lse / math.log(2.0)).transpose(0, 1)
+
+
+def ragged_reference(q, k, v, qo_indptr, kv_indptr, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_reference per request of a packed NHD batch."""
+    outs, lses = [], []
+    for b in range(len(qo_indptr) - 1):
+        qs, qe, ks, ke = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_indptr[b]), int(kv_indptr[b + 1])
+        o, lse = attention_reference(q[qs:qe], k[ks:ke], v[ks:ke], **kwargs)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)

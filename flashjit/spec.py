@@ -1,0 +1,132 @@
+"""What a kernel configuration is, its canonical name, and which ones exist.
+
+A `KernelSpec` is fully resolved: no "auto" remains in it (flashjit.arch turns
+"auto" into a backend). `validate()` raises ValueError for any combination we do
+not generate, naming the supported set and the nearest working choice, before
+anything is rendered or compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Canonical dtype names, their short form in kernel names, their CUDA type, and
+# their unit roundoff (half an ulp at 1.0).
+DTYPES = {
+    "float16": ("f16", "__half", 2.0**-11),
+    "bfloat16": ("bf16", "__nv_bfloat16", 2.0**-8),
+    "float32": ("f32", "float", 2.0**-24),
+}
+_DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16",
+                  "fp32": "float32", "float": "float32", "f32": "float32"}
+
+OPS = ("single_prefill", "single_decode", "batch_prefill_ragged")
+PLANNED_OPS = ("batch_prefill_paged", "batch_decode_paged", "mla_paged")
+HEAD_DIMS = (64, 128, 256)
+BACKENDS = ("fa2", "fa3")
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")
+
+
+def canonical_dtype(dtype) -> str:
+    """Maps a torch dtype or a dtype name to "float16" / "bfloat16" / "float32"."""
+    name = str(dtype).removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)} (or a torch dtype), got {dtype!r}")
+    return name
+
+
+def unit_roundoff(dtype) -> float:
+    return DTYPES[canonical_dtype(dtype)][2]
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    op: str
+    dtype_q: str
+    dtype_kv: str
+    dtype_o: str
+    head_dim_qk: int
+    head_dim_vo: int
+    backend: str = "fa2"
+    use_tensor_cores: bool = False
+    causal: bool = False
+    sliding_window: bool = False
+    soft_cap: bool = False
+    return_lse: bool = False
+
+    @classmethod
+    def make(cls, op: str, dtype, head_dim: int, *, head_dim_vo: int | None = None, dtype_kv=None,
+             dtype_o=None, **flags) -> "KernelSpec":
+        """Convenience constructor: one dtype and one head_dim unless told otherwise."""
+        dq = canonical_dtype(dtype)
+        return cls(op=op, dtype_q=dq, dtype_kv=canonical_dtype(dtype_kv or dq),
+                   dtype_o=canonical_dtype(dtype_o or dq), head_dim_qk=int(head_dim),
+                   head_dim_vo=int(head_dim_vo if head_dim_vo is not None else head_dim), **flags)
+
+    @property
+    def name(self) -> str:
+        """Readable and unique per configuration, e.g. single_prefill_bf16_d128_fa2_cc_causal."""
+        short = {k: v[0] for k, v in DTYPES.items()}
+        parts = [self.op, short[self.dtype_q]]
+        if self.dtype_kv != self.dtype_q:
+            parts.append("kv" + short[self.dtype_kv])
+        if self.dtype_o != self.dtype_q:
+            parts.append("o" + short[self.dtype_o])
+        if self.head_dim_qk == self.head_dim_vo:
+            parts.append(f"d{self.head_dim_qk}")
+        else:
+            parts.append(f"qk{self.head_dim_qk}_vo{self.head_dim_vo}")
+        parts.append(self.backend)
+        parts.append("tc" if self.use_tensor_cores else "cc")
+        for flag, label in (("causal", "causal"), ("sliding_window", "swa"), ("soft_cap", "softcap"),
+                            ("return_lse", "lse")):
+            if getattr(self, flag):
+                parts.append(label)
+        return "_".join(parts)
+
+    def replace(self, **changes) -> "KernelSpec":
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "KernelSpec":
+        """Raises ValueError naming the supported set and the nearest working choice."""
+        def fail(what: str, supported: str, nearest: KernelSpec) -> None:
+            raise ValueError(f"unsupported configuration {self.name if what != 'op' else self.op}: {what}. "
+                             f"Supported: {supported}. Nearest working choice: {nearest.name}")
+
+        if self.op not in OPS:
+            if self.op in PLANNED_OPS:
+                raise ValueError(f"op {self.op!r} is not available yet; available ops: {', '.join(OPS)}")
+            raise ValueError(f"op: expected one of {', '.join(OPS)}, got {self.op!r}")
+        for field in ("dtype_q", "dtype_kv", "dtype_o"):
+            if getattr(self, field) not in DTYPES:
+                raise ValueError(f"{field}: expected one of {sorted(DTYPES)}, got {getattr(self, field)!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS} (or 'auto' in the ops), got {self.backend!r}")
+        if self.dtype_kv != self.dtype_q or self.dtype_o != self.dtype_q:
+            fail(f"dtype_q={self.dtype_q}, dtype_kv={self.dtype_kv}, dtype_o={self.dtype_o}",
+                 "q, kv and o of one dtype", self.replace(dtype_kv=self.dtype_q, dtype_o=self.dtype_q))
+        for field in ("head_dim_qk", "head_dim_vo"):
+            value = getattr(self, field)
+            if value not in HEAD_DIMS:
+                nearest = min(HEAD_DIMS, key=lambda d: (abs(d - value), d))
+                fail(f"{field}={value}", f"head_dim in {HEAD_DIMS}",
+                     self.replace(head_dim_qk=nearest, head_dim_vo=nearest))
+        if self.head_dim_qk != self.head_dim_vo:
+            fail(f"head_dim_qk={self.head_dim_qk} != head_dim_vo={self.head_dim_vo}",
+                 f"equal head dims for {self.op}", self.replace(head_dim_vo=self.head_dim_qk))
+        if self.use_tensor_cores and self.dtype_q not in TENSOR_CORE_DTYPES:
+            fail(f"use_tensor_cores=True with {self.dtype_q}",
+                 f"tensor cores with {TENSOR_CORE_DTYPES}; float32 runs on CUDA cores",
+                 self.replace(use_tensor_cores=False))
+        if self.use_tensor_cores:
+            fail("tensor-core kernels are not generated yet",
+                 "use_tensor_cores=False (CUDA-core kernels, fp32 softmax and P.V)",
+                 self.replace(use_tensor_cores=False, backend="fa2"))
+        if self.backend == "fa3":
+            fail("backend fa3 is not generated yet", "backend='fa2'", self.replace(backend="fa2"))
+        return self

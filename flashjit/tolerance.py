@@ -1,0 +1,139 @@
+"""Tolerance profiles: the error bound each configuration guarantees.
+
+A bound is elementwise `|out - ref| <= atol + rtol * |ref|`, where `ref` is the
+same attention computed in float64 from the same (already rounded) inputs.
+docs/numerics.md derives every term; in short, with u_in / u_out the unit
+roundoff of the input / output dtype, u = 2^-24 (fp32), lam = 2 (probabilistic
+accumulation bound: lam*sqrt(n)*u instead of the worst case n*u), n = kv_len,
+D = head_dim, T = n / 32 rescalings, S = log2(e) * max_ij |sm_scale| sum_d |q_id k_jd|:
+
+  rtol = u_out + 2u                                (output rounding, final 1/l multiply)
+  atol = vmax * ( [tensor cores] u_in               (P rounded to the input dtype before P.V)
+                  + 2*Delta                         (perturbed logits move the softmax weights)
+                  + 2*lam*sqrt(n)*u )               (fp32 P.V and row-sum accumulation)
+         + u_out * tiny(out dtype)                  (subnormal outputs)
+  Delta = ln2 * (lam*sqrt(D) + 2) * u * S           (fp32 Q.K accumulation, scaling, max subtraction)
+          + 4u + 4*lam*sqrt(T)*u                    (exp2f, 2 ulp, and online-softmax rescaling)
+
+The profile stored beside each kernel holds these coefficients; magnitudes (vmax,
+S, n) come from the call: given directly, or measured from q, k, v.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .spec import DTYPES, KernelSpec, canonical_dtype
+
+MODEL_VERSION = "flashjit-error-model-1"
+U32 = 2.0**-24
+LAMBDA = 2.0
+_TINY = {"float16": 2.0**-14, "bfloat16": 2.0**-126, "float32": 2.0**-126}
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+
+
+def profile(spec: KernelSpec) -> dict:
+    """The coefficients of the bound for one configuration (stored in its manifest)."""
+    u_in = DTYPES[spec.dtype_kv][2]
+    u_out = DTYPES[spec.dtype_o][2]
+    return {
+        "model": MODEL_VERSION,
+        "rtol": u_out + 2 * U32,
+        "atol_floor": u_out * _TINY[spec.dtype_o],
+        # Coefficients of vmax * (...):
+        "p_rounding": u_in if spec.use_tensor_cores else 0.0,
+        "accumulation_per_sqrt_kv": 2 * LAMBDA * U32,
+        "logit_per_s": 2 * _LN2 * (LAMBDA * math.sqrt(spec.head_dim_qk) + 2) * U32,
+        "exp2": 2 * 4 * U32,
+        "rescale_per_sqrt_tiles": 2 * 4 * LAMBDA * U32,
+        "head_dim_qk": spec.head_dim_qk,
+        "use_tensor_cores": spec.use_tensor_cores,
+        "dtype_in": spec.dtype_kv,
+        "dtype_out": spec.dtype_o,
+    }
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """An elementwise bound |out - ref| <= atol + rtol * |ref|."""
+
+    rtol: float
+    atol: float
+
+    def __add__(self, other: "Tolerance") -> "Tolerance":
+        """The difference two paths may show: the sum of their bounds."""
+        return Tolerance(self.rtol + other.rtol, self.atol + other.atol)
+
+    def bound(self, ref):
+        return self.atol + self.rtol * ref.abs()
+
+    def ratio(self, out, ref) -> float:
+        """max |out - ref| / bound over all elements (<= 1 means within the profile);
+        inf if anything is NaN/Inf where ref is finite."""
+        import torch
+
+        err = (out.double() - ref.double()).abs()
+        ratio = err / self.bound(ref.double())
+        ratio = torch.where(torch.isnan(ratio), torch.full_like(ratio, math.inf), ratio)
+        return float(ratio.max()) if ratio.numel() else 0.0
+
+    def assert_close(self, out, ref, what: str = "output") -> float:
+        r = self.ratio(out, ref)
+        if not r <= 1.0:
+            err = float((out.double() - ref.double()).abs().nan_to_num(math.inf).max())
+            raise AssertionError(f"{what} exceeds its tolerance: max |err| = {err:.3e}, "
+                                 f"max err/bound = {r:.3f} (rtol {self.rtol:.3e}, atol {self.atol:.3e})")
+        return r
+
+
+def evaluate(prof: dict, *, kv_len: int, v_absmax: float, logit_absmax: float) -> Tolerance:
+    """Turns a stored profile and the call's magnitudes into (rtol, atol).
+    logit_absmax bounds |sm_scale| * sum_d |q_d k_d| over all query/key pairs."""
+    n = max(int(kv_len), 1)
+    tiles = math.ceil(n / 32)
+    s_log2 = _LOG2E * float(logit_absmax)
+    per_v = (prof["p_rounding"] + prof["accumulation_per_sqrt_kv"] * math.sqrt(n)
+             + prof["logit_per_s"] * s_log2 + prof["exp2"] + prof["rescale_per_sqrt_tiles"] * math.sqrt(tiles))
+    return Tolerance(rtol=prof["rtol"], atol=float(v_absmax) * per_v + prof["atol_floor"])
+
+
+def measure(q, k, v, sm_scale: float) -> tuple[float, float]:
+    """(v_absmax, logit_absmax) of actual inputs; the logit bound uses
+    Cauchy-Schwarz: sum_d |q_d k_d| <= ||q|| ||k||."""
+    v_absmax = float(v.abs().max()) if v.numel() else 0.0
+    qn = float(q.float().norm(dim=-1).max()) if q.numel() else 0.0
+    kn = float(k.float().norm(dim=-1).max()) if k.numel() else 0.0
+    return v_absmax, abs(sm_scale) * qn * kn
+
+
+def tolerance(spec: KernelSpec | None = None, *, op: str = "single_prefill", dtype=None, head_dim: int | None = None,
+              use_tensor_cores: bool = False, kv_len: int | None = None, v_absmax: float | None = None,
+              logit_absmax: float | None = None, q=None, k=None, v=None, sm_scale: float | None = None) -> Tolerance:
+    """The bound for a configuration and the magnitudes of a call.
+
+    Pass a KernelSpec, or op/dtype/head_dim/use_tensor_cores as the ops take
+    them. Magnitudes: pass q, k, v (measured), or v_absmax (and optionally
+    logit_absmax; default 4*sqrt(head_dim), i.e. unit-scale inputs), and kv_len.
+    """
+    if spec is None:
+        if dtype is None or head_dim is None:
+            raise ValueError("tolerance: pass a KernelSpec, or dtype= and head_dim=")
+        spec = KernelSpec.make(op, canonical_dtype(dtype), head_dim, use_tensor_cores=use_tensor_cores)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(spec.head_dim_qk)
+    if v is not None:
+        mv, ml = measure(q if q is not None else v, k if k is not None else v, v, sm_scale)
+        v_absmax = mv if v_absmax is None else v_absmax
+        if logit_absmax is None and q is not None and k is not None:
+            logit_absmax = ml
+        if kv_len is None:
+            kv_len = v.shape[0]
+    if v_absmax is None:
+        raise ValueError("tolerance: the bound scales with max|v|: pass v= or v_absmax=")
+    if kv_len is None:
+        raise ValueError("tolerance: pass kv_len= (the most keys one query attends to)")
+    if logit_absmax is None:
+        logit_absmax = 4.0 * math.sqrt(spec.head_dim_qk)
+    return evaluate(profile(spec), kv_len=kv_len, v_absmax=v_absmax, logit_absmax=logit_absmax)

@@ -1,0 +1,290 @@
+// Attention on CUDA cores: fp32 logits, fp32 softmax and fp32 P.V throughout.
+//
+// A CTA owns kRowWarps * kRowsPerWarp packed rows of one KV head. Its warps form
+// a kRowWarps x kKvWarps grid: row warps split the rows, KV warps split the key
+// tiles (interleaved) and merge their partial softmax states at the end. Prefill
+// uses many row warps; decode, with few rows, uses KV warps to keep bandwidth up.
+//
+// Per 32-key tile each lane owns one key for Q.K (reading a 16-byte-padded K row,
+// conflict-free) and owns head dims lane, lane+32, ... for P.V.
+#pragma once
+#include "numeric.cuh"
+#include "work.cuh"
+
+namespace flashjit {
+
+template <class DTypeQ_, class DTypeKV_, class DTypeO_, int kHeadDimQK_, int kHeadDimVO_,
+          int kRowsPerWarp_, int kRowWarps_, int kKvWarps_, bool kCausal_, bool kWindow_,
+          bool kSoftCap_, bool kLse_>
+struct CudaCoreTraits {
+  using DTypeQ = DTypeQ_;
+  using DTypeKV = DTypeKV_;
+  using DTypeO = DTypeO_;
+  static constexpr int kHeadDimQK = kHeadDimQK_;
+  static constexpr int kHeadDimVO = kHeadDimVO_;
+  static constexpr int kRowsPerWarp = kRowsPerWarp_;
+  static constexpr int kRowWarps = kRowWarps_;
+  static constexpr int kKvWarps = kKvWarps_;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kWindow = kWindow_;
+  static constexpr bool kSoftCap = kSoftCap_;
+  static constexpr bool kLse = kLse_;
+
+  static constexpr int kKeysPerTile = 32;
+  static constexpr int kThreads = 32 * kRowWarps * kKvWarps;
+  static constexpr int kRowsPerCta = kRowsPerWarp * kRowWarps;
+  static constexpr int kKvVec = Vec16<DTypeKV>::kElems;
+  // K rows padded by 16 bytes so that lanes reading different rows at the same
+  // column fall in different banks.
+  static constexpr int kKRowStride = kHeadDimQK + kKvVec;
+  static constexpr int kDimsPerLane = kHeadDimVO / 32;
+
+  static_assert(kHeadDimQK % kKvVec == 0 && kHeadDimQK % 4 == 0, "head_dim_qk tiling");
+  static_assert(kHeadDimVO % 32 == 0 && kHeadDimVO % kKvVec == 0, "head_dim_vo tiling");
+
+  // Shared memory layout, in bytes; all offsets are 16-byte aligned.
+  static constexpr size_t kQBytes = sizeof(float) * kRowsPerCta * kHeadDimQK;
+  static constexpr size_t kKTileBytes = sizeof(DTypeKV) * kKeysPerTile * kKRowStride;
+  static constexpr size_t kVTileBytes = sizeof(DTypeKV) * kKeysPerTile * kHeadDimVO;
+  static constexpr size_t kPBytes = sizeof(float) * kRowWarps * kKvWarps * kRowsPerWarp * kKeysPerTile;
+  static constexpr size_t kTileBytes = kKvWarps * (kKTileBytes + kVTileBytes);
+  // The KV-warp merge reuses the tile buffers once the main loop is done.
+  static constexpr size_t kMergeBytes =
+      sizeof(float) * kRowWarps * kKvWarps * kRowsPerWarp * (kHeadDimVO + 2);
+  static constexpr size_t kSmemBytes =
+      kQBytes + kPBytes + (kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes);
+};
+
+// Copies `rows` rows of `cols` elements from global (row stride `stride`) to
+// shared (row stride `smem_stride`) with 16-byte vectors; rows past `valid`
+// are zero-filled so that no uninitialised value reaches the arithmetic.
+template <class T, int kCols, int kSmemStride>
+__device__ __forceinline__ void copy_rows(T* smem, const T* gmem, int64_t stride, int rows, int valid,
+                                          int thread, int num_threads) {
+  constexpr int kVec = Vec16<T>::kElems;
+  constexpr int kVecsPerRow = kCols / kVec;
+  for (int idx = thread; idx < rows * kVecsPerRow; idx += num_threads) {
+    int r = idx / kVecsPerRow, c = (idx % kVecsPerRow) * kVec;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r < valid) val = *reinterpret_cast<const uint4*>(gmem + r * stride + c);
+    *reinterpret_cast<uint4*>(smem + r * kSmemStride + c) = val;
+  }
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads)
+    cuda_core_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {
+  using DTypeQ = typename Traits::DTypeQ;
+  using DTypeKV = typename Traits::DTypeKV;
+  using DTypeO = typename Traits::DTypeO;
+  constexpr int D_QK = Traits::kHeadDimQK, D_VO = Traits::kHeadDimVO;
+  constexpr int R = Traits::kRowsPerWarp, KEYS = Traits::kKeysPerTile;
+  constexpr int KV_WARPS = Traits::kKvWarps, ROW_WARPS = Traits::kRowWarps;
+  constexpr int DPL = Traits::kDimsPerLane;
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* q_s = reinterpret_cast<float*>(smem);
+  float* p_s = reinterpret_cast<float*>(smem + Traits::kQBytes);
+  unsigned char* tiles = smem + Traits::kQBytes + Traits::kPBytes;
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int row_warp = warp % ROW_WARPS, kv_warp = warp / ROW_WARPS;
+  const CtaWork w = decode_work(p, Traits::kRowsPerCta);
+  const int rows_total = w.qo_len * w.group;
+  if (w.row_begin >= rows_total) return;  // uniform across the CTA
+  const Mask<Traits::kCausal, Traits::kWindow> mask{w.kv_len - w.qo_len, p.window_left};
+
+  // Stage this CTA's queries in fp32, pre-scaled so that logits come out in
+  // log2 units (or in natural units when the soft-cap needs them).
+  const float q_scale = Traits::kSoftCap ? p.sm_scale : p.sm_scale * kLog2e;
+  for (int idx = threadIdx.x; idx < Traits::kRowsPerCta * D_QK; idx += Traits::kThreads) {
+    int r = idx / D_QK, d = idx % D_QK, row = w.row_begin + r;
+    float val = 0.f;
+    if (row < rows_total) {
+      int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+      val = to_float(static_cast<const DTypeQ*>(p.q)[token * p.q_stride_n + head * p.q_stride_h + d]) *
+            q_scale;
+    }
+    q_s[idx] = val;
+  }
+
+  const int warp_row0 = w.row_begin + row_warp * R;
+  int row_qpos[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) row_qpos[r] = min(warp_row0 + r, rows_total - 1) / w.group;
+
+  // Key range any row of the CTA can see, in whole tiles.
+  const int cta_q_first = w.row_begin / w.group;
+  const int cta_q_last = min(w.row_begin + Traits::kRowsPerCta, rows_total) - 1;
+  const int key_begin = (mask.key_begin(cta_q_first) / KEYS) * KEYS;
+  const int key_end = mask.key_end(cta_q_last / w.group, w.kv_len);
+  const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
+  const int rounds = (num_tiles + KV_WARPS - 1) / KV_WARPS;
+
+  DTypeKV* k_s = reinterpret_cast<DTypeKV*>(tiles + kv_warp * Traits::kKTileBytes);
+  DTypeKV* v_s = reinterpret_cast<DTypeKV*>(tiles + KV_WARPS * Traits::kKTileBytes +
+                                            kv_warp * Traits::kVTileBytes);
+  float* my_p = p_s + (warp * R) * KEYS;
+  const DTypeKV* k_head = static_cast<const DTypeKV*>(p.k) + w.kv_start * p.k_stride_n + w.kv_head * p.k_stride_h;
+  const DTypeKV* v_head = static_cast<const DTypeKV*>(p.v) + w.kv_start * p.v_stride_n + w.kv_head * p.v_stride_h;
+  const int loader = row_warp * 32 + lane;  // the row warps of one KV warp load its tile together
+
+  float m[R], l[R], acc[R][DPL];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = -CUDART_INF_F;
+    l[r] = 0.f;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) acc[r][i] = 0.f;
+  }
+
+  for (int round = 0; round < rounds; ++round) {
+    const int tile = round * KV_WARPS + kv_warp;
+    const int t0 = key_begin + tile * KEYS;
+    const bool active = tile < num_tiles;
+    __syncthreads();  // previous tiles fully consumed (and q_s written, first time)
+    if (active) {
+      const int valid = min(KEYS, w.kv_len - t0);
+      copy_rows<DTypeKV, D_QK, Traits::kKRowStride>(k_s, k_head + t0 * p.k_stride_n, p.k_stride_n, KEYS,
+                                                    valid, loader, 32 * ROW_WARPS);
+      copy_rows<DTypeKV, D_VO, D_VO>(v_s, v_head + t0 * p.v_stride_n, p.v_stride_n, KEYS, valid, loader,
+                                     32 * ROW_WARPS);
+    }
+    __syncthreads();
+    if (!active) continue;
+
+    // Logits for key t0 + lane, one per row of this warp.
+    float s[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = 0.f;
+    const DTypeKV* k_row = k_s + lane * Traits::kKRowStride;
+#pragma unroll 4
+    for (int d = 0; d < D_QK; d += Traits::kKvVec) {
+      float kf[Traits::kKvVec];
+      unpack16<DTypeKV>(*reinterpret_cast<const uint4*>(k_row + d), kf);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float* qrow = q_s + (row_warp * R + r) * D_QK + d;
+#pragma unroll
+        for (int e = 0; e < Traits::kKvVec; e += 4) {
+          float4 qv = *reinterpret_cast<const float4*>(qrow + e);
+          s[r] = fmaf(qv.x, kf[e], s[r]);
+          s[r] = fmaf(qv.y, kf[e + 1], s[r]);
+          s[r] = fmaf(qv.z, kf[e + 2], s[r]);
+          s[r] = fmaf(qv.w, kf[e + 3], s[r]);
+        }
+      }
+    }
+
+    const int key = t0 + lane;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (Traits::kSoftCap) s[r] = p.logits_soft_cap * tanhf(s[r] / p.logits_soft_cap) * kLog2e;
+      if (!mask.visible(row_qpos[r], key, w.kv_len)) s[r] = -CUDART_INF_F;
+      const float m_new = fmaxf(m[r], warp_max(s[r]));
+      const float rescale = exp2_diff(m[r], m_new);
+      const float prob = exp2_diff(s[r], m_new);
+      m[r] = m_new;
+      l[r] = l[r] * rescale + prob;  // per-lane partial; summed across lanes at the end
+      my_p[r * KEYS + lane] = prob;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[r][i] *= rescale;
+    }
+    __syncwarp();
+
+#pragma unroll 4
+    for (int j = 0; j < KEYS; j += 4) {
+      float vf[4][DPL];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) vf[jj][i] = to_float(v_s[(j + jj) * D_VO + lane + 32 * i]);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float4 pv = *reinterpret_cast<const float4*>(my_p + r * KEYS + j);
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) {
+          acc[r][i] = fmaf(pv.x, vf[0][i], acc[r][i]);
+          acc[r][i] = fmaf(pv.y, vf[1][i], acc[r][i]);
+          acc[r][i] = fmaf(pv.z, vf[2][i], acc[r][i]);
+          acc[r][i] = fmaf(pv.w, vf[3][i], acc[r][i]);
+        }
+      }
+    }
+    __syncwarp();
+  }
+
+#pragma unroll
+  for (int r = 0; r < R; ++r) l[r] = warp_sum(l[r]);
+
+  if constexpr (KV_WARPS > 1) {
+    // Merge the KV warps' partial states (m, l, acc) into KV warp 0.
+    __syncthreads();
+    float* merge = reinterpret_cast<float*>(tiles);
+    constexpr int kStride = D_VO + 2;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float* slot = merge + ((kv_warp * ROW_WARPS + row_warp) * R + r) * kStride;
+      if (lane == 0) {
+        slot[D_VO] = m[r];
+        slot[D_VO + 1] = l[r];
+      }
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) slot[lane + 32 * i] = acc[r][i];
+    }
+    __syncthreads();
+    if (kv_warp != 0) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float m_all = -CUDART_INF_F;
+      for (int kw = 0; kw < KV_WARPS; ++kw)
+        m_all = fmaxf(m_all, merge[((kw * ROW_WARPS + row_warp) * R + r) * kStride + D_VO]);
+      float l_all = 0.f;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[r][i] = 0.f;
+      for (int kw = 0; kw < KV_WARPS; ++kw) {
+        const float* slot = merge + ((kw * ROW_WARPS + row_warp) * R + r) * kStride;
+        const float f = exp2_diff(slot[D_VO], m_all);
+        l_all += slot[D_VO + 1] * f;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[r][i] = fmaf(slot[lane + 32 * i], f, acc[r][i]);
+      }
+      m[r] = m_all;
+      l[r] = l_all;
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = warp_row0 + r;
+    if (row >= rows_total) break;
+    const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+    // A row that sees no key (kv_len 0, or masked out entirely) outputs 0 and LSE -inf.
+    const float inv_l = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    DTypeO* out = static_cast<DTypeO*>(p.o) + token * p.o_stride_n + head * p.o_stride_h;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) out[lane + 32 * i] = from_float<DTypeO>(acc[r][i] * inv_l);
+    if (Traits::kLse && p.lse != nullptr && lane == 0)
+      p.lse[token * p.lse_stride_n + head] = l[r] > 0.f ? m[r] + log2f(l[r]) : -CUDART_INF_F;
+  }
+}
+
+// Host side: raises the dynamic shared memory limit once, then launches.
+template <class Traits>
+int launch_cuda_core_attention(const FlashjitAttentionParams& p, cudaStream_t stream) {
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t err = cudaFuncSetAttribute(cuda_core_attention_kernel<Traits>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(Traits::kSmemBytes));
+    if (err != cudaSuccess) return err;
+    configured = true;
+  }
+  if (p.num_work == 0 || p.num_kv_heads == 0) return cudaSuccess;
+  dim3 grid(p.num_work, p.num_kv_heads);
+  cuda_core_attention_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace flashjit

@@ -1,0 +1,57 @@
+// Element types and the conversions and warp reductions every kernel shares.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math_constants.h>
+#include <stdint.h>
+
+namespace flashjit {
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Elements of T in one 16-byte vector: the unit of every global<->shared copy.
+template <class T>
+struct Vec16 {
+  static constexpr int kElems = 16 / sizeof(T);
+};
+
+// Unpacks one 16-byte vector of T into floats.
+template <class T>
+__device__ __forceinline__ void unpack16(const uint4& raw, float* out) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < Vec16<T>::kElems; ++i) out[i] = to_float(e[i]);
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// exp2 that maps -inf to exactly 0 and never produces NaN from (-inf) - (-inf):
+// callers pass differences whose both sides may be -inf on fully masked rows.
+__device__ __forceinline__ float exp2_diff(float a, float b) {
+  return (b == -CUDART_INF_F) ? 0.f : exp2f(a - b);
+}
+
+}  // namespace flashjit
