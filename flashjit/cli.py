@@ -47,7 +47,7 @@ def specs_from_args(args) -> list[KernelSpec]:
 
 
 def _tolerance_text(spec: KernelSpec) -> str:
-    from .tolerance import tolerance
+    from .error_model import tolerance
 
     t = tolerance(spec, kv_len=4096, v_absmax=1.0)
     return f"rtol {t.rtol:.1e} atol {t.atol:.1e}*max|v|"

@@ -26,7 +26,7 @@ from .errors import CacheError, FlashjitError, JitDisabledError, ToolchainError
 from .loader import ABI_VERSION, KernelModule, load_library
 from .render import RenderedSource, render
 from .spec import KernelSpec
-from .tolerance import profile
+from .error_model import profile
 
 log = logging.getLogger("flashjit")
 _modules: dict[tuple, KernelModule] = {}

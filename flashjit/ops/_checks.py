@@ -14,19 +14,24 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = ("NHD", "HND")
 
 
-def check_tensor(name: str, t, ndim: int, device: torch.device | None = None) -> None:
+def check_tensor(name: str, t, ndim: int) -> None:
+    """Type, rank, dtype and layout (check_device comes after the cross-checks,
+    so that every shape mistake is reported the same way with or without a GPU)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cuda":
-        raise ValueError(f"{name}: expected a CUDA tensor, got a tensor on {t.device}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (where q is), got {t.device}")
     if t.dim() != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
     if t.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{name}: expected dtype float16, bfloat16 or float32, got {t.dtype}")
     if t.numel() and t.stride(-1) != 1:
         raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, got strides {t.stride()}")
+
+
+def check_device(name: str, t: torch.Tensor, device: torch.device | None = None) -> None:
+    if t.device.type != "cuda":
+        raise ValueError(f"{name}: expected a CUDA tensor, got a tensor on {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (where q is), got {t.device}")
 
 
 def check_vector_aligned(name: str, t: torch.Tensor) -> None:

@@ -60,11 +60,9 @@ def check_qkv(q, k, v, kv_layout: str, q_ndim: int = 3) -> tuple[int, int, int, 
     (kv_tokens, num_qo_heads, num_kv_heads, head_dim)."""
     _checks.check_layout(kv_layout)
     _checks.check_tensor("q", q, q_ndim)
-    _checks.check_tensor("k", k, 3, q.device)
-    _checks.check_tensor("v", v, 3, q.device)
+    _checks.check_tensor("k", k, 3)
+    _checks.check_tensor("v", v, 3)
     _checks.check_same_dtype(q=q, k=k, v=v)
-    _checks.check_vector_aligned("k", k)
-    _checks.check_vector_aligned("v", v)
     kv_tokens, num_kv_heads, head_dim_k, _, _ = _checks.kv_dims("k", k, kv_layout)
     v_tokens, v_heads, head_dim_v, _, _ = _checks.kv_dims("v", v, kv_layout)
     num_qo_heads, head_dim_q = q.shape[-2], q.shape[-1]
@@ -78,6 +76,11 @@ def check_qkv(q, k, v, kv_layout: str, q_ndim: int = 3) -> tuple[int, int, int, 
         raise ValueError(f"v: expected {kv_tokens} tokens x {num_kv_heads} heads in layout {kv_layout} (as k), "
                          f"got shape {tuple(v.shape)}")
     _checks.check_heads(num_qo_heads, num_kv_heads)
+    _checks.check_device("q", q)
+    _checks.check_device("k", k, q.device)
+    _checks.check_device("v", v, q.device)
+    _checks.check_vector_aligned("k", k)
+    _checks.check_vector_aligned("v", v)
     return kv_tokens, num_qo_heads, num_kv_heads, head_dim_q
 
 

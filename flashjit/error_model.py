@@ -74,15 +74,19 @@ class Tolerance:
         inf if anything is NaN/Inf where ref is finite."""
         import torch
 
-        err = (out.double() - ref.double()).abs()
-        ratio = err / self.bound(ref.double())
+        out, ref = out.double(), ref.double()
+        err = torch.where(out == ref, torch.zeros_like(ref), (out - ref).abs())  # equal infinities agree
+        ratio = err / self.bound(ref)
         ratio = torch.where(torch.isnan(ratio), torch.full_like(ratio, math.inf), ratio)
         return float(ratio.max()) if ratio.numel() else 0.0
 
     def assert_close(self, out, ref, what: str = "output") -> float:
+        import torch
+
         r = self.ratio(out, ref)
         if not r <= 1.0:
-            err = float((out.double() - ref.double()).abs().nan_to_num(math.inf).max())
+            diff = torch.where(out.double() == ref.double(), 0.0, (out.double() - ref.double()).abs())
+            err = float(diff.nan_to_num(math.inf).max())
             raise AssertionError(f"{what} exceeds its tolerance: max |err| = {err:.3e}, "
                                  f"max err/bound = {r:.3f} (rtol {self.rtol:.3e}, atol {self.atol:.3e})")
         return r
@@ -97,6 +101,18 @@ def evaluate(prof: dict, *, kv_len: int, v_absmax: float, logit_absmax: float) -
     per_v = (prof["p_rounding"] + prof["accumulation_per_sqrt_kv"] * math.sqrt(n)
              + prof["logit_per_s"] * s_log2 + prof["exp2"] + prof["rescale_per_sqrt_tiles"] * math.sqrt(tiles))
     return Tolerance(rtol=prof["rtol"], atol=float(v_absmax) * per_v + prof["atol_floor"])
+
+
+def evaluate_lse(prof: dict, *, kv_len: int, logit_absmax: float) -> Tolerance:
+    """Bound on the base-2 LSE (m + log2 l): the logit perturbation in log2 units,
+    the relative error of l over ln 2, and the final rounding of m + log2 l."""
+    n = max(int(kv_len), 1)
+    tiles = math.ceil(n / 32)
+    s_log2 = _LOG2E * float(logit_absmax)
+    logit = prof["logit_per_s"] * s_log2 / (2 * _LN2)          # Delta's logit part, back in log2 units
+    l_rel = (prof["accumulation_per_sqrt_kv"] * math.sqrt(n) + prof["exp2"]
+             + prof["rescale_per_sqrt_tiles"] * math.sqrt(tiles)) / 2
+    return Tolerance(rtol=2 * U32, atol=logit + l_rel / _LN2 + 2 * U32)
 
 
 def measure(q, k, v, sm_scale: float) -> tuple[float, float]:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One full device session: info, GPU tests (prewarm + numerical sweep), JIT
+# benchmarks, prefill/decode benchmarks. Logs and reports go to $OUT (or
+# ./gpu_out); a short summary is printed last.
+#   bash benchmarks/gpu_check.sh [quick|full]
+set -uo pipefail
+MODE=${1:-full}
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export FLASHJIT_CACHE_DIR=${FLASHJIT_CACHE_DIR:-/tmp/flashjit-cache} FLASHJIT_JOBS=${FLASHJIT_JOBS:-16}
+export FLASHJIT_ERROR_REPORT=$OUT/error_report.json
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .whl/site ]; then
+  pip install -q --no-deps --target .whl/site .whl/*.whl > "$OUT/flashinfer_install.log" 2>&1 || true
+fi
+if [ -d .whl/site ]; then
+  export PYTHONPATH=$PYTHONPATH:$PWD/.whl/site FLASHINFER_CUDA_ARCH_LIST=9.0a
+fi
+status=0
+python3 -m flashjit info 2>&1 | tee "$OUT/info.txt"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee -a "$OUT/info.txt"
+
+start=$(date +%s)
+python3 -m pytest -q --maxfail=30 --tb=short -m gpu tests -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+test_rc=${PIPESTATUS[0]}
+[ "$test_rc" = 0 ] || status=1
+echo "gpu tests: rc=$test_rc in $(( $(date +%s) - start )) s"
+
+python3 benchmarks/bench_jit.py --out "$OUT/bench_jit.md" 2>&1 | tail -8 || status=1
+if [ "$MODE" = quick ]; then
+  python3 benchmarks/prefill.py --quick --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | tail -12 || status=1
+else
+  python3 benchmarks/prefill.py --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | tail -25 || status=1
+fi
+python3 benchmarks/error_summary.py "$OUT/error_report.json" --out "$OUT/error_summary.md" | tail -40 || status=1
+echo "== summary: gpu tests rc=$test_rc, overall status=$status"
+exit $status

@@ -1,0 +1,532 @@
+// FlashAttention-2 style attention on tensor cores, for fp16 and bf16 (q, k, v
+// and o of one dtype) and head_dim 64 / 128 / 256. Same semantics and ABI as
+// cuda_core_attention.cuh: a CTA owns kRowsPerCta packed rows (query token x
+// query head pairs of one KV head, token-major) of one request, grid
+// (num_work, num_kv_heads).
+//
+// Structure of one CTA (kWarps warps, 16 rows per warp):
+//   * Q (kRowsPerCta x D) and K/V tiles (kKeysPerTile x D) live in XOR-swizzled
+//     shared memory; K/V tiles stream through a kStages-deep cp.async ring.
+//   * Each warp computes S = Q.K^T for its 16 rows with mma.sync.m16n8k16
+//     (fp32 accumulation), runs the online softmax on S in registers (fp32,
+//     exp2f, logits in log2 units), rounds P to the input dtype in registers and
+//     feeds it straight back as the A operand of O += P.V (V through ldmatrix.trans).
+//   * The row sum l accumulates the unrounded fp32 P.
+//   * The epilogue normalises O, stages it through the warp's own slice of the
+//     Q buffer and writes 16-byte vectors; LSE is m + log2(l) in log2 units.
+//
+// ---------------------------------------------------------------------------
+// Fragment layouts (PTX ISA, mma.m16n8k16 with .f16/.bf16 inputs). Per lane:
+//   g = lane / 4 (the "group"), t = lane % 4 (thread in group).
+//   A, 16x16 row-major, four .b32 registers of two 16-bit elements each, the
+//   lower-numbered column in the low half:
+//     a[0] = A[g    ][2t, 2t+1]      a[1] = A[g + 8][2t, 2t+1]
+//     a[2] = A[g    ][2t+8, 2t+9]    a[3] = A[g + 8][2t+8, 2t+9]
+//   B, 16x8 (k x n, "col": B^T is row-major), two registers:
+//     b[0] = B[2t, 2t+1][g]          b[1] = B[2t+8, 2t+9][g]
+//   C/D, 16x8 fp32, four registers:
+//     c[0], c[1] = C[g][2t, 2t+1]    c[2], c[3] = C[g + 8][2t, 2t+1]
+//
+// ldmatrix.m8n8.x4: lanes 8i..8i+7 give the row addresses (16 bytes = 8
+// elements each) of matrix i; register i of lane L receives matrix i's
+// elements [L/4][2(L%4), 2(L%4)+1]. With .trans it receives the transposed
+// pair [2(L%4)][L/4], [2(L%4)+1][L/4] instead.
+//
+//   "A pattern" (lane L addresses row L % 16, 8-column chunk L / 16 of a
+//   16x16 block) gives matrices {rows 0-7 | 8-15} x {cols 0-7 | 8-15} in the
+//   order (0-7,0-7), (8-15,0-7), (0-7,8-15), (8-15,8-15) = a[0..3] above. Used
+//   for Q (rows = query rows, cols = head dims) and, with .trans, for V (rows =
+//   keys, cols = head dims): there register 0 of lane L holds V[2t, 2t+1][g] of
+//   keys 0-7 / dims 0-7 = b[0] of the n-tile of dims 0-7, register 1 (keys 8-15)
+//   its b[1], registers 2 and 3 the same for the n-tile of dims 8-15.
+//
+//   "B pattern" (lane L addresses row 8*(L/16) + L%8, chunk (L/8)%2) gives the
+//   matrices (keys 0-7, dims 0-7), (keys 0-7, dims 8-15), (keys 8-15, dims 0-7),
+//   (keys 8-15, dims 8-15) of K (row-major [key][dim] = B^T of S = Q.K^T), so
+//   registers 0, 1 are b[0], b[1] of the n-tile of keys 0-7 and registers 2, 3
+//   those of keys 8-15.
+//
+// P as the A operand: S n-tile j (keys 8j..8j+7) has c[0..1] on row g and c[2..3]
+// on row g+8 at keys 8j+2t, +1, exactly the A layout's columns 2t, 2t+1 (tile
+// 2kk) and 2t+8, 2t+9 (tile 2kk+1) of k-step kk, so
+//   pa[kk] = { pack(S[2kk][0..1]), pack(S[2kk][2..3]), pack(S[2kk+1][0..1]), pack(S[2kk+1][2..3]) }.
+//
+// Shared memory swizzle: every tile is row-major, D elements (D/8 16-byte
+// chunks, at least 8) per row; logical chunk c of row r lives at physical chunk
+// c ^ (r % 8). The row pitch is a multiple of 128 bytes, so the 8 rows one
+// 8x8 ldmatrix phase reads (8 consecutive rows, one logical chunk) fall on 8
+// distinct chunks of a 128-byte line = all 32 banks, conflict-free. cp.async
+// stores (8 consecutive chunks of a row per 8 lanes) and the epilogue's 4-byte
+// stores (row g, chunk j ^ g, word t) are conflict-free too.
+// Since the XOR only touches the low 3 bits of the chunk index and the lanes'
+// chunk offset is 0 or 1 added to an even 2*kk, chunk (2kk + b) of a row with
+// r % 8 = r7 sits at byte 128*(kk/4) + 16*((2*(kk%4) + b) ^ r7): a per-lane
+// table of four offsets plus a compile-time immediate.
+// ---------------------------------------------------------------------------
+#pragma once
+#include <type_traits>
+#include "numeric.cuh"
+#include "work.cuh"
+
+namespace flashjit {
+
+template <class DType_, int kHeadDim_, int kWarps_, int kKeysPerTile_, int kStages_, bool kQInRegs_,
+          bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
+struct Fa2Traits {
+  using DType = DType_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kKeysPerTile = kKeysPerTile_;
+  static constexpr int kStages = kStages_;
+  // Q fragments held in registers for the whole KV loop (D/4 registers per
+  // thread); else re-read from shared memory with ldmatrix every tile, which
+  // D = 256 needs to stay clear of spills next to its 128 O registers.
+  static constexpr bool kQInRegs = kQInRegs_;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kWindow = kWindow_;
+  static constexpr bool kSoftCap = kSoftCap_;
+  static constexpr bool kLse = kLse_;
+
+  static constexpr int kRowsPerWarp = 16;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRowsPerCta = kRowsPerWarp * kWarps;
+  static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks of one row
+  static constexpr int kRowBytes = kHeadDim * 2;
+
+  static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
+                "fa2 tensor-core attention takes __half or __nv_bfloat16");
+  static_assert(kHeadDim % 64 == 0, "head_dim must be a multiple of 64 (swizzle spans 8 chunks)");
+  static_assert(kKeysPerTile % 16 == 0 && kKeysPerTile >= 16, "keys per tile: a multiple of 16");
+  static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
+  static_assert(kWarps >= 1 && kThreads % kChunksPerRow == 0, "threads must cover whole rows");
+  static_assert(kKeysPerTile % (kThreads / kChunksPerRow) == 0 &&
+                    kRowsPerCta % (kThreads / kChunksPerRow) == 0,
+                "tile rows must be a multiple of the rows one copy pass covers");
+
+  // Shared memory, in bytes: [Q | stage 0: K, V | stage 1: K, V | ...]; every
+  // offset is a multiple of 128 bytes.
+  static constexpr int kQBytes = kRowsPerCta * kRowBytes;
+  static constexpr int kKvTileBytes = kKeysPerTile * kRowBytes;
+  static constexpr int kStageBytes = 2 * kKvTileBytes;
+  static constexpr size_t kSmemBytes = size_t(kQBytes) + size_t(kStages) * kStageBytes;
+};
+
+namespace fa2 {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// 16-byte global->shared copy; when !valid nothing is read and the 16 bytes
+// are zero-filled (src-size 0). `src` must still be a mapped address.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's most recent commit groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// d += a.b, m16n8k16, fp32 accumulation.
+template <class T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same<T, __half>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats rounded to T (round to nearest even), `lo` in the low 16 bits.
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same<T, __half>::value) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+
+// Byte offset of logical chunk `chunk` of row `row` in a swizzled tile.
+template <int kRowBytes>
+__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
+  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+// Asynchronously copies kRows rows of one K or V tile (row 0 at `gmem`, row
+// stride `stride` elements) into the swizzled tile at `dst`; rows >= valid are
+// zero-filled (gmem itself, row 0, is always a valid row). Thread `tid` copies
+// chunk tid % kChunks of rows tid / kChunks + i * (kThreads / kChunks):
+// consecutive threads read consecutive 16 bytes of a row (coalesced).
+template <class T, int kRows, int kDim, int kThreads>
+__device__ __forceinline__ void load_tile_async(uint32_t dst, const T* gmem, int64_t stride, int valid,
+                                                int tid) {
+  constexpr int kChunks = kDim / 8;
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  const int chunk = tid % kChunks, row0 = tid / kChunks;
+  const T* src = gmem + row0 * stride + chunk * 8;
+#pragma unroll
+  for (int i = 0; i < kRows / kRowsPerPass; ++i) {
+    const int row = row0 + i * kRowsPerPass;
+    const bool ok = row < valid;
+    cp_async_16(dst + swizzled<kDim * 2>(row, chunk), ok ? src + int64_t(i * kRowsPerPass) * stride : gmem,
+                ok);
+  }
+}
+
+}  // namespace fa2
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads)
+    fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {
+  using T = typename Traits::DType;
+  constexpr int D = Traits::kHeadDim, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
+  constexpr int THREADS = Traits::kThreads, ROWS = Traits::kRowsPerCta;
+  constexpr int ROW_BYTES = Traits::kRowBytes;
+  constexpr int KSTEPS_QK = D / 16;    // k-steps of S = Q.K^T (head dims)
+  constexpr int KSTEPS_PV = KEYS / 16;  // k-steps of O += P.V (keys)
+  constexpr int NT_S = KEYS / 8;        // n8 tiles of S
+  constexpr int NT_O = D / 8;           // n8 tiles of O
+  constexpr bool kQInRegs = Traits::kQInRegs;
+  // Commit groups are [Q + K_0], [V_0], [K_1], [V_1], ...; see the main loop.
+  constexpr int kWaitK = 2 * STAGES - 3, kWaitV = 2 * STAGES - 2;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float kNegInf = -CUDART_INF_F;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t q_smem = fa2::smem_addr(smem);
+  const uint32_t kv_smem = q_smem + Traits::kQBytes;  // stage s: K at + s * kStageBytes, V after it
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, tq = lane % 4;
+  const CtaWork w = decode_work(p, ROWS);
+  const int rows_total = w.qo_len * w.group;
+  if (w.row_begin >= rows_total) return;  // uniform across the CTA
+  const int offset = w.kv_len - w.qo_len;
+  const int window_left = Traits::kWindow ? p.window_left : 0;
+  const Mask<Traits::kCausal, Traits::kWindow> mask{offset, window_left};
+
+  // Key range any row of the CTA can see, from a KEYS-aligned start.
+  const int cta_q_first = w.row_begin / w.group;
+  const int cta_q_last = (min(w.row_begin + ROWS, rows_total) - 1) / w.group;
+  const int key_begin = (mask.key_begin(cta_q_first) / KEYS) * KEYS;
+  const int key_end = mask.key_end(cta_q_last, w.kv_len);
+  const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
+
+  // This warp's rows: warp_row0 .. warp_row0 + 15; rows past the request are
+  // padding (zero Q, clamped positions, never stored).
+  const int warp_row0 = w.row_begin + warp * 16;
+  const bool warp_active = warp_row0 < rows_total;
+  const int wq_first = min(warp_row0, rows_total - 1) / w.group;
+  const int wq_last = min(warp_row0 + 15, rows_total - 1) / w.group;
+  // This thread's two rows (g and g + 8 of the warp) and their visible key
+  // interval [lo, hi]: exactly Mask::visible (key < kv_len, key <= q + offset
+  // when causal, key >= q + offset - window_left with a window).
+  int key_lo[2], key_hi[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int qpos = min(warp_row0 + g + 8 * r, rows_total - 1) / w.group;
+    key_hi[r] = Traits::kCausal ? min(w.kv_len - 1, qpos + offset) : w.kv_len - 1;
+    key_lo[r] = Traits::kWindow ? qpos + offset - window_left : 0;
+  }
+
+  // Logits leave the Q.K^T mma in natural units without the scale. Without
+  // soft-cap, s_log2 = s * scale is folded into the exponent (FFMA); with it,
+  // s is replaced by cap * log2e * tanh(s * sm_scale / cap) (already log2 units).
+  const float scale = Traits::kSoftCap ? 1.f : p.sm_scale * kLog2e;
+  const float cap_in = Traits::kSoftCap ? p.sm_scale / p.logits_soft_cap : 0.f;
+  const float cap_out = Traits::kSoftCap ? p.logits_soft_cap * kLog2e : 0.f;
+
+  float o[NT_O][4];
+  float m[2] = {kNegInf, kNegInf};  // running max, in the units of s (before `scale`)
+  float l[2] = {0.f, 0.f};          // this lane's partial row sums; quad-reduced at the end
+#pragma unroll
+  for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+
+  if (num_tiles > 0) {
+    const T* q_base = static_cast<const T*>(p.q);
+    const T* k_head = static_cast<const T*>(p.k) + w.kv_start * p.k_stride_n + w.kv_head * p.k_stride_h;
+    const T* v_head = static_cast<const T*>(p.v) + w.kv_start * p.v_stride_n + w.kv_head * p.v_stride_h;
+
+    // ---- Q tile -> swizzled shared memory (first commit group, with K_0).
+    {
+      constexpr int kChunks = D / 8, kRowsPerPass = THREADS / kChunks;
+      const int chunk = tid % kChunks, r0 = tid / kChunks;
+#pragma unroll
+      for (int i = 0; i < ROWS / kRowsPerPass; ++i) {
+        const int r = r0 + i * kRowsPerPass, row = w.row_begin + r;
+        const bool ok = row < rows_total;
+        const T* src = q_base;  // mapped fallback address, nothing is read from it
+        if (ok) {
+          const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+          src = q_base + int64_t(token) * p.q_stride_n + int64_t(head) * p.q_stride_h + chunk * 8;
+        }
+        fa2::cp_async_16(q_smem + fa2::swizzled<ROW_BYTES>(r, chunk), src, ok);
+      }
+    }
+
+    // Issues tile `tile`'s K (or V) into its ring slot and commits one group;
+    // past the last tile it commits an empty group so the counts stay uniform.
+    auto issue_k = [&](int tile) {
+      if (tile < num_tiles) {
+        const int t0 = key_begin + tile * KEYS;
+        fa2::load_tile_async<T, KEYS, D, THREADS>(kv_smem + (tile % STAGES) * Traits::kStageBytes,
+                                                   k_head + int64_t(t0) * p.k_stride_n, p.k_stride_n,
+                                                   min(KEYS, w.kv_len - t0), tid);
+      }
+      fa2::cp_async_commit();
+    };
+    auto issue_v = [&](int tile) {
+      if (tile < num_tiles) {
+        const int t0 = key_begin + tile * KEYS;
+        fa2::load_tile_async<T, KEYS, D, THREADS>(
+            kv_smem + (tile % STAGES) * Traits::kStageBytes + Traits::kKvTileBytes,
+            v_head + int64_t(t0) * p.v_stride_n, p.v_stride_n, min(KEYS, w.kv_len - t0), tid);
+      }
+      fa2::cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      issue_k(s);  // s == 0: this group also holds Q
+      issue_v(s);
+    }
+
+    // Per-lane ldmatrix offsets (see the header comment). A pattern: row
+    // lane % 16, chunk 2i + lane / 16. B pattern: row 8 * (lane / 16) + lane % 8,
+    // chunk 2i + (lane / 8) % 2. In both, row % 8 == lane % 8.
+    uint32_t a_off[4], b_off[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a_off[i] = (lane % 16) * ROW_BYTES + (((2 * i + lane / 16) ^ (lane % 8)) << 4);
+      b_off[i] = (8 * (lane / 16) + lane % 8) * ROW_BYTES + (((2 * i + (lane / 8) % 2) ^ (lane % 8)) << 4);
+    }
+    const uint32_t q_warp = q_smem + warp * 16 * ROW_BYTES;
+
+    uint32_t q_frag[kQInRegs ? KSTEPS_QK : 1][4];
+    if constexpr (kQInRegs) {
+      fa2::cp_async_wait<kWaitK>();  // [Q + K_0] landed for this thread ...
+      __syncthreads();               // ... and for every thread
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS_QK; ++kk)
+        fa2::ldmatrix_x4(q_frag[kk], q_warp + a_off[kk % 4] + (kk / 4) * 128);
+    }
+
+    // ---- Main loop. Iteration t consumes ring slot t % STAGES. Before it, the
+    // committed groups are [Q+K_0], [V_0], ..., [K_{t+S-2}], [V_{t+S-2}] (S =
+    // STAGES): 2S-3 groups follow K_t, so wait_group(2S-3) completes K_t. The
+    // barrier after it also proves every warp finished tile t-1, whose slot
+    // (t-1) % S == (t+S-1) % S then receives tile t+S-1 ([K], [V]: two more
+    // groups). 2S-2 groups then follow V_t: wait_group(2S-2) before P.V.
+    for (int t = 0; t < num_tiles; ++t) {
+      const uint32_t k_s = kv_smem + (t % STAGES) * Traits::kStageBytes;
+      const uint32_t v_s = k_s + Traits::kKvTileBytes;
+      const int t0 = key_begin + t * KEYS;
+
+      fa2::cp_async_wait<kWaitK>();
+      __syncthreads();
+      issue_k(t + STAGES - 1);
+      issue_v(t + STAGES - 1);
+
+      // Warp-uniform: no key of the tile is visible to any row of the warp (skip
+      // the math), or some key is invisible to some row (apply the element mask).
+      const bool warp_skip = !warp_active || (Traits::kCausal && t0 > wq_last + offset) ||
+                             (Traits::kWindow && t0 + KEYS - 1 < wq_first + offset - window_left);
+      const bool need_mask = t0 + KEYS > w.kv_len || (Traits::kCausal && t0 + KEYS - 1 > wq_first + offset) ||
+                             (Traits::kWindow && t0 < wq_last + offset - window_left);
+
+      uint32_t pa[KSTEPS_PV][4];  // P in T, A-operand layout
+      if (!warp_skip) {
+        // S = Q.K^T: n-tile j covers keys t0 + 8j .. + 7.
+        float s[NT_S][4];
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS_QK; ++kk) {
+          uint32_t a[4];
+          if constexpr (kQInRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[e] = q_frag[kk][e];
+          } else {
+            fa2::ldmatrix_x4(a, q_warp + a_off[kk % 4] + (kk / 4) * 128);
+          }
+#pragma unroll
+          for (int jn = 0; jn < KEYS / 16; ++jn) {
+            uint32_t b[4];
+            fa2::ldmatrix_x4(b, k_s + jn * 16 * ROW_BYTES + b_off[kk % 4] + (kk / 4) * 128);
+            fa2::mma_16816<T>(s[2 * jn], a, b[0], b[1]);
+            fa2::mma_16816<T>(s[2 * jn + 1], a, b[2], b[3]);
+          }
+        }
+
+        if constexpr (Traits::kSoftCap) {
+#pragma unroll
+          for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = cap_out * tanhf(s[j][e] * cap_in);
+        }
+        // s[j][e] is row g + 8 * (e / 2), key t0 + 8j + 2 * tq + e % 2.
+        if (need_mask) {
+#pragma unroll
+          for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int key = t0 + 8 * j + 2 * tq + (e & 1);
+              if (key > key_hi[e >> 1] || key < key_lo[e >> 1]) s[j][e] = kNegInf;
+            }
+        }
+
+        // Online softmax, row r = g + 8r, across the 4 lanes of the quad.
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = m[r];
+#pragma unroll
+          for (int j = 0; j < NT_S; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          // A row that has seen no key yet keeps mx = -inf: subtract 0 instead
+          // so that exp2(-inf - (-inf)) never makes a NaN; everything is 0 then.
+          const float m_scaled = mx == kNegInf ? 0.f : mx * scale;
+          const float rescale = exp2f(m[r] * scale - m_scaled);  // 0 when m[r] = -inf
+          m[r] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < NT_S; ++j) {
+            s[j][2 * r] = exp2f(fmaf(s[j][2 * r], scale, -m_scaled));
+            s[j][2 * r + 1] = exp2f(fmaf(s[j][2 * r + 1], scale, -m_scaled));
+            sum += s[j][2 * r] + s[j][2 * r + 1];  // unrounded fp32 P
+          }
+          l[r] = l[r] * rescale + sum;
+#pragma unroll
+          for (int n = 0; n < NT_O; ++n) {
+            o[n][2 * r] *= rescale;
+            o[n][2 * r + 1] *= rescale;
+          }
+        }
+        // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS_PV; ++kk) {
+          pa[kk][0] = fa2::pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+          pa[kk][1] = fa2::pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+          pa[kk][2] = fa2::pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+          pa[kk][3] = fa2::pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+      }
+
+      fa2::cp_async_wait<kWaitV>();
+      __syncthreads();
+
+      if (!warp_skip) {
+        // O += P.V: n-tiles 2dn, 2dn+1 cover head dims 16dn .. 16dn+15.
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS_PV; ++kk) {
+#pragma unroll
+          for (int dn = 0; dn < D / 16; ++dn) {
+            uint32_t b[4];
+            fa2::ldmatrix_x4_trans(b, v_s + kk * 16 * ROW_BYTES + a_off[dn % 4] + (dn / 4) * 128);
+            fa2::mma_16816<T>(o[2 * dn], pa[kk], b[0], b[1]);
+            fa2::mma_16816<T>(o[2 * dn + 1], pa[kk], b[2], b[3]);
+          }
+        }
+      }
+    }
+    // Every group still pending is empty (tiles past num_tiles), and the warp's
+    // own Q rows are only ever read by this warp: no CTA barrier needed below.
+  }
+
+  // ---- Epilogue: full row sums, normalise, stage through this warp's Q rows.
+  float inv_l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
+    inv_l[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+  }
+  unsigned char* stage = smem + warp * 16 * ROW_BYTES;
+  __syncwarp();  // all lanes' last reads of the warp's Q rows are done
+#pragma unroll
+  for (int n = 0; n < NT_O; ++n) {
+    // Row g (and g + 8), logical chunk n, word tq; (g + 8) % 8 == g.
+    const int at = g * ROW_BYTES + ((n ^ g) << 4) + tq * 4;
+    *reinterpret_cast<uint32_t*>(stage + at) = fa2::pack2<T>(o[n][0] * inv_l[0], o[n][1] * inv_l[0]);
+    *reinterpret_cast<uint32_t*>(stage + at + 8 * ROW_BYTES) =
+        fa2::pack2<T>(o[n][2] * inv_l[1], o[n][3] * inv_l[1]);
+  }
+  __syncwarp();
+  {
+    constexpr int kChunks = D / 8;
+    T* o_base = static_cast<T*>(p.o);
+#pragma unroll
+    for (int i = 0; i < 16 * kChunks / 32; ++i) {
+      const int idx = i * 32 + lane, rr = idx / kChunks, c = idx % kChunks;
+      const int row = warp_row0 + rr;
+      if (row < rows_total) {
+        const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+        const uint4 val = *reinterpret_cast<const uint4*>(stage + fa2::swizzled<ROW_BYTES>(rr, c));
+        *reinterpret_cast<uint4*>(o_base + int64_t(token) * p.o_stride_n + int64_t(head) * p.o_stride_h +
+                                  c * 8) = val;
+      }
+    }
+  }
+  if (Traits::kLse && p.lse != nullptr && tq == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp_row0 + g + 8 * r;
+      if (row < rows_total) {
+        const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+        p.lse[int64_t(token) * p.lse_stride_n + head] = l[r] > 0.f ? m[r] * scale + log2f(l[r]) : kNegInf;
+      }
+    }
+  }
+}
+
+// Host side: raises the dynamic shared memory limit once per device, then launches.
+template <class Traits>
+int launch_fa2_attention(const FlashjitAttentionParams& p, cudaStream_t stream) {
+  constexpr int kMaxDevices = 64;
+  static bool configured[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 0 || device >= kMaxDevices || !configured[device]) {
+    err = cudaFuncSetAttribute(fa2_attention_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(Traits::kSmemBytes));
+    if (err != cudaSuccess) return err;
+    if (device >= 0 && device < kMaxDevices) configured[device] = true;
+  }
+  if (p.num_work == 0 || p.num_kv_heads == 0) return cudaSuccess;
+  dim3 grid(p.num_work, p.num_kv_heads);
+  fa2_attention_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace flashjit

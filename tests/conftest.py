@@ -1,0 +1,54 @@
+"""Shared fixtures: GPU skipping, the prewarm of every swept configuration in
+one parallel build, and the per-configuration error report."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+_HAS_GPU = None
+_REPORT: list[dict] = []
+
+
+def has_gpu() -> bool:
+    global _HAS_GPU
+    if _HAS_GPU is None:
+        import torch
+
+        _HAS_GPU = torch.cuda.is_available()
+    return _HAS_GPU
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu():
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def prewarmed():
+    """Builds every configuration the GPU sweep uses in one ninja run."""
+    if not has_gpu():
+        pytest.skip("needs a CUDA GPU")
+    import flashjit
+    from sweep import all_specs
+
+    results = flashjit.build_many(all_specs())
+    assert all(r.entry is not None for r in results)
+    return results
+
+
+@pytest.fixture
+def error_report():
+    """Tests append {config, max err/bound, ...}; written to $FLASHJIT_ERROR_REPORT at the end."""
+    return _REPORT
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("FLASHJIT_ERROR_REPORT")
+    if path and _REPORT:
+        Path(path).write_text(json.dumps(_REPORT, indent=0))

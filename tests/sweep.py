@@ -1,0 +1,37 @@
+"""The configuration axes the GPU tests sweep, in one place: the tests
+parametrize over them and the prewarm fixture builds exactly their product."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from flashjit.spec import KernelSpec
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+HEAD_DIMS = [64, 128, 256]
+CAUSAL = [False, True]
+# (num_qo_heads, num_kv_heads): MHA, GQA 4, GQA 8 = MQA with 8 query heads.
+HEADS = [(4, 4), (8, 2), (8, 1)]
+# Variants, each on its own: sliding window, soft-cap, LSE.
+VARIANTS = ["plain", "window", "softcap", "lse"]
+
+
+def variant_kwargs(variant: str) -> dict:
+    return {"plain": {}, "window": {"window_left": 70}, "softcap": {"logits_soft_cap": 30.0},
+            "lse": {"return_lse": True}}[variant]
+
+
+def spec_for(op: str, dtype, head_dim: int, causal: bool = False, variant: str = "plain") -> KernelSpec:
+    return KernelSpec.make(op, dtype, head_dim, causal=causal and op != "single_decode",
+                           sliding_window=variant == "window", soft_cap=variant == "softcap",
+                           return_lse=variant == "lse" or op == "batch_prefill_ragged")
+
+
+def all_specs() -> list[KernelSpec]:
+    specs = []
+    for op, dtype, head_dim, causal, variant in itertools.product(
+            ["single_prefill", "single_decode", "batch_prefill_ragged"], DTYPES, HEAD_DIMS, CAUSAL, VARIANTS):
+        specs.append(spec_for(op, dtype, head_dim, causal, variant))
+    return list(dict.fromkeys(specs))

@@ -1,0 +1,179 @@
+"""The numerical sweep on a GPU: every op against float64 within its own
+tolerance profile, on fresh random inputs, with poisoned outputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flashjit
+from flashjit.reference import attention_reference, ragged_reference
+from flashjit.error_model import evaluate_lse, measure, profile
+from sweep import CAUSAL, DTYPES, HEAD_DIMS, HEADS, VARIANTS, spec_for, variant_kwargs
+
+pytestmark = pytest.mark.gpu
+
+
+def poison_allocator(nbytes: int = 1 << 26) -> None:
+    """Fills a block with NaN and frees it, so the next outputs the caching
+    allocator hands out start as NaN: an element a kernel forgets stays NaN."""
+    torch.full((nbytes // 4,), float("nan"), device="cuda").data_ptr()
+    torch.cuda.synchronize()
+
+
+def randn(*shape, dtype, scale=1.0):
+    return (torch.randn(*shape, device="cuda", dtype=torch.float32) * scale).to(dtype)
+
+
+def check(spec, out, ref, q, k, v, kv_len, sm_scale, report, what, lse=None, ref_lse=None, **info):
+    tol = flashjit.tolerance(spec, q=q, k=k, v=v, kv_len=max(kv_len, 1), sm_scale=sm_scale)
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output (unwritten or invalid)"
+    ratio = tol.assert_close(out, ref, what)
+    row = {"config": spec.name, "what": what, "ratio": ratio, "rtol": tol.rtol, "atol": tol.atol,
+           "max_err": float((out.double() - ref).abs().max()) if out.numel() else 0.0, **info}
+    if lse is not None:
+        _, logit_absmax = measure(q, k, v, sm_scale)
+        lse_tol = evaluate_lse(profile(spec), kv_len=max(kv_len, 1), logit_absmax=logit_absmax)
+        row["lse_ratio"] = lse_tol.assert_close(lse, ref_lse, f"{what} LSE")
+    report.append(row)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("qo_len,kv_len", [(1, 1), (37, 300), (128, 128), (300, 1000), (513, 77)])
+def test_single_prefill(prewarmed, error_report, dtype, head_dim, causal, heads, variant, qo_len, kv_len):
+    num_qo, num_kv = heads
+    q = randn(qo_len, num_qo, head_dim, dtype=dtype)
+    k = randn(kv_len, num_kv, head_dim, dtype=dtype)
+    v = randn(kv_len, num_kv, head_dim, dtype=dtype)
+    kw = variant_kwargs(variant)
+    poison_allocator()
+    result = flashjit.single_prefill_with_kv_cache(q, k, v, causal=causal, **kw)
+    torch.cuda.synchronize()
+    out, lse = result if kw.get("return_lse") else (result, None)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, window_left=kw.get("window_left", -1),
+                                       logits_soft_cap=kw.get("logits_soft_cap"))
+    spec = spec_for("single_prefill", dtype, head_dim, causal, variant)
+    check(spec, out, ref, q, k, v, kv_len, 1 / math.sqrt(head_dim), error_report, "single_prefill",
+          lse=lse, ref_lse=ref_lse if lse is not None else None, shape=f"{qo_len}x{kv_len}", heads=heads)
+
+
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "lse"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kv_len,layout", [(1, "NHD"), (255, "NHD"), (4097, "HND"), (33, "HND")])
+def test_single_decode(prewarmed, error_report, dtype, head_dim, heads, variant, kv_len, layout):
+    num_qo, num_kv = heads
+    q = randn(num_qo, head_dim, dtype=dtype)
+    k_nhd = randn(kv_len, num_kv, head_dim, dtype=dtype)
+    v_nhd = randn(kv_len, num_kv, head_dim, dtype=dtype)
+    k, v = (k_nhd, v_nhd) if layout == "NHD" else (k_nhd.transpose(0, 1).contiguous(),
+                                                    v_nhd.transpose(0, 1).contiguous())
+    kw = variant_kwargs(variant)
+    poison_allocator()
+    result = flashjit.single_decode_with_kv_cache(q, k, v, kv_layout=layout, **kw)
+    torch.cuda.synchronize()
+    out, lse = result if kw.get("return_lse") else (result, None)
+    ref, ref_lse = attention_reference(q[None], k_nhd, v_nhd, window_left=kw.get("window_left", -1),
+                                       logits_soft_cap=kw.get("logits_soft_cap"))
+    spec = spec_for("single_decode", dtype, head_dim, False, variant)
+    check(spec, out, ref[0], q, k_nhd, v_nhd, kv_len, 1 / math.sqrt(head_dim), error_report, "single_decode",
+          lse=lse, ref_lse=ref_lse[0] if lse is not None else None, shape=f"1x{kv_len}", heads=heads)
+
+
+RAGGED_BATCHES = {
+    "mixed": ([1, 37, 128, 300, 5], [1, 300, 128, 1000, 700]),
+    "empty_kv": ([3, 16, 1], [0, 40, 0]),
+    "skewed": ([2000] + [100] * 6, [2000] + [100] * 6),
+    "decode_like": ([1] * 9, [5, 17, 64, 1000, 1, 2, 3, 4, 333]),
+}
+
+
+@pytest.mark.parametrize("batch", sorted(RAGGED_BATCHES))
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batch_prefill_ragged(prewarmed, error_report, dtype, head_dim, causal, heads, batch):
+    num_qo, num_kv = heads
+    qo_lens, kv_lens = RAGGED_BATCHES[batch]
+    qo_indptr = torch.tensor([0] + qo_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    kv_indptr = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = randn(int(qo_indptr[-1]), num_qo, head_dim, dtype=dtype)
+    k = randn(int(kv_indptr[-1]), num_kv, head_dim, dtype=dtype)
+    v = randn(int(kv_indptr[-1]), num_kv, head_dim, dtype=dtype)
+    wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    wrapper.plan(qo_indptr, kv_indptr, num_qo, num_kv, head_dim, causal=causal, q_data_type=dtype)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], num_qo), float("nan"), device="cuda")
+    wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = ragged_reference(q, k, v, qo_indptr.tolist(), kv_indptr.tolist(), causal=causal)
+    spec = spec_for("batch_prefill_ragged", dtype, head_dim, causal)
+    check(spec, out, ref, q, k, v, max(kv_lens), 1 / math.sqrt(head_dim), error_report, "batch_prefill_ragged",
+          lse=lse, ref_lse=ref_lse, shape=batch, heads=heads)
+    # Running again without LSE through the same plan gives the same output bit for bit.
+    again = wrapper.run(q, k, v)
+    assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_extreme_inputs_stay_finite(prewarmed, error_report, dtype, head_dim):
+    """Peaked softmax (q x8), V outliers (1% x20), huge logits and all-masked rows:
+    within the profile where the reference is finite, never NaN."""
+    qo_len, kv_len = 200, 600
+    q = randn(qo_len, 4, head_dim, dtype=dtype, scale=8.0)
+    k = randn(kv_len, 4, head_dim, dtype=dtype)
+    v = randn(kv_len, 4, head_dim, dtype=dtype)
+    outliers = torch.rand(kv_len, 4, 1, device="cuda") < 0.01
+    v = torch.where(outliers, v.float() * 20, v.float()).to(dtype)
+    out = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True)
+    ref, _ = attention_reference(q, k, v, causal=True)
+    check(spec_for("single_prefill", dtype, head_dim, True), out, ref, q, k, v, kv_len, 1 / math.sqrt(head_dim),
+          error_report, "peaked+outliers", shape=f"{qo_len}x{kv_len}", heads=(4, 4))
+    # qo_len > kv_len with causal: the first rows see no key at all -> 0 and LSE -inf.
+    big_q = randn(50, 4, head_dim, dtype=dtype, scale=300.0 if dtype != torch.float16 else 30.0)
+    out, lse = flashjit.single_prefill_with_kv_cache(big_q, k[:20], v[:20], causal=True, return_lse=True)
+    assert torch.isfinite(out).all()
+    assert (out[:30] == 0).all() and torch.isneginf(lse[:30]).all() and torch.isfinite(lse[30:]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_noncontiguous_strided_inputs(prewarmed, dtype):
+    """Slices of a fused QKV tensor (head strides, not packed) give the same result as copies."""
+    qkv = randn(300, 3 * 4, 128, dtype=dtype)
+    q, k, v = qkv[:, :4], qkv[:, 4:8], qkv[:, 8:]
+    out = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True)
+    same = flashjit.single_prefill_with_kv_cache(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
+    assert torch.equal(out, same)
+
+
+def test_bad_runtime_input_on_gpu(prewarmed):
+    """Errors that need CUDA tensors: indptr past the tensors' end, plan mismatch, misaligned K."""
+    q = randn(10, 4, 128, dtype=torch.float16)
+    k = randn(10, 4, 128, dtype=torch.float16)
+    wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1024, dtype=torch.uint8, device="cuda"))
+    wrapper.plan(torch.tensor([0, 5, 12]), torch.tensor([0, 5, 10]), 4, 4, 128, causal=True,
+                 q_data_type=torch.float16)
+    with pytest.raises(ValueError, match="qo_indptr"):
+        wrapper.run(q, k, k)
+    wrapper.plan(torch.tensor([0, 5, 10]), torch.tensor([0, 5, 11]), 4, 4, 128, causal=True,
+                 q_data_type=torch.float16)
+    with pytest.raises(ValueError, match="kv_indptr"):
+        wrapper.run(q, k, k)
+    with pytest.raises(ValueError, match="q: expected dtype"):
+        wrapper.run(q.bfloat16(), k.bfloat16(), k.bfloat16())
+    with pytest.raises(ValueError, match="qo heads"):
+        wrapper.run(q[:, :2], k[:, :2], k[:, :2])
+    misaligned = torch.empty(10 * 4 * 128 + 1, dtype=torch.float16, device="cuda")[1:].view(10, 4, 128)
+    with pytest.raises(ValueError, match="k: expected a 16-byte aligned"):
+        flashjit.single_prefill_with_kv_cache(q, misaligned, k)
+    with pytest.raises(ValueError, match="expected a tensor on"):
+        flashjit.single_prefill_with_kv_cache(q, k.cpu(), k)
