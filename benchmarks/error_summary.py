@@ -38,7 +38,7 @@ def main() -> int:
     loose = [n for n, c in by_config.items() if max(x["ratio"] for x in c) < 0.05]
     lines += ["", f"{len(rows)} cases, {len(by_config)} configurations; over the bound: {len(over)}; "
                   f"looser than 20x (worst err/bound < 0.05): {len(loose)}"]
-    lines += [f"worst err/bound by dtype: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(by_dtype.items()))]
+    lines += ["worst err/bound by dtype: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(by_dtype.items()))]
     text = "\n".join(lines)
     print(text)
     if args.out:

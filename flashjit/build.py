@@ -29,7 +29,10 @@ from .errors import BuildError, CacheError, ToolchainError
 
 log = logging.getLogger("flashjit")
 
-NVCC_FLAGS = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-DNDEBUG", "-Xptxas=-v", "-Iinclude"]
+# Hidden visibility and no GNU-unique symbols: two libraries whose kernels share
+# template arguments must not share their statics once both are loaded.
+NVCC_FLAGS = ["-O3", "-std=c++17", "-shared", "-Xcompiler=-fPIC,-fvisibility=hidden,-fno-gnu-unique",
+              "-DNDEBUG", "-Xptxas=-v", "-Iinclude"]
 _ERROR_LINE = re.compile(r"error|Error|ERROR")
 
 

@@ -161,6 +161,27 @@ def find_entry(root: Path, name: str, key: str) -> Entry | None:
     return entry
 
 
+def find_entry_by_fingerprint(root: Path, name: str, fingerprint: str) -> Entry | None:
+    """The valid entry whose manifest records this fingerprint (see jit.fingerprint):
+    the cached-load path, which neither renders nor hashes sources."""
+    config_dir = root / name
+    try:
+        candidates = [p for p in config_dir.iterdir() if not p.name.startswith(".") and p.is_dir()]
+    except OSError:
+        return None
+    for path in candidates:
+        try:
+            recorded = json.loads((path / MANIFEST).read_text()).get("fingerprint")
+        except (OSError, ValueError):
+            continue
+        if recorded == fingerprint:
+            entry, problems = verify_entry(path)
+            if problems:
+                log.warning("flashjit: cache entry %s is invalid (%s); it will be rebuilt", path, "; ".join(problems))
+            return entry
+    return None
+
+
 def find_entry_any_toolchain(root: Path, name: str, key_inputs: dict) -> Entry | None:
     """For a machine without nvcc: a valid entry whose inputs equal key_inputs in
     everything but the nvcc version (the newest such one)."""

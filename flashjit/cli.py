@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import math
 import os
 import sys
 import time

@@ -11,6 +11,7 @@ CacheError (cache unusable, or an entry still bad after one rebuild).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ from . import build, cache
 from ._version import __version__
 from .errors import CacheError, FlashjitError, JitDisabledError, ToolchainError
 from .loader import ABI_VERSION, KernelModule, load_library
-from .render import RenderedSource, render
+from .render import RenderedSource, generator_digest, render
 from .spec import KernelSpec
 from .error_model import profile
 
@@ -80,6 +81,16 @@ def plan(spec: KernelSpec, arches: tuple[str, ...], nvcc: str | None) -> Planned
     return Planned(spec, arches, rendered, nvcc, key_inputs, cache.compute_key(key_inputs))
 
 
+def fingerprint(spec: KernelSpec, arches: tuple[str, ...], nvcc: str | None) -> str | None:
+    """Everything the cache key depends on, without rendering: the spec, the
+    generator (templates, headers, tiling code), the nvcc flags and version."""
+    if nvcc is None:
+        return None
+    blob = json.dumps([spec.as_dict(), list(arches), generator_digest(), build.NVCC_FLAGS,
+                       arch_mod.nvcc_version(nvcc), __version__, ABI_VERSION])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 def _lookup(root: Path, p: Planned) -> cache.Entry | None:
     if p.nvcc is None:
         return cache.find_entry_any_toolchain(root, p.spec.name, p.key_inputs)
@@ -110,6 +121,7 @@ def _manifest(p: Planned, job: build.BuildJob) -> dict:
         "arches": list(p.arches),
         "key": p.key,
         "key_inputs": p.key_inputs,
+        "fingerprint": fingerprint(p.spec, p.arches, p.nvcc),
         "artifact": p.artifact_name,
         "artifact_sha256": cache.sha256_file(job.build_dir / p.artifact_name),
         "tolerance": profile(p.spec),
@@ -141,8 +153,16 @@ def build_many(specs, arches=None, jobs: int | None = None, progress=None, root:
     nvcc = arch_mod.find_nvcc()
     if nvcc is not None:
         arch_mod.check_nvcc_supports(arch_mod.nvcc_version(nvcc), arches)
-    planned = sorted((plan(s, arches, nvcc) for s in dict.fromkeys(specs)), key=lambda p: (p.spec.name, p.key))
     results: dict[KernelSpec, BuildResult] = {}
+    to_plan = []
+    for s in dict.fromkeys(specs):
+        fp = fingerprint(s, arches, nvcc)
+        entry = cache.find_entry_by_fingerprint(root, s.name, fp) if fp else None
+        if entry is not None:
+            results[s] = BuildResult(s, entry, built=False, seconds=0.0)
+        else:
+            to_plan.append(s)
+    planned = sorted((plan(s, arches, nvcc) for s in to_plan), key=lambda p: (p.spec.name, p.key))
     missing = []
     for p in planned:
         entry = _lookup(root, p)
@@ -236,7 +256,8 @@ def _load(spec: KernelSpec, arches) -> KernelModule:
     root = cache.ensure_root()
     nvcc = arch_mod.find_nvcc()
     for extra in candidates[1:]:
-        entry = _lookup(root, plan(spec, extra, nvcc))
+        fp = fingerprint(spec, extra, nvcc)
+        entry = cache.find_entry_by_fingerprint(root, spec.name, fp) if fp else _lookup(root, plan(spec, extra, nvcc))
         if entry is not None:
             try:
                 return load_library(spec, entry.artifact, entry.manifest)

@@ -49,8 +49,9 @@ class KernelModule:
     def tolerance_profile(self) -> dict:
         return self.manifest["tolerance"]
 
-    def run(self, params: AttentionParams, stream: int) -> None:
-        code = self._run(ctypes.byref(params), stream)
+    def run(self, params: bytes, stream: int) -> None:
+        """params: the bytes of an AttentionParams (see ops._launch.Prepared)."""
+        code = self._run(params, stream)
         if code != 0:
             message = self._error_string(code).decode(errors="replace")
             raise KernelLaunchError(f"{self.spec.name}: CUDA error {code} ({message}) at launch")
@@ -68,7 +69,7 @@ def load_library(spec: KernelSpec, path: Path, manifest: dict) -> KernelModule:
         raise FlashjitError(f"{path} speaks ABI {lib.flashjit_abi_version()}, this flashjit {ABI_VERSION}; "
                             f"run `flashjit cache clear`")
     run = lib.flashjit_attention_run
-    run.argtypes = [ctypes.POINTER(AttentionParams), ctypes.c_void_p]
+    run.argtypes = [ctypes.c_char_p, ctypes.c_void_p]  # bytes pass as a pointer, uncopied
     run.restype = ctypes.c_int
     err = lib.flashjit_error_string
     err.argtypes = [ctypes.c_int]

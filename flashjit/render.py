@@ -59,6 +59,22 @@ class RenderedSource:
         }
 
 
+@functools.lru_cache(maxsize=1)
+def generator_digest() -> str:
+    """Hash of everything besides the spec that decides what `render` produces:
+    every template and header, and the Python that picks templates and tilings.
+    Lets a cached configuration be found without importing jinja2 or rendering."""
+    h = hashlib.sha256()
+    root = templates_dir()
+    here = Path(__file__).resolve().parent
+    files = [p for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts]
+    files += [here / "kernels.py", here / "render.py", here / "spec.py"]
+    for path in files:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def _included_headers(text: str, include_root: Path) -> dict[str, bytes]:
     found: dict[str, bytes] = {}
     pending = [(None, name) for name in _INCLUDE_RE.findall(text)]

@@ -4,10 +4,12 @@ from tensors, launch on torch's current stream."""
 from __future__ import annotations
 
 import logging
+import struct
+from dataclasses import dataclass
 
 import torch
 
-from .. import arch, jit
+from .. import arch
 from ..loader import AttentionParams, KernelModule
 from ..spec import KernelSpec, canonical_dtype
 from . import _checks
@@ -29,30 +31,104 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
     return spec
 
 
-def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
-                kv_layout: str, sm_scale: float, window_left: int, soft_cap: float) -> AttentionParams:
-    """Params for q/o [tokens, heads, dim] and k/v in kv_layout (strides taken as they are)."""
+# FlashjitAttentionParams starts with nine pointers and the three per-call counts
+# (num_work, qo_len, kv_len); everything after them is fixed per call signature
+# (configuration, heads, strides, scalars) and packed once into `tail`.
+_PER_CALL = struct.Struct("=9Q3i")
+_CACHE_LIMIT = 4096
+
+
+def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_strides: tuple[int, int],
+                lse_stride: int, kv_layout: str, sm_scale: float, window_left: int, soft_cap: float
+                ) -> AttentionParams:
+    """The non-pointer fields for q/o [tokens, heads, dim] and k/v in kv_layout."""
     _, num_kv_heads, _, k_sn, k_sh = _checks.kv_dims("k", k, kv_layout)
     _, _, _, v_sn, v_sh = _checks.kv_dims("v", v, kv_layout)
     p = AttentionParams()
-    p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
-    p.lse = lse.data_ptr() if lse is not None else None
-    p.num_qo_heads, p.num_kv_heads = q.shape[1], num_kv_heads
-    p.q_stride_n, p.q_stride_h = q.stride(0), q.stride(1)
+    p.num_qo_heads, p.num_kv_heads = q.shape[-2], num_kv_heads
+    p.q_stride_n, p.q_stride_h = (q.stride(0), q.stride(1)) if q.dim() == 3 else (0, q.stride(0))
     p.k_stride_n, p.k_stride_h = k_sn, k_sh
     p.v_stride_n, p.v_stride_h = v_sn, v_sh
-    p.o_stride_n, p.o_stride_h = o.stride(0), o.stride(1)
-    p.lse_stride_n = lse.stride(0) if lse is not None else 0
+    p.o_stride_n, p.o_stride_h = out_strides
+    p.lse_stride_n = lse_stride
     p.sm_scale, p.logits_soft_cap, p.window_left = sm_scale, soft_cap, window_left
     return p
 
 
-def launch(module: KernelModule, params: AttentionParams, device: torch.device) -> None:
-    if device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            module.run(params, torch.cuda.current_stream(device).cuda_stream)
-    else:
-        module.run(params, torch.cuda.current_stream(device).cuda_stream)
+@dataclass(frozen=True)
+class Prepared:
+    """Everything a call needs beyond the tensors' addresses and token counts,
+    computed once per call signature (heads, dims, strides, dtypes, devices,
+    scalars), so a repeated call costs a dict lookup, the output allocations and
+    one packed struct."""
+
+    module: KernelModule
+    tail: bytes
+    out_shape: tuple
+    lse_shape: tuple | None
+    device_index: int
+    group: int = 1                         # query heads per KV head
+    extra_pointers: tuple = (0, 0, 0, 0)   # qo_indptr, kv_indptr, work_request, work_tile
+
+    @staticmethod
+    def make(module: KernelModule, params: AttentionParams, out_shape, lse_shape, device: torch.device,
+             group: int = 1, extra_pointers=(0, 0, 0, 0)) -> "Prepared":
+        return Prepared(module, bytes(params)[_PER_CALL.size:], tuple(out_shape) if out_shape else (),
+                        tuple(lse_shape) if lse_shape is not None else None, device.index, group,
+                        tuple(extra_pointers))
+
+    def num_work(self, qo_len: int) -> int:
+        """CTAs per KV head for one request of qo_len tokens (single-request launches)."""
+        return -(-qo_len * self.group // self.module.rows_per_cta)
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor | None, num_work: int = 0, qo_len: int = 0, kv_len: int = 0) -> None:
+        kp, vp = k.data_ptr(), v.data_ptr()
+        if (kp | vp) & 15:
+            bad = "k" if kp & 15 else "v"
+            raise ValueError(f"{bad}: expected a 16-byte aligned tensor (e.g. .contiguous()), got data_ptr % 16 = "
+                             f"{(kp if bad == 'k' else vp) % 16}")
+        params = _PER_CALL.pack(q.data_ptr(), kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                                *self.extra_pointers, num_work, qo_len, kv_len) + self.tail
+        if self.device_index != torch.cuda.current_device():
+            with torch.cuda.device(self.device_index):
+                self.module.run(params, _raw_stream(self.device_index))
+        else:
+            self.module.run(params, _raw_stream(self.device_index))
+
+
+def remember(cache: dict, key, prep: Prepared) -> Prepared:
+    """Stores a prepared call; a cache that outgrows its bound starts over."""
+    if key is not None:
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[key] = prep
+    return prep
+
+
+def signature(q, k, v, kv_layout: str, q_has_tokens: bool, options: tuple) -> tuple | None:
+    """What a prepared call depends on: everything but the token counts (which
+    only enter the per-call counts), or None for arguments we cannot hash."""
+    try:
+        token_dim = 1 if kv_layout == "HND" else 0
+        return (q.shape[1:] if q_has_tokens else q.shape, q.stride(), q.dtype, q.device, k.shape[:token_dim] + k.shape[token_dim + 1:],
+                k.stride(), k.dtype, k.device, v.shape[:token_dim] + v.shape[token_dim + 1:], v.stride(), v.dtype,
+                v.device, kv_layout, options)
+    except (AttributeError, TypeError):
+        return None
+
+
+def kv_tokens(k: torch.Tensor, v: torch.Tensor, kv_layout: str) -> int:
+    token_dim = 1 if kv_layout == "HND" else 0
+    n = k.shape[token_dim]
+    if v.shape[token_dim] != n:
+        raise ValueError(f"v: expected {n} tokens (as k) in layout {kv_layout}, got shape {tuple(v.shape)}")
+    return n
+
+
+# torch's raw-stream getter answers what current_stream(i).cuda_stream does, ~10x cheaper.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device_index: torch.cuda.current_stream(device_index).cuda_stream)
 
 
 def check_qkv(q, k, v, kv_layout: str, q_ndim: int = 3) -> tuple[int, int, int, int]:
@@ -83,6 +159,3 @@ def check_qkv(q, k, v, kv_layout: str, q_ndim: int = 3) -> tuple[int, int, int, 
     _checks.check_vector_aligned("v", v)
     return kv_tokens, num_qo_heads, num_kv_heads, head_dim_q
 
-
-def get_module(spec: KernelSpec) -> KernelModule:
-    return jit.get_module(spec)

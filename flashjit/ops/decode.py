@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import jit
 from . import _checks
-from ._launch import check_qkv, get_module, launch, make_params, select_spec
+from ._launch import Prepared, check_qkv, kv_tokens, make_params, remember, select_spec, signature
+
+_prepared: dict[tuple, Prepared] = {}
 
 
 def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
@@ -15,19 +18,30 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     """q [num_qo_heads, head_dim] against k/v [kv_len, num_kv_heads, head_dim] (NHD)
     or [num_kv_heads, kv_len, head_dim] (HND). Returns o like q, and with
     return_lse the base-2 log-sum-exp [num_qo_heads]."""
+    options = (pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left, logits_soft_cap,
+               sm_scale, return_lse, backend)
+    key = signature(q, k, v, kv_layout, False, options)
+    prep = _prepared.get(key) if key is not None else None
+    if prep is None:
+        prep = remember(_prepared, key, _prepare(q, k, v, kv_layout, *options))
+    out = torch.empty(prep.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(prep.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+    prep.launch(q, k, v, out, lse, prep.num_work(1), 1, kv_tokens(k, v, kv_layout))
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _prepare(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
+             logits_soft_cap, sm_scale, return_lse, backend) -> Prepared:
     _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, q_scale=q_scale, k_scale=k_scale,
                               v_scale=v_scale)
-    kv_len, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout, q_ndim=2)
+    _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout, q_ndim=2)
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
     spec = select_spec("single_decode", q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores,
                        causal=False, window=has_window, soft_cap=has_cap, return_lse=return_lse)
-    module = get_module(spec)
-    q3 = q.unsqueeze(0)
-    out = torch.empty_like(q3)
-    lse = torch.empty((1, num_qo_heads), dtype=torch.float32, device=q.device) if return_lse else None
-    params = make_params(q3, k, v, out, lse, kv_layout, sm_scale, window_left, cap)
-    params.qo_len, params.kv_len = 1, kv_len
-    params.num_work = -(-(num_qo_heads // num_kv_heads) // module.rows_per_cta)
-    launch(module, params, q.device)
-    return (out[0], lse[0]) if return_lse else out[0]
+    module = jit.get_module(spec)
+    # The output is allocated [1, heads, dim] contiguous: strides (heads*dim, dim).
+    params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
+                         window_left, cap)
+    return Prepared.make(module, params, (1, num_qo_heads, head_dim), (1, num_qo_heads) if return_lse else None,
+                         q.device, group=num_qo_heads // num_kv_heads)

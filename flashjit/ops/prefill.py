@@ -5,25 +5,21 @@ from __future__ import annotations
 
 import torch
 
+from .. import jit
 from . import _checks
-from ._launch import check_qkv, get_module, launch, make_params, select_spec
+from ._launch import Prepared, check_qkv, kv_tokens, make_params, remember, select_spec, signature
 
 
-def _outputs(q: torch.Tensor, num_qo_heads: int, tokens: int, return_lse: bool, out=None, lse=None):
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError(f"out: expected a {q.dtype} tensor of shape {tuple(q.shape)} on {q.device} with a "
-                         f"contiguous last dim, got {out.dtype} {tuple(out.shape)} on {out.device}")
-    if not return_lse:
-        return out, None
-    if lse is None:
-        lse = torch.empty((tokens, num_qo_heads), dtype=torch.float32, device=q.device)
-    elif lse.shape != (tokens, num_qo_heads) or lse.dtype != torch.float32 or lse.device != q.device \
-            or lse.stride(-1) != 1:
-        raise ValueError(f"lse: expected a float32 tensor of shape {(tokens, num_qo_heads)} on {q.device}, "
-                         f"got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
-    return out, lse
+def _check_out_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """User-provided out / lse: the kernel writes them densely, so they must be contiguous."""
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or t.device != device \
+            or not t.is_contiguous():
+        got = f"{t.dtype} {tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}" \
+            if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a contiguous {dtype} tensor of shape {shape} on {device}, got {got}")
+
+
+_prepared: dict[tuple, Prepared] = {}
 
 
 def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=None, o_dtype=None, custom_mask=None,
@@ -35,25 +31,37 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     """Attention of one request: q [qo_len, num_qo_heads, head_dim], k/v [kv_len,
     num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND).
     Returns o like q, and with return_lse the base-2 log-sum-exp [qo_len, num_qo_heads]."""
+    options = (scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
+               use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend, return_lse, use_tensor_cores)
+    key = signature(q, k, v, kv_layout, True, options)
+    prep = _prepared.get(key) if key is not None else None
+    if prep is None:
+        prep = remember(_prepared, key, _prepare_single(q, k, v, kv_layout, *options))
+    qo_len = q.shape[0]
+    out = torch.empty((qo_len, *prep.out_shape), dtype=q.dtype, device=q.device)
+    lse = torch.empty((qo_len, *prep.lse_shape), dtype=torch.float32, device=q.device) if return_lse else None
+    prep.launch(q, k, v, out, lse, prep.num_work(qo_len), qo_len, kv_tokens(k, v, kv_layout))
+    return (out, lse) if return_lse else out
+
+
+def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal,
+                    pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend,
+                    return_lse, use_tensor_cores) -> Prepared:
     _checks.check_unsupported(scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, custom_mask=custom_mask,
                               packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
                               use_fp16_qk_reduction=use_fp16_qk_reduction)
-    kv_len, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout)
+    _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout)
     if o_dtype is not None and o_dtype != q.dtype:
         raise ValueError(f"o_dtype: expected None or {q.dtype} (the output has q's dtype), got {o_dtype}")
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
     spec = select_spec("single_prefill", q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores,
                        causal=causal, window=has_window, soft_cap=has_cap, return_lse=return_lse)
-    module = get_module(spec)
-    qo_len = q.shape[0]
-    out, lse = _outputs(q, num_qo_heads, qo_len, return_lse)
-    params = make_params(q, k, v, out, lse, kv_layout, sm_scale, window_left, cap)
-    params.qo_len, params.kv_len = qo_len, kv_len
-    rows = qo_len * (num_qo_heads // num_kv_heads)
-    params.num_work = -(-rows // module.rows_per_cta)
-    launch(module, params, q.device)
-    return (out, lse) if return_lse else out
+    module = jit.get_module(spec)
+    params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
+                         window_left, cap)
+    return Prepared.make(module, params, (num_qo_heads, head_dim), (num_qo_heads,) if return_lse else None,
+                         q.device, group=num_qo_heads // num_kv_heads)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper:
@@ -101,7 +109,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         spec = select_spec("batch_prefill_ragged", q_dtype, head_dim_qk, backend=self._backend,
                            use_tensor_cores=use_tensor_cores, causal=causal, window=has_window, soft_cap=has_cap,
                            return_lse=True)
-        module = get_module(spec)
+        module = jit.get_module(spec)
         group = num_qo_heads // num_kv_heads
         work = []  # (estimated cost, request, tile); longest first so the tail is short
         for i in range(len(qo) - 1):
@@ -109,25 +117,51 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             tiles = -(-qo_len * group // module.rows_per_cta)
             work.extend((max(kv_len, 1), i, t) for t in range(tiles))
         work.sort(key=lambda item: -item[0])
-        host = torch.tensor([[r for _, r, _ in work], [t for _, _, t in work]], dtype=torch.int32).reshape(2, -1)
-        indptrs = torch.tensor([qo, kv], dtype=torch.int32)
+        # Device copies stay referenced by the wrapper; run() only passes their addresses.
+        self._indptrs = torch.tensor([qo, kv], dtype=torch.int32).to(self._device, non_blocking=non_blocking)
+        self._work = torch.tensor([[r for _, r, _ in work], [t for _, _, t in work]],
+                                  dtype=torch.int32).reshape(2, -1).to(self._device, non_blocking=non_blocking)
         self._plan = {
-            "module": module, "spec": spec, "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads,
-            "head_dim": head_dim_qk, "q_dtype": q_dtype, "qo_tokens": qo[-1], "kv_tokens": kv[-1],
-            "sm_scale": sm_scale, "window_left": window_left, "cap": cap,
-            "num_work": len(work),
+            "module": module, "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim_qk,
+            "q_dtype": q_dtype, "qo_tokens": qo[-1], "kv_tokens": kv[-1], "num_work": len(work),
+            "scalars": (sm_scale, window_left, cap),
+            "pointers": (self._indptrs[0].data_ptr(), self._indptrs[1].data_ptr(), self._work[0].data_ptr(),
+                         self._work[1].data_ptr()),
         }
-        # Device copies stay referenced by the plan; run() only passes their pointers.
-        self._indptrs = indptrs.to(self._device, non_blocking=non_blocking)
-        self._work = host.to(self._device, non_blocking=non_blocking)
-        self._plan["pointers"] = (self._indptrs[0].data_ptr(), self._indptrs[1].data_ptr(),
-                                  self._work[0].data_ptr(), self._work[1].data_ptr())
+        self._prepared = {}
 
     def run(self, q, k, v, *args, out=None, lse=None, return_lse: bool = False, enable_pdl=None):
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan()")
-        kv_tokens, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, self._kv_layout)
+        key = signature(q, k, v, self._kv_layout, True, ())
+        prep = self._prepared.get(key) if key is not None else None
+        if prep is None:
+            prep = remember(self._prepared, key, self._prepare(q, k, v))
+        tokens = q.shape[0]
+        if tokens < plan["qo_tokens"]:
+            raise ValueError(f"qo_indptr: its last offset {plan['qo_tokens']} is past the end of q ({tokens} tokens)")
+        kv_len = kv_tokens(k, v, self._kv_layout)
+        if kv_len < plan["kv_tokens"]:
+            raise ValueError(f"kv_indptr: its last offset {plan['kv_tokens']} is past the end of k/v "
+                             f"({kv_len} tokens)")
+        if out is None:
+            out = torch.empty((tokens, *prep.out_shape), dtype=q.dtype, device=q.device)
+        else:
+            _check_out_buffer("out", out, (tokens, *prep.out_shape), q.dtype, q.device)
+        if return_lse:
+            if lse is None:
+                lse = torch.empty((tokens, plan["num_qo_heads"]), dtype=torch.float32, device=q.device)
+            else:
+                _check_out_buffer("lse", lse, (tokens, plan["num_qo_heads"]), torch.float32, q.device)
+        else:
+            lse = None
+        prep.launch(q, k, v, out, lse, plan["num_work"])
+        return (out, lse) if return_lse else out
+
+    def _prepare(self, q, k, v) -> Prepared:
+        plan = self._plan
+        _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, self._kv_layout)
         if q.device != self._device:
             raise ValueError(f"q: expected a tensor on {self._device} (the workspace's device), got {q.device}")
         if (num_qo_heads, num_kv_heads, head_dim) != (plan["num_qo_heads"], plan["num_kv_heads"], plan["head_dim"]):
@@ -135,18 +169,10 @@ class BatchPrefillWithRaggedKVCacheWrapper:
                              f"head_dim {plan['head_dim']} as planned, got {num_qo_heads}, {num_kv_heads}, {head_dim}")
         if q.dtype != plan["q_dtype"]:
             raise ValueError(f"q: expected dtype {plan['q_dtype']} as planned (q_data_type), got {q.dtype}")
-        if q.shape[0] < plan["qo_tokens"]:
-            raise ValueError(f"qo_indptr: its last offset {plan['qo_tokens']} is past the end of q "
-                             f"({q.shape[0]} tokens)")
-        if kv_tokens < plan["kv_tokens"]:
-            raise ValueError(f"kv_indptr: its last offset {plan['kv_tokens']} is past the end of k/v "
-                             f"({kv_tokens} tokens)")
-        out, lse = _outputs(q, num_qo_heads, q.shape[0], return_lse, out, lse)
-        params = make_params(q, k, v, out, lse, self._kv_layout, plan["sm_scale"], plan["window_left"], plan["cap"])
-        params.qo_indptr, params.kv_indptr, params.work_request, params.work_tile = plan["pointers"]
-        params.num_work = plan["num_work"]
-        launch(plan["module"], params, q.device)
-        return (out, lse) if return_lse else out
+        params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, self._kv_layout,
+                             *plan["scalars"])
+        return Prepared.make(plan["module"], params, (num_qo_heads, head_dim), None, q.device,
+                             extra_pointers=plan["pointers"])
 
     forward = run
 

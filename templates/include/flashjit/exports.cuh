@@ -4,17 +4,19 @@
 #include <cuda_runtime.h>
 #include "attention_params.cuh"
 
+#define FLASHJIT_EXPORT __attribute__((visibility("default")))
+
 extern "C" {
 
-int flashjit_attention_run(const FlashjitAttentionParams* params, void* stream) {
+FLASHJIT_EXPORT int flashjit_attention_run(const FlashjitAttentionParams* params, void* stream) {
   if (params == nullptr) return cudaErrorInvalidValue;
   return flashjit_generated::launch(*params, static_cast<cudaStream_t>(stream));
 }
 
-const char* flashjit_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+FLASHJIT_EXPORT const char* flashjit_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 
-int flashjit_abi_version(void) { return FLASHJIT_ABI_VERSION; }
+FLASHJIT_EXPORT int flashjit_abi_version(void) { return FLASHJIT_ABI_VERSION; }
 
-int flashjit_rows_per_cta(void) { return flashjit_generated::kRowsPerCta; }
+FLASHJIT_EXPORT int flashjit_rows_per_cta(void) { return flashjit_generated::kRowsPerCta; }
 
 }  // extern "C"
