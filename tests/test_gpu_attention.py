@@ -175,5 +175,5 @@ def test_bad_runtime_input_on_gpu(prewarmed):
     misaligned = torch.empty(10 * 4 * 128 + 1, dtype=torch.float16, device="cuda")[1:].view(10, 4, 128)
     with pytest.raises(ValueError, match="k: expected a 16-byte aligned"):
         flashjit.single_prefill_with_kv_cache(q, misaligned, k)
-    with pytest.raises(ValueError, match="expected a tensor on"):
+    with pytest.raises(ValueError, match="k: expected a CUDA tensor"):
         flashjit.single_prefill_with_kv_cache(q, k.cpu(), k)

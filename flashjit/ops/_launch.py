@@ -90,7 +90,7 @@ class Prepared:
                              f"{(kp if bad == 'k' else vp) % 16}")
         params = _PER_CALL.pack(q.data_ptr(), kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
                                 *self.extra_pointers, num_work, qo_len, kv_len) + self.tail
-        if self.device_index != torch.cuda.current_device():
+        if self.device_index != _current_device():
             with torch.cuda.device(self.device_index):
                 self.module.run(params, _raw_stream(self.device_index))
         else:
@@ -110,10 +110,11 @@ def signature(q, k, v, kv_layout: str, q_has_tokens: bool, options: tuple) -> tu
     """What a prepared call depends on: everything but the token counts (which
     only enter the per-call counts), or None for arguments we cannot hash."""
     try:
-        token_dim = 1 if kv_layout == "HND" else 0
-        return (q.shape[1:] if q_has_tokens else q.shape, q.stride(), q.dtype, q.device, k.shape[:token_dim] + k.shape[token_dim + 1:],
-                k.stride(), k.dtype, k.device, v.shape[:token_dim] + v.shape[token_dim + 1:], v.stride(), v.dtype,
-                v.device, kv_layout, options)
+        # NHD: drop the token count from K/V shapes. HND: the head stride holds
+        # it anyway, so the full shape costs nothing more.
+        ks, vs = (k.shape[1:], v.shape[1:]) if kv_layout == "NHD" else (k.shape, v.shape)
+        return (q.shape[1:] if q_has_tokens else q.shape, q.stride(), q.dtype, q.device, ks, k.stride(), k.dtype,
+                k.device, vs, v.stride(), v.dtype, v.device, kv_layout, options)
     except (AttributeError, TypeError):
         return None
 
@@ -126,7 +127,9 @@ def kv_tokens(k: torch.Tensor, v: torch.Tensor, kv_layout: str) -> int:
     return n
 
 
-# torch's raw-stream getter answers what current_stream(i).cuda_stream does, ~10x cheaper.
+# torch's raw getters answer what current_device() and current_stream(i).cuda_stream
+# do, several times cheaper (no lazy-init check, no Stream object).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device_index: torch.cuda.current_stream(device_index).cuda_stream)
 

@@ -27,7 +27,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     out = torch.empty(prep.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(prep.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
     prep.launch(q, k, v, out, lse, prep.num_work(1), 1, kv_tokens(k, v, kv_layout))
-    return (out[0], lse[0]) if return_lse else out[0]
+    return (out, lse) if return_lse else out
 
 
 def _prepare(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
@@ -40,8 +40,8 @@ def _prepare(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k
     spec = select_spec("single_decode", q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores,
                        causal=False, window=has_window, soft_cap=has_cap, return_lse=return_lse)
     module = jit.get_module(spec)
-    # The output is allocated [1, heads, dim] contiguous: strides (heads*dim, dim).
+    # The output is allocated [heads, dim] contiguous: the one token's head stride is dim.
     params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
                          window_left, cap)
-    return Prepared.make(module, params, (1, num_qo_heads, head_dim), (1, num_qo_heads) if return_lse else None,
+    return Prepared.make(module, params, (num_qo_heads, head_dim), (num_qo_heads,) if return_lse else None,
                          q.device, group=num_qo_heads // num_kv_heads)
