@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import FlashjitError, KernelLaunchError
 from .spec import KernelSpec
 
-ABI_VERSION = 1  # FLASHJIT_ABI_VERSION in templates/include/flashjit/attention_params.cuh
+ABI_VERSION = 2  # FLASHJIT_ABI_VERSION in templates/include/flashjit/attention_params.cuh
 
 _p = ctypes.c_void_p
 _i32 = ctypes.c_int32
@@ -26,7 +26,9 @@ class AttentionParams(ctypes.Structure):
     _fields_ = [
         ("q", _p), ("k", _p), ("v", _p), ("o", _p), ("lse", _p),
         ("qo_indptr", _p), ("kv_indptr", _p), ("work_request", _p), ("work_tile", _p),
-        ("num_work", _i32), ("qo_len", _i32), ("kv_len", _i32), ("num_qo_heads", _i32), ("num_kv_heads", _i32),
+        ("partial_o", _p), ("partial_lse", _p),
+        ("num_work", _i32), ("qo_len", _i32), ("kv_len", _i32), ("num_splits", _i32), ("kv_chunk", _i32),
+        ("num_qo_heads", _i32), ("num_kv_heads", _i32),
         ("q_stride_n", _i64), ("q_stride_h", _i64), ("k_stride_n", _i64), ("k_stride_h", _i64),
         ("v_stride_n", _i64), ("v_stride_h", _i64), ("o_stride_n", _i64), ("o_stride_h", _i64),
         ("lse_stride_n", _i64),
@@ -68,6 +70,10 @@ def load_library(spec: KernelSpec, path: Path, manifest: dict) -> KernelModule:
     if lib.flashjit_abi_version() != ABI_VERSION:
         raise FlashjitError(f"{path} speaks ABI {lib.flashjit_abi_version()}, this flashjit {ABI_VERSION}; "
                             f"run `flashjit cache clear`")
+    lib.flashjit_params_size.restype = ctypes.c_int
+    if lib.flashjit_params_size() != ctypes.sizeof(AttentionParams):
+        raise FlashjitError(f"{path}: its params struct is {lib.flashjit_params_size()} bytes, the host mirror "
+                            f"{ctypes.sizeof(AttentionParams)}; run `flashjit cache clear`")
     run = lib.flashjit_attention_run
     run.argtypes = [ctypes.c_char_p, ctypes.c_void_p]  # bytes pass as a pointer, uncopied
     run.restype = ctypes.c_int

@@ -45,7 +45,7 @@ def check(spec, out, ref, q, k, v, kv_len, sm_scale, report, what, lse=None, ref
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("qo_len,kv_len", [(1, 1), (37, 300), (128, 128), (300, 1000), (513, 77)])
+@pytest.mark.parametrize("qo_len,kv_len", [(1, 1), (37, 300), (128, 128), (300, 1000), (513, 77), (16, 5000)])
 def test_single_prefill(prewarmed, error_report, dtype, head_dim, causal, heads, variant, qo_len, kv_len):
     num_qo, num_kv = heads
     q = randn(qo_len, num_qo, head_dim, dtype=dtype)

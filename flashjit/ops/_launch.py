@@ -31,10 +31,14 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
     return spec
 
 
-# FlashjitAttentionParams starts with nine pointers and the three per-call counts
-# (num_work, qo_len, kv_len); everything after them is fixed per call signature
-# (configuration, heads, strides, scalars) and packed once into `tail`.
-_PER_CALL = struct.Struct("=9Q3i")
+# FlashjitAttentionParams starts with eleven pointers and five per-call counts
+# (num_work, qo_len, kv_len, num_splits, kv_chunk); everything after them is fixed
+# per call signature (configuration, heads, strides, scalars): packed once into `tail`.
+_PER_CALL = struct.Struct("=11Q5i")
+# Split-KV: a split covers at least this many keys (the merge pass must pay off),
+# in multiples of this many (whole tiles of every KV warp).
+_MIN_SPLIT_KEYS = 512
+_SPLIT_ALIGN = 128
 _CACHE_LIMIT = 4096
 
 
@@ -69,17 +73,35 @@ class Prepared:
     device_index: int
     group: int = 1                         # query heads per KV head
     extra_pointers: tuple = (0, 0, 0, 0)   # qo_indptr, kv_indptr, work_request, work_tile
+    split_ctas: int = 0                    # split the keys while fewer CTAs than this; 0: never
 
     @staticmethod
     def make(module: KernelModule, params: AttentionParams, out_shape, lse_shape, device: torch.device,
-             group: int = 1, extra_pointers=(0, 0, 0, 0)) -> "Prepared":
+             group: int = 1, extra_pointers=(0, 0, 0, 0), split: bool = False) -> "Prepared":
+        """split: single-request launches may split the keys across CTAs
+        (flash-decoding) when the grid would not fill the GPU twice over."""
+        split_ctas = 2 * torch.cuda.get_device_properties(device).multi_processor_count if split else 0
         return Prepared(module, bytes(params)[_PER_CALL.size:], tuple(out_shape) if out_shape else (),
                         tuple(lse_shape) if lse_shape is not None else None, device.index, group,
-                        tuple(extra_pointers))
+                        tuple(extra_pointers), split_ctas)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.out_shape[-2] // self.group
 
     def num_work(self, qo_len: int) -> int:
         """CTAs per KV head for one request of qo_len tokens (single-request launches)."""
-        return -(-qo_len * self.group // self.module.rows_per_cta)
+        return _ceil_div(qo_len * self.group, self.module.rows_per_cta)
+
+    def _split(self, num_work: int, kv_len: int) -> tuple[int, int]:
+        """(num_splits, kv_chunk): enough splits to reach split_ctas CTAs, each of
+        at least _MIN_SPLIT_KEYS keys; (1, 0) when the grid is large enough."""
+        ctas = num_work * self.num_kv_heads
+        if not 0 < ctas < self.split_ctas or kv_len < 2 * _MIN_SPLIT_KEYS:
+            return 1, 0
+        splits = min(_ceil_div(self.split_ctas, ctas), kv_len // _MIN_SPLIT_KEYS)
+        chunk = _ceil_div(_ceil_div(kv_len, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
+        return _ceil_div(kv_len, chunk), chunk
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None, num_work: int = 0, qo_len: int = 0, kv_len: int = 0) -> None:
@@ -88,13 +110,28 @@ class Prepared:
             bad = "k" if kp & 15 else "v"
             raise ValueError(f"{bad}: expected a 16-byte aligned tensor (e.g. .contiguous()), got data_ptr % 16 = "
                              f"{(kp if bad == 'k' else vp) % 16}")
+        splits, chunk = self._split(num_work, kv_len)
+        if splits > 1:
+            # Freed when this call returns: the caching allocator hands the block out
+            # again only to work queued after this kernel on the same stream.
+            rows, dim = qo_len * self.out_shape[-2], self.out_shape[-1]
+            partial = torch.empty(rows * splits * (dim + 1), dtype=torch.float32, device=q.device)
+            partial_o = partial.data_ptr()
+            partial_lse = partial_o + 4 * rows * splits * dim
+        else:
+            partial_o = partial_lse = 0
         params = _PER_CALL.pack(q.data_ptr(), kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
-                                *self.extra_pointers, num_work, qo_len, kv_len) + self.tail
+                                *self.extra_pointers, partial_o, partial_lse, num_work, qo_len, kv_len, splits,
+                                chunk) + self.tail
         if self.device_index != _current_device():
             with torch.cuda.device(self.device_index):
                 self.module.run(params, _raw_stream(self.device_index))
         else:
             self.module.run(params, _raw_stream(self.device_index))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def remember(cache: dict, key, prep: Prepared) -> Prepared:

@@ -44,4 +44,5 @@ def _prepare(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k
     params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
                          window_left, cap)
     return Prepared.make(module, params, (num_qo_heads, head_dim), (num_qo_heads,) if return_lse else None,
-                         q.device, group=num_qo_heads // num_kv_heads)
+                         q.device, group=num_qo_heads // num_kv_heads,
+                         split=not spec.use_tensor_cores)

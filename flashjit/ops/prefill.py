@@ -61,7 +61,8 @@ def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, cust
     params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
                          window_left, cap)
     return Prepared.make(module, params, (num_qo_heads, head_dim), (num_qo_heads,) if return_lse else None,
-                         q.device, group=num_qo_heads // num_kv_heads)
+                         q.device, group=num_qo_heads // num_kv_heads,
+                         split=not spec.use_tensor_cores)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper:

@@ -8,6 +8,7 @@
 // Per 32-key tile each lane owns one key for Q.K (reading a 16-byte-padded K row,
 // conflict-free) and owns head dims lane, lane+32, ... for P.V.
 #pragma once
+#include "merge_states.cuh"
 #include "numeric.cuh"
 #include "work.cuh"
 
@@ -114,11 +115,15 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
   for (int r = 0; r < R; ++r) row_qpos[r] = min(warp_row0 + r, rows_total - 1) / w.group;
 
-  // Key range any row of the CTA can see, in whole tiles.
+  // Key range any row of the CTA can see, in whole tiles, within this CTA's
+  // split (split boundaries are multiples of the tile, so no tile straddles one).
   const int cta_q_first = w.row_begin / w.group;
   const int cta_q_last = min(w.row_begin + Traits::kRowsPerCta, rows_total) - 1;
-  const int key_begin = (mask.key_begin(cta_q_first) / KEYS) * KEYS;
-  const int key_end = mask.key_end(cta_q_last / w.group, w.kv_len);
+  const bool split = p.num_splits > 1;
+  const int chunk_begin = split ? blockIdx.z * p.kv_chunk : 0;
+  const int chunk_end = split ? min(chunk_begin + p.kv_chunk, w.kv_len) : w.kv_len;
+  const int key_begin = max((mask.key_begin(cta_q_first) / KEYS) * KEYS, chunk_begin);
+  const int key_end = min(mask.key_end(cta_q_last / w.group, w.kv_len), chunk_end);
   const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
   const int rounds = (num_tiles + KV_WARPS - 1) / KV_WARPS;
 
@@ -262,11 +267,18 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
     // A row that sees no key (kv_len 0, or masked out entirely) outputs 0 and LSE -inf.
     const float inv_l = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float lse = l[r] > 0.f ? m[r] + log2f(l[r]) : -CUDART_INF_F;
+    if (split) {  // fp32 partial state; the merge pass rounds once to DTypeO
+      const int64_t idx = partial_index(token, head, blockIdx.z, p.num_qo_heads, p.num_splits);
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) p.partial_o[idx * D_VO + lane + 32 * i] = acc[r][i] * inv_l;
+      if (lane == 0) p.partial_lse[idx] = lse;
+      continue;
+    }
     DTypeO* out = static_cast<DTypeO*>(p.o) + token * p.o_stride_n + head * p.o_stride_h;
 #pragma unroll
     for (int i = 0; i < DPL; ++i) out[lane + 32 * i] = from_float<DTypeO>(acc[r][i] * inv_l);
-    if (Traits::kLse && p.lse != nullptr && lane == 0)
-      p.lse[token * p.lse_stride_n + head] = l[r] > 0.f ? m[r] + log2f(l[r]) : -CUDART_INF_F;
+    if (Traits::kLse && p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_n + head] = lse;
   }
 }
 
@@ -282,9 +294,16 @@ int launch_cuda_core_attention(const FlashjitAttentionParams& p, cudaStream_t st
     configured = true;
   }
   if (p.num_work == 0 || p.num_kv_heads == 0) return cudaSuccess;
-  dim3 grid(p.num_work, p.num_kv_heads);
+  const int splits = p.num_splits > 1 ? p.num_splits : 1;
+  dim3 grid(p.num_work, p.num_kv_heads, splits);
   cuda_core_attention_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || splits == 1) return err;
+  // Split-KV is a single-request launch (qo_len rows per head); the merge writes o and LSE.
+  if (p.qo_indptr != nullptr) return cudaErrorInvalidValue;
+  FlashjitAttentionParams merged = p;
+  if (!Traits::kLse) merged.lse = nullptr;
+  return launch_merge_split_states<typename Traits::DTypeO, Traits::kHeadDimVO>(merged, stream);
 }
 
 }  // namespace flashjit

@@ -17,6 +17,8 @@ FLASHJIT_EXPORT const char* flashjit_error_string(int code) { return cudaGetErro
 
 FLASHJIT_EXPORT int flashjit_abi_version(void) { return FLASHJIT_ABI_VERSION; }
 
+FLASHJIT_EXPORT int flashjit_params_size(void) { return sizeof(FlashjitAttentionParams); }
+
 FLASHJIT_EXPORT int flashjit_rows_per_cta(void) { return flashjit_generated::kRowsPerCta; }
 
 }  // extern "C"

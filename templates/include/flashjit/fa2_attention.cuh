@@ -71,7 +71,7 @@
 namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kWarps_, int kKeysPerTile_, int kStages_, bool kQInRegs_,
-          bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
+          int kMinBlocksPerSm_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
 struct Fa2Traits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -82,6 +82,9 @@ struct Fa2Traits {
   // thread); else re-read from shared memory with ldmatrix every tile, which
   // D = 256 needs to stay clear of spills next to its 128 O registers.
   static constexpr bool kQInRegs = kQInRegs_;
+  // Second __launch_bounds__ argument: caps registers at 64K / (kThreads * it)
+  // so that this many CTAs fit on one SM (1: no cap beyond 255 per thread).
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kWindow = kWindow_;
   static constexpr bool kSoftCap = kSoftCap_;
@@ -98,6 +101,7 @@ struct Fa2Traits {
   static_assert(kHeadDim % 64 == 0, "head_dim must be a multiple of 64 (swizzle spans 8 chunks)");
   static_assert(kKeysPerTile % 16 == 0 && kKeysPerTile >= 16, "keys per tile: a multiple of 16");
   static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
+  static_assert(kMinBlocksPerSm >= 1, "min blocks per SM: at least 1");
   static_assert(kWarps >= 1 && kThreads % kChunksPerRow == 0, "threads must cover whole rows");
   static_assert(kKeysPerTile % (kThreads / kChunksPerRow) == 0 &&
                     kRowsPerCta % (kThreads / kChunksPerRow) == 0,
@@ -202,7 +206,7 @@ __device__ __forceinline__ void load_tile_async(uint32_t dst, const T* gmem, int
 }  // namespace fa2
 
 template <class Traits>
-__global__ void __launch_bounds__(Traits::kThreads)
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {
   using T = typename Traits::DType;
   constexpr int D = Traits::kHeadDim, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
