@@ -110,7 +110,7 @@ def cmd_cache(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from . import __version__, arch, cache
+    from . import __version__, arch, cache, jit
 
     print(f"flashjit      {__version__}")
     print(f"python        {sys.version.split()[0]}")
@@ -125,7 +125,7 @@ def cmd_info(args) -> int:
     print(f"nvcc          {nvcc} ({arch.nvcc_version(nvcc)})" if nvcc else f"nvcc          not found: {arch.NVCC_HINT}")
     print(f"cache dir     {cache.default_root()}")
     print(f"arch list     {os.environ.get('FLASHJIT_CUDA_ARCH_LIST') or '(this GPU, else ' + ' '.join(arch.DEFAULT_ARCHES) + ')'}")
-    print(f"jit           {'disabled (FLASHJIT_DISABLE_JIT)' if os.environ.get('FLASHJIT_DISABLE_JIT') not in (None, '', '0') else 'enabled'}")
+    print(f"jit           {'disabled (FLASHJIT_DISABLE_JIT)' if jit.jit_disabled() else 'enabled'}")
     if torch is not None and torch.cuda.is_available():
         idx = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(idx)

@@ -25,6 +25,7 @@ from . import build, cache
 from ._version import __version__
 from .errors import CacheError, FlashjitError, JitDisabledError, ToolchainError
 from .loader import ABI_VERSION, KernelModule, load_library
+from .kernels import template_for
 from .render import RenderedSource, generator_digest, render
 from .spec import KernelSpec
 from .error_model import profile
@@ -86,7 +87,7 @@ def fingerprint(spec: KernelSpec, arches: tuple[str, ...], nvcc: str | None) -> 
     generator (templates, headers, tiling code), the nvcc flags and version."""
     if nvcc is None:
         return None
-    blob = json.dumps([spec.as_dict(), list(arches), generator_digest(), build.NVCC_FLAGS,
+    blob = json.dumps([spec.as_dict(), list(arches), generator_digest(template_for(spec)[0]), build.NVCC_FLAGS,
                        arch_mod.nvcc_version(nvcc), __version__, ABI_VERSION])
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -190,8 +191,9 @@ def build_many(specs, arches=None, jobs: int | None = None, progress=None, root:
             if job.error is not None:
                 results[p.spec] = BuildResult(p.spec, None, built=False, seconds=job.seconds, error=job.error)
                 continue
-            entry = cache.publish(job.build_dir, _manifest(p, job))
-            cache.write_file(entry.path / "tolerance.json", json.dumps(entry.manifest["tolerance"], indent=1))
+            manifest = _manifest(p, job)
+            cache.write_file(job.build_dir / "tolerance.json", json.dumps(manifest["tolerance"], indent=1))
+            entry = cache.publish(job.build_dir, manifest)
             results[p.spec] = BuildResult(p.spec, entry, built=True, seconds=job.seconds)
     ordered = [results[s] for s in dict.fromkeys(specs)]
     if raise_first:
@@ -249,15 +251,16 @@ def get_module(spec: KernelSpec, arches=None) -> KernelModule:
 
 
 def _load(spec: KernelSpec, arches) -> KernelModule:
-    """Loads a cached entry (trying the fat default set too), else builds one.
-    An entry that verifies but will not load is removed and rebuilt once; a
-    second failure raises."""
+    """Loads a cached entry (this GPU's arch first, then the fat default set),
+    else builds one for the first candidate. An entry that verifies but will not
+    load is removed and rebuilt once; a second failure raises."""
     candidates = _candidate_arches(arches)
     root = cache.ensure_root()
     nvcc = arch_mod.find_nvcc()
-    for extra in candidates[1:]:
-        fp = fingerprint(spec, extra, nvcc)
-        entry = cache.find_entry_by_fingerprint(root, spec.name, fp) if fp else _lookup(root, plan(spec, extra, nvcc))
+    for arch_list in candidates:
+        fp = fingerprint(spec, arch_list, nvcc)
+        entry = (cache.find_entry_by_fingerprint(root, spec.name, fp) if fp
+                 else _lookup(root, plan(spec, arch_list, nvcc)))
         if entry is not None:
             try:
                 return load_library(spec, entry.artifact, entry.manifest)

@@ -59,19 +59,22 @@ class RenderedSource:
         }
 
 
-@functools.lru_cache(maxsize=1)
-def generator_digest() -> str:
-    """Hash of everything besides the spec that decides what `render` produces:
-    every template and header, and the Python that picks templates and tilings.
-    Lets a cached configuration be found without importing jinja2 or rendering."""
-    h = hashlib.sha256()
+@functools.lru_cache(maxsize=64)
+def generator_digest(template_name: str) -> str:
+    """Hash of everything besides the spec that decides what `render` produces
+    for one template: its text, the headers it includes (found from the raw
+    text: includes are never templated), and the Python that picks templates,
+    tilings and compiler flags. Lets a cached configuration be found without
+    importing jinja2 or rendering; editing an unrelated template leaves it alone."""
     root = templates_dir()
+    text = (root / template_name).read_text()
+    h = hashlib.sha256(text.encode())
+    for rel, data in sorted(_included_headers(text, root / "include").items()):
+        h.update(rel.encode())
+        h.update(data)
     here = Path(__file__).resolve().parent
-    files = [p for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts]
-    files += [here / "kernels.py", here / "render.py", here / "spec.py"]
-    for path in files:
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
+    for module in ("kernels.py", "render.py", "spec.py", "arch.py", "build.py"):
+        h.update((here / module).read_bytes())
     return h.hexdigest()
 
 
