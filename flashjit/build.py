@@ -138,6 +138,9 @@ def run_builds(jobs: list[BuildJob], scratch: Path, n_jobs: int | None = None,
     n_jobs = n_jobs or default_jobs()
     ninja = ninja_executable()
     try:
+        for stale in scratch.glob(".batch-*"):  # left by killed builders; a live batch is minutes old
+            if time.time() - stale.stat().st_mtime > 6 * 3600:
+                shutil.rmtree(stale, ignore_errors=True)
         batch_dir = Path(tempfile.mkdtemp(prefix=".batch-", dir=scratch))
         _write_ninja(batch_dir / "build.ninja", jobs)
     except OSError as exc:

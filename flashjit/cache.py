@@ -118,6 +118,7 @@ def verify_entry(path: Path, expected_key: str | None = None) -> tuple[Entry | N
     matches. Returns (entry or None, problems)."""
     problems: list[str] = []
     try:
+        check_safe_dir(path.parent)  # the configuration directory: renaming into it replaces entries
         check_safe_dir(path)
     except CacheError as exc:
         return None, [str(exc)]
@@ -204,6 +205,7 @@ def config_lock(root: Path, name: str, key: str, poll_log_seconds: float = 30.0)
         lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise _os_error("create", lock_dir, exc) from exc
+    check_safe_dir(lock_dir)
     lock_path = lock_dir / f"{key}.lock"
     lock = filelock.UnixFileLock(str(lock_path), mode=0o600)
     try:

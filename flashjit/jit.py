@@ -98,12 +98,21 @@ def _lookup(root: Path, p: Planned) -> cache.Entry | None:
     return cache.find_entry(root, p.spec.name, p.key)
 
 
+def prewarm_command(spec: KernelSpec, arches) -> str:
+    """The `flashjit prewarm` line that builds exactly this configuration."""
+    def switch(flag: bool) -> str:
+        return "on" if flag else "off"
+
+    return (f"flashjit prewarm --op {spec.op} --dtype {spec.dtype_q} --head-dim {spec.head_dim_qk} "
+            f"--backend {spec.backend} --tensor-cores {switch(spec.use_tensor_cores)} "
+            f"--causal {switch(spec.causal)} --window {switch(spec.sliding_window)} "
+            f"--soft-cap {switch(spec.soft_cap)} --lse {switch(spec.return_lse)} --arch {' '.join(arches)}")
+
+
 def _miss_error(p: Planned) -> Exception:
-    prewarm = (f"flashjit prewarm --op {p.spec.op} --dtype {p.spec.dtype_q} --head-dim {p.spec.head_dim_qk} "
-               f"--tensor-cores {'on' if p.spec.use_tensor_cores else 'off'} --arch {' '.join(p.arches)}")
     if jit_disabled():
         return JitDisabledError(f"{p.spec.name} is not in the cache and FLASHJIT_DISABLE_JIT is set; "
-                                f"build it first with: {prewarm} (variant flags are built by presets/ops)")
+                                f"build it first with: {prewarm_command(p.spec, p.arches)}")
     return ToolchainError(f"{p.spec.name} is not in the cache and nvcc was not found: {arch_mod.NVCC_HINT}")
 
 

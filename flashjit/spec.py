@@ -9,6 +9,7 @@ anything is rendered or compiled.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 
 # Canonical dtype names, their short form in kernel names, their CUDA type, and
@@ -22,7 +23,9 @@ _DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "f16": "float16", "bf16"
                   "fp32": "float32", "float": "float32", "f32": "float32"}
 
 OPS = ("single_prefill", "single_decode", "batch_prefill_ragged")
-PLANNED_OPS = ("batch_prefill_paged", "batch_decode_paged", "mla_paged")
+# Ops not generated yet, and the available op nearest to each.
+PLANNED_OPS = {"batch_prefill_paged": "batch_prefill_ragged", "batch_decode_paged": "single_decode",
+               "mla_paged": "batch_prefill_ragged"}
 HEAD_DIMS = (64, 128, 256)
 BACKENDS = ("fa2", "fa3")
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
@@ -100,8 +103,11 @@ class KernelSpec:
 
         if self.op not in OPS:
             if self.op in PLANNED_OPS:
-                raise ValueError(f"op {self.op!r} is not available yet; available ops: {', '.join(OPS)}")
-            raise ValueError(f"op: expected one of {', '.join(OPS)}, got {self.op!r}")
+                raise ValueError(f"op {self.op!r} is not available yet; available ops: {', '.join(OPS)}. "
+                                 f"Nearest working choice: {self.replace(op=PLANNED_OPS[self.op]).name}")
+            close = difflib.get_close_matches(self.op, OPS, n=1, cutoff=0.0)
+            raise ValueError(f"op: expected one of {', '.join(OPS)}, got {self.op!r}. "
+                             f"Nearest working choice: {self.replace(op=close[0]).name}")
         for field in ("dtype_q", "dtype_kv", "dtype_o"):
             if getattr(self, field) not in DTYPES:
                 raise ValueError(f"{field}: expected one of {sorted(DTYPES)}, got {getattr(self, field)!r}")

@@ -52,3 +52,11 @@ def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("FLASHJIT_ERROR_REPORT")
     if path and _REPORT:
         Path(path).write_text(json.dumps(_REPORT, indent=0))
+
+
+def pytest_runtest_setup(item):
+    if "nvcc" in item.keywords:
+        from flashjit import arch
+
+        if arch.find_nvcc() is None:
+            pytest.skip("needs nvcc")

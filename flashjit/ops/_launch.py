@@ -171,9 +171,19 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device_index: torch.cuda.current_stream(device_index).cuda_stream)
 
 
+def check_placement(q, k, v) -> None:
+    """After every structural and scalar check: devices, then 16-byte alignment of K/V."""
+    _checks.check_device("q", q)
+    _checks.check_device("k", k, q.device)
+    _checks.check_device("v", v, q.device)
+    _checks.check_vector_aligned("k", k)
+    _checks.check_vector_aligned("v", v)
+
+
 def check_qkv(q, k, v, kv_layout: str, q_ndim: int = 3) -> tuple[int, int, int, int]:
-    """Checks q [tokens, qo_heads, dim] (or [qo_heads, dim]) against k/v; returns
-    (kv_tokens, num_qo_heads, num_kv_heads, head_dim)."""
+    """Structure of q [tokens, qo_heads, dim] (or [qo_heads, dim]) against k/v;
+    returns (kv_tokens, num_qo_heads, num_kv_heads, head_dim). Devices are
+    check_placement's job, so that shape mistakes read the same on any machine."""
     _checks.check_layout(kv_layout)
     _checks.check_tensor("q", q, q_ndim)
     _checks.check_tensor("k", k, 3)
@@ -192,10 +202,5 @@ def check_qkv(q, k, v, kv_layout: str, q_ndim: int = 3) -> tuple[int, int, int, 
         raise ValueError(f"v: expected {kv_tokens} tokens x {num_kv_heads} heads in layout {kv_layout} (as k), "
                          f"got shape {tuple(v.shape)}")
     _checks.check_heads(num_qo_heads, num_kv_heads)
-    _checks.check_device("q", q)
-    _checks.check_device("k", k, q.device)
-    _checks.check_device("v", v, q.device)
-    _checks.check_vector_aligned("k", k)
-    _checks.check_vector_aligned("v", v)
     return kv_tokens, num_qo_heads, num_kv_heads, head_dim_q
 

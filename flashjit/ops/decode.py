@@ -6,7 +6,7 @@ import torch
 
 from .. import jit
 from . import _checks
-from ._launch import Prepared, check_qkv, kv_tokens, make_params, remember, select_spec, signature
+from ._launch import Prepared, check_placement, check_qkv, kv_tokens, make_params, remember, select_spec, signature
 
 _prepared: dict[tuple, Prepared] = {}
 
@@ -37,6 +37,7 @@ def _prepare(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k
     _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout, q_ndim=2)
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
+    check_placement(q, k, v)
     spec = select_spec("single_decode", q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores,
                        causal=False, window=has_window, soft_cap=has_cap, return_lse=return_lse)
     module = jit.get_module(spec)

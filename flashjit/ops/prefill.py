@@ -7,7 +7,7 @@ import torch
 
 from .. import jit
 from . import _checks
-from ._launch import Prepared, check_qkv, kv_tokens, make_params, remember, select_spec, signature
+from ._launch import Prepared, check_placement, check_qkv, kv_tokens, make_params, remember, select_spec, signature
 
 
 def _check_out_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -55,6 +55,7 @@ def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, cust
         raise ValueError(f"o_dtype: expected None or {q.dtype} (the output has q's dtype), got {o_dtype}")
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
+    check_placement(q, k, v)
     spec = select_spec("single_prefill", q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores,
                        causal=causal, window=has_window, soft_cap=has_cap, return_lse=return_lse)
     module = jit.get_module(spec)
@@ -163,6 +164,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
     def _prepare(self, q, k, v) -> Prepared:
         plan = self._plan
         _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, self._kv_layout)
+        check_placement(q, k, v)
         if q.device != self._device:
             raise ValueError(f"q: expected a tensor on {self._device} (the workspace's device), got {q.device}")
         if (num_qo_heads, num_kv_heads, head_dim) != (plan["num_qo_heads"], plan["num_kv_heads"], plan["head_dim"]):

@@ -32,6 +32,9 @@ struct CudaCoreTraits {
   static constexpr bool kLse = kLse_;
 
   static constexpr int kKeysPerTile = 32;
+  // A minimum of 3 resident CTAs (at most 170 registers a thread) is what keeps
+  // ptxas from spilling a few bytes in some variants; shared memory allows 3 anyway.
+  static constexpr int kMinBlocksPerSm = 3;
   static constexpr int kThreads = 32 * kRowWarps * kKvWarps;
   static constexpr int kRowsPerCta = kRowsPerWarp * kRowWarps;
   static constexpr int kKvVec = Vec16<DTypeKV>::kElems;
@@ -73,7 +76,7 @@ __device__ __forceinline__ void copy_rows(T* smem, const T* gmem, int64_t stride
 }
 
 template <class Traits>
-__global__ void __launch_bounds__(Traits::kThreads)
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     cuda_core_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {
   using DTypeQ = typename Traits::DTypeQ;
   using DTypeKV = typename Traits::DTypeKV;

@@ -1,0 +1,201 @@
+"""The `flashjit` command (python -m flashjit), run as a subprocess against a
+private cache directory."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from flashjit import arch, cli
+from flashjit.spec import KernelSpec
+from helpers_cache import (REPO, copy_cache, entry_dirs, flip_byte, have_nvcc, manifest_of, run_cli, subprocess_env,
+                           tmp_dirs)
+
+PREWARM = ["prewarm", "--preset", "minimal", "--dtype", "bfloat16", "--head-dim", "64", "--arch", "sm_80",
+           "--jobs", "2"]
+# --preset minimal = every op; --causal defaults to both (decode has no causal variant);
+# batch_prefill_ragged always builds its LSE variant.
+EXPECTED = [
+    KernelSpec.make("single_prefill", "bfloat16", 64),
+    KernelSpec.make("single_prefill", "bfloat16", 64, causal=True),
+    KernelSpec.make("single_decode", "bfloat16", 64),
+    KernelSpec.make("batch_prefill_ragged", "bfloat16", 64, return_lse=True),
+    KernelSpec.make("batch_prefill_ragged", "bfloat16", 64, causal=True, return_lse=True),
+]
+
+
+def test_info(tmp_path):
+    root = tmp_path / "cache"
+    out = run_cli("info", root=root, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^flashjit\s+\d+\.\d+", out.stdout, re.M)
+    assert re.search(rf"^cache dir\s+{re.escape(str(root))}$", out.stdout, re.M)
+    nvcc = arch.find_nvcc()
+    if nvcc:
+        version = arch.nvcc_version(nvcc)
+        assert re.search(rf"^nvcc\s+\S*nvcc \({re.escape(version)}\)$", out.stdout, re.M), out.stdout
+    else:
+        assert "not found" in out.stdout and "CUDA_HOME" in out.stdout
+    assert re.search(r"^arch list\s+sm_80$", out.stdout, re.M)
+    import torch
+
+    if not torch.cuda.is_available():
+        assert re.search(r"^gpu\s+none visible$", out.stdout, re.M)
+    assert "single_prefill" in out.stdout and "planned:" in out.stdout
+    assert not root.exists(), "`flashjit info` must not create the cache"
+
+
+def test_prewarm_selection_matches_the_flags():
+    args = cli.build_parser().parse_args(PREWARM)
+    assert cli.specs_from_args(args) == EXPECTED
+
+
+@pytest.mark.parametrize("flags,expected_count", [
+    (["--window", "both"], 10), (["--soft-cap", "on", "--causal", "off"], 3), (["--lse", "both"], 8),
+    (["--op", "single_decode", "--dtype", "fp16", "fp32"], 2),
+])
+def test_prewarm_flags_expand_the_selection(flags, expected_count):
+    args = cli.build_parser().parse_args([*PREWARM, *flags])
+    specs = cli.specs_from_args(args)
+    assert len(specs) == len(set(specs)) == expected_count
+    assert all(s.validate() is s for s in specs)
+
+
+@pytest.fixture(scope="module")
+def prewarmed(tmp_path_factory):
+    if not have_nvcc():
+        pytest.skip("needs nvcc")
+    root = tmp_path_factory.mktemp("cli") / "cache"
+    out = run_cli(*PREWARM, root=root)
+    return SimpleNamespace(root=root, out=out)
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_prewarm_prints_a_row_per_configuration(prewarmed):
+    out = prewarmed.out
+    assert out.returncode == 0, out.stderr
+    assert "flashjit prewarm: 5 configuration(s)" in out.stderr
+    assert "5 ready, 0 failed" in out.stderr
+    rows = [ln for ln in out.stdout.splitlines() if ln and not ln.startswith("configuration")]
+    assert out.stdout.splitlines()[0].split()[:2] == ["configuration", "built"]
+    assert len(rows) == len(EXPECTED)
+    entries = {p.parent.name: p for p in entry_dirs(prewarmed.root)}
+    for spec, row in zip(sorted(EXPECTED, key=lambda s: s.name), sorted(rows)):
+        cells = row.split()
+        assert cells[0] == spec.name and cells[1] == "yes"
+        assert cells[-1] == str(entries[spec.name]), "the row ends with the entry's cache path"
+        assert "rtol" in row and "atol" in row
+    assert sorted(entries) == sorted(s.name for s in EXPECTED)
+    for path in entries.values():
+        assert manifest_of(path)["arches"] == ["sm_80"]
+    assert tmp_dirs(prewarmed.root) == []
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_prewarm_again_is_all_cached(prewarmed, tmp_path):
+    root = copy_cache(prewarmed.root, tmp_path / "cache")
+    out = run_cli(*PREWARM, root=root)
+    assert out.returncode == 0, out.stderr
+    rows = [ln.split() for ln in out.stdout.splitlines()[1:] if ln]
+    assert len(rows) == 5 and all(r[1] == "cached" for r in rows)
+    assert "compiling" not in out.stderr
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_cache_list(prewarmed):
+    out = run_cli("cache", "list", root=prewarmed.root)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(EXPECTED)
+    for spec in EXPECTED:
+        (line,) = [ln for ln in lines if f" {spec.name} " in ln]
+        assert line.startswith("ok ") and " sm_80 " in line and " MB " in line
+        assert line.endswith(str(next(p for p in entry_dirs(prewarmed.root) if p.parent.name == spec.name)))
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_cache_verify_detects_a_corrupt_entry(prewarmed, tmp_path):
+    root = copy_cache(prewarmed.root, tmp_path / "cache")
+    ok = run_cli("cache", "verify", root=root)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert f"5 of 5 entries verified in {root}" in ok.stdout
+    victim = entry_dirs(root)[2]
+    flip_byte(victim / manifest_of(victim)["artifact"])
+    bad = run_cli("cache", "verify", root=root)
+    assert bad.returncode == 1
+    (bad_line,) = [ln for ln in bad.stdout.splitlines() if ln.startswith("BAD")]
+    assert str(victim) in bad_line and "sha256" in bad_line
+    assert "4 of 5 entries verified" in bad.stdout
+    listed = run_cli("cache", "list", root=root)
+    assert listed.returncode == 1 and sum(ln.startswith("ok ") for ln in listed.stdout.splitlines()) == 4
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_cache_clear_empties_it(prewarmed, tmp_path):
+    root = copy_cache(prewarmed.root, tmp_path / "cache")
+    out = run_cli("cache", "clear", root=root)
+    assert out.returncode == 0
+    assert f"removed 5 configuration(s) from {root}" in out.stdout
+    assert entry_dirs(root) == [] and list(root.iterdir()) == []
+    listed = run_cli("cache", "list", root=root)
+    assert listed.returncode == 0 and listed.stdout == ""
+    verified = run_cli("cache", "verify", root=root)
+    assert verified.returncode == 0 and "0 of 0 entries verified" in verified.stdout
+
+
+@pytest.mark.parametrize("argv,names", [
+    pytest.param(["--head-dim", "96", "--dtype", "bfloat16"],
+                 ["head_dim_qk=96", "Supported: head_dim in (64, 128, 256)", "Nearest working choice", "_d64_"],
+                 id="head_dim-96"),
+    pytest.param(["--dtype", "float64", "--head-dim", "64"], ["dtype", "bfloat16", "float16", "float32", "float64"],
+                 id="dtype-float64"),
+    pytest.param(["--backend", "fa3", "--dtype", "bf16", "--head-dim", "128"],
+                 ["backend fa3", "Supported: backend='fa2'", "Nearest working choice", "_fa2_"], id="fa3"),
+    pytest.param(["--dtype", "float32", "--tensor-cores", "on", "--head-dim", "64"], ["the selection is empty"],
+                 id="fp32-tensor-cores-only"),
+])
+def test_invalid_selection_exits_2_naming_what_is_supported(tmp_path, argv, names):
+    root = tmp_path / "cache"
+    out = run_cli("prewarm", *argv, "--arch", "sm_80", root=root, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith("flashjit prewarm: ")
+    for name in names:
+        assert name in out.stderr, f"{name!r} not in {out.stderr!r}"
+    assert "Traceback" not in out.stderr
+    assert not root.exists(), "nothing may be built or created for an invalid selection"
+
+
+def test_unknown_arch_exits_1_with_the_supported_arches(tmp_path):
+    args = [a if a != "sm_80" else "sm_75" for a in PREWARM]
+    out = run_cli(*args, root=tmp_path / "cache", timeout=120)
+    assert out.returncode == 1
+    assert "sm_75" in out.stderr and "sm_80" in out.stderr and "sm_90a" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_prewarm_without_nvcc_exits_1_with_the_fix(tmp_path):
+    """No nvcc anywhere (find_nvcc patched in the child: /usr/local/cuda may exist here)."""
+    probe = ("import sys; import flashjit.arch as a; a.find_nvcc = lambda: None; "
+             "from flashjit.cli import main; sys.exit(main(sys.argv[1:]))")
+    root = tmp_path / "cache"
+    out = subprocess.run([sys.executable, "-c", probe, *PREWARM], cwd=REPO, env=subprocess_env(root),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "nvcc was not found" in out.stderr and "CUDA_HOME" in out.stderr and "PATH" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert entry_dirs(root) == []
+
+
+def test_bad_subcommand_and_missing_action_exit_2(tmp_path):
+    for argv in (["frobnicate"], ["cache"], ["cache", "delete"]):
+        out = run_cli(*argv, root=tmp_path / "cache", timeout=120)
+        assert out.returncode == 2 and "usage:" in out.stderr
