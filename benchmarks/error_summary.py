@@ -18,7 +18,9 @@ def main() -> int:
     parser.add_argument("report")
     parser.add_argument("--out")
     args = parser.parse_args()
-    rows = json.load(open(args.report))
+    all_rows = json.load(open(args.report))
+    rows = [r for r in all_rows if r["what"] != "tc_vs_cc"]
+    paths = [r for r in all_rows if r["what"] == "tc_vs_cc"]
     by_config = defaultdict(list)
     for row in rows:
         by_config[row["config"]].append(row)
@@ -39,6 +41,12 @@ def main() -> int:
     lines += ["", f"{len(rows)} cases, {len(by_config)} configurations; over the bound: {len(over)}; "
                   f"looser than 20x (worst err/bound < 0.05): {len(loose)}"]
     lines += ["worst err/bound by dtype: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(by_dtype.items()))]
+    if paths:
+        lines += ["", "Tensor-core vs CUDA-core outputs on the same inputs (bound: the sum of the two profiles):", "",
+                  "| case | max diff | mean diff | max diff / bound |", "|---|---|---|---|"]
+        lines += [f"| {r['config']} | {r['max_err']:.2e} | {r['mean_err']:.2e} | {r['ratio']:.3f} |"
+                  for r in sorted(paths, key=lambda r: r["config"])]
+        over += [r["config"] for r in paths if r["ratio"] > 1]
     text = "\n".join(lines)
     print(text)
     if args.out:

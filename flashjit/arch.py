@@ -151,23 +151,28 @@ def gencode_flags(arches) -> list[str]:
     return [ARCHES[a][0] for a in arches]
 
 
-def choose_backend(dtype: str, use_tensor_cores: bool | None, backend: str) -> tuple[str, bool, str]:
-    """Resolves backend='auto' / use_tensor_cores=None for this process's device.
+def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: str) -> tuple[str, bool, str]:
+    """Resolves backend='auto' / use_tensor_cores=None: returns (backend,
+    use_tensor_cores, reason). Tensor cores (fa2, mma.sync, SM80+) for fp16/bf16
+    prefill; CUDA cores for fp32 and for decode, whose single query row per head
+    gains nothing from a 16-row MMA until heads are packed into it. fa3 (wgmma)
+    is not generated yet, so auto never picks it."""
+    from .spec import TENSOR_CORE_DTYPES, TENSOR_CORE_OPS
 
-    Returns (backend, use_tensor_cores, reason). Tensor-core kernels are not
-    generated yet, so auto picks the CUDA-core kernels and says so.
-    """
     if backend not in ("auto", "fa2", "fa3"):
         raise ValueError(f"backend: expected 'auto', 'fa2' or 'fa3', got {backend!r}")
     if use_tensor_cores is None:
-        use_tensor_cores = False
-        reason = ("float32 runs on CUDA cores only" if dtype == "float32"
-                  else "tensor-core kernels are not generated yet; CUDA-core kernels keep fp32 softmax and P.V")
+        if dtype not in TENSOR_CORE_DTYPES:
+            use_tensor_cores, reason = False, f"{dtype} runs on CUDA cores only"
+        elif op not in TENSOR_CORE_OPS:
+            use_tensor_cores, reason = False, f"{op} runs on CUDA cores (fp32 softmax and P.V)"
+        else:
+            use_tensor_cores, reason = True, f"{dtype} {op} runs on tensor cores"
     else:
         reason = f"use_tensor_cores={use_tensor_cores} was requested"
     if backend == "auto":
         backend = "fa2"
-        reason += "; fa2 (SM80+) is the only backend generated so far"
+        reason += "; fa2 (SM80+: mma.sync, cp.async), as fa3 is not generated yet"
     else:
         reason += f"; backend={backend} was requested"
     return backend, use_tensor_cores, reason

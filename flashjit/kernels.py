@@ -49,6 +49,36 @@ def cuda_core_tiling(spec: KernelSpec) -> CudaCoreTiling:
     raise ValueError(f"{spec.name}: no CUDA-core tiling fits {SMEM_BUDGET} bytes of shared memory")
 
 
+@dataclass(frozen=True)
+class Fa2Tiling:
+    warps: int
+    keys_per_tile: int
+    stages: int
+    q_in_regs: bool
+    min_blocks_per_sm: int
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        """Mirror of Fa2Traits::kSmemBytes (fa2_attention.cuh): Q tile + K/V stages."""
+        d = spec.head_dim_qk
+        return 2 * 16 * self.warps * d + self.stages * 2 * self.keys_per_tile * d * 2
+
+
+# Per head_dim: the largest tiles that build without spills on sm_80/89/90a and
+# fit SMEM_BUDGET (d256 must re-read Q from shared memory; d64 needs the
+# 3-CTA register cap, which also keeps ptxas from spilling). docs/kernels.md.
+FA2_TILINGS = {
+    64: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=3),
+    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2),
+    256: Fa2Tiling(warps=4, keys_per_tile=32, stages=2, q_in_regs=False, min_blocks_per_sm=2),
+}
+
+
+def fa2_tiling(spec: KernelSpec) -> Fa2Tiling:
+    tiling = FA2_TILINGS[spec.head_dim_qk]
+    assert tiling.smem_bytes(spec) <= SMEM_BUDGET, spec.name
+    return tiling
+
+
 def template_for(spec: KernelSpec) -> tuple[str, dict]:
     """The template file and its context for a validated spec."""
     context = {
@@ -66,4 +96,7 @@ def template_for(spec: KernelSpec) -> tuple[str, dict]:
     if not spec.use_tensor_cores:
         context["tiling"] = cuda_core_tiling(spec)
         return "attention_cuda_core.cu.jinja", context
-    raise ValueError(f"{spec.name}: no template generates tensor-core kernels yet")
+    if spec.backend == "fa2":
+        context["tiling"] = fa2_tiling(spec)
+        return "attention_fa2.cu.jinja", context
+    raise ValueError(f"{spec.name}: no template generates backend {spec.backend} yet")

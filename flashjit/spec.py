@@ -29,6 +29,7 @@ PLANNED_OPS = {"batch_prefill_paged": "batch_prefill_ragged", "batch_decode_page
 HEAD_DIMS = (64, 128, 256)
 BACKENDS = ("fa2", "fa3")
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
+TENSOR_CORE_OPS = ("single_prefill", "batch_prefill_ragged")
 
 
 def canonical_dtype(dtype) -> str:
@@ -129,9 +130,9 @@ class KernelSpec:
             fail(f"use_tensor_cores=True with {self.dtype_q}",
                  f"tensor cores with {TENSOR_CORE_DTYPES}; float32 runs on CUDA cores",
                  self.replace(use_tensor_cores=False))
-        if self.use_tensor_cores:
-            fail("tensor-core kernels are not generated yet",
-                 "use_tensor_cores=False (CUDA-core kernels, fp32 softmax and P.V)",
+        if self.use_tensor_cores and self.op not in TENSOR_CORE_OPS:
+            fail(f"tensor-core {self.op} is not generated yet",
+                 f"tensor cores for {', '.join(TENSOR_CORE_OPS)}; {self.op} on CUDA cores",
                  self.replace(use_tensor_cores=False, backend="fa2"))
         if self.backend == "fa3":
             fail("backend fa3 is not generated yet", "backend='fa2'", self.replace(backend="fa2"))

@@ -10,6 +10,10 @@ import torch
 from flashjit.spec import KernelSpec
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# (dtype, use_tensor_cores) pairs that exist: tensor cores take fp16/bf16 only.
+DTYPE_CORES = [(torch.float16, False), (torch.float16, True), (torch.bfloat16, False), (torch.bfloat16, True),
+               (torch.float32, False)]
+TENSOR_CORE_OPS = ("single_prefill", "batch_prefill_ragged")
 HEAD_DIMS = [64, 128, 256]
 CAUSAL = [False, True]
 # (num_qo_heads, num_kv_heads): MHA, GQA 4, GQA 8 = MQA with 8 query heads.
@@ -23,15 +27,22 @@ def variant_kwargs(variant: str) -> dict:
             "lse": {"return_lse": True}}[variant]
 
 
-def spec_for(op: str, dtype, head_dim: int, causal: bool = False, variant: str = "plain") -> KernelSpec:
-    return KernelSpec.make(op, dtype, head_dim, causal=causal and op != "single_decode",
+def cores_id(pair) -> str:
+    return f"{str(pair[0]).removeprefix('torch.')}-{'tc' if pair[1] else 'cc'}"
+
+
+def spec_for(op: str, dtype, head_dim: int, causal: bool = False, variant: str = "plain",
+             tensor_cores: bool = False) -> KernelSpec:
+    return KernelSpec.make(op, dtype, head_dim, causal=causal and op != "single_decode", use_tensor_cores=tensor_cores,
                            sliding_window=variant == "window", soft_cap=variant == "softcap",
                            return_lse=variant == "lse" or op == "batch_prefill_ragged")
 
 
 def all_specs() -> list[KernelSpec]:
     specs = []
-    for op, dtype, head_dim, causal, variant in itertools.product(
-            ["single_prefill", "single_decode", "batch_prefill_ragged"], DTYPES, HEAD_DIMS, CAUSAL, VARIANTS):
-        specs.append(spec_for(op, dtype, head_dim, causal, variant))
+    for op, (dtype, tc), head_dim, causal, variant in itertools.product(
+            ["single_prefill", "single_decode", "batch_prefill_ragged"], DTYPE_CORES, HEAD_DIMS, CAUSAL, VARIANTS):
+        if tc and op not in TENSOR_CORE_OPS:
+            continue
+        specs.append(spec_for(op, dtype, head_dim, causal, variant, tc))
     return list(dict.fromkeys(specs))

@@ -211,9 +211,9 @@ def test_bad_soft_cap(cap):
         _checks.variant_values(None, 128, -1, cap)
 
 
-@pytest.mark.parametrize("scale", [math.inf, math.nan])
+@pytest.mark.parametrize("scale", [math.inf, math.nan, 0.0, -0.125])
 def test_bad_sm_scale(scale):
-    with pytest.raises(ValueError, match=r"^sm_scale: expected a finite number"):
+    with pytest.raises(ValueError, match=r"^sm_scale: expected a finite positive number"):
         _checks.variant_values(scale, 128, -1, None)
 
 

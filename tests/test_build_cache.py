@@ -40,8 +40,14 @@ REPRESENTATIVE = [
     KernelSpec.make("batch_prefill_ragged", "float16", 256, causal=True, return_lse=True),
     KernelSpec.make("batch_prefill_ragged", "bfloat16", 64, sliding_window=True, return_lse=True),
     KernelSpec.make("batch_prefill_ragged", "float32", 128, causal=True, soft_cap=True, return_lse=True),
+    # Tensor cores (fa2): one configuration per head_dim, the register-tightest variants.
+    KernelSpec.make("single_prefill", "bfloat16", 64, use_tensor_cores=True, causal=True),
+    KernelSpec.make("single_prefill", "float16", 128, use_tensor_cores=True, soft_cap=True, return_lse=True),
+    KernelSpec.make("batch_prefill_ragged", "bfloat16", 256, use_tensor_cores=True, sliding_window=True,
+                    return_lse=True),
 ]
 IDS = [s.name for s in REPRESENTATIVE]
+
 
 def _spill_params():
     for spec in REPRESENTATIVE:
@@ -169,8 +175,12 @@ def test_no_register_spills(representative, spec, arch_name):
 def test_artifact_loads_without_a_gpu(representative, spec):
     entry = representative.results[spec].entry
     module = loader.load_library(spec, entry.artifact, entry.manifest)
-    tiling = kernels.cuda_core_tiling(spec)
-    assert module.rows_per_cta == tiling.rows_per_warp * tiling.row_warps > 0
+    if spec.use_tensor_cores:  # 16 rows per warp: one m16 MMA tile
+        expected = 16 * kernels.fa2_tiling(spec).warps
+    else:
+        tiling = kernels.cuda_core_tiling(spec)
+        expected = tiling.rows_per_warp * tiling.row_warps
+    assert module.rows_per_cta == expected > 0
     # The library speaks the ABI of the header it was built from, which is the host's.
     header = (entry.path / "include" / "flashjit" / "attention_params.cuh").read_text()
     abi = int(re.search(r"#define FLASHJIT_ABI_VERSION (\d+)", header).group(1))

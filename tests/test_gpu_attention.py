@@ -11,7 +11,7 @@ import torch
 import flashjit
 from flashjit.reference import attention_reference, ragged_reference
 from flashjit.error_model import evaluate_lse, measure, profile
-from sweep import CAUSAL, DTYPES, HEAD_DIMS, HEADS, VARIANTS, spec_for, variant_kwargs
+from sweep import CAUSAL, DTYPE_CORES, DTYPES, HEAD_DIMS, HEADS, VARIANTS, cores_id, spec_for, variant_kwargs
 
 pytestmark = pytest.mark.gpu
 
@@ -44,21 +44,22 @@ def check(spec, out, ref, q, k, v, kv_len, sm_scale, report, what, lse=None, ref
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype,tensor_cores", DTYPE_CORES, ids=[cores_id(p) for p in DTYPE_CORES])
 @pytest.mark.parametrize("qo_len,kv_len", [(1, 1), (37, 300), (128, 128), (300, 1000), (513, 77), (16, 5000)])
-def test_single_prefill(prewarmed, error_report, dtype, head_dim, causal, heads, variant, qo_len, kv_len):
+def test_single_prefill(prewarmed, error_report, dtype, tensor_cores, head_dim, causal, heads, variant, qo_len,
+                        kv_len):
     num_qo, num_kv = heads
     q = randn(qo_len, num_qo, head_dim, dtype=dtype)
     k = randn(kv_len, num_kv, head_dim, dtype=dtype)
     v = randn(kv_len, num_kv, head_dim, dtype=dtype)
     kw = variant_kwargs(variant)
     poison_allocator()
-    result = flashjit.single_prefill_with_kv_cache(q, k, v, causal=causal, **kw)
+    result = flashjit.single_prefill_with_kv_cache(q, k, v, causal=causal, use_tensor_cores=tensor_cores, **kw)
     torch.cuda.synchronize()
     out, lse = result if kw.get("return_lse") else (result, None)
     ref, ref_lse = attention_reference(q, k, v, causal=causal, window_left=kw.get("window_left", -1),
                                        logits_soft_cap=kw.get("logits_soft_cap"))
-    spec = spec_for("single_prefill", dtype, head_dim, causal, variant)
+    spec = spec_for("single_prefill", dtype, head_dim, causal, variant, tensor_cores)
     check(spec, out, ref, q, k, v, kv_len, 1 / math.sqrt(head_dim), error_report, "single_prefill",
           lse=lse, ref_lse=ref_lse if lse is not None else None, shape=f"{qo_len}x{kv_len}", heads=heads)
 
@@ -99,8 +100,8 @@ RAGGED_BATCHES = {
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_batch_prefill_ragged(prewarmed, error_report, dtype, head_dim, causal, heads, batch):
+@pytest.mark.parametrize("dtype,tensor_cores", DTYPE_CORES, ids=[cores_id(p) for p in DTYPE_CORES])
+def test_batch_prefill_ragged(prewarmed, error_report, dtype, tensor_cores, head_dim, causal, heads, batch):
     num_qo, num_kv = heads
     qo_lens, kv_lens = RAGGED_BATCHES[batch]
     qo_indptr = torch.tensor([0] + qo_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -109,13 +110,14 @@ def test_batch_prefill_ragged(prewarmed, error_report, dtype, head_dim, causal, 
     k = randn(int(kv_indptr[-1]), num_kv, head_dim, dtype=dtype)
     v = randn(int(kv_indptr[-1]), num_kv, head_dim, dtype=dtype)
     wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
-    wrapper.plan(qo_indptr, kv_indptr, num_qo, num_kv, head_dim, causal=causal, q_data_type=dtype)
+    wrapper.plan(qo_indptr, kv_indptr, num_qo, num_kv, head_dim, causal=causal, q_data_type=dtype,
+                 use_tensor_cores=tensor_cores)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], num_qo), float("nan"), device="cuda")
     wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
     torch.cuda.synchronize()
     ref, ref_lse = ragged_reference(q, k, v, qo_indptr.tolist(), kv_indptr.tolist(), causal=causal)
-    spec = spec_for("batch_prefill_ragged", dtype, head_dim, causal)
+    spec = spec_for("batch_prefill_ragged", dtype, head_dim, causal, tensor_cores=tensor_cores)
     check(spec, out, ref, q, k, v, max(kv_lens), 1 / math.sqrt(head_dim), error_report, "batch_prefill_ragged",
           lse=lse, ref_lse=ref_lse, shape=batch, heads=heads)
     # Running again without LSE through the same plan gives the same output bit for bit.
@@ -124,8 +126,8 @@ def test_batch_prefill_ragged(prewarmed, error_report, dtype, head_dim, causal, 
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_extreme_inputs_stay_finite(prewarmed, error_report, dtype, head_dim):
+@pytest.mark.parametrize("dtype,tensor_cores", DTYPE_CORES, ids=[cores_id(p) for p in DTYPE_CORES])
+def test_extreme_inputs_stay_finite(prewarmed, error_report, dtype, tensor_cores, head_dim):
     """Peaked softmax (q x8), V outliers (1% x20), huge logits and all-masked rows:
     within the profile where the reference is finite, never NaN."""
     qo_len, kv_len = 200, 600
@@ -134,13 +136,14 @@ def test_extreme_inputs_stay_finite(prewarmed, error_report, dtype, head_dim):
     v = randn(kv_len, 4, head_dim, dtype=dtype)
     outliers = torch.rand(kv_len, 4, 1, device="cuda") < 0.01
     v = torch.where(outliers, v.float() * 20, v.float()).to(dtype)
-    out = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True)
+    out = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, use_tensor_cores=tensor_cores)
     ref, _ = attention_reference(q, k, v, causal=True)
-    check(spec_for("single_prefill", dtype, head_dim, True), out, ref, q, k, v, kv_len, 1 / math.sqrt(head_dim),
+    check(spec_for("single_prefill", dtype, head_dim, True, tensor_cores=tensor_cores), out, ref, q, k, v, kv_len, 1 / math.sqrt(head_dim),
           error_report, "peaked+outliers", shape=f"{qo_len}x{kv_len}", heads=(4, 4))
     # qo_len > kv_len with causal: the first rows see no key at all -> 0 and LSE -inf.
     big_q = randn(50, 4, head_dim, dtype=dtype, scale=300.0 if dtype != torch.float16 else 30.0)
-    out, lse = flashjit.single_prefill_with_kv_cache(big_q, k[:20], v[:20], causal=True, return_lse=True)
+    out, lse = flashjit.single_prefill_with_kv_cache(big_q, k[:20], v[:20], causal=True, return_lse=True,
+                                                     use_tensor_cores=tensor_cores)
     assert torch.isfinite(out).all()
     assert (out[:30] == 0).all() and torch.isneginf(lse[:30]).all() and torch.isfinite(lse[30:]).all()
 
@@ -177,3 +180,28 @@ def test_bad_runtime_input_on_gpu(prewarmed):
         flashjit.single_prefill_with_kv_cache(q, misaligned, k)
     with pytest.raises(ValueError, match="k: expected a CUDA tensor"):
         flashjit.single_prefill_with_kv_cache(q, k.cpu(), k)
+
+
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_tensor_cores_against_cuda_cores(prewarmed, error_report, dtype, head_dim, causal):
+    """The two paths users compare: within the sum of their two profiles."""
+    q = randn(300, 8, head_dim, dtype=dtype)
+    k = randn(2000, 2, head_dim, dtype=dtype)
+    v = randn(2000, 2, head_dim, dtype=dtype)
+    tc = flashjit.single_prefill_with_kv_cache(q, k, v, causal=causal, use_tensor_cores=True)
+    cc = flashjit.single_prefill_with_kv_cache(q, k, v, causal=causal, use_tensor_cores=False)
+    ref, _ = attention_reference(q, k, v, causal=causal)
+    sm_scale = 1 / math.sqrt(head_dim)
+    bound = (flashjit.tolerance(spec_for("single_prefill", dtype, head_dim, causal, tensor_cores=True), q=q, k=k,
+                                v=v, kv_len=2000, sm_scale=sm_scale)
+             + flashjit.tolerance(spec_for("single_prefill", dtype, head_dim, causal), q=q, k=k, v=v, kv_len=2000,
+                                  sm_scale=sm_scale))
+    diff = (tc.double() - cc.double()).abs()
+    ratio = float((diff / bound.bound(ref)).max())
+    assert ratio <= 1.0, f"tensor-core and CUDA-core outputs differ by {float(diff.max()):.3e}, past the sum of bounds"
+    short = {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    error_report.append({"config": f"tc_vs_cc_{short}_d{head_dim}{'_causal' if causal else ''}", "what": "tc_vs_cc", "ratio": ratio,
+                         "max_err": float(diff.max()), "mean_err": float(diff.mean()), "rtol": bound.rtol,
+                         "atol": bound.atol})

@@ -103,8 +103,8 @@ def variant_values(sm_scale, head_dim: int, window_left: int, logits_soft_cap) -
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     sm_scale = float(sm_scale)
-    if not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale: expected a finite number, got {sm_scale}")
+    if not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale: expected a finite positive number, got {sm_scale}")
     window_left = -1 if window_left is None else int(window_left)
     if window_left < -1:
         raise ValueError(f"window_left: expected -1 (no window) or >= 0, got {window_left}")

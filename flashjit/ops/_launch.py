@@ -22,7 +22,7 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
                 causal: bool, window: bool, soft_cap: bool, return_lse: bool) -> KernelSpec:
     """Resolves backend/tensor cores (logging the choice once per configuration) and validates."""
     name = canonical_dtype(dtype)
-    chosen_backend, tc, reason = arch.choose_backend(name, use_tensor_cores, backend)
+    chosen_backend, tc, reason = arch.choose_backend(op, name, use_tensor_cores, backend)
     spec = KernelSpec.make(op, name, head_dim, backend=chosen_backend, use_tensor_cores=tc, causal=bool(causal),
                            sliding_window=window, soft_cap=soft_cap, return_lse=return_lse).validate()
     if (backend == "auto" or use_tensor_cores is None) and spec not in _announced:
@@ -74,6 +74,7 @@ class Prepared:
     group: int = 1                         # query heads per KV head
     extra_pointers: tuple = (0, 0, 0, 0)   # qo_indptr, kv_indptr, work_request, work_tile
     split_ctas: int = 0                    # split the keys while fewer CTAs than this; 0: never
+    aligned_args: tuple = ("k", "v")       # tensors the kernel reads with 16-byte vectors
 
     @staticmethod
     def make(module: KernelModule, params: AttentionParams, out_shape, lse_shape, device: torch.device,
@@ -81,9 +82,11 @@ class Prepared:
         """split: single-request launches may split the keys across CTAs
         (flash-decoding) when the grid would not fill the GPU twice over."""
         split_ctas = 2 * torch.cuda.get_device_properties(device).multi_processor_count if split else 0
+        # Tensor-core kernels also copy Q (and write O) in 16-byte vectors.
+        aligned = ("q", "k", "v", "out") if module.spec.use_tensor_cores else ("k", "v")
         return Prepared(module, bytes(params)[_PER_CALL.size:], tuple(out_shape) if out_shape else (),
                         tuple(lse_shape) if lse_shape is not None else None, device.index, group,
-                        tuple(extra_pointers), split_ctas)
+                        tuple(extra_pointers), split_ctas, aligned)
 
     @property
     def num_kv_heads(self) -> int:
@@ -105,11 +108,12 @@ class Prepared:
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None, num_work: int = 0, qo_len: int = 0, kv_len: int = 0) -> None:
-        kp, vp = k.data_ptr(), v.data_ptr()
-        if (kp | vp) & 15:
-            bad = "k" if kp & 15 else "v"
-            raise ValueError(f"{bad}: expected a 16-byte aligned tensor (e.g. .contiguous()), got data_ptr % 16 = "
-                             f"{(kp if bad == 'k' else vp) % 16}")
+        qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if (kp | vp | (qp | op if len(self.aligned_args) > 2 else 0)) & 15:
+            for name, ptr in zip(("q", "k", "v", "out"), (qp, kp, vp, op)):
+                if name in self.aligned_args and ptr & 15:
+                    raise ValueError(f"{name}: expected a 16-byte aligned tensor (e.g. .contiguous()), "
+                                     f"got data_ptr % 16 = {ptr % 16}")
         splits, chunk = self._split(num_work, kv_len)
         if splits > 1:
             # Freed when this call returns: the caching allocator hands the block out
@@ -120,7 +124,7 @@ class Prepared:
             partial_lse = partial_o + 4 * rows * splits * dim
         else:
             partial_o = partial_lse = 0
-        params = _PER_CALL.pack(q.data_ptr(), kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+        params = _PER_CALL.pack(qp, kp, vp, op, 0 if lse is None else lse.data_ptr(),
                                 *self.extra_pointers, partial_o, partial_lse, num_work, qo_len, kv_len, splits,
                                 chunk) + self.tail
         if self.device_index != _current_device():
@@ -171,11 +175,14 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device_index: torch.cuda.current_stream(device_index).cuda_stream)
 
 
-def check_placement(q, k, v) -> None:
-    """After every structural and scalar check: devices, then 16-byte alignment of K/V."""
+def check_placement(q, k, v, spec: KernelSpec) -> None:
+    """After every structural and scalar check: devices, then 16-byte alignment of
+    what the kernel reads with vectors (K/V; Q too on tensor cores)."""
     _checks.check_device("q", q)
     _checks.check_device("k", k, q.device)
     _checks.check_device("v", v, q.device)
+    if spec.use_tensor_cores:
+        _checks.check_vector_aligned("q", q)
     _checks.check_vector_aligned("k", k)
     _checks.check_vector_aligned("v", v)
 

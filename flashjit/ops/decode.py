@@ -37,9 +37,9 @@ def _prepare(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k
     _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout, q_ndim=2)
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
-    check_placement(q, k, v)
     spec = select_spec("single_decode", q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores,
                        causal=False, window=has_window, soft_cap=has_cap, return_lse=return_lse)
+    check_placement(q, k, v, spec)
     module = jit.get_module(spec)
     # The output is allocated [heads, dim] contiguous: the one token's head stride is dim.
     params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,

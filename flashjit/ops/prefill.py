@@ -55,9 +55,9 @@ def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, cust
         raise ValueError(f"o_dtype: expected None or {q.dtype} (the output has q's dtype), got {o_dtype}")
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
-    check_placement(q, k, v)
     spec = select_spec("single_prefill", q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores,
                        causal=causal, window=has_window, soft_cap=has_cap, return_lse=return_lse)
+    check_placement(q, k, v, spec)
     module = jit.get_module(spec)
     params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
                          window_left, cap)
@@ -164,7 +164,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
     def _prepare(self, q, k, v) -> Prepared:
         plan = self._plan
         _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, self._kv_layout)
-        check_placement(q, k, v)
+        check_placement(q, k, v, plan["module"].spec)
         if q.device != self._device:
             raise ValueError(f"q: expected a tensor on {self._device} (the workspace's device), got {q.device}")
         if (num_qo_heads, num_kv_heads, head_dim) != (plan["num_qo_heads"], plan["num_kv_heads"], plan["head_dim"]):

@@ -232,7 +232,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int rows_total = w.qo_len * w.group;
   if (w.row_begin >= rows_total) return;  // uniform across the CTA
   const int offset = w.kv_len - w.qo_len;
-  const int window_left = Traits::kWindow ? p.window_left : 0;
+  // Clamped so that q + offset - window_left cannot overflow int; any window
+  // of 2^30 keys or more already covers every key.
+  const int window_left = Traits::kWindow ? min(p.window_left, 1 << 30) : 0;
   const Mask<Traits::kCausal, Traits::kWindow> mask{offset, window_left};
 
   // Key range any row of the CTA can see, from a KEYS-aligned start.
