@@ -14,7 +14,7 @@ if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .whl/site ]; then
   pip install -q --no-deps --target .whl/site .whl/*.whl > "$OUT/flashinfer_install.log" 2>&1 || true
 fi
 if [ -d .whl/site ]; then
-  export PYTHONPATH=$PYTHONPATH:$PWD/.whl/site FLASHINFER_CUDA_ARCH_LIST=9.0a
+  export PYTHONPATH=$PYTHONPATH:$PWD/.whl/site FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
 fi
 status=0
 python3 -m flashjit info 2>&1 | tee "$OUT/info.txt"

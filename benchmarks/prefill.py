@@ -1,8 +1,10 @@
 """Prefill throughput, side by side in one run on one GPU: flashjit against
-PyTorch SDPA (flash and cuDNN backends) and FlashInfer when importable.
+PyTorch SDPA (flash and cuDNN backends) and FlashInfer (fa2, fa3) when importable.
 
-batch * seqlen = 16k tokens, heads * head_dim = 2048, TFLOP/s = 4*B*H*S^2*D / t
-(halved when causal). Also a single-decode row (GB/s of K/V read).
+batch * seqlen = 16k tokens, heads * head_dim = 2048, bf16, TFLOP/s =
+4*B*H*S^2*D / t (halved when causal). Batches run through the ragged wrappers
+(flashjit, FlashInfer) and SDPA's batched call. A skewed ragged batch (one long
+request among many short ones) and a long-context single decode close the table.
 
 Usage: python benchmarks/prefill.py [--quick] [--out results.md]
 """
@@ -32,54 +34,74 @@ def bench_ms(fn, reps: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def indptr(lengths) -> torch.Tensor:
+    return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def flashjit_ragged(qo_lens, kv_lens, h, d, causal, dtype, use_tensor_cores=None):
+    w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    w.plan(indptr(qo_lens), indptr(kv_lens), h, h, d, causal=causal, q_data_type=dtype,
+           use_tensor_cores=use_tensor_cores)
+    return w.run
+
+
+def flashinfer_ragged(backend):
+    import flashinfer
+
+    def make(qo_lens, kv_lens, h, d, causal, dtype):
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+        w.plan(indptr(qo_lens).cuda(), indptr(kv_lens).cuda(), h, h, d, causal=causal, q_data_type=dtype)
+        return w.run
+    return make
+
+
 def sdpa(backend):
     from torch.nn.attention import sdpa_kernel
 
-    def run(q, k, v, causal):  # q/k/v [B, S, H, D] -> SDPA wants [B, H, S, D]
-        with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
-    return run
+    def make(qo_lens, kv_lens, h, d, causal, dtype):
+        if len(set(qo_lens)) != 1 or qo_lens != kv_lens:
+            raise NotImplementedError("SDPA takes equal-length batches only")
+        b, s = len(qo_lens), qo_lens[0]
+
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    *(t.view(b, s, h, d).transpose(1, 2) for t in (q, k, v)), is_causal=causal)
+        return run
+    return make
 
 
-def flashjit_prefill(q, k, v, causal):
-    b, s, h, d = q.shape
-    if b == 1:
-        return flashjit.single_prefill_with_kv_cache(q[0], k[0], v[0], causal=causal)
-    wrapper = _wrappers.setdefault((b, s, h, d, causal), _plan(b, s, h, d, causal, q.dtype))
-    return wrapper.run(q.view(b * s, h, d), k.view(b * s, h, d), v.view(b * s, h, d))
-
-
-_wrappers: dict = {}
-
-
-def _plan(b, s, h, d, causal, dtype):
-    w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
-    indptr = torch.arange(b + 1, dtype=torch.int32) * s
-    w.plan(indptr, indptr, h, h, d, causal=causal, q_data_type=dtype)
-    return w
-
-
-def peers():
+def implementations() -> dict:
     from torch.nn.attention import SDPBackend
 
-    out = {"flashjit (auto)": flashjit_prefill, "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
-           "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    impls = {"flashjit fa2": flashjit_ragged,
+             "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
     try:
-        import flashinfer
+        import flashinfer  # noqa: F401
 
-        def fi(backend):
-            def run(q, k, v, causal):
-                b, s, h, d = q.shape
-                outs = [flashinfer.single_prefill_with_kv_cache(q[i], k[i], v[i], causal=causal, backend=backend)
-                        for i in range(b)]
-                return outs
-            return run
-        out["flashinfer-fa2"] = fi("fa2")
-        out["flashinfer-fa3"] = fi("fa3")
+        impls["flashinfer-fa2"] = flashinfer_ragged("fa2")
+        impls["flashinfer-fa3"] = flashinfer_ragged("fa3")
     except Exception as exc:  # not installed, or no kernels for this GPU
-        print(f"flashinfer not available: {exc}", file=sys.stderr)
-    return out
+        print(f"flashinfer not available: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return impls
+
+
+def run_row(impls, qo_lens, kv_lens, h, d, causal, flops, reps) -> list[str]:
+    dtype = torch.bfloat16
+    q = torch.randn(sum(qo_lens), h, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(sum(kv_lens), h, d, device="cuda", dtype=dtype) for _ in range(2))
+    cells = []
+    for name, make in impls.items():
+        try:
+            fn = make(qo_lens, kv_lens, h, d, causal, dtype)
+            ms = bench_ms(lambda: fn(q, k, v), reps=reps)
+            cells.append(f"{flops / ms / 1e9:.0f}")
+        except Exception as exc:
+            cells.append("n/a")
+            print(f"{name} d={d} {len(qo_lens)}x{qo_lens[0]}: {type(exc).__name__}: {str(exc)[:200]}",
+                  file=sys.stderr)
+    return cells
 
 
 def main() -> int:
@@ -88,35 +110,31 @@ def main() -> int:
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
-    dev = torch.cuda.get_device_name()
     head_dims = [128] if args.quick else [64, 128, 256]
     seqlens = [1024, 4096] if args.quick else [1024, 4096, 16384]
-    impls = peers()
-    lines = [f"device: {dev}", "", "| head_dim | S | causal | " + " | ".join(impls) + " |",
-             "|---|---|---|" + "---|" * len(impls)]
+    impls = implementations()
+    lines = [f"device: {torch.cuda.get_device_name()}, bf16, TFLOP/s", "",
+             "| head_dim | batch x S | causal | " + " | ".join(impls) + " |", "|---|---|---|" + "---|" * len(impls)]
     for d in head_dims:
         h = 2048 // d
         for s in seqlens:
             b = 16384 // s
-            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             for causal in (False, True):
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                cells = []
-                for name, fn in impls.items():
-                    try:
-                        ms = bench_ms(lambda: fn(q, k, v, causal), reps=5 if s == 16384 else 10)
-                        cells.append(f"{flops / ms / 1e9:.0f}")
-                    except Exception as exc:
-                        cells.append("n/a")
-                        print(f"{name} d={d} S={s}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                lines.append(f"| {d} | {s} | {causal} | " + " | ".join(cells) + " |")
+                cells = run_row(impls, [s] * b, [s] * b, h, d, causal, flops, reps=5 if s == 16384 else 10)
+                lines.append(f"| {d} | {b} x {s} | {causal} | " + " | ".join(cells) + " |")
                 print(lines[-1], flush=True)
-    # Decode bandwidth: one request, 32 qo / 8 kv heads, head_dim 128, kv_len 32k.
+    # Skewed: one 16k request among 64 of 100 tokens, causal, head_dim 128.
+    qo_lens = [16384] + [100] * 64
+    flops = sum(4 * 16 * n * n * 128 / 2 for n in qo_lens)
+    cells = run_row(impls, qo_lens, qo_lens, 16, 128, True, flops, reps=5)
+    lines.append("| 128 | skewed 1x16k + 64x100 | True | " + " | ".join(cells) + " |")
+    # Long-context decode on CUDA cores (split-KV): 32 qo / 8 kv heads, head_dim 128, 32k keys.
     kv_len = 32768
     q = torch.randn(32, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(kv_len, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     ms = bench_ms(lambda: flashjit.single_decode_with_kv_cache(q, k, v))
-    lines += ["", f"single_decode bf16 d128 32/8 heads kv_len {kv_len}: {ms * 1e3:.1f} us, "
+    lines += ["", f"single_decode bf16 d128 32/8 heads kv_len {kv_len} (CUDA cores, split-KV): {ms * 1e3:.1f} us, "
                   f"{2 * k.numel() * 2 / ms / 1e6:.0f} GB/s of K/V read"]
     text = "\n".join(lines)
     print(text)
