@@ -1,0 +1,74 @@
+"""Registers, spills and shared memory of every kernel, from ptxas -v, for the
+tensor-core and CUDA-core configurations (one per op, dtype and head_dim, with
+the register-hungriest variant flags), on sm_80, sm_89 and sm_90a. Needs nvcc,
+no GPU. Writes the table that docs/kernels.md holds.
+
+Usage: python benchmarks/kernel_resources.py [--out docs/kernels.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from flashjit import jit, kernels
+from flashjit.spec import KernelSpec
+
+ARCHES = ("sm_80", "sm_89", "sm_90a")
+
+
+def specs() -> list[KernelSpec]:
+    out = []
+    for head_dim in (64, 128, 256):
+        for dtype in ("float16", "bfloat16"):
+            out.append(KernelSpec.make("single_prefill", dtype, head_dim, use_tensor_cores=True, causal=True,
+                                       soft_cap=True, return_lse=True))
+        for dtype in ("bfloat16", "float32"):
+            out.append(KernelSpec.make("single_prefill", dtype, head_dim, causal=True, soft_cap=True,
+                                       sliding_window=True, return_lse=True))
+            out.append(KernelSpec.make("single_decode", dtype, head_dim, soft_cap=True, sliding_window=True,
+                                       return_lse=True))
+    return out
+
+
+def smem_bytes(spec: KernelSpec) -> int:
+    if spec.use_tensor_cores:
+        return kernels.fa2_tiling(spec).smem_bytes(spec)
+    return kernels.cuda_core_tiling(spec).smem_bytes(spec)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as cache_dir:
+        os.environ["FLASHJIT_CACHE_DIR"] = cache_dir
+        results = jit.build_many(specs(), arches=ARCHES)
+        lines = ["| configuration | kernel | arch | registers | spill stores/loads (B) | stack (B) | "
+                 "dynamic smem (B) |", "|---|---|---|---|---|---|---|"]
+        spills = 0
+        for r in results:
+            for row in r.entry.manifest["resources"]:
+                kind = "attention" if "attention_kernel" in row["kernel"] else "split-KV merge"
+                smem = smem_bytes(r.spec) if kind == "attention" else 0
+                spills += row["spill_stores"] + row["spill_loads"]
+                lines.append(f"| {r.spec.name} | {kind} | {row['arch']} | {row.get('registers', '?')} | "
+                             f"{row['spill_stores']}/{row['spill_loads']} | {row['stack']} | {smem} |")
+    lines.append("")
+    lines.append(f"{len(results)} configurations x {len(ARCHES)} arches; total spilled bytes: {spills}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("# Kernel resources\n\nFrom `ptxas -v` (nvcc "
+                    f"{r.entry.manifest['key_inputs']['nvcc_version']}), written by "
+                    "`python benchmarks/kernel_resources.py --out docs/kernels.md`. Each configuration "
+                    "takes the variant flags that cost the most registers (causal, window, soft-cap, LSE).\n\n"
+                    + text + "\n")
+    return 1 if spills else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
