@@ -56,20 +56,30 @@ class Fa2Tiling:
     stages: int
     q_in_regs: bool
     min_blocks_per_sm: int
+    # m16 row fragments per warp (1 or 2): rows per warp = 16 * frags_m, and
+    # each K / V fragment read from shared memory feeds frags_m mma's.
+    frags_m: int = 1
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 16 * self.frags_m * self.warps
 
     def smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of Fa2Traits::kSmemBytes (fa2_attention.cuh): Q tile + K/V stages."""
         d = spec.head_dim_qk
-        return 2 * 16 * self.warps * d + self.stages * 2 * self.keys_per_tile * d * 2
+        return 2 * self.rows_per_cta * d + self.stages * 2 * self.keys_per_tile * d * 2
 
 
-# Per head_dim: the largest tiles that build without spills on sm_80/89/90a and
-# fit SMEM_BUDGET (d256 must re-read Q from shared memory; d64 needs the
-# 3-CTA register cap, which also keeps ptxas from spilling). docs/kernels.md.
+# Per head_dim: the tiles that build without spills on sm_80/89/90a and fit
+# SMEM_BUDGET. d64 and d128 run two m16 fragments per warp (32 rows, 128 per
+# CTA), so each K / V fragment read by ldmatrix feeds two mma's; d128 then must
+# re-read Q from shared memory and take 32-key tiles (64 spills) with a third
+# stage; d256 stays at one fragment per warp (its 128 O registers leave no
+# room). docs/fa2_notes.md.
 FA2_TILINGS = {
-    64: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=3),
-    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2),
-    256: Fa2Tiling(warps=4, keys_per_tile=32, stages=2, q_in_regs=False, min_blocks_per_sm=2),
+    64: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2),
+    128: Fa2Tiling(warps=4, keys_per_tile=32, stages=3, q_in_regs=False, min_blocks_per_sm=2, frags_m=2),
+    256: Fa2Tiling(warps=4, keys_per_tile=32, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=1),
 }
 
 

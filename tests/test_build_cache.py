@@ -175,8 +175,8 @@ def test_no_register_spills(representative, spec, arch_name):
 def test_artifact_loads_without_a_gpu(representative, spec):
     entry = representative.results[spec].entry
     module = loader.load_library(spec, entry.artifact, entry.manifest)
-    if spec.use_tensor_cores:  # 16 rows per warp: one m16 MMA tile
-        expected = 16 * kernels.fa2_tiling(spec).warps
+    if spec.use_tensor_cores:  # 16 rows per m16 MMA fragment, frags_m of them per warp
+        expected = kernels.fa2_tiling(spec).rows_per_cta
     else:
         tiling = kernels.cuda_core_tiling(spec)
         expected = tiling.rows_per_warp * tiling.row_warps

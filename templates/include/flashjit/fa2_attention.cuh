@@ -4,10 +4,11 @@
 // query head pairs of one KV head, token-major) of one request, grid
 // (num_work, num_kv_heads).
 //
-// Structure of one CTA (kWarps warps, 16 rows per warp):
+// Structure of one CTA (kWarps warps, 16 * kFragsM rows per warp):
 //   * Q (kRowsPerCta x D) and K/V tiles (kKeysPerTile x D) live in XOR-swizzled
 //     shared memory; K/V tiles stream through a kStages-deep cp.async ring.
-//   * Each warp computes S = Q.K^T for its 16 rows with mma.sync.m16n8k16
+//   * Each warp computes S = Q.K^T for its kFragsM m16 fragments of rows with
+//     mma.sync.m16n8k16 (each K / V B-fragment loaded once feeds kFragsM mma's)
 //     (fp32 accumulation), runs the online softmax on S in registers (fp32,
 //     exp2f, logits in log2 units), rounds P to the input dtype in registers and
 //     feeds it straight back as the A operand of O += P.V (V through ldmatrix.trans).
@@ -70,12 +71,15 @@
 
 namespace flashjit {
 
-template <class DType_, int kHeadDim_, int kWarps_, int kKeysPerTile_, int kStages_, bool kQInRegs_,
+template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kStages_, bool kQInRegs_,
           int kMinBlocksPerSm_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
 struct Fa2Traits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kWarps = kWarps_;
+  // m16 row fragments per warp (1 or 2): each K / V B-fragment loaded by
+  // ldmatrix feeds kFragsM mma's, so shared-memory traffic per FLOP is 1/kFragsM.
+  static constexpr int kFragsM = kFragsM_;
   static constexpr int kKeysPerTile = kKeysPerTile_;
   static constexpr int kStages = kStages_;
   // Q fragments held in registers for the whole KV loop (D/4 registers per
@@ -90,7 +94,7 @@ struct Fa2Traits {
   static constexpr bool kSoftCap = kSoftCap_;
   static constexpr bool kLse = kLse_;
 
-  static constexpr int kRowsPerWarp = 16;
+  static constexpr int kRowsPerWarp = 16 * kFragsM;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRowsPerCta = kRowsPerWarp * kWarps;
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks of one row
@@ -101,6 +105,7 @@ struct Fa2Traits {
   static_assert(kHeadDim % 64 == 0, "head_dim must be a multiple of 64 (swizzle spans 8 chunks)");
   static_assert(kKeysPerTile % 16 == 0 && kKeysPerTile >= 16, "keys per tile: a multiple of 16");
   static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
+  static_assert(kFragsM == 1 || kFragsM == 2, "m16 fragments per warp: 1 or 2");
   static_assert(kMinBlocksPerSm >= 1, "min blocks per SM: at least 1");
   static_assert(kWarps >= 1 && kThreads % kChunksPerRow == 0, "threads must cover whole rows");
   static_assert(kKeysPerTile % (kThreads / kChunksPerRow) == 0 &&
@@ -211,6 +216,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   using T = typename Traits::DType;
   constexpr int D = Traits::kHeadDim, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
   constexpr int THREADS = Traits::kThreads, ROWS = Traits::kRowsPerCta;
+  constexpr int FM = Traits::kFragsM, WROWS = Traits::kRowsPerWarp;  // m16 fragments, rows per warp
   constexpr int ROW_BYTES = Traits::kRowBytes;
   constexpr int KSTEPS_QK = D / 16;    // k-steps of S = Q.K^T (head dims)
   constexpr int KSTEPS_PV = KEYS / 16;  // k-steps of O += P.V (keys)
@@ -244,22 +250,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int key_end = mask.key_end(cta_q_last, w.kv_len);
   const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
 
-  // This warp's rows: warp_row0 .. warp_row0 + 15; rows past the request are
-  // padding (zero Q, clamped positions, never stored).
-  const int warp_row0 = w.row_begin + warp * 16;
+  // This warp's rows: warp_row0 .. warp_row0 + WROWS - 1 (fragment f: rows
+  // 16f .. 16f + 15 of them); rows past the request are padding (zero Q,
+  // clamped positions, never stored).
+  const int warp_row0 = w.row_begin + warp * WROWS;
   const bool warp_active = warp_row0 < rows_total;
   const int wq_first = min(warp_row0, rows_total - 1) / w.group;
-  const int wq_last = min(warp_row0 + 15, rows_total - 1) / w.group;
-  // This thread's two rows (g and g + 8 of the warp) and their visible key
-  // interval [lo, hi]: exactly Mask::visible (key < kv_len, key <= q + offset
-  // when causal, key >= q + offset - window_left with a window).
-  int key_lo[2], key_hi[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int qpos = min(warp_row0 + g + 8 * r, rows_total - 1) / w.group;
-    key_hi[r] = Traits::kCausal ? min(w.kv_len - 1, qpos + offset) : w.kv_len - 1;
-    key_lo[r] = Traits::kWindow ? qpos + offset - window_left : 0;
-  }
+  const int wq_last = min(warp_row0 + WROWS - 1, rows_total - 1) / w.group;
+  // This thread's rows are 16f + g and 16f + g + 8 of the warp. A key is
+  // visible exactly as in Mask::visible: key < kv_len, key <= q + offset when
+  // causal, key >= q + offset - window_left with a window. q + offset is
+  // recomputed (one integer division per row) in the tiles that need the
+  // element mask instead of being kept in registers across the loop: kFragsM = 2
+  // sits at the 255-register cap and would otherwise spill on sm_80 / sm_89.
 
   // Logits leave the Q.K^T mma in natural units without the scale. Without
   // soft-cap, s_log2 = s * scale is folded into the exponent (FFMA); with it,
@@ -268,13 +271,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const float cap_in = Traits::kSoftCap ? p.sm_scale / p.logits_soft_cap : 0.f;
   const float cap_out = Traits::kSoftCap ? p.logits_soft_cap * kLog2e : 0.f;
 
-  float o[NT_O][4];
-  float m[2] = {kNegInf, kNegInf};  // running max, in the units of s (before `scale`)
-  float l[2] = {0.f, 0.f};          // this lane's partial row sums; quad-reduced at the end
+  float o[FM][NT_O][4];
+  float m[FM][2];  // running max, in the units of s (before `scale`)
+  float l[FM][2];  // this lane's partial row sums; quad-reduced at the end
 #pragma unroll
-  for (int n = 0; n < NT_O; ++n)
+  for (int f = 0; f < FM; ++f) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+    for (int r = 0; r < 2; ++r) {
+      m[f][r] = kNegInf;
+      l[f][r] = 0.f;
+    }
+#pragma unroll
+    for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[f][n][e] = 0.f;
+  }
 
   if (num_tiles > 0) {
     const T* q_base = static_cast<const T*>(p.q);
@@ -333,15 +344,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       a_off[i] = (lane % 16) * ROW_BYTES + (((2 * i + lane / 16) ^ (lane % 8)) << 4);
       b_off[i] = (8 * (lane / 16) + lane % 8) * ROW_BYTES + (((2 * i + (lane / 8) % 2) ^ (lane % 8)) << 4);
     }
-    const uint32_t q_warp = q_smem + warp * 16 * ROW_BYTES;
+    const uint32_t q_warp = q_smem + warp * WROWS * ROW_BYTES;  // fragment f at + f * 16 * ROW_BYTES
 
-    uint32_t q_frag[kQInRegs ? KSTEPS_QK : 1][4];
+    uint32_t q_frag[kQInRegs ? FM : 1][kQInRegs ? KSTEPS_QK : 1][4];
     if constexpr (kQInRegs) {
       fa2::cp_async_wait<kWaitK>();  // [Q + K_0] landed for this thread ...
       __syncthreads();               // ... and for every thread
 #pragma unroll
-      for (int kk = 0; kk < KSTEPS_QK; ++kk)
-        fa2::ldmatrix_x4(q_frag[kk], q_warp + a_off[kk % 4] + (kk / 4) * 128);
+      for (int f = 0; f < FM; ++f)
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS_QK; ++kk)
+          fa2::ldmatrix_x4(q_frag[f][kk], q_warp + f * 16 * ROW_BYTES + a_off[kk % 4] + (kk / 4) * 128);
     }
 
     // ---- Main loop. Iteration t consumes ring slot t % STAGES. Before it, the
@@ -367,83 +380,102 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       const bool need_mask = t0 + KEYS > w.kv_len || (Traits::kCausal && t0 + KEYS - 1 > wq_first + offset) ||
                              (Traits::kWindow && t0 < wq_last + offset - window_left);
 
-      uint32_t pa[KSTEPS_PV][4];  // P in T, A-operand layout
+      uint32_t pa[FM][KSTEPS_PV][4];  // P in T, A-operand layout, per m16 fragment
       if (!warp_skip) {
-        // S = Q.K^T: n-tile j covers keys t0 + 8j .. + 7.
-        float s[NT_S][4];
+        // S = Q.K^T: fragment f, n-tile j covers rows 16f .. 16f + 15, keys t0 + 8j .. + 7.
+        // Each K B-fragment is loaded once and feeds FM mma's.
+        float s[FM][NT_S][4];
 #pragma unroll
-        for (int j = 0; j < NT_S; ++j)
+        for (int f = 0; f < FM; ++f)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+          for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[f][j][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS_QK; ++kk) {
-          uint32_t a[4];
-          if constexpr (kQInRegs) {
+          uint32_t a[FM][4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) a[e] = q_frag[kk][e];
-          } else {
-            fa2::ldmatrix_x4(a, q_warp + a_off[kk % 4] + (kk / 4) * 128);
+          for (int f = 0; f < FM; ++f) {
+            if constexpr (kQInRegs) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) a[f][e] = q_frag[f][kk][e];
+            } else {
+              fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off[kk % 4] + (kk / 4) * 128);
+            }
           }
 #pragma unroll
           for (int jn = 0; jn < KEYS / 16; ++jn) {
             uint32_t b[4];
             fa2::ldmatrix_x4(b, k_s + jn * 16 * ROW_BYTES + b_off[kk % 4] + (kk / 4) * 128);
-            fa2::mma_16816<T>(s[2 * jn], a, b[0], b[1]);
-            fa2::mma_16816<T>(s[2 * jn + 1], a, b[2], b[3]);
-          }
-        }
-
-        if constexpr (Traits::kSoftCap) {
 #pragma unroll
-          for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] = cap_out * tanhf(s[j][e] * cap_in);
-        }
-        // s[j][e] is row g + 8 * (e / 2), key t0 + 8j + 2 * tq + e % 2.
-        if (need_mask) {
-#pragma unroll
-          for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int key = t0 + 8 * j + 2 * tq + (e & 1);
-              if (key > key_hi[e >> 1] || key < key_lo[e >> 1]) s[j][e] = kNegInf;
+            for (int f = 0; f < FM; ++f) {
+              fa2::mma_16816<T>(s[f][2 * jn], a[f], b[0], b[1]);
+              fa2::mma_16816<T>(s[f][2 * jn + 1], a[f], b[2], b[3]);
             }
+          }
         }
 
-        // Online softmax, row r = g + 8r, across the 4 lanes of the quad.
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = m[r];
+        for (int f = 0; f < FM; ++f) {
+          if constexpr (Traits::kSoftCap) {
 #pragma unroll
-          for (int j = 0; j < NT_S; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // A row that has seen no key yet keeps mx = -inf: subtract 0 instead
-          // so that exp2(-inf - (-inf)) never makes a NaN; everything is 0 then.
-          const float m_scaled = mx == kNegInf ? 0.f : mx * scale;
-          const float rescale = exp2f(m[r] * scale - m_scaled);  // 0 when m[r] = -inf
-          m[r] = mx;
-          float sum = 0.f;
+            for (int j = 0; j < NT_S; ++j)
 #pragma unroll
-          for (int j = 0; j < NT_S; ++j) {
-            s[j][2 * r] = exp2f(fmaf(s[j][2 * r], scale, -m_scaled));
-            s[j][2 * r + 1] = exp2f(fmaf(s[j][2 * r + 1], scale, -m_scaled));
-            sum += s[j][2 * r] + s[j][2 * r + 1];  // unrounded fp32 P
+              for (int e = 0; e < 4; ++e) s[f][j][e] = cap_out * tanhf(s[f][j][e] * cap_in);
           }
-          l[r] = l[r] * rescale + sum;
+          // s[f][j][e] is row 16f + g + 8 * (e / 2), key t0 + 8j + 2 * tq + e % 2.
+          if (need_mask) {
+            int q_off[2];
 #pragma unroll
-          for (int n = 0; n < NT_O; ++n) {
-            o[n][2 * r] *= rescale;
-            o[n][2 * r + 1] *= rescale;
+            for (int r = 0; r < 2; ++r)
+              q_off[r] = min(warp_row0 + 16 * f + g + 8 * r, rows_total - 1) / w.group + offset;
+#pragma unroll
+            for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int key = t0 + 8 * j + 2 * tq + (e & 1);
+                const int qo = q_off[e >> 1];
+                if (key >= w.kv_len || (Traits::kCausal && key > qo) ||
+                    (Traits::kWindow && key < qo - window_left))
+                  s[f][j][e] = kNegInf;
+              }
           }
-        }
-        // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
+
+          // Online softmax, row 16f + g + 8r, across the 4 lanes of the quad.
 #pragma unroll
-        for (int kk = 0; kk < KSTEPS_PV; ++kk) {
-          pa[kk][0] = fa2::pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-          pa[kk][1] = fa2::pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-          pa[kk][2] = fa2::pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-          pa[kk][3] = fa2::pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+          for (int r = 0; r < 2; ++r) {
+            float mx = m[f][r];
+#pragma unroll
+            for (int j = 0; j < NT_S; ++j) mx = fmaxf(mx, fmaxf(s[f][j][2 * r], s[f][j][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // A row that has seen no key yet keeps mx = -inf: subtract 0 instead
+            // so that exp2(-inf - (-inf)) never makes a NaN; everything is 0 then.
+            const float m_scaled = mx == kNegInf ? 0.f : mx * scale;
+            const float rescale = exp2f(m[f][r] * scale - m_scaled);  // 0 when m = -inf
+            m[f][r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < NT_S; ++j) {
+              s[f][j][2 * r] = exp2f(fmaf(s[f][j][2 * r], scale, -m_scaled));
+              s[f][j][2 * r + 1] = exp2f(fmaf(s[f][j][2 * r + 1], scale, -m_scaled));
+              sum += s[f][j][2 * r] + s[f][j][2 * r + 1];  // unrounded fp32 P
+            }
+            l[f][r] = l[f][r] * rescale + sum;
+#pragma unroll
+            for (int n = 0; n < NT_O; ++n) {
+              o[f][n][2 * r] *= rescale;
+              o[f][n][2 * r + 1] *= rescale;
+            }
+          }
+          // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
+#pragma unroll
+          for (int kk = 0; kk < KSTEPS_PV; ++kk) {
+            pa[f][kk][0] = fa2::pack2<T>(s[f][2 * kk][0], s[f][2 * kk][1]);
+            pa[f][kk][1] = fa2::pack2<T>(s[f][2 * kk][2], s[f][2 * kk][3]);
+            pa[f][kk][2] = fa2::pack2<T>(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
+            pa[f][kk][3] = fa2::pack2<T>(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
+          }
         }
       }
 
@@ -451,15 +483,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       __syncthreads();
 
       if (!warp_skip) {
-        // O += P.V: n-tiles 2dn, 2dn+1 cover head dims 16dn .. 16dn+15.
+        // O += P.V: n-tiles 2dn, 2dn+1 cover head dims 16dn .. 16dn+15; each V
+        // B-fragment is loaded once and feeds FM mma's.
 #pragma unroll
         for (int kk = 0; kk < KSTEPS_PV; ++kk) {
 #pragma unroll
           for (int dn = 0; dn < D / 16; ++dn) {
             uint32_t b[4];
             fa2::ldmatrix_x4_trans(b, v_s + kk * 16 * ROW_BYTES + a_off[dn % 4] + (dn / 4) * 128);
-            fa2::mma_16816<T>(o[2 * dn], pa[kk], b[0], b[1]);
-            fa2::mma_16816<T>(o[2 * dn + 1], pa[kk], b[2], b[3]);
+#pragma unroll
+            for (int f = 0; f < FM; ++f) {
+              fa2::mma_16816<T>(o[f][2 * dn], pa[f][kk], b[0], b[1]);
+              fa2::mma_16816<T>(o[f][2 * dn + 1], pa[f][kk], b[2], b[3]);
+            }
           }
         }
       }
@@ -469,30 +505,35 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
 
   // ---- Epilogue: full row sums, normalise, stage through this warp's Q rows.
-  float inv_l[2];
+  float inv_l[FM][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
-    inv_l[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
-  }
-  unsigned char* stage = smem + warp * 16 * ROW_BYTES;
+  for (int f = 0; f < FM; ++f)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[f][r] += __shfl_xor_sync(0xffffffffu, l[f][r], 1);
+      l[f][r] += __shfl_xor_sync(0xffffffffu, l[f][r], 2);
+      // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
+      inv_l[f][r] = l[f][r] > 0.f ? 1.f / l[f][r] : 0.f;
+    }
+  unsigned char* stage = smem + warp * WROWS * ROW_BYTES;
   __syncwarp();  // all lanes' last reads of the warp's Q rows are done
 #pragma unroll
-  for (int n = 0; n < NT_O; ++n) {
-    // Row g (and g + 8), logical chunk n, word tq; (g + 8) % 8 == g.
-    const int at = g * ROW_BYTES + ((n ^ g) << 4) + tq * 4;
-    *reinterpret_cast<uint32_t*>(stage + at) = fa2::pack2<T>(o[n][0] * inv_l[0], o[n][1] * inv_l[0]);
-    *reinterpret_cast<uint32_t*>(stage + at + 8 * ROW_BYTES) =
-        fa2::pack2<T>(o[n][2] * inv_l[1], o[n][3] * inv_l[1]);
-  }
+  for (int f = 0; f < FM; ++f)
+#pragma unroll
+    for (int n = 0; n < NT_O; ++n) {
+      // Row 16f + g (and + 8), logical chunk n, word tq; (16f + g + 8) % 8 == g.
+      const int at = (16 * f + g) * ROW_BYTES + ((n ^ g) << 4) + tq * 4;
+      *reinterpret_cast<uint32_t*>(stage + at) =
+          fa2::pack2<T>(o[f][n][0] * inv_l[f][0], o[f][n][1] * inv_l[f][0]);
+      *reinterpret_cast<uint32_t*>(stage + at + 8 * ROW_BYTES) =
+          fa2::pack2<T>(o[f][n][2] * inv_l[f][1], o[f][n][3] * inv_l[f][1]);
+    }
   __syncwarp();
   {
     constexpr int kChunks = D / 8;
     T* o_base = static_cast<T*>(p.o);
 #pragma unroll
-    for (int i = 0; i < 16 * kChunks / 32; ++i) {
+    for (int i = 0; i < WROWS * kChunks / 32; ++i) {
       const int idx = i * 32 + lane, rr = idx / kChunks, c = idx % kChunks;
       const int row = warp_row0 + rr;
       if (row < rows_total) {
@@ -505,13 +546,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
   if (Traits::kLse && p.lse != nullptr && tq == 0) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = warp_row0 + g + 8 * r;
-      if (row < rows_total) {
-        const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
-        p.lse[int64_t(token) * p.lse_stride_n + head] = l[r] > 0.f ? m[r] * scale + log2f(l[r]) : kNegInf;
+    for (int f = 0; f < FM; ++f)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp_row0 + 16 * f + g + 8 * r;
+        if (row < rows_total) {
+          const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+          p.lse[int64_t(token) * p.lse_stride_n + head] =
+              l[f][r] > 0.f ? m[f][r] * scale + log2f(l[f][r]) : kNegInf;
+        }
       }
-    }
   }
 }
 
