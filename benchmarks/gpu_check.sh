@@ -2,7 +2,7 @@
 # One full device session: info, GPU tests (prewarm + numerical sweep), JIT
 # benchmarks, prefill/decode benchmarks. Logs and reports go to $OUT (or
 # ./gpu_out); a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|full]
+#   bash benchmarks/gpu_check.sh [quick|medium|full]
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-$PWD/gpu_out}
@@ -29,6 +29,8 @@ echo "gpu tests: rc=$test_rc in $(( $(date +%s) - start )) s"
 python3 benchmarks/bench_jit.py --out "$OUT/bench_jit.md" 2>&1 | tail -8 || status=1
 if [ "$MODE" = quick ]; then
   python3 benchmarks/prefill.py --quick --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | tail -12 || status=1
+elif [ "$MODE" = medium ]; then
+  python3 benchmarks/prefill.py --seqlens 1024 4096 --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | tail -20 || status=1
 else
   python3 benchmarks/prefill.py --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | tail -25 || status=1
 fi

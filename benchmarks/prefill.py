@@ -107,11 +107,13 @@ def run_row(impls, qo_lens, kv_lens, h, d, causal, flops, reps) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="head_dim 128, S = 1k and 4k only")
+    parser.add_argument("--head-dims", type=int, nargs="+", help="override the head dims")
+    parser.add_argument("--seqlens", type=int, nargs="+", help="override the sequence lengths")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
-    head_dims = [128] if args.quick else [64, 128, 256]
-    seqlens = [1024, 4096] if args.quick else [1024, 4096, 16384]
+    head_dims = args.head_dims or ([128] if args.quick else [64, 128, 256])
+    seqlens = args.seqlens or ([1024, 4096] if args.quick else [1024, 4096, 16384])
     impls = implementations()
     lines = [f"device: {torch.cuda.get_device_name()}, bf16, TFLOP/s", "",
              "| head_dim | batch x S | causal | " + " | ".join(impls) + " |", "|---|---|---|" + "---|" * len(impls)]

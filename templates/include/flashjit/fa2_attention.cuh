@@ -122,6 +122,16 @@ struct Fa2Traits {
 
 namespace fa2 {
 
+// 2^x in one MUFU.EX2 (at most 2 ulp, like exp2f, whose extra instructions
+// only rescue subnormal results: here those are weights below 2^-126, which
+// flush to 0 at an absolute cost the error model's floor already covers).
+// 2^0 is exactly 1 and 2^-inf exactly 0.
+__device__ __forceinline__ float exp2_fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
@@ -452,20 +462,24 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
             // A row that has seen no key yet keeps mx = -inf: subtract 0 instead
             // so that exp2(-inf - (-inf)) never makes a NaN; everything is 0 then.
             const float m_scaled = mx == kNegInf ? 0.f : mx * scale;
-            const float rescale = exp2f(m[f][r] * scale - m_scaled);  // 0 when m = -inf
+            const float rescale = fa2::exp2_fast(m[f][r] * scale - m_scaled);  // 0 when m = -inf
             m[f][r] = mx;
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < NT_S; ++j) {
-              s[f][j][2 * r] = exp2f(fmaf(s[f][j][2 * r], scale, -m_scaled));
-              s[f][j][2 * r + 1] = exp2f(fmaf(s[f][j][2 * r + 1], scale, -m_scaled));
+              s[f][j][2 * r] = fa2::exp2_fast(fmaf(s[f][j][2 * r], scale, -m_scaled));
+              s[f][j][2 * r + 1] = fa2::exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_scaled));
               sum += s[f][j][2 * r] + s[f][j][2 * r + 1];  // unrounded fp32 P
             }
             l[f][r] = l[f][r] * rescale + sum;
+            // Once the running max settles, rescale is exactly 1 on most tiles: a
+            // warp vote skips the NT_O * 2 multiplies (as many as the tile's MMAs).
+            if (__any_sync(0xffffffffu, rescale != 1.f)) {
 #pragma unroll
-            for (int n = 0; n < NT_O; ++n) {
-              o[f][n][2 * r] *= rescale;
-              o[f][n][2 * r + 1] *= rescale;
+              for (int n = 0; n < NT_O; ++n) {
+                o[f][n][2 * r] *= rescale;
+                o[f][n][2 * r + 1] *= rescale;
+              }
             }
           }
           // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
