@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 
+from common import emit
+
 SPEC = "KernelSpec.make('single_decode', 'bfloat16', 128)"
 
 
@@ -95,11 +97,7 @@ def main() -> int:
                      f"single_decode_with_kv_cache incl. checks; packed params + ctypes launch {host['raw_launch_us']:.1f} us"))
     lines = ["| measure | value | target | note |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    emit("\n".join(lines), args.out)
     return 0
 
 

@@ -15,6 +15,7 @@ import argparse
 import sys
 
 import torch
+from common import emit
 
 import flashjit
 
@@ -138,11 +139,7 @@ def main() -> int:
     ms = bench_ms(lambda: flashjit.single_decode_with_kv_cache(q, k, v))
     lines += ["", f"single_decode bf16 d128 32/8 heads kv_len {kv_len} (CUDA cores, split-KV): {ms * 1e3:.1f} us, "
                   f"{2 * k.numel() * 2 / ms / 1e6:.0f} GB/s of K/V read"]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    emit("\n".join(lines), args.out)
     return 0
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import arch
+from .. import arch, jit
 from ..loader import AttentionParams, KernelModule
 from ..spec import KernelSpec, canonical_dtype
 from . import _checks
@@ -132,6 +132,24 @@ class Prepared:
                 self.module.run(params, _raw_stream(self.device_index))
         else:
             self.module.run(params, _raw_stream(self.device_index))
+
+
+def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_qo_heads: int, num_kv_heads: int,
+                           *, causal: bool, sm_scale, window_left, logits_soft_cap, backend: str,
+                           use_tensor_cores, return_lse: bool) -> Prepared:
+    """The shared end of single_prefill / single_decode preparation, after their
+    own structural checks: scalars, configuration, placement, kernel, params.
+    The output is allocated [tokens, heads, dim] (decode: [heads, dim]) contiguous."""
+    sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
+                                                                             logits_soft_cap)
+    spec = select_spec(op, q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,
+                       window=has_window, soft_cap=has_cap, return_lse=return_lse)
+    check_placement(q, k, v, spec)
+    module = jit.get_module(spec)
+    params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
+                         window_left, cap)
+    return Prepared.make(module, params, (num_qo_heads, head_dim), (num_qo_heads,) if return_lse else None,
+                         q.device, group=num_qo_heads // num_kv_heads, split=not spec.use_tensor_cores)
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import jit
 from . import _checks
-from ._launch import Prepared, check_placement, check_qkv, kv_tokens, make_params, remember, select_spec, signature
+from ._launch import Prepared, check_qkv, kv_tokens, prepare_single_request, remember, signature
 
 _prepared: dict[tuple, Prepared] = {}
 
@@ -35,15 +34,7 @@ def _prepare(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k
     _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, q_scale=q_scale, k_scale=k_scale,
                               v_scale=v_scale)
     _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout, q_ndim=2)
-    sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
-                                                                             logits_soft_cap)
-    spec = select_spec("single_decode", q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores,
-                       causal=False, window=has_window, soft_cap=has_cap, return_lse=return_lse)
-    check_placement(q, k, v, spec)
-    module = jit.get_module(spec)
-    # The output is allocated [heads, dim] contiguous: the one token's head stride is dim.
-    params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
-                         window_left, cap)
-    return Prepared.make(module, params, (num_qo_heads, head_dim), (num_qo_heads,) if return_lse else None,
-                         q.device, group=num_qo_heads // num_kv_heads,
-                         split=not spec.use_tensor_cores)
+    return prepare_single_request("single_decode", q, k, v, kv_layout, head_dim, num_qo_heads, num_kv_heads,
+                                  causal=False, sm_scale=sm_scale, window_left=window_left,
+                                  logits_soft_cap=logits_soft_cap, backend=backend,
+                                  use_tensor_cores=use_tensor_cores, return_lse=return_lse)

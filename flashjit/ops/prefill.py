@@ -7,7 +7,8 @@ import torch
 
 from .. import jit
 from . import _checks
-from ._launch import Prepared, check_placement, check_qkv, kv_tokens, make_params, remember, select_spec, signature
+from ._launch import (Prepared, check_placement, check_qkv, kv_tokens, make_params, prepare_single_request, remember,
+                      select_spec, signature)
 
 
 def _check_out_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -53,17 +54,10 @@ def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, cust
     _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout)
     if o_dtype is not None and o_dtype != q.dtype:
         raise ValueError(f"o_dtype: expected None or {q.dtype} (the output has q's dtype), got {o_dtype}")
-    sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
-                                                                             logits_soft_cap)
-    spec = select_spec("single_prefill", q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores,
-                       causal=causal, window=has_window, soft_cap=has_cap, return_lse=return_lse)
-    check_placement(q, k, v, spec)
-    module = jit.get_module(spec)
-    params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
-                         window_left, cap)
-    return Prepared.make(module, params, (num_qo_heads, head_dim), (num_qo_heads,) if return_lse else None,
-                         q.device, group=num_qo_heads // num_kv_heads,
-                         split=not spec.use_tensor_cores)
+    return prepare_single_request("single_prefill", q, k, v, kv_layout, head_dim, num_qo_heads, num_kv_heads,
+                                  causal=causal, sm_scale=sm_scale, window_left=window_left,
+                                  logits_soft_cap=logits_soft_cap, backend=backend,
+                                  use_tensor_cores=use_tensor_cores, return_lse=return_lse)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper:
