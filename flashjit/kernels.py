@@ -70,15 +70,16 @@ class Fa2Tiling:
         return 2 * self.rows_per_cta * d + self.stages * 2 * self.keys_per_tile * d * 2
 
 
-# Per head_dim: the tiles that build without spills on sm_80/89/90a and fit
-# SMEM_BUDGET. d64 and d128 run two m16 fragments per warp (32 rows, 128 per
-# CTA), so each K / V fragment read by ldmatrix feeds two mma's; d128 then must
-# re-read Q from shared memory and take 32-key tiles (64 spills) with a third
-# stage; d256 stays at one fragment per warp (its 128 O registers leave no
-# room). docs/fa2_notes.md.
+# Per head_dim: tiles that build without spills on sm_80/89/90a and fit
+# SMEM_BUDGET. d64 runs two m16 fragments per warp (32 rows, 128 per CTA), so
+# each K / V fragment read by ldmatrix feeds two mma's. d128 keeps one fragment
+# and 64-key tiles: on an H200 it beat two fragments (32-key tiles, which two
+# fragments need to stay clear of spills) and 8-warp CTAs on 3 of 4 rows
+# (benchmarks/results/2026-11-21-h200-fa2-tilings.md). d256 has one fragment
+# (its 128 O registers leave no room). docs/fa2_notes.md.
 FA2_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2),
-    128: Fa2Tiling(warps=4, keys_per_tile=32, stages=3, q_in_regs=False, min_blocks_per_sm=2, frags_m=2),
+    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=1),
     256: Fa2Tiling(warps=4, keys_per_tile=32, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=1),
 }
 
