@@ -94,7 +94,7 @@ class Prepared:
 
     def num_work(self, qo_len: int) -> int:
         """CTAs per KV head for one request of qo_len tokens (single-request launches)."""
-        return _ceil_div(qo_len * self.group, self.module.rows_per_cta)
+        return ceil_div(qo_len * self.group, self.module.rows_per_cta)
 
     def _split(self, num_work: int, kv_len: int) -> tuple[int, int]:
         """(num_splits, kv_chunk): enough splits to reach split_ctas CTAs, each of
@@ -102,9 +102,9 @@ class Prepared:
         ctas = num_work * self.num_kv_heads
         if not 0 < ctas < self.split_ctas or kv_len < 2 * _MIN_SPLIT_KEYS:
             return 1, 0
-        splits = min(_ceil_div(self.split_ctas, ctas), kv_len // _MIN_SPLIT_KEYS)
-        chunk = _ceil_div(_ceil_div(kv_len, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
-        return _ceil_div(kv_len, chunk), chunk
+        splits = min(ceil_div(self.split_ctas, ctas), kv_len // _MIN_SPLIT_KEYS)
+        chunk = ceil_div(ceil_div(kv_len, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
+        return ceil_div(kv_len, chunk), chunk
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None, num_work: int = 0, qo_len: int = 0, kv_len: int = 0) -> None:
@@ -152,7 +152,7 @@ def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_
                          q.device, group=num_qo_heads // num_kv_heads, split=not spec.use_tensor_cores)
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 

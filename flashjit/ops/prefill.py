@@ -7,8 +7,8 @@ import torch
 
 from .. import jit
 from . import _checks
-from ._launch import (Prepared, check_placement, check_qkv, kv_tokens, make_params, prepare_single_request, remember,
-                      select_spec, signature)
+from ._launch import (Prepared, ceil_div, check_placement, check_qkv, kv_tokens, make_params,
+                      prepare_single_request, remember, select_spec, signature)
 
 
 def _check_out_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -110,7 +110,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         work = []  # (estimated cost, request, tile); longest first so the tail is short
         for i in range(len(qo) - 1):
             qo_len, kv_len = qo[i + 1] - qo[i], kv[i + 1] - kv[i]
-            tiles = -(-qo_len * group // module.rows_per_cta)
+            tiles = ceil_div(qo_len * group, module.rows_per_cta)
             work.extend((max(kv_len, 1), i, t) for t in range(tiles))
         work.sort(key=lambda item: -item[0])
         # Device copies stay referenced by the wrapper; run() only passes their addresses.
