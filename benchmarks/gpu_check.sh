@@ -34,6 +34,11 @@ elif [ "$MODE" = medium ]; then
 else
   python3 benchmarks/prefill.py --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | tail -25 || status=1
 fi
+if [ "$MODE" = quick ]; then
+  python3 benchmarks/decode.py --quick --out "$OUT/decode.md" --json "$OUT/decode.json" 2>"$OUT/decode.err" | tail -20 || status=1
+else
+  python3 benchmarks/decode.py --out "$OUT/decode.md" --json "$OUT/decode.json" 2>"$OUT/decode.err" | tail -20 || status=1
+fi
 python3 benchmarks/error_summary.py "$OUT/error_report.json" --out "$OUT/error_summary.md" | tail -40 || status=1
 echo "== summary: gpu tests rc=$test_rc, overall status=$status"
 exit $status
