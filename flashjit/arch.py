@@ -157,15 +157,16 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
     prefill; CUDA cores for fp32 and for decode, whose single query row per head
     gains nothing from a 16-row MMA until heads are packed into it. fa3 (wgmma)
     is not generated yet, so auto never picks it."""
-    from .spec import TENSOR_CORE_DTYPES, TENSOR_CORE_OPS
+    from .spec import DECODE_OPS, TENSOR_CORE_DTYPES, TENSOR_CORE_OPS
 
     if backend not in ("auto", "fa2", "fa3"):
         raise ValueError(f"backend: expected 'auto', 'fa2' or 'fa3', got {backend!r}")
     if use_tensor_cores is None:
         if dtype not in TENSOR_CORE_DTYPES:
             use_tensor_cores, reason = False, f"{dtype} runs on CUDA cores only"
-        elif op not in TENSOR_CORE_OPS:
-            use_tensor_cores, reason = False, f"{op} runs on CUDA cores (fp32 softmax and P.V)"
+        elif op not in TENSOR_CORE_OPS or op in DECODE_OPS:
+            use_tensor_cores, reason = False, f"{op} runs on CUDA cores (fp32 softmax and P.V) unless " \
+                                              f"use_tensor_cores=True"
         else:
             use_tensor_cores, reason = True, f"{dtype} {op} runs on tensor cores"
     else:

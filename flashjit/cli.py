@@ -9,12 +9,12 @@ import os
 import sys
 import time
 
-from .spec import DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, KernelSpec, canonical_dtype
+from .spec import DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, KernelSpec, canonical_dtype
 
 # Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
-ALWAYS_LSE = {"batch_prefill_ragged"}
+ALWAYS_LSE = {"batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged"}
 # Ops with no causal variant (one query token sees every key).
-NO_CAUSAL = {"single_decode"}
+NO_CAUSAL = set(DECODE_OPS)
 
 PRESETS = {
     "default": dict(ops=list(OPS), dtypes=["float16", "bfloat16", "float32"], head_dims=list(HEAD_DIMS)),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import DTYPES, KernelSpec
+from .spec import DECODE_OPS, DTYPES, PAGED_OPS, KernelSpec
 
 # Dynamic shared memory one CTA may use on every target (SM89 allows 99 KB).
 SMEM_BUDGET = 96 * 1024
@@ -36,7 +36,7 @@ class CudaCoreTiling:
 
 
 def cuda_core_tiling(spec: KernelSpec) -> CudaCoreTiling:
-    if spec.op == "single_decode":
+    if spec.op in DECODE_OPS:
         # One query token: its GQA group is the rows; warps split the keys.
         for kv_warps in (4, 2, 1):
             tiling = CudaCoreTiling(rows_per_warp=4, row_warps=1, kv_warps=kv_warps)
@@ -103,6 +103,7 @@ def template_for(spec: KernelSpec) -> tuple[str, dict]:
         "sliding_window": spec.sliding_window,
         "soft_cap": spec.soft_cap,
         "return_lse": spec.return_lse,
+        "paged": spec.op in PAGED_OPS,
     }
     if not spec.use_tensor_cores:
         context["tiling"] = cuda_core_tiling(spec)

@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import FlashjitError, KernelLaunchError
 from .spec import KernelSpec
 
-ABI_VERSION = 2  # FLASHJIT_ABI_VERSION in templates/include/flashjit/attention_params.cuh
+ABI_VERSION = 3  # FLASHJIT_ABI_VERSION in templates/include/flashjit/attention_params.cuh
 
 _p = ctypes.c_void_p
 _i32 = ctypes.c_int32
@@ -25,13 +25,14 @@ class AttentionParams(ctypes.Structure):
 
     _fields_ = [
         ("q", _p), ("k", _p), ("v", _p), ("o", _p), ("lse", _p),
-        ("qo_indptr", _p), ("kv_indptr", _p), ("work_request", _p), ("work_tile", _p),
-        ("partial_o", _p), ("partial_lse", _p),
+        ("qo_indptr", _p), ("kv_indptr", _p), ("kv_page_indices", _p), ("kv_last_page_len", _p),
+        ("work", _p), ("merge_indptr", _p), ("partial_o", _p), ("partial_lse", _p),
         ("num_work", _i32), ("qo_len", _i32), ("kv_len", _i32), ("num_splits", _i32), ("kv_chunk", _i32),
-        ("num_qo_heads", _i32), ("num_kv_heads", _i32),
-        ("q_stride_n", _i64), ("q_stride_h", _i64), ("k_stride_n", _i64), ("k_stride_h", _i64),
-        ("v_stride_n", _i64), ("v_stride_h", _i64), ("o_stride_n", _i64), ("o_stride_h", _i64),
-        ("lse_stride_n", _i64),
+        ("num_qo_heads", _i32), ("num_kv_heads", _i32), ("page_size", _i32),
+        ("q_stride_n", _i64), ("q_stride_h", _i64),
+        ("k_stride_n", _i64), ("k_stride_h", _i64), ("k_stride_page", _i64),
+        ("v_stride_n", _i64), ("v_stride_h", _i64), ("v_stride_page", _i64),
+        ("o_stride_n", _i64), ("o_stride_h", _i64), ("lse_stride_n", _i64),
         ("sm_scale", ctypes.c_float), ("logits_soft_cap", ctypes.c_float), ("window_left", _i32),
     ]
 
@@ -44,6 +45,7 @@ class KernelModule:
     path: Path
     manifest: dict
     rows_per_cta: int
+    split_align: int   # split-KV chunks must be multiples of this many keys
     _run: object
     _error_string: object
 
@@ -81,5 +83,6 @@ def load_library(spec: KernelSpec, path: Path, manifest: dict) -> KernelModule:
     err.argtypes = [ctypes.c_int]
     err.restype = ctypes.c_char_p
     lib.flashjit_rows_per_cta.restype = ctypes.c_int
+    lib.flashjit_split_align.restype = ctypes.c_int
     return KernelModule(spec=spec, path=path, manifest=manifest, rows_per_cta=lib.flashjit_rows_per_cta(),
-                        _run=run, _error_string=err)
+                        split_align=lib.flashjit_split_align(), _run=run, _error_string=err)

@@ -22,14 +22,17 @@ DTYPES = {
 _DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16",
                   "fp32": "float32", "float": "float32", "f32": "float32"}
 
-OPS = ("single_prefill", "single_decode", "batch_prefill_ragged")
+OPS = ("single_prefill", "single_decode", "batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged")
+# Ops whose keys and values live in pages (kv_page_indices), and ops with one
+# query token per request (their CUDA-core tiling splits keys across warps).
+PAGED_OPS = ("batch_prefill_paged", "batch_decode_paged")
+DECODE_OPS = ("single_decode", "batch_decode_paged")
 # Ops not generated yet, and the available op nearest to each.
-PLANNED_OPS = {"batch_prefill_paged": "batch_prefill_ragged", "batch_decode_paged": "single_decode",
-               "mla_paged": "batch_prefill_ragged"}
+PLANNED_OPS = {"mla_paged": "batch_prefill_paged"}
 HEAD_DIMS = (64, 128, 256)
 BACKENDS = ("fa2", "fa3")
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
-TENSOR_CORE_OPS = ("single_prefill", "batch_prefill_ragged")
+TENSOR_CORE_OPS = OPS
 
 
 def canonical_dtype(dtype) -> str:

@@ -288,7 +288,6 @@ def test_wrapper_needs_a_cuda_workspace():
 
 @pytest.mark.parametrize("kwargs,exc,match", [
     ({"kv_layout": "NDH"}, ValueError, r"^kv_layout"),
-    ({"use_cuda_graph": True}, NotImplementedError, r"^use_cuda_graph=True"),
     ({"custom_mask_buf": torch.ones(4, dtype=torch.uint8)}, NotImplementedError, r"^custom_mask="),
     ({"jit_args": ["x"]}, NotImplementedError, r"^jit_args"),
 ])

@@ -25,6 +25,9 @@ EXPECTED = [
     KernelSpec.make("single_decode", "bfloat16", 64),
     KernelSpec.make("batch_prefill_ragged", "bfloat16", 64, return_lse=True),
     KernelSpec.make("batch_prefill_ragged", "bfloat16", 64, causal=True, return_lse=True),
+    KernelSpec.make("batch_prefill_paged", "bfloat16", 64, return_lse=True),
+    KernelSpec.make("batch_prefill_paged", "bfloat16", 64, causal=True, return_lse=True),
+    KernelSpec.make("batch_decode_paged", "bfloat16", 64, return_lse=True),
 ]
 
 
@@ -55,7 +58,7 @@ def test_prewarm_selection_matches_the_flags():
 
 
 @pytest.mark.parametrize("flags,expected_count", [
-    (["--window", "both"], 10), (["--soft-cap", "on", "--causal", "off"], 3), (["--lse", "both"], 8),
+    (["--window", "both"], 16), (["--soft-cap", "on", "--causal", "off"], 5), (["--lse", "both"], 11),
     (["--op", "single_decode", "--dtype", "fp16", "fp32"], 2),
 ])
 def test_prewarm_flags_expand_the_selection(flags, expected_count):
@@ -79,8 +82,9 @@ def prewarmed(tmp_path_factory):
 def test_prewarm_prints_a_row_per_configuration(prewarmed):
     out = prewarmed.out
     assert out.returncode == 0, out.stderr
-    assert "flashjit prewarm: 5 configuration(s)" in out.stderr
-    assert "5 ready, 0 failed" in out.stderr
+    n = len(EXPECTED)
+    assert f"flashjit prewarm: {n} configuration(s)" in out.stderr
+    assert f"{n} ready, 0 failed" in out.stderr
     rows = [ln for ln in out.stdout.splitlines() if ln and not ln.startswith("configuration")]
     assert out.stdout.splitlines()[0].split()[:2] == ["configuration", "built"]
     assert len(rows) == len(EXPECTED)
@@ -103,7 +107,7 @@ def test_prewarm_again_is_all_cached(prewarmed, tmp_path):
     out = run_cli(*PREWARM, root=root)
     assert out.returncode == 0, out.stderr
     rows = [ln.split() for ln in out.stdout.splitlines()[1:] if ln]
-    assert len(rows) == 5 and all(r[1] == "cached" for r in rows)
+    assert len(rows) == len(EXPECTED) and all(r[1] == "cached" for r in rows)
     assert "compiling" not in out.stderr
 
 
@@ -126,16 +130,16 @@ def test_cache_verify_detects_a_corrupt_entry(prewarmed, tmp_path):
     root = copy_cache(prewarmed.root, tmp_path / "cache")
     ok = run_cli("cache", "verify", root=root)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert f"5 of 5 entries verified in {root}" in ok.stdout
+    assert f"{len(EXPECTED)} of {len(EXPECTED)} entries verified in {root}" in ok.stdout
     victim = entry_dirs(root)[2]
     flip_byte(victim / manifest_of(victim)["artifact"])
     bad = run_cli("cache", "verify", root=root)
     assert bad.returncode == 1
     (bad_line,) = [ln for ln in bad.stdout.splitlines() if ln.startswith("BAD")]
     assert str(victim) in bad_line and "sha256" in bad_line
-    assert "4 of 5 entries verified" in bad.stdout
+    assert f"{len(EXPECTED) - 1} of {len(EXPECTED)} entries verified" in bad.stdout
     listed = run_cli("cache", "list", root=root)
-    assert listed.returncode == 1 and sum(ln.startswith("ok ") for ln in listed.stdout.splitlines()) == 4
+    assert listed.returncode == 1 and sum(ln.startswith("ok ") for ln in listed.stdout.splitlines()) == len(EXPECTED) - 1
 
 
 @pytest.mark.nvcc
@@ -144,7 +148,7 @@ def test_cache_clear_empties_it(prewarmed, tmp_path):
     root = copy_cache(prewarmed.root, tmp_path / "cache")
     out = run_cli("cache", "clear", root=root)
     assert out.returncode == 0
-    assert f"removed 5 configuration(s) from {root}" in out.stdout
+    assert f"removed {len(EXPECTED)} configuration(s) from {root}" in out.stdout
     assert entry_dirs(root) == [] and list(root.iterdir()) == []
     listed = run_cli("cache", "list", root=root)
     assert listed.returncode == 0 and listed.stdout == ""

@@ -13,7 +13,7 @@ import jinja2
 import pytest
 
 from flashjit import kernels, render
-from flashjit.spec import BACKENDS, DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, KernelSpec, canonical_dtype
+from flashjit.spec import BACKENDS, DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, KernelSpec, canonical_dtype
 from helpers_cache import REPO, subprocess_env, templates_copy  # noqa: F401 (fixture)
 
 FLAGS = ("causal", "sliding_window", "soft_cap", "return_lse")
@@ -50,7 +50,7 @@ def all_valid_specs() -> dict[str, KernelSpec]:
 
 def test_sweep_names_are_unique_and_readable():
     names = [s.name for s in SWEEP]
-    assert len(SWEEP) == 3 * 3 * 3 * 16
+    assert len(SWEEP) == len(OPS) * 3 * 3 * 16
     assert len(set(names)) == len(names), "two configurations share a name (and so a cache directory)"
     for spec in SWEEP:
         assert spec.name.startswith(f"{spec.op}_{DTYPES[spec.dtype_q][0]}_d{spec.head_dim_qk}_fa2_cc")
@@ -113,7 +113,7 @@ def test_sweep_renders_with_its_instantiation_values(op, dtype, head_dim):
 def test_decode_tiling_splits_keys_and_prefill_splits_rows():
     for spec in SWEEP:
         t = kernels.cuda_core_tiling(spec)
-        if spec.op == "single_decode":
+        if spec.op in DECODE_OPS:
             assert t.row_warps == 1 and t.kv_warps >= 1
         else:
             assert t.kv_warps == 1 and t.row_warps > 1
@@ -266,8 +266,7 @@ def test_validate_names_supported_set_and_nearest_choice(spec, supported, may_ch
         assert getattr(nearest, flag) == getattr(spec, flag)
 
 
-@pytest.mark.parametrize("op", ["single_prefil", "attention", "batch_decode_paged", "batch_prefill_paged",
-                                "mla_paged"])
+@pytest.mark.parametrize("op", ["single_prefil", "attention", "mla_paged"])
 def test_unknown_and_planned_ops_name_the_available_ops(op):
     with pytest.raises(ValueError) as info:
         KernelSpec.make(op, "bfloat16", 128).validate()
@@ -280,7 +279,7 @@ def test_unknown_and_planned_ops_name_the_available_ops(op):
 
 
 @pytest.mark.parametrize("op,nearest_op", [("single_prefil", "single_prefill"),
-                                           ("batch_decode_paged", "single_decode")])
+                                           ("mla_paged", "batch_prefill_paged")])
 def test_unknown_and_planned_ops_name_a_nearest_choice(op, nearest_op):
     with pytest.raises(ValueError) as info:
         KernelSpec.make(op, "bfloat16", 128).validate()

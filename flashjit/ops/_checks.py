@@ -88,9 +88,8 @@ def check_unsupported(**options) -> None:
         "scale_q": "fp8 scales are not supported", "scale_k": "fp8 scales are not supported",
         "scale_v": "fp8 scales are not supported", "q_scale": "fp8 scales are not supported",
         "k_scale": "fp8 scales are not supported", "v_scale": "fp8 scales are not supported",
-        "use_cuda_graph": "CUDA-graph capture of this wrapper is not supported yet",
     }
-    defaults = {"pos_encoding_mode": "NONE", "use_fp16_qk_reduction": False, "use_cuda_graph": False}
+    defaults = {"pos_encoding_mode": "NONE", "use_fp16_qk_reduction": False}
     for name, value in options.items():
         default = defaults.get(name)
         if value is None or (default is not None and value == default):
@@ -137,3 +136,56 @@ def check_indptr(name: str, indptr, batch_size: int | None = None) -> list[int]:
     if values[-1] >= 2**31:
         raise ValueError(f"{name}: offsets must fit in int32, got {values[-1]}")
     return values
+
+
+def paged_kv_cache(paged_kv_cache, kv_layout: str) -> tuple:
+    """(k, v, num_pages, page_size, num_kv_heads, head_dim, k_strides, v_strides)
+    of one 5-D cache [pages, 2, page_size, heads, dim] (NHD; HND swaps page_size
+    and heads) or a (k, v) tuple of 4-D caches; strides are (token, head, page)."""
+    check_layout(kv_layout)
+    if isinstance(paged_kv_cache, torch.Tensor):
+        check_tensor("paged_kv_cache", paged_kv_cache, 5)
+        if paged_kv_cache.shape[1] != 2:
+            raise ValueError(f"paged_kv_cache: expected shape [num_pages, 2, ...] (K and V), got "
+                             f"{tuple(paged_kv_cache.shape)}")
+        k, v = paged_kv_cache.select(1, 0), paged_kv_cache.select(1, 1)
+        names = ("paged_kv_cache[:, 0]", "paged_kv_cache[:, 1]")
+    elif isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
+        k, v = paged_kv_cache
+        names = ("paged_kv_cache[0] (k)", "paged_kv_cache[1] (v)")
+        check_tensor(names[0], k, 4)
+        check_tensor(names[1], v, 4)
+        check_same_dtype(**{names[0]: k, names[1]: v})
+    else:
+        raise ValueError(f"paged_kv_cache: expected a 5-D tensor or a (k_cache, v_cache) tuple, got "
+                         f"{type(paged_kv_cache).__name__}")
+    if k.shape != v.shape:
+        raise ValueError(f"{names[1]}: expected shape {tuple(k.shape)} (as {names[0]}), got {tuple(v.shape)}")
+    num_pages = k.shape[0]
+    if kv_layout == "NHD":
+        page_size, heads, dim = k.shape[1], k.shape[2], k.shape[3]
+        ks, vs = (k.stride(1), k.stride(2), k.stride(0)), (v.stride(1), v.stride(2), v.stride(0))
+    else:
+        heads, page_size, dim = k.shape[1], k.shape[2], k.shape[3]
+        ks, vs = (k.stride(2), k.stride(1), k.stride(0)), (v.stride(2), v.stride(1), v.stride(0))
+    return k, v, num_pages, page_size, heads, dim, ks, vs
+
+
+def int_tensor(name: str, t, length: int | None = None) -> torch.Tensor:
+    """A 1-D int32 tensor (the kernels read int32 page tables)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a 1-D int32 torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1 or t.dtype != torch.int32:
+        raise ValueError(f"{name}: expected a 1-D int32 tensor, got {t.dtype} of shape {tuple(t.shape)}")
+    if length is not None and t.shape[0] < length:
+        raise ValueError(f"{name}: expected at least {length} elements, got {t.shape[0]}")
+    return t
+
+
+def last_page_lens(name: str, values: list[int], pages: list[int], page_size: int) -> None:
+    """A request with pages fills 1..page_size slots of its last one (a request
+    without pages has no keys, whatever its entry says)."""
+    for i, (last, n) in enumerate(zip(values, pages)):
+        if n > 0 and not 1 <= last <= page_size:
+            raise ValueError(f"{name}: expected 1..{page_size} (page_size) for request {i}, which has "
+                             f"{n} pages, got {last}")

@@ -13,6 +13,7 @@ from .. import arch, jit
 from ..loader import AttentionParams, KernelModule
 from ..spec import KernelSpec, canonical_dtype
 from . import _checks
+from ._plan import CHUNK_ALIGN, MIN_CHUNK_KEYS, ceil_div
 
 log = logging.getLogger("flashjit")
 _announced: set = set()
@@ -31,14 +32,11 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
     return spec
 
 
-# FlashjitAttentionParams starts with eleven pointers and five per-call counts
+# FlashjitAttentionParams starts with thirteen pointers and five per-call counts
 # (num_work, qo_len, kv_len, num_splits, kv_chunk); everything after them is fixed
 # per call signature (configuration, heads, strides, scalars): packed once into `tail`.
-_PER_CALL = struct.Struct("=11Q5i")
-# Split-KV: a split covers at least this many keys (the merge pass must pay off),
-# in multiples of this many (whole tiles of every KV warp).
-_MIN_SPLIT_KEYS = 512
-_SPLIT_ALIGN = 128
+PER_CALL = struct.Struct("=13Q5i")
+NO_BATCH = (0, 0, 0, 0, 0, 0)  # qo/kv indptr, page indices, last page lens, work, merge indptr
 _CACHE_LIMIT = 4096
 
 
@@ -48,11 +46,19 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_strides: 
     """The non-pointer fields for q/o [tokens, heads, dim] and k/v in kv_layout."""
     _, num_kv_heads, _, k_sn, k_sh = _checks.kv_dims("k", k, kv_layout)
     _, _, _, v_sn, v_sh = _checks.kv_dims("v", v, kv_layout)
+    return fill_params(q, num_kv_heads, (k_sn, k_sh, 0), (v_sn, v_sh, 0), 0, out_strides, lse_stride, sm_scale,
+                       window_left, soft_cap)
+
+
+def fill_params(q: torch.Tensor, num_kv_heads: int, k_strides: tuple, v_strides: tuple, page_size: int,
+                out_strides: tuple[int, int], lse_stride: int, sm_scale: float, window_left: int, soft_cap: float
+                ) -> AttentionParams:
+    """The non-pointer fields; k/v strides are (token, head, page) in elements."""
     p = AttentionParams()
-    p.num_qo_heads, p.num_kv_heads = q.shape[-2], num_kv_heads
+    p.num_qo_heads, p.num_kv_heads, p.page_size = q.shape[-2], num_kv_heads, page_size
     p.q_stride_n, p.q_stride_h = (q.stride(0), q.stride(1)) if q.dim() == 3 else (0, q.stride(0))
-    p.k_stride_n, p.k_stride_h = k_sn, k_sh
-    p.v_stride_n, p.v_stride_h = v_sn, v_sh
+    p.k_stride_n, p.k_stride_h, p.k_stride_page = k_strides
+    p.v_stride_n, p.v_stride_h, p.v_stride_page = v_strides
     p.o_stride_n, p.o_stride_h = out_strides
     p.lse_stride_n = lse_stride
     p.sm_scale, p.logits_soft_cap, p.window_left = sm_scale, soft_cap, window_left
@@ -72,21 +78,20 @@ class Prepared:
     lse_shape: tuple | None
     device_index: int
     group: int = 1                         # query heads per KV head
-    extra_pointers: tuple = (0, 0, 0, 0)   # qo_indptr, kv_indptr, work_request, work_tile
     split_ctas: int = 0                    # split the keys while fewer CTAs than this; 0: never
     aligned_args: tuple = ("k", "v")       # tensors the kernel reads with 16-byte vectors
 
     @staticmethod
     def make(module: KernelModule, params: AttentionParams, out_shape, lse_shape, device: torch.device,
-             group: int = 1, extra_pointers=(0, 0, 0, 0), split: bool = False) -> "Prepared":
-        """split: single-request launches may split the keys across CTAs
-        (flash-decoding) when the grid would not fill the GPU twice over."""
-        split_ctas = 2 * torch.cuda.get_device_properties(device).multi_processor_count if split else 0
+             group: int = 1) -> "Prepared":
+        """A single-request launch; it splits the keys across CTAs (flash-decoding)
+        when the grid would not fill the GPU twice over."""
+        split_ctas = 2 * num_sms(device)
         # Tensor-core kernels also copy Q (and write O) in 16-byte vectors.
         aligned = ("q", "k", "v", "out") if module.spec.use_tensor_cores else ("k", "v")
-        return Prepared(module, bytes(params)[_PER_CALL.size:], tuple(out_shape) if out_shape else (),
-                        tuple(lse_shape) if lse_shape is not None else None, device.index, group,
-                        tuple(extra_pointers), split_ctas, aligned)
+        return Prepared(module, bytes(params)[PER_CALL.size:], tuple(out_shape) if out_shape else (),
+                        tuple(lse_shape) if lse_shape is not None else None, device.index, group, split_ctas,
+                        aligned)
 
     @property
     def num_kv_heads(self) -> int:
@@ -98,12 +103,12 @@ class Prepared:
 
     def _split(self, num_work: int, kv_len: int) -> tuple[int, int]:
         """(num_splits, kv_chunk): enough splits to reach split_ctas CTAs, each of
-        at least _MIN_SPLIT_KEYS keys; (1, 0) when the grid is large enough."""
+        at least MIN_CHUNK_KEYS keys; (1, 0) when the grid is large enough."""
         ctas = num_work * self.num_kv_heads
-        if not 0 < ctas < self.split_ctas or kv_len < 2 * _MIN_SPLIT_KEYS:
+        if not 0 < ctas < self.split_ctas or kv_len < 2 * MIN_CHUNK_KEYS:
             return 1, 0
-        splits = min(ceil_div(self.split_ctas, ctas), kv_len // _MIN_SPLIT_KEYS)
-        chunk = ceil_div(ceil_div(kv_len, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
+        splits = min(ceil_div(self.split_ctas, ctas), kv_len // MIN_CHUNK_KEYS)
+        chunk = ceil_div(ceil_div(kv_len, splits), CHUNK_ALIGN) * CHUNK_ALIGN
         return ceil_div(kv_len, chunk), chunk
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -124,14 +129,27 @@ class Prepared:
             partial_lse = partial_o + 4 * rows * splits * dim
         else:
             partial_o = partial_lse = 0
-        params = _PER_CALL.pack(qp, kp, vp, op, 0 if lse is None else lse.data_ptr(),
-                                *self.extra_pointers, partial_o, partial_lse, num_work, qo_len, kv_len, splits,
-                                chunk) + self.tail
-        if self.device_index != _current_device():
-            with torch.cuda.device(self.device_index):
-                self.module.run(params, _raw_stream(self.device_index))
-        else:
-            self.module.run(params, _raw_stream(self.device_index))
+        params = PER_CALL.pack(qp, kp, vp, op, 0 if lse is None else lse.data_ptr(), *NO_BATCH, partial_o,
+                               partial_lse, num_work, qo_len, kv_len, splits, chunk) + self.tail
+        run_on(self.module, params, self.device_index)
+
+
+def run_on(module: KernelModule, params: bytes, device_index: int) -> None:
+    """Launches on torch's current stream of the tensors' device."""
+    if device_index != _current_device():
+        with torch.cuda.device(device_index):
+            module.run(params, _raw_stream(device_index))
+    else:
+        module.run(params, _raw_stream(device_index))
+
+
+_SM_COUNTS: dict = {}
+
+
+def num_sms(device: torch.device) -> int:
+    if device.index not in _SM_COUNTS:
+        _SM_COUNTS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device.index]
 
 
 def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_qo_heads: int, num_kv_heads: int,
@@ -149,11 +167,7 @@ def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_
     params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
                          window_left, cap)
     return Prepared.make(module, params, (num_qo_heads, head_dim), (num_qo_heads,) if return_lse else None,
-                         q.device, group=num_qo_heads // num_kv_heads, split=not spec.use_tensor_cores)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+                         q.device, group=num_qo_heads // num_kv_heads)
 
 
 def remember(cache: dict, key, prep: Prepared) -> Prepared:

@@ -4,42 +4,55 @@
 #pragma once
 #include <stdint.h>
 
-#define FLASHJIT_ABI_VERSION 2
+#define FLASHJIT_ABI_VERSION 3
 
 extern "C" {
+
+// One CTA's assignment in a batched launch, written by plan(): rows
+// [tile * rows_per_cta, ...) of `request` against its keys [split * chunk,
+// (split + 1) * chunk), or all its keys when split < 0. request < 0 marks an
+// empty slot (a CUDA graph's grid is sized for the largest plan it replays).
+struct FlashjitWorkItem {
+  int32_t request;
+  int32_t tile;
+  int32_t split;
+  int32_t chunk;
+};
 
 struct FlashjitAttentionParams {
   // --- Per call: addresses and counts (the host packs these on every call). ---
   const void* q;        // [tokens, num_qo_heads, head_dim_qk], strides below
-  const void* k;        // kv rows addressed by (token, kv head) strides
+  const void* k;        // ragged: rows by (token, head) strides; paged: page 0 of the K cache
   const void* v;
   void* o;              // same indexing as q, head_dim_vo wide
   float* lse;           // [tokens, num_qo_heads] base-2 log-sum-exp, or null
-  // Ragged batch description (device int32). When null the launch is a single
-  // request of qo_len x kv_len starting at token 0.
-  const int32_t* qo_indptr;   // [batch + 1]
-  const int32_t* kv_indptr;   // [batch + 1]
-  // Work list from plan(): CTA x handles rows [tile*rows_per_cta, ...) of
-  // request work_request[x]. When null, request 0 and tile = blockIdx.x.
-  const int32_t* work_request;
-  const int32_t* work_tile;
-  // Split-KV (flash-decoding): CTA z of num_splits covers keys
-  // [z * kv_chunk, (z + 1) * kv_chunk) of its request and writes its normalised
-  // fp32 output and LSE to the partial buffers; a merge pass then writes o/lse.
-  float* partial_o;           // [num_splits, tokens, num_qo_heads, head_dim_vo]
-  float* partial_lse;         // [num_splits, tokens, num_qo_heads]
-  int32_t num_work;           // gridDim.x
-  int32_t qo_len;             // single-request mode only
-  int32_t kv_len;
-  int32_t num_splits;         // gridDim.z; 1: no split, partial buffers unused
-  int32_t kv_chunk;
+  // Batch description (device int32). When qo_indptr is null the launch is a
+  // single request of qo_len x kv_len starting at token 0.
+  const int32_t* qo_indptr;         // [batch + 1]
+  const int32_t* kv_indptr;         // [batch + 1] ragged: token offsets; paged: offsets into kv_page_indices
+  const int32_t* kv_page_indices;   // paged only: page ids of every request, concatenated
+  const int32_t* kv_last_page_len;  // paged only: [batch] valid slots of each request's last page
+  const FlashjitWorkItem* work;     // [num_work]; null: request 0, tile blockIdx.x
+  // Split-KV (flash-decoding): a CTA with split >= 0 writes its normalised fp32
+  // output and LSE as partial state row merge_indptr[token] + split (single
+  // requests: token * num_splits + split); a merge pass then writes o and lse
+  // for every token that has partial rows.
+  const int32_t* merge_indptr;      // [qo_len + 1] when batched work splits, else null
+  float* partial_o;                 // [partial rows, num_qo_heads, head_dim_vo]
+  float* partial_lse;               // [partial rows, num_qo_heads]
+  int32_t num_work;   // gridDim.x
+  int32_t qo_len;     // single request: its queries; batched with merge_indptr: tokens the merge visits
+  int32_t kv_len;     // single request only
+  int32_t num_splits; // single request: gridDim.z; 1 means no split
+  int32_t kv_chunk;   // single request: keys per split
 
   // --- Per call signature: fixed while shapes, strides and scalars are. ---
   int32_t num_qo_heads;
   int32_t num_kv_heads;
+  int32_t page_size;                // paged only
   int64_t q_stride_n, q_stride_h;   // in elements
-  int64_t k_stride_n, k_stride_h;
-  int64_t v_stride_n, v_stride_h;
+  int64_t k_stride_n, k_stride_h, k_stride_page;  // stride_n: between tokens (within a page)
+  int64_t v_stride_n, v_stride_h, v_stride_page;
   int64_t o_stride_n, o_stride_h;
   int64_t lse_stride_n;             // lse[token * lse_stride_n + head]
 
@@ -53,8 +66,10 @@ int flashjit_attention_run(const FlashjitAttentionParams* params, void* stream);
 const char* flashjit_error_string(int code);
 int flashjit_abi_version(void);
 // Geometry the host needs for plan(): query rows (token x head pairs of one
-// KV head) that one CTA covers.
+// KV head) that one CTA covers, and the key granularity every split boundary
+// must be a multiple of.
 int flashjit_rows_per_cta(void);
+int flashjit_split_align(void);
 // sizeof(FlashjitAttentionParams), checked by the host against its mirror.
 int flashjit_params_size(void);
 

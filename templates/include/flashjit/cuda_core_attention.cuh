@@ -15,7 +15,7 @@
 namespace flashjit {
 
 template <class DTypeQ_, class DTypeKV_, class DTypeO_, int kHeadDimQK_, int kHeadDimVO_,
-          int kRowsPerWarp_, int kRowWarps_, int kKvWarps_, bool kCausal_, bool kWindow_,
+          int kRowsPerWarp_, int kRowWarps_, int kKvWarps_, bool kPaged_, bool kCausal_, bool kWindow_,
           bool kSoftCap_, bool kLse_>
 struct CudaCoreTraits {
   using DTypeQ = DTypeQ_;
@@ -26,6 +26,7 @@ struct CudaCoreTraits {
   static constexpr int kRowsPerWarp = kRowsPerWarp_;
   static constexpr int kRowWarps = kRowWarps_;
   static constexpr int kKvWarps = kKvWarps_;
+  static constexpr bool kPaged = kPaged_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kWindow = kWindow_;
   static constexpr bool kSoftCap = kSoftCap_;
@@ -59,18 +60,18 @@ struct CudaCoreTraits {
       kQBytes + kPBytes + (kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes);
 };
 
-// Copies `rows` rows of `cols` elements from global (row stride `stride`) to
-// shared (row stride `smem_stride`) with 16-byte vectors; rows past `valid`
+// Copies `rows` keys from `first` on (ragged rows or page slots) to shared
+// memory (row stride `smem_stride`) with 16-byte vectors; rows past `valid`
 // are zero-filled so that no uninitialised value reaches the arithmetic.
-template <class T, int kCols, int kSmemStride>
-__device__ __forceinline__ void copy_rows(T* smem, const T* gmem, int64_t stride, int rows, int valid,
+template <class T, int kCols, int kSmemStride, class Rows>
+__device__ __forceinline__ void copy_rows(T* smem, const Rows& src, int first, int rows, int valid,
                                           int thread, int num_threads) {
   constexpr int kVec = Vec16<T>::kElems;
   constexpr int kVecsPerRow = kCols / kVec;
   for (int idx = thread; idx < rows * kVecsPerRow; idx += num_threads) {
     int r = idx / kVecsPerRow, c = (idx % kVecsPerRow) * kVec;
     uint4 val = make_uint4(0, 0, 0, 0);
-    if (r < valid) val = *reinterpret_cast<const uint4*>(gmem + r * stride + c);
+    if (r < valid) val = *reinterpret_cast<const uint4*>(src.row(first + r) + c);
     *reinterpret_cast<uint4*>(smem + r * kSmemStride + c) = val;
   }
 }
@@ -94,9 +95,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row_warp = warp % ROW_WARPS, kv_warp = warp / ROW_WARPS;
-  const CtaWork w = decode_work(p, Traits::kRowsPerCta);
+  const CtaWork w = decode_work<Traits::kPaged>(p, Traits::kRowsPerCta);
   const int rows_total = w.qo_len * w.group;
-  if (w.row_begin >= rows_total) return;  // uniform across the CTA
+  if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
   const Mask<Traits::kCausal, Traits::kWindow> mask{w.kv_len - w.qo_len, p.window_left};
 
   // Stage this CTA's queries in fp32, pre-scaled so that logits come out in
@@ -122,11 +123,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // split (split boundaries are multiples of the tile, so no tile straddles one).
   const int cta_q_first = w.row_begin / w.group;
   const int cta_q_last = min(w.row_begin + Traits::kRowsPerCta, rows_total) - 1;
-  const bool split = p.num_splits > 1;
-  const int chunk_begin = split ? blockIdx.z * p.kv_chunk : 0;
-  const int chunk_end = split ? min(chunk_begin + p.kv_chunk, w.kv_len) : w.kv_len;
-  const int key_begin = max((mask.key_begin(cta_q_first) / KEYS) * KEYS, chunk_begin);
-  const int key_end = min(mask.key_end(cta_q_last / w.group, w.kv_len), chunk_end);
+  const int key_begin = max((mask.key_begin(cta_q_first) / KEYS) * KEYS, w.kv_begin);
+  const int key_end = min(mask.key_end(cta_q_last / w.group, w.kv_len), w.kv_end);
   const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
   const int rounds = (num_tiles + KV_WARPS - 1) / KV_WARPS;
 
@@ -134,8 +132,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   DTypeKV* v_s = reinterpret_cast<DTypeKV*>(tiles + KV_WARPS * Traits::kKTileBytes +
                                             kv_warp * Traits::kVTileBytes);
   float* my_p = p_s + (warp * R) * KEYS;
-  const DTypeKV* k_head = static_cast<const DTypeKV*>(p.k) + w.kv_start * p.k_stride_n + w.kv_head * p.k_stride_h;
-  const DTypeKV* v_head = static_cast<const DTypeKV*>(p.v) + w.kv_start * p.v_stride_n + w.kv_head * p.v_stride_h;
+  const auto k_rows = kv_rows<DTypeKV, Traits::kPaged>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page);
+  const auto v_rows = kv_rows<DTypeKV, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page);
   const int loader = row_warp * 32 + lane;  // the row warps of one KV warp load its tile together
 
   float m[R], l[R], acc[R][DPL];
@@ -154,10 +152,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     __syncthreads();  // previous tiles fully consumed (and q_s written, first time)
     if (active) {
       const int valid = min(KEYS, w.kv_len - t0);
-      copy_rows<DTypeKV, D_QK, Traits::kKRowStride>(k_s, k_head + t0 * p.k_stride_n, p.k_stride_n, KEYS,
-                                                    valid, loader, 32 * ROW_WARPS);
-      copy_rows<DTypeKV, D_VO, D_VO>(v_s, v_head + t0 * p.v_stride_n, p.v_stride_n, KEYS, valid, loader,
-                                     32 * ROW_WARPS);
+      copy_rows<DTypeKV, D_QK, Traits::kKRowStride>(k_s, k_rows, t0, KEYS, valid, loader, 32 * ROW_WARPS);
+      copy_rows<DTypeKV, D_VO, D_VO>(v_s, v_rows, t0, KEYS, valid, loader, 32 * ROW_WARPS);
     }
     __syncthreads();
     if (!active) continue;
@@ -271,8 +267,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // A row that sees no key (kv_len 0, or masked out entirely) outputs 0 and LSE -inf.
     const float inv_l = l[r] > 0.f ? 1.f / l[r] : 0.f;
     const float lse = l[r] > 0.f ? m[r] + log2f(l[r]) : -CUDART_INF_F;
-    if (split) {  // fp32 partial state; the merge pass rounds once to DTypeO
-      const int64_t idx = partial_index(token, head, blockIdx.z, p.num_qo_heads, p.num_splits);
+    if (w.split >= 0) {  // fp32 partial state; the merge pass rounds once to DTypeO
+      const int64_t idx = partial_row(p, token, w.split) * p.num_qo_heads + head;
 #pragma unroll
       for (int i = 0; i < DPL; ++i) p.partial_o[idx * D_VO + lane + 32 * i] = acc[r][i] * inv_l;
       if (lane == 0) p.partial_lse[idx] = lse;
@@ -297,16 +293,12 @@ int launch_cuda_core_attention(const FlashjitAttentionParams& p, cudaStream_t st
     configured = true;
   }
   if (p.num_work == 0 || p.num_kv_heads == 0) return cudaSuccess;
-  const int splits = p.num_splits > 1 ? p.num_splits : 1;
+  const int splits = p.work == nullptr && p.num_splits > 1 ? p.num_splits : 1;
   dim3 grid(p.num_work, p.num_kv_heads, splits);
   cuda_core_attention_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || splits == 1) return err;
-  // Split-KV is a single-request launch (qo_len rows per head); the merge writes o and LSE.
-  if (p.qo_indptr != nullptr) return cudaErrorInvalidValue;
-  FlashjitAttentionParams merged = p;
-  if (!Traits::kLse) merged.lse = nullptr;
-  return launch_merge_split_states<typename Traits::DTypeO, Traits::kHeadDimVO>(merged, stream);
+  if (err != cudaSuccess || !has_partial_states(p)) return err;
+  return launch_merge_split_states<typename Traits::DTypeO, Traits::kHeadDimVO>(p, Traits::kLse, stream);
 }
 
 }  // namespace flashjit

@@ -1,5 +1,5 @@
 // The C entry points of a generated library. The including template defines
-// namespace flashjit_generated with launch() and kRowsPerCta first.
+// namespace flashjit_generated with launch(), kRowsPerCta and kSplitAlign first.
 #pragma once
 #include <cuda_runtime.h>
 #include "attention_params.cuh"
@@ -20,5 +20,7 @@ FLASHJIT_EXPORT int flashjit_abi_version(void) { return FLASHJIT_ABI_VERSION; }
 FLASHJIT_EXPORT int flashjit_params_size(void) { return sizeof(FlashjitAttentionParams); }
 
 FLASHJIT_EXPORT int flashjit_rows_per_cta(void) { return flashjit_generated::kRowsPerCta; }
+
+FLASHJIT_EXPORT int flashjit_split_align(void) { return flashjit_generated::kSplitAlign; }
 
 }  // extern "C"

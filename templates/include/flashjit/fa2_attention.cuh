@@ -66,13 +66,14 @@
 // ---------------------------------------------------------------------------
 #pragma once
 #include <type_traits>
+#include "merge_states.cuh"
 #include "numeric.cuh"
 #include "work.cuh"
 
 namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kStages_, bool kQInRegs_,
-          int kMinBlocksPerSm_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
+          int kMinBlocksPerSm_, bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
 struct Fa2Traits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -89,6 +90,7 @@ struct Fa2Traits {
   // Second __launch_bounds__ argument: caps registers at 64K / (kThreads * it)
   // so that this many CTAs fit on one SM (1: no cap beyond 255 per thread).
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+  static constexpr bool kPaged = kPaged_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kWindow = kWindow_;
   static constexpr bool kSoftCap = kSoftCap_;
@@ -197,24 +199,21 @@ __device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
   return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
 }
 
-// Asynchronously copies kRows rows of one K or V tile (row 0 at `gmem`, row
-// stride `stride` elements) into the swizzled tile at `dst`; rows >= valid are
-// zero-filled (gmem itself, row 0, is always a valid row). Thread `tid` copies
-// chunk tid % kChunks of rows tid / kChunks + i * (kThreads / kChunks):
+// Asynchronously copies kRows keys from `first` on (ragged rows or page
+// slots, see KvRows) into the swizzled tile at `dst`; rows >= valid are
+// zero-filled (reading nothing from the head's base address). Thread `tid`
+// copies chunk tid % kChunks of rows tid / kChunks + i * (kThreads / kChunks):
 // consecutive threads read consecutive 16 bytes of a row (coalesced).
-template <class T, int kRows, int kDim, int kThreads>
-__device__ __forceinline__ void load_tile_async(uint32_t dst, const T* gmem, int64_t stride, int valid,
-                                                int tid) {
+template <class T, int kRows, int kDim, int kThreads, class Rows>
+__device__ __forceinline__ void load_tile_async(uint32_t dst, const Rows& src, int first, int valid, int tid) {
   constexpr int kChunks = kDim / 8;
   constexpr int kRowsPerPass = kThreads / kChunks;
   const int chunk = tid % kChunks, row0 = tid / kChunks;
-  const T* src = gmem + row0 * stride + chunk * 8;
 #pragma unroll
   for (int i = 0; i < kRows / kRowsPerPass; ++i) {
     const int row = row0 + i * kRowsPerPass;
     const bool ok = row < valid;
-    cp_async_16(dst + swizzled<kDim * 2>(row, chunk), ok ? src + int64_t(i * kRowsPerPass) * stride : gmem,
-                ok);
+    cp_async_16(dst + swizzled<kDim * 2>(row, chunk), ok ? src.row(first + row) + chunk * 8 : src.base, ok);
   }
 }
 
@@ -244,20 +243,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, tq = lane % 4;
-  const CtaWork w = decode_work(p, ROWS);
+  const CtaWork w = decode_work<Traits::kPaged>(p, ROWS);
   const int rows_total = w.qo_len * w.group;
-  if (w.row_begin >= rows_total) return;  // uniform across the CTA
+  if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
   const int offset = w.kv_len - w.qo_len;
   // Clamped so that q + offset - window_left cannot overflow int; any window
   // of 2^30 keys or more already covers every key.
   const int window_left = Traits::kWindow ? min(p.window_left, 1 << 30) : 0;
   const Mask<Traits::kCausal, Traits::kWindow> mask{offset, window_left};
 
-  // Key range any row of the CTA can see, from a KEYS-aligned start.
+  // Key range any row of the CTA can see, from a KEYS-aligned start, within
+  // its split-KV chunk (whose bounds are multiples of KEYS).
   const int cta_q_first = w.row_begin / w.group;
   const int cta_q_last = (min(w.row_begin + ROWS, rows_total) - 1) / w.group;
-  const int key_begin = (mask.key_begin(cta_q_first) / KEYS) * KEYS;
-  const int key_end = mask.key_end(cta_q_last, w.kv_len);
+  const int key_begin = max((mask.key_begin(cta_q_first) / KEYS) * KEYS, w.kv_begin);
+  const int key_end = min(mask.key_end(cta_q_last, w.kv_len), w.kv_end);
   const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
 
   // This warp's rows: warp_row0 .. warp_row0 + WROWS - 1 (fragment f: rows
@@ -299,8 +299,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   if (num_tiles > 0) {
     const T* q_base = static_cast<const T*>(p.q);
-    const T* k_head = static_cast<const T*>(p.k) + w.kv_start * p.k_stride_n + w.kv_head * p.k_stride_h;
-    const T* v_head = static_cast<const T*>(p.v) + w.kv_start * p.v_stride_n + w.kv_head * p.v_stride_h;
+    const auto k_rows = kv_rows<T, Traits::kPaged>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page);
+    const auto v_rows = kv_rows<T, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page);
 
     // ---- Q tile -> swizzled shared memory (first commit group, with K_0).
     {
@@ -324,8 +324,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     auto issue_k = [&](int tile) {
       if (tile < num_tiles) {
         const int t0 = key_begin + tile * KEYS;
-        fa2::load_tile_async<T, KEYS, D, THREADS>(kv_smem + (tile % STAGES) * Traits::kStageBytes,
-                                                   k_head + int64_t(t0) * p.k_stride_n, p.k_stride_n,
+        fa2::load_tile_async<T, KEYS, D, THREADS>(kv_smem + (tile % STAGES) * Traits::kStageBytes, k_rows, t0,
                                                    min(KEYS, w.kv_len - t0), tid);
       }
       fa2::cp_async_commit();
@@ -334,8 +333,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       if (tile < num_tiles) {
         const int t0 = key_begin + tile * KEYS;
         fa2::load_tile_async<T, KEYS, D, THREADS>(
-            kv_smem + (tile % STAGES) * Traits::kStageBytes + Traits::kKvTileBytes,
-            v_head + int64_t(t0) * p.v_stride_n, p.v_stride_n, min(KEYS, w.kv_len - t0), tid);
+            kv_smem + (tile % STAGES) * Traits::kStageBytes + Traits::kKvTileBytes, v_rows, t0,
+            min(KEYS, w.kv_len - t0), tid);
       }
       fa2::cp_async_commit();
     };
@@ -529,6 +528,27 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
       inv_l[f][r] = l[f][r] > 0.f ? 1.f / l[f][r] : 0.f;
     }
+  if (w.split >= 0) {
+    // Split-KV chunk: fp32 normalised output and LSE as partial state; the
+    // merge pass rounds once to T. o[f][n][e] is row 16f + g + 8 * (e / 2),
+    // head dims 8n + 2 * tq + e % 2.
+#pragma unroll
+    for (int f = 0; f < FM; ++f)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp_row0 + 16 * f + g + 8 * r;
+        if (row >= rows_total) continue;
+        const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+        const int64_t idx = partial_row(p, token, w.split) * p.num_qo_heads + head;
+        float* dst = p.partial_o + idx * D + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < NT_O; ++n)
+          *reinterpret_cast<float2*>(dst + 8 * n) =
+              make_float2(o[f][n][2 * r] * inv_l[f][r], o[f][n][2 * r + 1] * inv_l[f][r]);
+        if (tq == 0) p.partial_lse[idx] = l[f][r] > 0.f ? m[f][r] * scale + log2f(l[f][r]) : kNegInf;
+      }
+    return;
+  }
   unsigned char* stage = smem + warp * WROWS * ROW_BYTES;
   __syncwarp();  // all lanes' last reads of the warp's Q rows are done
 #pragma unroll
@@ -588,9 +608,12 @@ int launch_fa2_attention(const FlashjitAttentionParams& p, cudaStream_t stream) 
     if (device >= 0 && device < kMaxDevices) configured[device] = true;
   }
   if (p.num_work == 0 || p.num_kv_heads == 0) return cudaSuccess;
-  dim3 grid(p.num_work, p.num_kv_heads);
+  const int splits = p.work == nullptr && p.num_splits > 1 ? p.num_splits : 1;
+  dim3 grid(p.num_work, p.num_kv_heads, splits);
   fa2_attention_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  err = cudaGetLastError();
+  if (err != cudaSuccess || !has_partial_states(p)) return err;
+  return launch_merge_split_states<typename Traits::DType, Traits::kHeadDim>(p, Traits::kLse, stream);
 }
 
 }  // namespace flashjit

@@ -1,42 +1,118 @@
-// What one CTA computes, decoded from the launch parameters, and the
-// attention mask every backend applies. Rows are (query token, head) pairs of
-// one KV head packed token-major: row r is token r / group, head r % group of
-// the group, so all query heads that share a KV head share its tiles.
+// What one CTA computes, decoded from the launch parameters; where its keys
+// and values live (ragged rows or pages); and the attention mask every backend
+// applies. Rows are (query token, head) pairs of one KV head packed
+// token-major: row r is token r / group, head r % group of the group, so all
+// query heads that share a KV head share its tiles.
 #pragma once
 #include "attention_params.cuh"
 
 namespace flashjit {
 
 struct CtaWork {
+  bool valid;            // false: an empty work slot, the CTA has nothing to do
   int qo_start, qo_len;  // token range of the request's queries
-  int kv_start, kv_len;  // token range of the request's keys/values
+  int kv_start, kv_len;  // ragged: token offset of its keys; paged: offset into kv_page_indices
+  int kv_begin, kv_end;  // the keys this CTA covers (a split-KV chunk, or all of them)
+  int split;             // chunk index, or -1: the CTA sees every key and writes o itself
   int row_begin;         // first packed row of this CTA
   int kv_head;
   int group;             // query heads per KV head
 };
 
+template <bool kPaged>
 __device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p, int rows_per_cta) {
   CtaWork w;
-  int request = 0, tile = blockIdx.x;
-  if (p.work_request != nullptr) {
-    request = p.work_request[blockIdx.x];
-    tile = p.work_tile[blockIdx.x];
+  int request = 0, tile = blockIdx.x, chunk = 0;
+  w.split = -1;
+  if (p.work != nullptr) {
+    const FlashjitWorkItem item = p.work[blockIdx.x];
+    request = item.request;
+    tile = item.tile;
+    w.split = item.split;
+    chunk = item.chunk;
+  } else if (p.num_splits > 1) {
+    w.split = blockIdx.z;
+    chunk = p.kv_chunk;
   }
+  w.valid = request >= 0;
+  if (!w.valid) request = 0;
   if (p.qo_indptr != nullptr) {
     w.qo_start = p.qo_indptr[request];
     w.qo_len = p.qo_indptr[request + 1] - w.qo_start;
     w.kv_start = p.kv_indptr[request];
-    w.kv_len = p.kv_indptr[request + 1] - w.kv_start;
+    const int n = p.kv_indptr[request + 1] - w.kv_start;
+    if constexpr (kPaged) {
+      w.kv_len = n > 0 ? (n - 1) * p.page_size + p.kv_last_page_len[request] : 0;
+    } else {
+      w.kv_len = n;
+    }
   } else {
     w.qo_start = 0;
     w.qo_len = p.qo_len;
     w.kv_start = 0;
     w.kv_len = p.kv_len;
   }
+  w.kv_begin = w.split >= 0 ? w.split * chunk : 0;
+  w.kv_end = w.split >= 0 ? min(w.kv_begin + chunk, w.kv_len) : w.kv_len;
   w.row_begin = tile * rows_per_cta;
   w.kv_head = blockIdx.y;
   w.group = p.num_qo_heads / p.num_kv_heads;
   return w;
+}
+
+// Row of partial state that (token, split) writes; see FlashjitAttentionParams.
+__device__ __forceinline__ int64_t partial_row(const FlashjitAttentionParams& p, int token, int split) {
+  return p.merge_indptr != nullptr ? int64_t(p.merge_indptr[token]) + split
+                                   : int64_t(token) * p.num_splits + split;
+}
+
+// Address of key `key` (0-based within its request) of one KV head: a strided
+// row of a ragged tensor, or a slot of one of the request's pages.
+template <class T, bool kPaged>
+struct KvRows {
+  const T* base;          // KV head applied; ragged: the request's first row too
+  int64_t stride_n;       // between consecutive tokens (within a page)
+  int64_t stride_page;
+  const int32_t* pages;   // the request's page ids
+  int page_size;
+  int page_shift;         // log2(page_size) when a power of two, else -1
+
+  __device__ __forceinline__ const T* row(int key) const {
+    if constexpr (!kPaged) {
+      return base + int64_t(key) * stride_n;
+    } else {
+      int page, slot;
+      if (page_shift >= 0) {
+        page = key >> page_shift;
+        slot = key & (page_size - 1);
+      } else {
+        page = key / page_size;
+        slot = key - page * page_size;
+      }
+      return base + int64_t(pages[page]) * stride_page + int64_t(slot) * stride_n;
+    }
+  }
+};
+
+template <class T, bool kPaged>
+__device__ __forceinline__ KvRows<T, kPaged> kv_rows(const FlashjitAttentionParams& p, const CtaWork& w,
+                                                     const void* data, int64_t stride_n, int64_t stride_h,
+                                                     int64_t stride_page) {
+  KvRows<T, kPaged> r;
+  r.base = static_cast<const T*>(data) + int64_t(w.kv_head) * stride_h;
+  r.stride_n = stride_n;
+  r.stride_page = stride_page;
+  if constexpr (kPaged) {
+    r.pages = p.kv_page_indices + w.kv_start;
+    r.page_size = p.page_size;
+    r.page_shift = (p.page_size & (p.page_size - 1)) == 0 ? __ffs(p.page_size) - 1 : -1;
+  } else {
+    r.base += int64_t(w.kv_start) * stride_n;
+    r.pages = nullptr;
+    r.page_size = 0;
+    r.page_shift = -1;
+  }
+  return r;
 }
 
 // Bottom-right aligned masks: query i of a request sees keys j with

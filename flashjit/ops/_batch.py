@@ -1,0 +1,230 @@
+"""What every batch wrapper shares: plan() turns a batch description into a
+work plan (ops._plan) and one device array of int32 metadata; run() packs one
+params struct and launches, allocating nothing but the output when none is given.
+
+CUDA graphs (use_cuda_graph=True): a captured launch keeps its params struct,
+so every pointer and count in it must stay valid across plans. The wrapper
+then sizes its metadata array, the grid and the merge pass once, at the first
+plan(), for that batch size (and that many query tokens), and later plans
+rewrite the same device memory in place: empty work slots carry request -1,
+tokens past the batch have no partial rows. Page ids go to the
+paged_kv_indices buffer given at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import jit
+from ..loader import KernelModule
+from . import _checks
+from ._launch import PER_CALL, check_placement, fill_params, num_sms, run_on
+from ._plan import WorkPlan, ceil_div, plan_work
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    module: KernelModule
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_dtype: torch.dtype
+    qo_tokens: int
+    page_size: int                  # 0: ragged K/V
+    max_page: int                   # largest page id the plan reads (-1: none)
+    kv_tokens: int                  # ragged: keys the plan reads
+    scalars: tuple                  # sm_scale, window_left, soft_cap
+    pointers: tuple                 # qo/kv indptr, page ids, last page lens, work, merge indptr
+    partials: tuple                 # partial_o, partial_lse addresses (0, 0 when nothing is split)
+    num_work: int
+    merge_tokens: int
+    work: WorkPlan
+
+
+_EMPTY_ITEM = (-1, 0, -1, 0)
+
+
+class BatchAttention:
+    """Base of the batch wrappers: subclasses check their arguments, then call
+    _plan_batch() from plan() and _launch() from run()."""
+
+    def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, backend: str,
+                 page_indices_buffer=None):
+        _checks.check_layout(kv_layout)
+        if not isinstance(float_workspace_buffer, torch.Tensor) or float_workspace_buffer.device.type != "cuda" \
+                or not float_workspace_buffer.is_contiguous():
+            got = f"{type(float_workspace_buffer).__name__}" if not isinstance(float_workspace_buffer, torch.Tensor) \
+                else f"a tensor on {float_workspace_buffer.device}, contiguous={float_workspace_buffer.is_contiguous()}"
+            raise ValueError(f"float_workspace_buffer: expected a CUDA tensor (contiguous), got {got}")
+        if float_workspace_buffer.data_ptr() % 16:
+            raise ValueError("float_workspace_buffer: expected a 16-byte aligned tensor")
+        self._workspace = float_workspace_buffer
+        self._device = float_workspace_buffer.device
+        self._kv_layout = kv_layout
+        self._backend = backend
+        self._use_cuda_graph = bool(use_cuda_graph)
+        if page_indices_buffer is not None:
+            _checks.int_tensor("paged_kv_indices_buffer", page_indices_buffer)
+            if page_indices_buffer.device != self._device:
+                raise ValueError(f"paged_kv_indices_buffer: expected a tensor on {self._device} (the workspace's "
+                                 f"device), got {page_indices_buffer.device}")
+        self._page_buffer = page_indices_buffer
+        self._plan: BatchPlan | None = None
+        self._ints: torch.Tensor | None = None
+        self._pages: torch.Tensor | None = None
+        self._capacity: tuple | None = None  # graph mode: (batch, tokens, work items)
+        self._tails: dict = {}
+        self._validated: set = set()  # run() argument signatures already checked against the plan
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def _plan_batch(self, spec, qo_indptr: list[int], kv_indptr: list[int], kv_lens: list[int], *,
+                    num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype, scalars: tuple,
+                    page_size: int = 0, last_page_len: list[int] | None = None, page_indices=None,
+                    fixed_chunk: int | None = None, allow_split: bool = True, non_blocking: bool = True) -> None:
+        module = jit.get_module(spec)
+        batch = len(qo_indptr) - 1
+        qo_lens = [qo_indptr[i + 1] - qo_indptr[i] for i in range(batch)]
+        tokens = qo_indptr[-1]
+        group = num_qo_heads // num_kv_heads
+        sms = num_sms(self._device)
+        max_items = None
+        if self._use_cuda_graph:
+            if self._capacity is None:
+                slots = ceil_div(2 * sms, num_kv_heads)
+                self._capacity = (batch, tokens, ceil_div(tokens * group, module.rows_per_cta) + 2 * batch + slots)
+            cap_batch, cap_tokens, max_items = self._capacity
+            if batch != cap_batch or tokens > cap_tokens:
+                raise ValueError(f"qo_indptr: with use_cuda_graph=True the batch is fixed at the first plan() "
+                                 f"({cap_batch} requests, at most {cap_tokens} query tokens), got {batch} requests "
+                                 f"and {tokens} tokens; create a new wrapper for a larger batch")
+        work = plan_work(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta, num_kv_heads=num_kv_heads,
+                         num_sms=sms, split_align=module.split_align, causal=spec.causal, fixed_chunk=fixed_chunk,
+                         allow_split=allow_split, max_items=max_items)
+
+        # Partial state: fp32 outputs from the workspace's start, LSEs at a fixed
+        # offset behind room for as many rows as fit (fixed across plans, as a
+        # captured graph needs).
+        workspace_bytes = self._workspace.numel() * self._workspace.element_size()
+        rows_fit = workspace_bytes // (4 * num_qo_heads * (head_dim + 1))
+        if work.partial_rows > rows_fit:
+            raise ValueError(f"float_workspace_buffer: split-KV needs "
+                             f"{4 * work.partial_rows * num_qo_heads * (head_dim + 1)} bytes of partial state for "
+                             f"this batch, the buffer has {workspace_bytes}; pass a larger buffer (128 MiB is "
+                             f"typical) or plan with disable_split_kv=True")
+        base = self._workspace.data_ptr()
+        partials = (base, base + 4 * rows_fit * num_qo_heads * head_dim)
+
+        merge = work.merge_indptr
+        items = work.items
+        merge_tokens = tokens if merge is not None else 0
+        if self._use_cuda_graph:
+            _, cap_tokens, cap_items = self._capacity
+            merge = (merge or [0] * (tokens + 1)) + [merge[-1] if merge else 0] * (cap_tokens - tokens)
+            items = items + [_EMPTY_ITEM] * (cap_items - len(items))
+            merge_tokens = cap_tokens
+        sections = [qo_indptr, kv_indptr, last_page_len or [], merge or [], [x for item in items for x in item]]
+        host, offsets = [], []
+        for values in sections:
+            offsets.append(len(host))
+            host.extend(values)
+            host.extend([0] * (-len(host) % 4))  # 16-byte aligned sections (work items are int4)
+        host_tensor = torch.tensor(host or [0], dtype=torch.int32)
+        if self._use_cuda_graph and self._ints is not None and self._ints.numel() == host_tensor.numel():
+            self._ints.copy_(host_tensor, non_blocking=non_blocking)
+        else:
+            self._ints = host_tensor.to(self._device, non_blocking=non_blocking)
+        addr = self._ints.data_ptr()
+
+        pages_ptr, max_page = 0, -1
+        if page_indices is not None:
+            nnz = kv_indptr[-1]
+            if page_indices.device != self._device:
+                raise ValueError(f"paged_kv_indices: expected a tensor on {self._device} (the workspace's device), "
+                                 f"got {page_indices.device}")
+            if nnz:
+                low, high = (int(x) for x in torch.aminmax(page_indices[:nnz]))
+                if low < 0:
+                    raise ValueError(f"paged_kv_indices: expected page ids >= 0, got {low}")
+                max_page = high
+            if self._use_cuda_graph:
+                if self._page_buffer is None:
+                    raise ValueError("paged_kv_indices_buffer: use_cuda_graph=True needs a page-id buffer given at "
+                                     "construction (its address is captured)")
+                if self._page_buffer.shape[0] < nnz:
+                    raise ValueError(f"paged_kv_indices_buffer: expected room for {nnz} page ids, it holds "
+                                     f"{self._page_buffer.shape[0]}")
+                self._page_buffer[:nnz].copy_(page_indices[:nnz], non_blocking=non_blocking)
+                self._pages = self._page_buffer
+            else:
+                self._pages = page_indices if page_indices.is_contiguous() else page_indices.contiguous()
+            pages_ptr = self._pages.data_ptr()
+        pointers = (addr + 4 * offsets[0], addr + 4 * offsets[1], pages_ptr,
+                    addr + 4 * offsets[2] if last_page_len is not None else 0, addr + 4 * offsets[4],
+                    addr + 4 * offsets[3] if merge is not None else 0)
+        self._plan = BatchPlan(module, num_qo_heads, num_kv_heads, head_dim, q_dtype, tokens, page_size, max_page,
+                               kv_indptr[-1] if page_indices is None else 0, scalars, pointers, partials, len(items),
+                               merge_tokens, work)
+        self._tails = {}
+        self._validated = set()
+
+    def _check_q(self, q, plan: BatchPlan) -> None:
+        _checks.check_tensor("q", q, 3)
+        if q.dtype != plan.q_dtype:
+            raise ValueError(f"q: expected dtype {plan.q_dtype} as planned (q_data_type), got {q.dtype}")
+        if tuple(q.shape[1:]) != (plan.num_qo_heads, plan.head_dim) or q.shape[0] < plan.qo_tokens:
+            raise ValueError(f"q: expected shape [{plan.qo_tokens}, {plan.num_qo_heads}, {plan.head_dim}] as "
+                             f"planned, got {tuple(q.shape)}")
+
+    def _outputs(self, q, plan: BatchPlan, out, lse, return_lse: bool):
+        tokens = q.shape[0]
+        shape = (tokens, plan.num_qo_heads, plan.head_dim)
+        if out is None:
+            out = torch.empty(shape, dtype=q.dtype, device=q.device)
+        else:
+            check_out_buffer("out", out, shape, q.dtype, q.device)
+        if return_lse:
+            if lse is None:
+                lse = torch.empty(shape[:2], dtype=torch.float32, device=q.device)
+            else:
+                check_out_buffer("lse", lse, shape[:2], torch.float32, q.device)
+        else:
+            lse = None
+        return out, lse
+
+    def _launch(self, q, k, v, k_strides: tuple, v_strides: tuple, out, lse) -> None:
+        plan = self._plan
+        key = (q.stride(), k_strides, v_strides)
+        tail = self._tails.get(key)
+        if tail is None:
+            check_placement(q, k, v, plan.module.spec)
+            if q.device != self._device:
+                raise ValueError(f"q: expected a tensor on {self._device} (the workspace's device), got {q.device}")
+            params = fill_params(q, plan.num_kv_heads, k_strides, v_strides, plan.page_size,
+                                 (plan.num_qo_heads * plan.head_dim, plan.head_dim), plan.num_qo_heads, *plan.scalars)
+            tail = self._tails[key] = bytes(params)[PER_CALL.size:]
+        packed = PER_CALL.pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                               0 if lse is None else lse.data_ptr(), *plan.pointers, *plan.partials, plan.num_work,
+                               plan.merge_tokens, 0, 1, 0) + tail
+        run_on(plan.module, packed, self._device.index)
+
+
+def check_out_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """User-provided out / lse: the kernel writes them densely, so they must be contiguous."""
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or t.device != device \
+            or not t.is_contiguous():
+        got = f"{t.dtype} {tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}" \
+            if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a contiguous {dtype} tensor of shape {shape} on {device}, got {got}")
+
+
+def dtype_arg(name: str, value) -> torch.dtype:
+    if isinstance(value, str):
+        value = getattr(torch, value, None) if value in ("float16", "bfloat16", "float32") else value
+    if value not in _checks.SUPPORTED_DTYPES:
+        raise ValueError(f"{name}: expected float16, bfloat16 or float32, got {value!r}")
+    return value

@@ -1,0 +1,182 @@
+"""Paged KV cache utilities with FlashInfer 0.7's names and semantics:
+append_paged_kv_cache, get_batch_indices_positions and get_seq_lens.
+
+They are plain torch ops: every value-dependent step (page lookup, slot,
+request of each token) runs on the tensors' device, so a call never waits for
+the device and can be captured in a CUDA graph. The host only checks structure
+(ranks, shapes, dtypes, devices), which it knows without reading any tensor.
+CPU tensors work too: nothing here needs a kernel of ours."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks
+
+_INDEX_DTYPE = torch.int32
+
+
+def _check_index(name: str, t, length: int | None = None, what: str = "") -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(t.shape)}")
+    if t.dtype != _INDEX_DTYPE:
+        raise ValueError(f"{name}: expected dtype torch.int32, got {t.dtype}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name}: expected {length} elements{what}, got {t.shape[0]}")
+
+
+def _check_same_device(device: torch.device, reference: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (where {reference} is), got {t.device}")
+
+
+def _unpack_cache(paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(k_cache, v_cache, the name to report K cache mistakes under), 4-D each."""
+    if isinstance(paged_kv_cache, torch.Tensor):
+        _checks.check_tensor("paged_kv_cache", paged_kv_cache, 5)
+        if paged_kv_cache.shape[1] != 2:
+            raise ValueError(f"paged_kv_cache: expected shape [num_pages, 2, ...] (K and V in dimension 1), "
+                             f"got shape {tuple(paged_kv_cache.shape)}")
+        # Views: writing through them writes the caller's tensor.
+        return paged_kv_cache[:, 0], paged_kv_cache[:, 1], "paged_kv_cache"
+    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
+        got = f"a {type(paged_kv_cache).__name__} of {len(paged_kv_cache)}" \
+            if isinstance(paged_kv_cache, (tuple, list)) else type(paged_kv_cache).__name__
+        raise ValueError(f"paged_kv_cache: expected a 5-D tensor or a (k_cache, v_cache) tuple, got {got}")
+    k_cache, v_cache = paged_kv_cache
+    _checks.check_tensor("paged_kv_cache[0]", k_cache, 4)
+    _checks.check_tensor("paged_kv_cache[1]", v_cache, 4)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_kv_cache[1]: expected shape {tuple(k_cache.shape)} (as paged_kv_cache[0]), "
+                         f"got {tuple(v_cache.shape)}")
+    _checks.check_same_dtype(**{"paged_kv_cache[0]": k_cache, "paged_kv_cache[1]": v_cache})
+    _check_same_device(k_cache.device, "paged_kv_cache[0]", **{"paged_kv_cache[1]": v_cache})
+    return k_cache, v_cache, "paged_kv_cache[0]"
+
+
+def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices,
+                          kv_indptr, kv_last_page_len, kv_layout: str = "NHD") -> None:
+    """Writes append_key/append_value [nnz, num_kv_heads, head_dim] into the paged cache:
+    token i goes to page kv_indices[kv_indptr[batch_indices[i]] + positions[i] // page_size],
+    slot positions[i] % page_size. paged_kv_cache is one tensor [num_pages, 2, page_size,
+    num_kv_heads, head_dim] (NHD) / [num_pages, 2, num_kv_heads, page_size, head_dim] (HND),
+    or a (k_cache, v_cache) tuple of [num_pages, page_size, num_kv_heads, head_dim] (NHD) /
+    [num_pages, num_kv_heads, page_size, head_dim] (HND). kv_indices, kv_indptr and
+    kv_last_page_len must already include the appended tokens (as in FlashInfer).
+    Indices are not range-checked on the host (that would read them): an index past a
+    tensor's end is a device-side error. Two tokens aimed at one slot leave either value."""
+    _checks.check_layout(kv_layout)
+    k_cache, v_cache, cache_name = _unpack_cache(paged_kv_cache)
+    _checks.check_tensor("append_key", append_key, 3)
+    _checks.check_tensor("append_value", append_value, 3)
+    if append_value.shape != append_key.shape:
+        raise ValueError(f"append_value: expected shape {tuple(append_key.shape)} (as append_key), "
+                         f"got {tuple(append_value.shape)}")
+    nnz, num_kv_heads, head_dim = append_key.shape
+    if kv_layout == "NHD":
+        _, page_size, cache_heads, cache_dim = k_cache.shape
+        layout_shape = "[num_pages, page_size, num_kv_heads, head_dim]"
+    else:
+        _, cache_heads, page_size, cache_dim = k_cache.shape
+        layout_shape = "[num_pages, num_kv_heads, page_size, head_dim]"
+    if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
+        raise ValueError(f"{cache_name}: expected {num_kv_heads} heads x head_dim {head_dim} (as append_key) in "
+                         f"the {kv_layout} layout {layout_shape}, got shape {tuple(k_cache.shape)} for K "
+                         f"(heads {cache_heads}, head_dim {cache_dim}); is kv_layout right?")
+    if page_size < 1:
+        raise ValueError(f"{cache_name}: expected page_size >= 1, got shape {tuple(k_cache.shape)}")
+    _checks.check_same_dtype(**{cache_name: k_cache, "append_key": append_key, "append_value": append_value})
+    _check_index("batch_indices", batch_indices, nnz, " (one per appended token, as append_key)")
+    _check_index("positions", positions, nnz, " (one per appended token, as append_key)")
+    _check_index("kv_indices", kv_indices)
+    _check_index("kv_indptr", kv_indptr)
+    if kv_indptr.shape[0] < 1:
+        raise ValueError("kv_indptr: expected batch_size + 1 elements, got none")
+    _check_index("kv_last_page_len", kv_last_page_len, kv_indptr.shape[0] - 1,
+                 f" (batch_size, from kv_indptr's {kv_indptr.shape[0]} elements)")
+    _check_same_device(k_cache.device, cache_name, append_key=append_key, append_value=append_value,
+                       batch_indices=batch_indices, positions=positions, kv_indices=kv_indices,
+                       kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
+
+    page = kv_indices[kv_indptr[batch_indices] + positions // page_size]
+    slot = positions % page_size
+    if kv_layout == "HND":
+        # A transposed view puts (page, slot) first in both layouts, and it writes through.
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    k_cache.index_put_((page, slot), append_key)
+    v_cache.index_put_((page, slot), append_value)
+
+
+def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices=None,
+                                positions=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of the nnz appended tokens, its request (the b with append_indptr[b] <= i <
+    append_indptr[b + 1]) and its position in that request's KV sequence, the appended
+    tokens being the last ones: positions[i] = seq_lens[b] - append_indptr[b + 1] + i.
+    Entries past append_indptr[-1] get batch index -1 and position 0. int32 outputs,
+    written into batch_indices / positions when given."""
+    _check_indptr_like("append_indptr", append_indptr)
+    batch_size = append_indptr.shape[0] - 1
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32,
+                                                                                                torch.int64):
+        got = f"{seq_lens.dtype} {tuple(seq_lens.shape)}" if isinstance(seq_lens, torch.Tensor) \
+            else type(seq_lens).__name__
+        raise ValueError(f"seq_lens: expected a 1-D int32 or int64 tensor, got {got}")
+    if seq_lens.shape[0] != batch_size:
+        raise ValueError(f"seq_lens: expected {batch_size} elements (batch_size, from append_indptr), "
+                         f"got {seq_lens.shape[0]}")
+    nnz = _host_int("nnz", nnz, minimum=0)
+    device = append_indptr.device
+    _check_same_device(device, "append_indptr", seq_lens=seq_lens)
+    for name, out in (("batch_indices", batch_indices), ("positions", positions)):
+        if out is not None:
+            _check_index(name, out, nnz)
+            _check_same_device(device, "append_indptr", **{name: out})
+
+    token = torch.arange(nnz, dtype=torch.int32, device=device)
+    if batch_size == 0:
+        request = torch.full((nnz,), -1, dtype=torch.int32, device=device)
+        pos = torch.zeros(nnz, dtype=torch.int32, device=device)
+    else:
+        ends = append_indptr[1:]
+        # The number of requests that end at or before token i is its request.
+        request = torch.searchsorted(ends, token, right=True, out_int32=True)
+        valid = token < append_indptr[-1]
+        safe = request.clamp(max=batch_size - 1)
+        pos = (seq_lens[safe].to(torch.int32) - ends[safe] + token).masked_fill(~valid, 0)
+        request = request.masked_fill(~valid, -1)
+    if batch_indices is None:
+        batch_indices = request
+    else:
+        batch_indices.copy_(request)
+    if positions is None:
+        positions = pos
+    else:
+        positions.copy_(pos)
+    return batch_indices, positions
+
+
+def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int) -> torch.Tensor:
+    """Tokens of each request in the paged cache: (pages - 1) * page_size + kv_last_page_len
+    (a request with no page counts kv_last_page_len alone, as in FlashInfer)."""
+    _check_indptr_like("kv_indptr", kv_indptr)
+    _check_index("kv_last_page_len", kv_last_page_len, kv_indptr.shape[0] - 1,
+                 " (batch_size, from kv_indptr)")
+    page_size = _host_int("page_size", page_size, minimum=1)
+    _check_same_device(kv_indptr.device, "kv_indptr", kv_last_page_len=kv_last_page_len)
+    return torch.clamp(kv_indptr[1:] - kv_indptr[:-1] - 1, min=0) * page_size + kv_last_page_len
+
+
+def _host_int(name: str, value, minimum: int) -> int:
+    """A host integer (a tensor here would need a sync to read, which this module never does)."""
+    if isinstance(value, (bool, torch.Tensor)) or not hasattr(value, "__index__") or value.__index__() < minimum:
+        raise ValueError(f"{name}: expected a Python int >= {minimum}, got {value!r}")
+    return value.__index__()
+
+
+def _check_indptr_like(name: str, t) -> None:
+    _check_index(name, t)
+    if t.shape[0] < 1:
+        raise ValueError(f"{name}: expected batch_size + 1 elements, got none")

@@ -1,0 +1,147 @@
+"""Attention over a paged KV cache with FlashInfer 0.7's names and semantics:
+BatchPrefillWithPagedKVCacheWrapper and BatchDecodeWithPagedKVCacheWrapper.
+
+Request i owns pages paged_kv_indices[paged_kv_indptr[i]:paged_kv_indptr[i+1]]
+in that order; all but the last are full, the last holds paged_kv_last_page_len[i]
+keys. plan() checks the page table (indptr monotone, last page lengths within
+1..page_size, page ids non-negative) and remembers its largest page id, which
+run() compares with the cache it is given: a bad table is a ValueError, never
+an out-of-bounds read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks
+from ._batch import BatchAttention
+from .prefill import plan_spec
+
+
+class _PagedAttention(BatchAttention):
+    _op = ""
+
+    def _plan_paged(self, qo: list[int], paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size: int,
+                    spec, scalars, q_dtype, num_qo_heads, num_kv_heads, head_dim, fixed_split_size,
+                    disable_split_kv: bool, non_blocking: bool,
+                    names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")) -> None:
+        kv = _checks.check_indptr(names[0], paged_kv_indptr, batch_size=len(qo) - 1)
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+        pages = [kv[i + 1] - kv[i] for i in range(len(kv) - 1)]
+        indices = _checks.int_tensor(names[1], paged_kv_indices, kv[-1])
+        last_tensor = _checks.int_tensor(names[2], paged_kv_last_page_len)
+        if last_tensor.shape[0] != len(pages):
+            raise ValueError(f"{names[2]}: expected {len(pages)} elements (batch_size), got {last_tensor.shape[0]}")
+        last = last_tensor.tolist()
+        _checks.last_page_lens(names[2], last, pages, page_size)
+        kv_lens = [(n - 1) * page_size + l if n > 0 else 0 for n, l in zip(pages, last)]
+        # Split-KV chunk sizes come in pages, as FlashInfer's fixed_split_size does.
+        fixed = fixed_split_size * page_size if fixed_split_size is not None and fixed_split_size > 0 else None
+        self._plan_batch(spec, qo, kv, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, q_dtype=q_dtype, scalars=scalars, page_size=page_size,
+                         last_page_len=last, page_indices=indices, fixed_chunk=fixed,
+                         allow_split=not disable_split_kv, non_blocking=non_blocking)
+
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse: bool = False, enable_pdl=None, window_left=None, **kwargs):
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("run() called before plan()")
+        _checks.check_unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+        if kwargs:
+            raise NotImplementedError(f"{sorted(kwargs)}: not supported by flashjit's {type(self).__name__}.run()")
+        if window_left is not None and window_left != plan.scalars[1]:
+            raise ValueError(f"window_left: expected {plan.scalars[1]} (as planned) or None, got {window_left}")
+        k, v, num_pages, page_size, heads, dim, k_strides, v_strides = _checks.paged_kv_cache(paged_kv_cache,
+                                                                                              self._kv_layout)
+        key = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.stride())
+        if key not in self._validated:
+            self._check_q(q, plan)
+            _checks.check_same_dtype(q=q, paged_kv_cache=k)
+            if (page_size, heads, dim) != (plan.page_size, plan.num_kv_heads, plan.head_dim):
+                raise ValueError(f"paged_kv_cache: expected page_size {plan.page_size}, {plan.num_kv_heads} kv heads "
+                                 f"and head_dim {plan.head_dim} as planned (layout {self._kv_layout}), got "
+                                 f"{page_size}, {heads} and {dim} (shape {tuple(k.shape)} per K/V)")
+        if plan.max_page >= num_pages:
+            raise ValueError(f"paged_kv_indices: page id {plan.max_page} is past the cache's {num_pages} pages")
+        out, lse = self._outputs(q, plan, out, lse, return_lse)
+        self._launch(q, k, v, k_strides, v_strides, out, lse)
+        self._validated.add(key)
+        return (out, lse) if return_lse else out
+
+    forward = run
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
+    """Prefill (or append / chunked prefill) of a ragged batch of queries,
+    q [qo_indptr[-1], heads, dim], against a paged KV cache."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                 paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto",
+                 jit_args=None):
+        _checks.check_unsupported(custom_mask=custom_mask_buf)
+        if jit_args is not None:
+            raise NotImplementedError("jit_args: custom JIT modules are not supported; flashjit generates its own")
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, paged_kv_indices_buf)
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
+             num_kv_heads: int, head_dim_qk: int, page_size: int, head_dim_vo: int | None = None, custom_mask=None,
+             packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
+             use_fp16_qk_reduction: bool = False, sm_scale=None, window_left: int = -1, logits_soft_cap=None,
+             rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
+             non_blocking: bool = True, *, fixed_split_size: int | None = None, disable_split_kv: bool = False,
+             use_tensor_cores: bool | None = None) -> None:
+        """fixed_split_size: pages per split-KV chunk; disable_split_kv: none."""
+        qo = _checks.check_indptr("qo_indptr", qo_indptr)
+        spec, scalars, q_dtype = plan_spec("batch_prefill_paged", self._backend, num_qo_heads, num_kv_heads,
+                                           head_dim_qk, head_dim_vo, custom_mask=custom_mask,
+                                           packed_custom_mask=packed_custom_mask, causal=causal,
+                                           pos_encoding_mode=pos_encoding_mode,
+                                           use_fp16_qk_reduction=use_fp16_qk_reduction, window_left=window_left,
+                                           logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                                           q_data_type=q_data_type, kv_data_type=kv_data_type,
+                                           o_data_type=o_data_type, use_tensor_cores=use_tensor_cores)
+        self._plan_paged(qo, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size, spec, scalars,
+                         q_dtype, num_qo_heads, num_kv_heads, head_dim_qk, fixed_split_size, disable_split_kv,
+                         non_blocking)
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
+    """One query token per request, q [batch_size, heads, dim], against a paged
+    KV cache. use_tensor_cores=False keeps fp32 softmax and P.V on CUDA cores;
+    True packs the query heads of each KV head as the rows of the MMA."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+                 paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None):
+        if jit_args is not None:
+            raise NotImplementedError("jit_args: custom JIT modules are not supported; flashjit generates its own")
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, paged_kv_indices_buffer)
+        self._use_tensor_cores = bool(use_tensor_cores)
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        return self._use_tensor_cores
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+             page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1, logits_soft_cap=None,
+             q_data_type="float16", kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None,
+             rope_scale=None, rope_theta=None, non_blocking: bool = True, block_tables=None, seq_lens=None,
+             fixed_split_size: int | None = None, disable_split_kv: bool = False) -> None:
+        """fixed_split_size: pages per split-KV chunk; disable_split_kv: none."""
+        if block_tables is not None or seq_lens is not None:
+            raise NotImplementedError("block_tables / seq_lens: pass indptr, indices and last_page_len instead")
+        if data_type is not None:
+            kv_data_type = kv_data_type if kv_data_type is not None else data_type
+            q_data_type = data_type if q_data_type == "float16" else q_data_type
+        batch = len(_checks.check_indptr("indptr", indptr)) - 1
+        spec, scalars, q_dtype = plan_spec("batch_decode_paged", self._backend, num_qo_heads, num_kv_heads,
+                                           head_dim, None, pos_encoding_mode=pos_encoding_mode, causal=False,
+                                           window_left=window_left, logits_soft_cap=logits_soft_cap,
+                                           sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                                           o_data_type=o_data_type, use_tensor_cores=self._use_tensor_cores)
+        self._plan_paged(list(range(batch + 1)), indptr, indices, last_page_len, page_size, spec, scalars, q_dtype,
+                         num_qo_heads, num_kv_heads, head_dim, fixed_split_size, disable_split_kv, non_blocking,
+                         names=("indptr", "indices", "last_page_len"))
