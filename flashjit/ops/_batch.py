@@ -84,7 +84,7 @@ class BatchAttention:
 
     def _plan_batch(self, spec, qo_indptr: list[int], kv_indptr: list[int], kv_lens: list[int], *,
                     num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype, scalars: tuple,
-                    page_size: int = 0, last_page_len: list[int] | None = None, page_indices=None,
+                    page_size: int = 0, last_page_len: list[int] | None = None, page_indices=None, max_page: int = -1,
                     fixed_chunk: int | None = None, allow_split: bool = True, non_blocking: bool = True) -> None:
         module = jit.get_module(spec)
         batch = len(qo_indptr) - 1
@@ -140,17 +140,9 @@ class BatchAttention:
             self._ints = host_tensor.to(self._device, non_blocking=non_blocking)
         addr = self._ints.data_ptr()
 
-        pages_ptr, max_page = 0, -1
+        pages_ptr = 0
         if page_indices is not None:
             nnz = kv_indptr[-1]
-            if page_indices.device != self._device:
-                raise ValueError(f"paged_kv_indices: expected a tensor on {self._device} (the workspace's device), "
-                                 f"got {page_indices.device}")
-            if nnz:
-                low, high = (int(x) for x in torch.aminmax(page_indices[:nnz]))
-                if low < 0:
-                    raise ValueError(f"paged_kv_indices: expected page ids >= 0, got {low}")
-                max_page = high
             if self._use_cuda_graph:
                 if self._page_buffer is None:
                     raise ValueError("paged_kv_indices_buffer: use_cuda_graph=True needs a page-id buffer given at "

@@ -35,12 +35,21 @@ class _PagedAttention(BatchAttention):
             raise ValueError(f"{names[2]}: expected {len(pages)} elements (batch_size), got {last_tensor.shape[0]}")
         last = last_tensor.tolist()
         _checks.last_page_lens(names[2], last, pages, page_size)
+        if indices.device != self._device:
+            raise ValueError(f"{names[1]}: expected a tensor on {self._device} (the workspace's device), got "
+                             f"{indices.device}")
+        max_page = -1
+        if kv[-1]:
+            low, max_page = (int(x) for x in torch.aminmax(indices[:kv[-1]]))
+            if low < 0:
+                raise ValueError(f"{names[1]}: expected page ids >= 0, got {low}")
+        self._indices_name = names[1]
         kv_lens = [(n - 1) * page_size + l if n > 0 else 0 for n, l in zip(pages, last)]
         # Split-KV chunk sizes come in pages, as FlashInfer's fixed_split_size does.
         fixed = fixed_split_size * page_size if fixed_split_size is not None and fixed_split_size > 0 else None
         self._plan_batch(spec, qo, kv, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                          head_dim=head_dim, q_dtype=q_dtype, scalars=scalars, page_size=page_size,
-                         last_page_len=last, page_indices=indices, fixed_chunk=fixed,
+                         last_page_len=last, page_indices=indices, max_page=max_page, fixed_chunk=fixed,
                          allow_split=not disable_split_kv, non_blocking=non_blocking)
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
@@ -64,7 +73,7 @@ class _PagedAttention(BatchAttention):
                                  f"and head_dim {plan.head_dim} as planned (layout {self._kv_layout}), got "
                                  f"{page_size}, {heads} and {dim} (shape {tuple(k.shape)} per K/V)")
         if plan.max_page >= num_pages:
-            raise ValueError(f"paged_kv_indices: page id {plan.max_page} is past the cache's {num_pages} pages")
+            raise ValueError(f"{self._indices_name}: page id {plan.max_page} is past the cache's {num_pages} pages")
         out, lse = self._outputs(q, plan, out, lse, return_lse)
         self._launch(q, k, v, k_strides, v_strides, out, lse)
         self._validated.add(key)
