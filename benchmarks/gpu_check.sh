@@ -2,7 +2,8 @@
 # One full device session: info, GPU tests (prewarm + numerical sweep), JIT
 # benchmarks, prefill/decode benchmarks. Logs and reports go to $OUT (or
 # ./gpu_out); a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|medium|full]
+#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench]
+# tests: GPU tests only; bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only.
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-$PWD/gpu_out}
@@ -21,15 +22,23 @@ python3 -m flashjit info 2>&1 | tee "$OUT/info.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee -a "$OUT/info.txt"
 
 start=$(date +%s)
+test_rc=skipped
+if [ "$MODE" != bench ]; then
 python3 -m pytest -q --maxfail=30 --tb=short -m gpu tests -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 test_rc=${PIPESTATUS[0]}
 [ "$test_rc" = 0 ] || status=1
 echo "gpu tests: rc=$test_rc in $(( $(date +%s) - start )) s"
+fi
+if [ "$MODE" = tests ]; then
+  python3 benchmarks/error_summary.py "$OUT/error_report.json" --out "$OUT/error_summary.md" | tail -40 || status=1
+  echo "== summary: gpu tests rc=$test_rc, overall status=$status"
+  exit $status
+fi
 
 python3 benchmarks/bench_jit.py --out "$OUT/bench_jit.md" 2>&1 | tail -8 || status=1
 if [ "$MODE" = quick ]; then
   python3 benchmarks/prefill.py --quick --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | tail -12 || status=1
-elif [ "$MODE" = medium ]; then
+elif [ "$MODE" = medium ] || [ "$MODE" = bench ]; then
   python3 benchmarks/prefill.py --seqlens 1024 4096 --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | tail -20 || status=1
 else
   python3 benchmarks/prefill.py --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | tail -25 || status=1

@@ -84,8 +84,20 @@ FA2_TILINGS = {
 }
 
 
+# Decode (one query token per request): the rows are only the query heads of
+# one KV head, so the kernel is bound by how many K/V bytes are in flight.
+# Shorter tiles with four stages keep three tiles in flight per CTA (against
+# one with two stages) in the same shared memory; d256 halves its CTA to fit.
+FA2_DECODE_TILINGS = {
+    64: Fa2Tiling(warps=4, keys_per_tile=64, stages=4, q_in_regs=True, min_blocks_per_sm=2, frags_m=1),
+    128: Fa2Tiling(warps=4, keys_per_tile=32, stages=4, q_in_regs=True, min_blocks_per_sm=2, frags_m=1),
+    256: Fa2Tiling(warps=2, keys_per_tile=16, stages=4, q_in_regs=False, min_blocks_per_sm=2, frags_m=1),
+}
+
+
 def fa2_tiling(spec: KernelSpec) -> Fa2Tiling:
-    tiling = FA2_TILINGS[spec.head_dim_qk]
+    table = FA2_DECODE_TILINGS if spec.op in DECODE_OPS else FA2_TILINGS
+    tiling = table[spec.head_dim_qk]
     assert tiling.smem_bytes(spec) <= SMEM_BUDGET, spec.name
     return tiling
 

@@ -93,3 +93,11 @@ def test_random_batches_are_covered():
         group, rows, heads = rng.choice([1, 4, 8]), rng.choice([4, 16, 64, 128]), rng.choice([1, 2, 8, 32])
         plan = plan_work(qo, kv, group=group, rows_per_cta=rows, num_kv_heads=heads, **H200)
         covered(plan, qo, kv, group, rows)
+
+
+def test_a_small_workspace_means_longer_chunks():
+    roomy = plan_work([1] * 4, [50000] * 4, group=1, rows_per_cta=16, num_kv_heads=8, **H200)
+    tight = plan_work([1] * 4, [50000] * 4, group=1, rows_per_cta=16, num_kv_heads=8, max_partial_rows=20, **H200)
+    assert roomy.partial_rows > 20 >= tight.partial_rows and tight.kv_chunk > roomy.kv_chunk
+    none = plan_work([1] * 4, [50000] * 4, group=1, rows_per_cta=16, num_kv_heads=8, max_partial_rows=0, **H200)
+    assert none.merge_indptr is None

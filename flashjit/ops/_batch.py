@@ -102,20 +102,14 @@ class BatchAttention:
                 raise ValueError(f"qo_indptr: with use_cuda_graph=True the batch is fixed at the first plan() "
                                  f"({cap_batch} requests, at most {cap_tokens} query tokens), got {batch} requests "
                                  f"and {tokens} tokens; create a new wrapper for a larger batch")
-        work = plan_work(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta, num_kv_heads=num_kv_heads,
-                         num_sms=sms, split_align=module.split_align, causal=spec.causal, fixed_chunk=fixed_chunk,
-                         allow_split=allow_split, max_items=max_items)
-
         # Partial state: fp32 outputs from the workspace's start, LSEs at a fixed
         # offset behind room for as many rows as fit (fixed across plans, as a
-        # captured graph needs).
+        # captured graph needs). A small workspace means fewer, longer chunks.
         workspace_bytes = self._workspace.numel() * self._workspace.element_size()
         rows_fit = workspace_bytes // (4 * num_qo_heads * (head_dim + 1))
-        if work.partial_rows > rows_fit:
-            raise ValueError(f"float_workspace_buffer: split-KV needs "
-                             f"{4 * work.partial_rows * num_qo_heads * (head_dim + 1)} bytes of partial state for "
-                             f"this batch, the buffer has {workspace_bytes}; pass a larger buffer (128 MiB is "
-                             f"typical) or plan with disable_split_kv=True")
+        work = plan_work(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta, num_kv_heads=num_kv_heads,
+                         num_sms=sms, split_align=module.split_align, causal=spec.causal, fixed_chunk=fixed_chunk,
+                         allow_split=allow_split, max_items=max_items, max_partial_rows=rows_fit)
         base = self._workspace.data_ptr()
         partials = (base, base + 4 * rows_fit * num_qo_heads * head_dim)
 

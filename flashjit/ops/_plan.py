@@ -42,13 +42,14 @@ def _item_cost(qo_len: int, kv_len: int, tile: int, rows_per_cta: int, group: in
 
 def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, num_sms: int,
               split_align: int, causal: bool = False, fixed_chunk: int | None = None, allow_split: bool = True,
-              max_items: int | None = None) -> WorkPlan:
+              max_items: int | None = None, max_partial_rows: int | None = None) -> WorkPlan:
     """Items sorted longest first (the tail of the grid is then short).
 
     fixed_chunk: split every request with more keys than this into chunks of
     this many keys (rounded up to split_align). max_items: the grid the plan
-    must fit (CUDA-graph capacity); chunks grow until it does, and ValueError
-    if even the unsplit plan does not fit."""
+    must fit (CUDA-graph capacity); max_partial_rows: the partial states the
+    workspace holds. Chunks grow until both hold (the unsplit plan needs no
+    partial state); ValueError if even the unsplit plan has too many items."""
     align = max(split_align, 1)
     base = []  # (cost, request, tile, kv_len)
     for request, (qo_len, kv_len) in enumerate(zip(qo_lens, kv_lens)):
@@ -71,9 +72,10 @@ def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: 
         splits = {r: ceil_div(kv, chunk) if chunk else 1 for _, r, _, kv in base}
         splits = {r: n if n > 1 else 1 for r, n in splits.items()}
         count = sum(splits[r] for _, r, _, _ in base)
-        if max_items is None or count <= max_items:
+        partial_rows = sum(qo_lens[r] * n for r, n in splits.items() if n > 1)
+        if (max_items is None or count <= max_items) and (max_partial_rows is None or partial_rows <= max_partial_rows):
             break
-        chunk *= 2  # fewer, longer chunks until the capacity holds them
+        chunk *= 2  # fewer, longer chunks until the grid and the workspace hold them
     if all(n == 1 for n in splits.values()):
         items = [(r, t, -1, 0) for _, r, t, _ in sorted(base, key=lambda b: -b[0])]
         return WorkPlan(items, None, 0, 0)

@@ -8,6 +8,7 @@
 // Per 32-key tile each lane owns one key for Q.K (reading a 16-byte-padded K row,
 // conflict-free) and owns head dims lane, lane+32, ... for P.V.
 #pragma once
+#include "async_copy.cuh"
 #include "merge_states.cuh"
 #include "numeric.cuh"
 #include "work.cuh"
@@ -60,19 +61,21 @@ struct CudaCoreTraits {
       kQBytes + kPBytes + (kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes);
 };
 
-// Copies `rows` keys from `first` on (ragged rows or page slots) to shared
-// memory (row stride `smem_stride`) with 16-byte vectors; rows past `valid`
-// are zero-filled so that no uninitialised value reaches the arithmetic.
-template <class T, int kCols, int kSmemStride, class Rows>
-__device__ __forceinline__ void copy_rows(T* smem, const Rows& src, int first, int rows, int valid,
-                                          int thread, int num_threads) {
+// Issues asynchronous copies of kRows keys from `first` on (ragged rows or
+// page slots) to shared memory (row stride kSmemStride) in 16-byte vectors;
+// rows past `valid` are zero-filled so that no uninitialised value reaches the
+// arithmetic. Every copy of the tile is in flight before any is waited for.
+template <class T, int kCols, int kSmemStride, int kRows, int kThreads, class Rows>
+__device__ __forceinline__ void copy_rows_async(T* smem, const Rows& src, int first, int valid, int thread) {
   constexpr int kVec = Vec16<T>::kElems;
   constexpr int kVecsPerRow = kCols / kVec;
-  for (int idx = thread; idx < rows * kVecsPerRow; idx += num_threads) {
-    int r = idx / kVecsPerRow, c = (idx % kVecsPerRow) * kVec;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (r < valid) val = *reinterpret_cast<const uint4*>(src.row(first + r) + c);
-    *reinterpret_cast<uint4*>(smem + r * kSmemStride + c) = val;
+  static_assert((kRows * kVecsPerRow) % kThreads == 0, "whole vectors per thread");
+#pragma unroll
+  for (int i = 0; i < kRows * kVecsPerRow / kThreads; ++i) {
+    const int idx = thread + i * kThreads;
+    const int r = idx / kVecsPerRow, c = (idx % kVecsPerRow) * kVec;
+    const bool ok = r < valid;
+    cp_async_16(smem_addr(smem + r * kSmemStride + c), ok ? src.row(first + r) + c : src.base, ok);
   }
 }
 
@@ -152,9 +155,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     __syncthreads();  // previous tiles fully consumed (and q_s written, first time)
     if (active) {
       const int valid = min(KEYS, w.kv_len - t0);
-      copy_rows<DTypeKV, D_QK, Traits::kKRowStride>(k_s, k_rows, t0, KEYS, valid, loader, 32 * ROW_WARPS);
-      copy_rows<DTypeKV, D_VO, D_VO>(v_s, v_rows, t0, KEYS, valid, loader, 32 * ROW_WARPS);
+      copy_rows_async<DTypeKV, D_QK, Traits::kKRowStride, KEYS, 32 * ROW_WARPS>(k_s, k_rows, t0, valid, loader);
+      copy_rows_async<DTypeKV, D_VO, D_VO, KEYS, 32 * ROW_WARPS>(v_s, v_rows, t0, valid, loader);
     }
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
     if (!active) continue;
 

@@ -66,6 +66,7 @@
 // ---------------------------------------------------------------------------
 #pragma once
 #include <type_traits>
+#include "async_copy.cuh"
 #include "merge_states.cuh"
 #include "numeric.cuh"
 #include "work.cuh"
@@ -132,24 +133,6 @@ __device__ __forceinline__ float exp2_fast(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
-// 16-byte global->shared copy; when !valid nothing is read and the 16 bytes
-// are zero-filled (src-size 0). `src` must still be a mapped address.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most N of this thread's most recent commit groups are pending.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
@@ -238,7 +221,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const float kNegInf = -CUDART_INF_F;
 
   extern __shared__ __align__(128) unsigned char smem[];
-  const uint32_t q_smem = fa2::smem_addr(smem);
+  const uint32_t q_smem = smem_addr(smem);
   const uint32_t kv_smem = q_smem + Traits::kQBytes;  // stage s: K at + s * kStageBytes, V after it
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -315,7 +298,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
           src = q_base + int64_t(token) * p.q_stride_n + int64_t(head) * p.q_stride_h + chunk * 8;
         }
-        fa2::cp_async_16(q_smem + fa2::swizzled<ROW_BYTES>(r, chunk), src, ok);
+        cp_async_16(q_smem + fa2::swizzled<ROW_BYTES>(r, chunk), src, ok);
       }
     }
 
@@ -327,7 +310,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         fa2::load_tile_async<T, KEYS, D, THREADS>(kv_smem + (tile % STAGES) * Traits::kStageBytes, k_rows, t0,
                                                    min(KEYS, w.kv_len - t0), tid);
       }
-      fa2::cp_async_commit();
+      cp_async_commit();
     };
     auto issue_v = [&](int tile) {
       if (tile < num_tiles) {
@@ -336,7 +319,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
             kv_smem + (tile % STAGES) * Traits::kStageBytes + Traits::kKvTileBytes, v_rows, t0,
             min(KEYS, w.kv_len - t0), tid);
       }
-      fa2::cp_async_commit();
+      cp_async_commit();
     };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -357,7 +340,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
     uint32_t q_frag[kQInRegs ? FM : 1][kQInRegs ? KSTEPS_QK : 1][4];
     if constexpr (kQInRegs) {
-      fa2::cp_async_wait<kWaitK>();  // [Q + K_0] landed for this thread ...
+      cp_async_wait<kWaitK>();  // [Q + K_0] landed for this thread ...
       __syncthreads();               // ... and for every thread
 #pragma unroll
       for (int f = 0; f < FM; ++f)
@@ -377,7 +360,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
       const int t0 = key_begin + t * KEYS;
 
-      fa2::cp_async_wait<kWaitK>();
+      cp_async_wait<kWaitK>();
       __syncthreads();
       issue_k(t + STAGES - 1);
       issue_v(t + STAGES - 1);
@@ -492,7 +475,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
       }
 
-      fa2::cp_async_wait<kWaitV>();
+      cp_async_wait<kWaitV>();
       __syncthreads();
 
       if (!warp_skip) {
