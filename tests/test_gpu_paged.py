@@ -250,7 +250,8 @@ def record_difference(error_report, what, dtype, a, b, ref, bound):
     diff = (a.double() - b.double()).abs()
     ratio = float((diff / bound.bound(ref)).max())
     assert ratio <= 1.0, f"{what}: the two paths differ by {float(diff.max()):.3e}, past the sum of their bounds"
-    error_report.append({"config": f"{what}_{str(dtype).removeprefix('torch.')}", "what": what, "ratio": ratio,
+    short = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
+    error_report.append({"config": f"{what}_{short}", "what": what, "ratio": ratio,
                          "max_err": float(diff.max()), "mean_err": float(diff.mean()), "rtol": bound.rtol,
                          "atol": bound.atol})
 

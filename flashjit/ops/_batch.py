@@ -77,6 +77,7 @@ class BatchAttention:
         self._capacity: tuple | None = None  # graph mode: (batch, tokens, work items)
         self._tails: dict = {}
         self._validated: set = set()  # run() argument signatures already checked against the plan
+        self._qo_name = "qo_indptr"   # what sets the query token count, for error messages
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -162,9 +163,11 @@ class BatchAttention:
         _checks.check_tensor("q", q, 3)
         if q.dtype != plan.q_dtype:
             raise ValueError(f"q: expected dtype {plan.q_dtype} as planned (q_data_type), got {q.dtype}")
-        if tuple(q.shape[1:]) != (plan.num_qo_heads, plan.head_dim) or q.shape[0] < plan.qo_tokens:
-            raise ValueError(f"q: expected shape [{plan.qo_tokens}, {plan.num_qo_heads}, {plan.head_dim}] as "
-                             f"planned, got {tuple(q.shape)}")
+        if tuple(q.shape[1:]) != (plan.num_qo_heads, plan.head_dim):
+            raise ValueError(f"q: expected shape [tokens, {plan.num_qo_heads}, {plan.head_dim}] as planned, got "
+                             f"{tuple(q.shape)}")
+        if q.shape[0] < plan.qo_tokens:
+            raise ValueError(f"{self._qo_name}: the plan has {plan.qo_tokens} query tokens, q only {q.shape[0]}")
 
     def _outputs(self, q, plan: BatchPlan, out, lse, return_lse: bool):
         tokens = q.shape[0]

@@ -129,6 +129,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
             raise NotImplementedError("jit_args: custom JIT modules are not supported; flashjit generates its own")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, paged_kv_indices_buffer)
         self._use_tensor_cores = bool(use_tensor_cores)
+        self._qo_name = "indptr (batch_size)"
 
     @property
     def use_tensor_cores(self) -> bool:

@@ -97,8 +97,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
             if (num_kv_heads, head_dim) != (plan.num_kv_heads, plan.head_dim):
                 raise ValueError(f"k: expected {plan.num_kv_heads} kv heads of head_dim {plan.head_dim} as planned, "
                                  f"got {num_kv_heads} of {head_dim}")
-        if q.shape[0] < plan.qo_tokens:
-            raise ValueError(f"qo_indptr: its last offset {plan.qo_tokens} is past the end of q ({q.shape[0]} tokens)")
         kv_len = kv_tokens(k, v, self._kv_layout)
         if kv_len < plan.kv_tokens:
             raise ValueError(f"kv_indptr: its last offset {plan.kv_tokens} is past the end of k/v ({kv_len} tokens)")
