@@ -182,21 +182,44 @@ __device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
   return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
 }
 
-// Asynchronously copies kRows keys from `first` on (ragged rows or page
-// slots, see KvRows) into the swizzled tile at `dst`; rows >= valid are
-// zero-filled (reading nothing from the head's base address). Thread `tid`
-// copies chunk tid % kChunks of rows tid / kChunks + i * (kThreads / kChunks):
-// consecutive threads read consecutive 16 bytes of a row (coalesced).
-template <class T, int kRows, int kDim, int kThreads, class Rows>
-__device__ __forceinline__ void load_tile_async(uint32_t dst, const Rows& src, int first, int valid, int tid) {
-  constexpr int kChunks = kDim / 8;
-  constexpr int kRowsPerPass = kThreads / kChunks;
-  const int chunk = tid % kChunks, row0 = tid / kChunks;
+// Rows of a kRows-key tile that thread `tid` copies: tid / kChunks + i *
+// (kThreads / kChunks), chunk tid % kChunks of each, so that consecutive
+// threads read consecutive 16 bytes of a row (coalesced).
+template <int kRows, int kDim, int kThreads>
+struct TileRows {
+  static constexpr int kChunks = kDim / 8;
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static constexpr int kPerThread = kRows / kRowsPerPass;
+};
+
+// Looks up the pages of this thread's rows of the tile at key `first` (one
+// global load each when paged, nothing when ragged), a tile ahead of its copy.
+template <int kRows, int kDim, int kThreads, class Rows>
+__device__ __forceinline__ void tile_pages(int (&pages)[TileRows<kRows, kDim, kThreads>::kPerThread],
+                                           const Rows& src, int first, int valid, int tid) {
+  using R = TileRows<kRows, kDim, kThreads>;
 #pragma unroll
-  for (int i = 0; i < kRows / kRowsPerPass; ++i) {
-    const int row = row0 + i * kRowsPerPass;
+  for (int i = 0; i < R::kPerThread; ++i) {
+    const int row = tid / R::kChunks + i * R::kRowsPerPass;
+    pages[i] = row < valid ? src.page_of(first + row) : 0;
+  }
+}
+
+// Asynchronously copies kRows keys from `first` on (ragged rows or page
+// slots, see KvRows; `pages` from tile_pages) into the swizzled tile at `dst`;
+// rows >= valid are zero-filled (reading nothing from the head's base address).
+template <class T, int kRows, int kDim, int kThreads, class Rows>
+__device__ __forceinline__ void load_tile_async(uint32_t dst, const Rows& src,
+                                                const int (&pages)[TileRows<kRows, kDim, kThreads>::kPerThread],
+                                                int first, int valid, int tid) {
+  using R = TileRows<kRows, kDim, kThreads>;
+  const int chunk = tid % R::kChunks, row0 = tid / R::kChunks;
+#pragma unroll
+  for (int i = 0; i < R::kPerThread; ++i) {
+    const int row = row0 + i * R::kRowsPerPass;
     const bool ok = row < valid;
-    cp_async_16(dst + swizzled<kDim * 2>(row, chunk), ok ? src.row(first + row) + chunk * 8 : src.base, ok);
+    cp_async_16(dst + swizzled<kDim * 2>(row, chunk), ok ? src.row_in(pages[i], first + row) + chunk * 8 : src.base,
+                ok);
   }
 }
 
@@ -302,13 +325,22 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
     }
 
+    // Pages of this thread's rows of the next tile to issue (K and V share
+    // them), looked up one tile ahead of the copy.
+    int pages[fa2::TileRows<KEYS, D, THREADS>::kPerThread];
+    auto lookup = [&](int tile) {
+      if (tile < num_tiles) {
+        const int t0 = key_begin + tile * KEYS;
+        fa2::tile_pages<KEYS, D, THREADS>(pages, k_rows, t0, min(KEYS, w.kv_len - t0), tid);
+      }
+    };
     // Issues tile `tile`'s K (or V) into its ring slot and commits one group;
     // past the last tile it commits an empty group so the counts stay uniform.
     auto issue_k = [&](int tile) {
       if (tile < num_tiles) {
         const int t0 = key_begin + tile * KEYS;
-        fa2::load_tile_async<T, KEYS, D, THREADS>(kv_smem + (tile % STAGES) * Traits::kStageBytes, k_rows, t0,
-                                                   min(KEYS, w.kv_len - t0), tid);
+        fa2::load_tile_async<T, KEYS, D, THREADS>(kv_smem + (tile % STAGES) * Traits::kStageBytes, k_rows, pages,
+                                                   t0, min(KEYS, w.kv_len - t0), tid);
       }
       cp_async_commit();
     };
@@ -316,16 +348,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       if (tile < num_tiles) {
         const int t0 = key_begin + tile * KEYS;
         fa2::load_tile_async<T, KEYS, D, THREADS>(
-            kv_smem + (tile % STAGES) * Traits::kStageBytes + Traits::kKvTileBytes, v_rows, t0,
+            kv_smem + (tile % STAGES) * Traits::kStageBytes + Traits::kKvTileBytes, v_rows, pages, t0,
             min(KEYS, w.kv_len - t0), tid);
       }
       cp_async_commit();
     };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
+      lookup(s);
       issue_k(s);  // s == 0: this group also holds Q
       issue_v(s);
     }
+    lookup(STAGES - 1);
 
     // Per-lane ldmatrix offsets (see the header comment). A pattern: row
     // lane % 16, chunk 2i + lane / 16. B pattern: row 8 * (lane / 16) + lane % 8,
@@ -364,6 +398,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       __syncthreads();
       issue_k(t + STAGES - 1);
       issue_v(t + STAGES - 1);
+      lookup(t + STAGES);
 
       // Warp-uniform: no key of the tile is visible to any row of the warp (skip
       // the math), or some key is invisible to some row (apply the element mask).

@@ -77,21 +77,26 @@ struct KvRows {
   int page_size;
   int page_shift;         // log2(page_size) when a power of two, else -1
 
-  __device__ __forceinline__ const T* row(int key) const {
+  // The page holding `key` (a global load; 0 for ragged rows). Kernels that
+  // pipeline their copies look pages up a tile ahead, so that the copy itself
+  // does not wait for the page table.
+  __device__ __forceinline__ int page_of(int key) const {
+    if constexpr (!kPaged) {
+      return 0;
+    } else {
+      return pages[page_shift >= 0 ? key >> page_shift : key / page_size];
+    }
+  }
+  // Address of `key`, which lies in `page` (from page_of); no memory access.
+  __device__ __forceinline__ const T* row_in(int page, int key) const {
     if constexpr (!kPaged) {
       return base + int64_t(key) * stride_n;
     } else {
-      int page, slot;
-      if (page_shift >= 0) {
-        page = key >> page_shift;
-        slot = key & (page_size - 1);
-      } else {
-        page = key / page_size;
-        slot = key - page * page_size;
-      }
-      return base + int64_t(pages[page]) * stride_page + int64_t(slot) * stride_n;
+      const int slot = page_shift >= 0 ? key & (page_size - 1) : key % page_size;
+      return base + int64_t(page) * stride_page + int64_t(slot) * stride_n;
     }
   }
+  __device__ __forceinline__ const T* row(int key) const { return row_in(page_of(key), key); }
 };
 
 template <class T, bool kPaged>

@@ -1,0 +1,74 @@
+"""Compares tensor-core decode tilings for head_dim 128 in one run: each variant
+is built into its own cache, checked against a float32 reference, then timed on
+paged decode rows (bf16, page 16, random page order) as benchmarks/decode.py does.
+
+Usage: python benchmarks/decode_tilings.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+from common import emit
+from decode import BF16, D, PAGE, check, paged_cache, reference, time_us
+
+import flashjit
+from flashjit import jit, kernels
+from flashjit.kernels import Fa2Tiling
+
+VARIANTS = {
+    "4 warps, 32 keys x 4 stages": Fa2Tiling(4, 32, 4, True, 2),
+    "4 warps, 64 keys x 2 stages": Fa2Tiling(4, 64, 2, True, 2),
+    "4 warps, 16 keys x 4 stages": Fa2Tiling(4, 16, 4, True, 2),
+    "1 warp, 32 keys x 4 stages": Fa2Tiling(1, 32, 4, True, 4),
+    "1 warp, 64 keys x 2 stages": Fa2Tiling(1, 64, 2, True, 4),
+}
+ROWS = [("GQA 64x4k 32/8", 64, 4096, 32, 8), ("split 1x128k 32/8", 1, 131072, 32, 8),
+        ("8x32k 64/8", 8, 32768, 64, 8)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    cases = []
+    for label, batch, kv_len, qo_heads, kv_heads in ROWS:
+        cache, indptr, indices, last = paged_cache(batch, kv_len, kv_heads)
+        q = torch.randn(batch, qo_heads, D, dtype=BF16, device="cuda")
+        cases.append((label, batch * kv_len * kv_heads * D * 4, q, cache, indptr, indices, last, qo_heads, kv_heads,
+                      reference(q, cache, indices, kv_len)))
+    lines = [f"device: {torch.cuda.get_device_name()}, bf16 paged decode, head_dim {D}, tensor cores; "
+             "cells: µs · GB/s of K+V read", "", "| variant | smem | " + " | ".join(r[0] for r in ROWS) + " |",
+             "|---|---|" + "---|" * len(ROWS)]
+    for name, tiling in VARIANTS.items():
+        kernels.FA2_DECODE_TILINGS[D] = tiling
+        jit._modules.clear()
+        os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="decode-tiling-")
+        cells = []
+        try:
+            for label, nbytes, q, cache, indptr, indices, last, qo_heads, kv_heads, ref in cases:
+                w = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace, use_tensor_cores=True)
+                w.plan(indptr, indices, last, qo_heads, kv_heads, D, PAGE, q_data_type=BF16)
+                ok, max_err, rel = check(w.run(q, cache), ref)
+                if not ok:
+                    cells.append(f"FAIL max err {max_err:.3g}")
+                    continue
+                us = time_us(lambda w=w: w.run(q, cache), args.reps)[0]
+                cells.append(f"{us:.1f} · {nbytes / us / 1e3:.0f}")
+        except Exception as exc:
+            cells.append(f"failed: {type(exc).__name__}: {str(exc)[:120]}")
+        spec = flashjit.KernelSpec.make("batch_decode_paged", "bfloat16", D, use_tensor_cores=True)
+        lines.append(f"| {name} | {tiling.smem_bytes(spec)} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    emit("\n".join(lines), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
