@@ -59,10 +59,13 @@ class Fa2Tiling:
     # m16 row fragments per warp (1 or 2): rows per warp = 16 * frags_m, and
     # each K / V fragment read from shared memory feeds frags_m mma's.
     frags_m: int = 1
+    # Warps split each tile's keys (and merge their states at the end) instead
+    # of the rows: for decode, whose rows are one KV head's query heads.
+    split_keys: bool = False
 
     @property
     def rows_per_cta(self) -> int:
-        return 16 * self.frags_m * self.warps
+        return 16 * self.frags_m * (1 if self.split_keys else self.warps)
 
     def smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of Fa2Traits::kSmemBytes (fa2_attention.cuh): Q tile + K/V stages."""
@@ -85,13 +88,13 @@ FA2_TILINGS = {
 
 
 # Decode (one query token per request): the rows are only the query heads of
-# one KV head, so the kernel is bound by how many K/V bytes are in flight.
-# Shorter tiles with four stages keep three tiles in flight per CTA (against
-# one with two stages) in the same shared memory; d256 halves its CTA to fit.
+# one KV head, so the four warps split each tile's keys (16 each) and merge
+# their softmax states at the end; with rows split, one warp did all the math
+# while three waited at its barriers (benchmarks/decode_tilings.py).
 FA2_DECODE_TILINGS = {
-    64: Fa2Tiling(warps=4, keys_per_tile=64, stages=4, q_in_regs=True, min_blocks_per_sm=2, frags_m=1),
-    128: Fa2Tiling(warps=4, keys_per_tile=32, stages=4, q_in_regs=True, min_blocks_per_sm=2, frags_m=1),
-    256: Fa2Tiling(warps=2, keys_per_tile=16, stages=4, q_in_regs=False, min_blocks_per_sm=2, frags_m=1),
+    64: Fa2Tiling(warps=4, keys_per_tile=64, stages=4, q_in_regs=True, min_blocks_per_sm=2, split_keys=True),
+    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, split_keys=True),
+    256: Fa2Tiling(warps=2, keys_per_tile=32, stages=2, q_in_regs=False, min_blocks_per_sm=2, split_keys=True),
 }
 
 

@@ -74,7 +74,8 @@
 namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kStages_, bool kQInRegs_,
-          int kMinBlocksPerSm_, bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
+          int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_,
+          bool kLse_>
 struct Fa2Traits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -91,6 +92,10 @@ struct Fa2Traits {
   // Second __launch_bounds__ argument: caps registers at 64K / (kThreads * it)
   // so that this many CTAs fit on one SM (1: no cap beyond 255 per thread).
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+  // Warps split each tile's keys instead of the rows (decode: the rows are
+  // only one KV head's query heads, so one warp would do all the math while
+  // the others wait at the barriers); their states merge at the end.
+  static constexpr bool kSplitKeys = kSplitKeys_;
   static constexpr bool kPaged = kPaged_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kWindow = kWindow_;
@@ -99,14 +104,16 @@ struct Fa2Traits {
 
   static constexpr int kRowsPerWarp = 16 * kFragsM;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kRowsPerCta = kRowsPerWarp * kWarps;
+  static constexpr int kRowsPerCta = kSplitKeys ? kRowsPerWarp : kRowsPerWarp * kWarps;
+  static constexpr int kKeysPerWarp = kSplitKeys ? kKeysPerTile / kWarps : kKeysPerTile;
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks of one row
   static constexpr int kRowBytes = kHeadDim * 2;
 
   static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
                 "fa2 tensor-core attention takes __half or __nv_bfloat16");
   static_assert(kHeadDim % 64 == 0, "head_dim must be a multiple of 64 (swizzle spans 8 chunks)");
-  static_assert(kKeysPerTile % 16 == 0 && kKeysPerTile >= 16, "keys per tile: a multiple of 16");
+  static_assert(kKeysPerWarp % 16 == 0 && kKeysPerWarp * (kSplitKeys ? kWarps : 1) == kKeysPerTile,
+                "keys per tile (per warp when warps split them): a multiple of 16");
   static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
   static_assert(kFragsM == 1 || kFragsM == 2, "m16 fragments per warp: 1 or 2");
   static_assert(kMinBlocksPerSm >= 1, "min blocks per SM: at least 1");
@@ -121,6 +128,10 @@ struct Fa2Traits {
   static constexpr int kKvTileBytes = kKeysPerTile * kRowBytes;
   static constexpr int kStageBytes = 2 * kKvTileBytes;
   static constexpr size_t kSmemBytes = size_t(kQBytes) + size_t(kStages) * kStageBytes;
+  // Split keys: each lane's O, m and l per warp, exchanged through the stages.
+  static constexpr int kMergeValues = kFragsM * (kHeadDim / 8) * 4 + kFragsM * 4;
+  static_assert(!kSplitKeys || size_t(kWarps) * kMergeValues * 32 * 4 <= size_t(kStages) * kStageBytes,
+                "the warps' states must fit in the K/V stages to merge");
 };
 
 namespace fa2 {
@@ -234,8 +245,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr int FM = Traits::kFragsM, WROWS = Traits::kRowsPerWarp;  // m16 fragments, rows per warp
   constexpr int ROW_BYTES = Traits::kRowBytes;
   constexpr int KSTEPS_QK = D / 16;    // k-steps of S = Q.K^T (head dims)
-  constexpr int KSTEPS_PV = KEYS / 16;  // k-steps of O += P.V (keys)
-  constexpr int NT_S = KEYS / 8;        // n8 tiles of S
+  constexpr int WKEYS = Traits::kKeysPerWarp;  // keys of each tile this warp computes
+  constexpr int KSTEPS_PV = WKEYS / 16;  // k-steps of O += P.V (keys)
+  constexpr int NT_S = WKEYS / 8;        // n8 tiles of S
   constexpr int NT_O = D / 8;           // n8 tiles of O
   constexpr bool kQInRegs = Traits::kQInRegs;
   // Commit groups are [Q + K_0], [V_0], [K_1], [V_1], ...; see the main loop.
@@ -269,7 +281,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // This warp's rows: warp_row0 .. warp_row0 + WROWS - 1 (fragment f: rows
   // 16f .. 16f + 15 of them); rows past the request are padding (zero Q,
   // clamped positions, never stored).
-  const int warp_row0 = w.row_begin + warp * WROWS;
+  const int warp_row0 = w.row_begin + (Traits::kSplitKeys ? 0 : warp * WROWS);
+  const int warp_key0 = Traits::kSplitKeys ? warp * WKEYS : 0;  // this warp's keys within each tile
   const bool warp_active = warp_row0 < rows_total;
   const int wq_first = min(warp_row0, rows_total - 1) / w.group;
   const int wq_last = min(warp_row0 + WROWS - 1, rows_total - 1) / w.group;
@@ -370,7 +383,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       a_off[i] = (lane % 16) * ROW_BYTES + (((2 * i + lane / 16) ^ (lane % 8)) << 4);
       b_off[i] = (8 * (lane / 16) + lane % 8) * ROW_BYTES + (((2 * i + (lane / 8) % 2) ^ (lane % 8)) << 4);
     }
-    const uint32_t q_warp = q_smem + warp * WROWS * ROW_BYTES;  // fragment f at + f * 16 * ROW_BYTES
+    // Fragment f of this warp's Q rows at + f * 16 * ROW_BYTES.
+    const uint32_t q_warp = q_smem + (Traits::kSplitKeys ? 0 : warp * WROWS * ROW_BYTES);
 
     uint32_t q_frag[kQInRegs ? FM : 1][kQInRegs ? KSTEPS_QK : 1][4];
     if constexpr (kQInRegs) {
@@ -393,6 +407,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       const uint32_t k_s = kv_smem + (t % STAGES) * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
       const int t0 = key_begin + t * KEYS;
+      const int k0 = t0 + warp_key0;  // this warp's first key
 
       cp_async_wait<kWaitK>();
       __syncthreads();
@@ -402,14 +417,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
       // Warp-uniform: no key of the tile is visible to any row of the warp (skip
       // the math), or some key is invisible to some row (apply the element mask).
-      const bool warp_skip = !warp_active || (Traits::kCausal && t0 > wq_last + offset) ||
-                             (Traits::kWindow && t0 + KEYS - 1 < wq_first + offset - window_left);
-      const bool need_mask = t0 + KEYS > w.kv_len || (Traits::kCausal && t0 + KEYS - 1 > wq_first + offset) ||
-                             (Traits::kWindow && t0 < wq_last + offset - window_left);
+      const bool warp_skip = !warp_active || (Traits::kCausal && k0 > wq_last + offset) ||
+                             (Traits::kWindow && k0 + WKEYS - 1 < wq_first + offset - window_left);
+      const bool need_mask = k0 + WKEYS > w.kv_len || (Traits::kCausal && k0 + WKEYS - 1 > wq_first + offset) ||
+                             (Traits::kWindow && k0 < wq_last + offset - window_left);
 
       uint32_t pa[FM][KSTEPS_PV][4];  // P in T, A-operand layout, per m16 fragment
       if (!warp_skip) {
-        // S = Q.K^T: fragment f, n-tile j covers rows 16f .. 16f + 15, keys t0 + 8j .. + 7.
+        // S = Q.K^T: fragment f, n-tile j covers rows 16f .. 16f + 15, keys k0 + 8j .. + 7.
         // Each K B-fragment is loaded once and feeds FM mma's.
         float s[FM][NT_S][4];
 #pragma unroll
@@ -431,9 +446,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
             }
           }
 #pragma unroll
-          for (int jn = 0; jn < KEYS / 16; ++jn) {
+          for (int jn = 0; jn < WKEYS / 16; ++jn) {
             uint32_t b[4];
-            fa2::ldmatrix_x4(b, k_s + jn * 16 * ROW_BYTES + b_off[kk % 4] + (kk / 4) * 128);
+            fa2::ldmatrix_x4(b, k_s + (warp_key0 + jn * 16) * ROW_BYTES + b_off[kk % 4] + (kk / 4) * 128);
 #pragma unroll
             for (int f = 0; f < FM; ++f) {
               fa2::mma_16816<T>(s[f][2 * jn], a[f], b[0], b[1]);
@@ -450,7 +465,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
               for (int e = 0; e < 4; ++e) s[f][j][e] = cap_out * tanhf(s[f][j][e] * cap_in);
           }
-          // s[f][j][e] is row 16f + g + 8 * (e / 2), key t0 + 8j + 2 * tq + e % 2.
+          // s[f][j][e] is row 16f + g + 8 * (e / 2), key k0 + 8j + 2 * tq + e % 2.
           if (need_mask) {
             int q_off[2];
 #pragma unroll
@@ -460,7 +475,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
             for (int j = 0; j < NT_S; ++j)
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
-                const int key = t0 + 8 * j + 2 * tq + (e & 1);
+                const int key = k0 + 8 * j + 2 * tq + (e & 1);
                 const int qo = q_off[e >> 1];
                 if (key >= w.kv_len || (Traits::kCausal && key > qo) ||
                     (Traits::kWindow && key < qo - window_left))
@@ -521,7 +536,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
           for (int dn = 0; dn < D / 16; ++dn) {
             uint32_t b[4];
-            fa2::ldmatrix_x4_trans(b, v_s + kk * 16 * ROW_BYTES + a_off[dn % 4] + (dn / 4) * 128);
+            fa2::ldmatrix_x4_trans(b, v_s + (warp_key0 + kk * 16) * ROW_BYTES + a_off[dn % 4] + (dn / 4) * 128);
 #pragma unroll
             for (int f = 0; f < FM; ++f) {
               fa2::mma_16816<T>(o[f][2 * dn], pa[f][kk], b[0], b[1]);
@@ -533,6 +548,54 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     }
     // Every group still pending is empty (tiles past num_tiles), and the warp's
     // own Q rows are only ever read by this warp: no CTA barrier needed below.
+  }
+
+  if constexpr (Traits::kSplitKeys) {
+    // Warp 0 takes over the other warps' states (m, per-lane partial l, O) for
+    // the same rows: lane by lane, each at its own positions, through the
+    // stage buffers, laid out [warp][value][lane] (conflict-free).
+    constexpr int V = Traits::kMergeValues;
+    cp_async_wait<0>();  // only empty groups can still be pending
+    __syncthreads();     // every warp is done reading the stages
+    float* xchg = reinterpret_cast<float*>(smem + Traits::kQBytes);
+    if (warp > 0) {
+      float* mine = xchg + (warp * V) * 32 + lane;
+#pragma unroll
+      for (int f = 0; f < FM; ++f) {
+#pragma unroll
+        for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) mine[((f * NT_O + n) * 4 + e) * 32] = o[f][n][e];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          mine[(FM * NT_O * 4 + f * 4 + r) * 32] = m[f][r];
+          mine[(FM * NT_O * 4 + f * 4 + 2 + r) * 32] = l[f][r];
+        }
+      }
+    }
+    __syncthreads();
+    if (warp > 0) return;
+    for (int other = 1; other < Traits::kWarps; ++other) {
+      const float* theirs = xchg + (other * V) * 32 + lane;
+#pragma unroll
+      for (int f = 0; f < FM; ++f)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float m_other = theirs[(FM * NT_O * 4 + f * 4 + r) * 32];
+          const float l_other = theirs[(FM * NT_O * 4 + f * 4 + 2 + r) * 32];
+          const float m_new = fmaxf(m[f][r], m_other);
+          // A state that has seen no key (m = -inf) weighs 0, without a NaN.
+          const float a = m[f][r] == kNegInf ? 0.f : fa2::exp2_fast((m[f][r] - m_new) * scale);
+          const float b = m_other == kNegInf ? 0.f : fa2::exp2_fast((m_other - m_new) * scale);
+          m[f][r] = m_new;
+          l[f][r] = l[f][r] * a + l_other * b;
+#pragma unroll
+          for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e)
+              o[f][n][e] = o[f][n][e] * a + theirs[((f * NT_O + n) * 4 + e) * 32] * b;
+        }
+    }
   }
 
   // ---- Epilogue: full row sums, normalise, stage through this warp's Q rows.
