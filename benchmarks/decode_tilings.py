@@ -23,8 +23,7 @@ from flashjit.kernels import Fa2Tiling
 VARIANTS = {
     "keys split over 4 warps, 64 keys x 2 stages": Fa2Tiling(4, 64, 2, True, 2, split_keys=True),
     "keys split over 2 warps, 32 keys x 4 stages": Fa2Tiling(2, 32, 4, True, 4, split_keys=True),
-    "keys split over 4 warps, 64 keys x 2 stages, 2 fragments": Fa2Tiling(4, 64, 2, True, 2, frags_m=2,
-                                                                          split_keys=True),
+    "keys split over 2 warps, 32 keys x 2 stages": Fa2Tiling(2, 32, 2, True, 4, split_keys=True),
     "rows split over 4 warps, 64 keys x 2 stages": Fa2Tiling(4, 64, 2, True, 2),
     "rows split over 4 warps, 32 keys x 4 stages": Fa2Tiling(4, 32, 4, True, 2),
 }
