@@ -48,10 +48,20 @@ class KernelModule:
     split_align: int   # split-KV chunks must be multiples of this many keys
     _run: object
     _error_string: object
+    _ctas_per_sm: object = None
+    _occupancy: dict = None  # device index -> CTAs per SM
 
     @property
     def tolerance_profile(self) -> dict:
         return self.manifest["tolerance"]
+
+    def ctas_per_sm(self, device_index: int) -> int:
+        """CTAs of the kernel one SM holds on that (current) device; at least 1."""
+        if self._occupancy is None:
+            self._occupancy = {}
+        if device_index not in self._occupancy:
+            self._occupancy[device_index] = max(1, int(self._ctas_per_sm()))
+        return self._occupancy[device_index]
 
     def run(self, params: bytes, stream: int) -> None:
         """params: the bytes of an AttentionParams (see ops._launch.Prepared)."""
@@ -84,5 +94,7 @@ def load_library(spec: KernelSpec, path: Path, manifest: dict) -> KernelModule:
     err.restype = ctypes.c_char_p
     lib.flashjit_rows_per_cta.restype = ctypes.c_int
     lib.flashjit_split_align.restype = ctypes.c_int
+    lib.flashjit_ctas_per_sm.restype = ctypes.c_int
     return KernelModule(spec=spec, path=path, manifest=manifest, rows_per_cta=lib.flashjit_rows_per_cta(),
-                        split_align=lib.flashjit_split_align(), _run=run, _error_string=err)
+                        split_align=lib.flashjit_split_align(), _run=run, _error_string=err,
+                        _ctas_per_sm=lib.flashjit_ctas_per_sm)

@@ -93,10 +93,12 @@ class BatchAttention:
         tokens = qo_indptr[-1]
         group = num_qo_heads // num_kv_heads
         sms = num_sms(self._device)
+        with torch.cuda.device(self._device):
+            ctas_per_sm = module.ctas_per_sm(self._device.index)
         max_items = None
         if self._use_cuda_graph:
             if self._capacity is None:
-                slots = ceil_div(2 * sms, num_kv_heads)
+                slots = ceil_div(2 * sms * ctas_per_sm, num_kv_heads)
                 self._capacity = (batch, tokens, ceil_div(tokens * group, module.rows_per_cta) + 2 * batch + slots)
             cap_batch, cap_tokens, max_items = self._capacity
             if batch != cap_batch or tokens > cap_tokens:
@@ -109,8 +111,9 @@ class BatchAttention:
         workspace_bytes = self._workspace.numel() * self._workspace.element_size()
         rows_fit = workspace_bytes // (4 * num_qo_heads * (head_dim + 1))
         work = plan_work(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta, num_kv_heads=num_kv_heads,
-                         num_sms=sms, split_align=module.split_align, causal=spec.causal, fixed_chunk=fixed_chunk,
-                         allow_split=allow_split, max_items=max_items, max_partial_rows=rows_fit)
+                         num_sms=sms, split_align=module.split_align, ctas_per_sm=ctas_per_sm, causal=spec.causal,
+                         fixed_chunk=fixed_chunk, allow_split=allow_split, max_items=max_items,
+                         max_partial_rows=rows_fit)
         base = self._workspace.data_ptr()
         partials = (base, base + 4 * rows_fit * num_qo_heads * head_dim)
 

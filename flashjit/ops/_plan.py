@@ -3,7 +3,7 @@ which request against which keys (FlashjitWorkItem in attention_params.cuh).
 
 Pure host-side arithmetic, kept apart from tensors so that it can be tested
 without a GPU. The split-KV rule: when the longest work item costs more than
-the GPU's share of the whole batch (total cost over the CTAs that run at once),
+the GPU's share of the whole batch (total cost over two waves of CTAs),
 long items are cut into chunks of about that share, so that one long request
 (decode at 128k keys, or a few long requests in a small batch) does not leave
 the GPU idle while it finishes. A merge pass then combines the chunks.
@@ -41,7 +41,7 @@ def _item_cost(qo_len: int, kv_len: int, tile: int, rows_per_cta: int, group: in
 
 
 def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, num_sms: int,
-              split_align: int, causal: bool = False, fixed_chunk: int | None = None, allow_split: bool = True,
+              split_align: int, ctas_per_sm: int = 1, causal: bool = False, fixed_chunk: int | None = None, allow_split: bool = True,
               max_items: int | None = None, max_partial_rows: int | None = None) -> WorkPlan:
     """Items sorted longest first (the tail of the grid is then short).
 
@@ -64,7 +64,8 @@ def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: 
         if fixed_chunk is not None:
             chunk = ceil_div(max(int(fixed_chunk), 1), align) * align
         else:
-            slots = max(1, 2 * num_sms // max(num_kv_heads, 1))  # CTAs per KV head in two waves
+            # CTAs per KV head in two full waves of the GPU.
+            slots = max(1, 2 * num_sms * ctas_per_sm // max(num_kv_heads, 1))
             share = ceil_div(sum(cost for cost, *_ in base), slots)
             if max(cost for cost, *_ in base) > share:
                 chunk = ceil_div(max(share, MIN_CHUNK_KEYS), max(align, CHUNK_ALIGN)) * max(align, CHUNK_ALIGN)

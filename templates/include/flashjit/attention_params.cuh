@@ -70,6 +70,8 @@ int flashjit_abi_version(void);
 // must be a multiple of.
 int flashjit_rows_per_cta(void);
 int flashjit_split_align(void);
+// CTAs that fit on one SM of the current device (the planner's wave size); 0 on error.
+int flashjit_ctas_per_sm(void);
 // sizeof(FlashjitAttentionParams), checked by the host against its mirror.
 int flashjit_params_size(void);
 

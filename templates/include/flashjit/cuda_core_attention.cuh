@@ -9,6 +9,7 @@
 // conflict-free) and owns head dims lane, lane+32, ... for P.V.
 #pragma once
 #include "async_copy.cuh"
+#include "kernel_config.cuh"
 #include "merge_states.cuh"
 #include "numeric.cuh"
 #include "work.cuh"
@@ -70,7 +71,7 @@ __device__ __forceinline__ void copy_rows_async(T* smem, const Rows& src, int fi
   constexpr int kVec = Vec16<T>::kElems;
   constexpr int kVecsPerRow = kCols / kVec;
   static_assert((kRows * kVecsPerRow) % kThreads == 0, "whole vectors per thread");
-#pragma unroll
+#pragma unroll 8
   for (int i = 0; i < kRows * kVecsPerRow / kThreads; ++i) {
     const int idx = thread + i * kThreads;
     const int r = idx / kVecsPerRow, c = (idx % kVecsPerRow) * kVec;
@@ -286,24 +287,23 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
 }
 
-// Host side: raises the dynamic shared memory limit once, then launches.
+// Host side: raises the dynamic shared memory limit once per device, then launches.
 template <class Traits>
 int launch_cuda_core_attention(const FlashjitAttentionParams& p, cudaStream_t stream) {
-  static bool configured = false;
-  if (!configured) {
-    cudaError_t err = cudaFuncSetAttribute(cuda_core_attention_kernel<Traits>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(Traits::kSmemBytes));
-    if (err != cudaSuccess) return err;
-    configured = true;
-  }
+  cudaError_t err = ensure_smem_limit<cuda_core_attention_kernel<Traits>>(static_cast<int>(Traits::kSmemBytes));
+  if (err != cudaSuccess) return err;
   if (p.num_work == 0 || p.num_kv_heads == 0) return cudaSuccess;
   const int splits = p.work == nullptr && p.num_splits > 1 ? p.num_splits : 1;
   dim3 grid(p.num_work, p.num_kv_heads, splits);
   cuda_core_attention_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
+  err = cudaGetLastError();
   if (err != cudaSuccess || !has_partial_states(p)) return err;
   return launch_merge_split_states<typename Traits::DTypeO, Traits::kHeadDimVO>(p, Traits::kLse, stream);
+}
+
+template <class Traits>
+int cuda_core_ctas_per_sm() {
+  return ctas_per_sm<cuda_core_attention_kernel<Traits>>(Traits::kThreads, static_cast<int>(Traits::kSmemBytes));
 }
 
 }  // namespace flashjit

@@ -1,5 +1,5 @@
 // The C entry points of a generated library. The including template defines
-// namespace flashjit_generated with launch(), kRowsPerCta and kSplitAlign first.
+// namespace flashjit_generated with launch(), ctas_per_sm(), kRowsPerCta and kSplitAlign first.
 #pragma once
 #include <cuda_runtime.h>
 #include "attention_params.cuh"
@@ -22,5 +22,7 @@ FLASHJIT_EXPORT int flashjit_params_size(void) { return sizeof(FlashjitAttention
 FLASHJIT_EXPORT int flashjit_rows_per_cta(void) { return flashjit_generated::kRowsPerCta; }
 
 FLASHJIT_EXPORT int flashjit_split_align(void) { return flashjit_generated::kSplitAlign; }
+
+FLASHJIT_EXPORT int flashjit_ctas_per_sm(void) { return flashjit_generated::ctas_per_sm(); }
 
 }  // extern "C"

@@ -67,6 +67,7 @@
 #pragma once
 #include <type_traits>
 #include "async_copy.cuh"
+#include "kernel_config.cuh"
 #include "merge_states.cuh"
 #include "numeric.cuh"
 #include "work.cuh"
@@ -677,17 +678,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 // Host side: raises the dynamic shared memory limit once per device, then launches.
 template <class Traits>
 int launch_fa2_attention(const FlashjitAttentionParams& p, cudaStream_t stream) {
-  constexpr int kMaxDevices = 64;
-  static bool configured[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  cudaError_t err = ensure_smem_limit<fa2_attention_kernel<Traits>>(static_cast<int>(Traits::kSmemBytes));
   if (err != cudaSuccess) return err;
-  if (device < 0 || device >= kMaxDevices || !configured[device]) {
-    err = cudaFuncSetAttribute(fa2_attention_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(Traits::kSmemBytes));
-    if (err != cudaSuccess) return err;
-    if (device >= 0 && device < kMaxDevices) configured[device] = true;
-  }
   if (p.num_work == 0 || p.num_kv_heads == 0) return cudaSuccess;
   const int splits = p.work == nullptr && p.num_splits > 1 ? p.num_splits : 1;
   dim3 grid(p.num_work, p.num_kv_heads, splits);
@@ -697,4 +689,11 @@ int launch_fa2_attention(const FlashjitAttentionParams& p, cudaStream_t stream) 
   return launch_merge_split_states<typename Traits::DType, Traits::kHeadDim>(p, Traits::kLse, stream);
 }
 
+}  // namespace flashjit
+
+namespace flashjit {
+template <class Traits>
+int fa2_ctas_per_sm() {
+  return ctas_per_sm<fa2_attention_kernel<Traits>>(Traits::kThreads, static_cast<int>(Traits::kSmemBytes));
+}
 }  // namespace flashjit
