@@ -97,14 +97,14 @@ def test_random_batches_are_covered():
 
 def test_a_small_workspace_means_longer_chunks():
     roomy = plan_work([1] * 4, [50000] * 4, group=1, rows_per_cta=16, num_kv_heads=8, **H200)
-    tight = plan_work([1] * 4, [50000] * 4, group=1, rows_per_cta=16, num_kv_heads=8, max_partial_rows=20, **H200)
-    assert roomy.partial_rows > 20 >= tight.partial_rows and tight.kv_chunk > roomy.kv_chunk
+    tight = plan_work([1] * 4, [50000] * 4, group=1, rows_per_cta=16, num_kv_heads=8, max_partial_rows=8, **H200)
+    assert roomy.partial_rows > 8 >= tight.partial_rows and tight.kv_chunk > roomy.kv_chunk
     none = plan_work([1] * 4, [50000] * 4, group=1, rows_per_cta=16, num_kv_heads=8, max_partial_rows=0, **H200)
     assert none.merge_indptr is None
 
 
 def test_more_resident_ctas_mean_more_chunks():
-    """Two waves of the GPU are the target: an SM that holds more CTAs wants more of them."""
+    """A full wave of the GPU is the target: an SM that holds more CTAs wants more of them."""
     one = plan_work([1], [131072], group=4, rows_per_cta=16, num_kv_heads=8, ctas_per_sm=1, **H200)
     three = plan_work([1], [131072], group=4, rows_per_cta=16, num_kv_heads=8, ctas_per_sm=3, **H200)
     assert len(three.items) > len(one.items) > 1

@@ -98,7 +98,7 @@ class BatchAttention:
         max_items = None
         if self._use_cuda_graph:
             if self._capacity is None:
-                slots = ceil_div(2 * sms * ctas_per_sm, num_kv_heads)
+                slots = ceil_div(sms * ctas_per_sm, num_kv_heads)
                 self._capacity = (batch, tokens, ceil_div(tokens * group, module.rows_per_cta) + 2 * batch + slots)
             cap_batch, cap_tokens, max_items = self._capacity
             if batch != cap_batch or tokens > cap_tokens:
@@ -167,8 +167,8 @@ class BatchAttention:
         if q.dtype != plan.q_dtype:
             raise ValueError(f"q: expected dtype {plan.q_dtype} as planned (q_data_type), got {q.dtype}")
         if tuple(q.shape[1:]) != (plan.num_qo_heads, plan.head_dim):
-            raise ValueError(f"q: expected shape [tokens, {plan.num_qo_heads}, {plan.head_dim}] as planned, got "
-                             f"{tuple(q.shape)}")
+            raise ValueError(f"q: expected shape [tokens, {plan.num_qo_heads} qo heads, head_dim {plan.head_dim}] as "
+                             f"planned, got {tuple(q.shape)}")
         if q.shape[0] < plan.qo_tokens:
             raise ValueError(f"{self._qo_name}: the plan has {plan.qo_tokens} query tokens, q only {q.shape[0]}")
 

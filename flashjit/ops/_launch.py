@@ -85,9 +85,9 @@ class Prepared:
     def make(module: KernelModule, params: AttentionParams, out_shape, lse_shape, device: torch.device,
              group: int = 1) -> "Prepared":
         """A single-request launch; it splits the keys across CTAs (flash-decoding)
-        when the grid would not fill two waves of the GPU."""
+        when the grid would not fill one full wave of the GPU (as ops._plan)."""
         with torch.cuda.device(device):
-            split_ctas = 2 * num_sms(device) * module.ctas_per_sm(device.index)
+            split_ctas = num_sms(device) * module.ctas_per_sm(device.index)
         # Tensor-core kernels also copy Q (and write O) in 16-byte vectors.
         aligned = ("q", "k", "v", "out") if module.spec.use_tensor_cores else ("k", "v")
         return Prepared(module, bytes(params)[PER_CALL.size:], tuple(out_shape) if out_shape else (),
