@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -241,6 +242,9 @@ def append_row(libs, n_req, n_new, reps, results, failures) -> list[str]:
 
 
 def git_commit() -> str:
+    """FLASHJIT_COMMIT when set (a copied tree may carry a stale .git), else git's HEAD."""
+    if os.environ.get("FLASHJIT_COMMIT"):
+        return os.environ["FLASHJIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
                               capture_output=True, text=True, timeout=10, check=True).stdout.strip() or "unknown"

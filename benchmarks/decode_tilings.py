@@ -21,11 +21,12 @@ from flashjit import jit, kernels
 from flashjit.kernels import Fa2Tiling
 
 VARIANTS = {
-    "keys split over 4 warps, 64 keys x 2 stages": Fa2Tiling(4, 64, 2, True, 2, split_keys=True),
-    "keys split over 2 warps, 32 keys x 4 stages": Fa2Tiling(2, 32, 4, True, 4, split_keys=True),
+    "keys split over 4 warps, 64 keys x 2 stages, 2 CTAs/SM": Fa2Tiling(4, 64, 2, True, 2, split_keys=True),
+    "keys split over 4 warps, 64 keys x 2 stages, 3 CTAs/SM": Fa2Tiling(4, 64, 2, True, 3, split_keys=True),
+    "keys split over 4 warps, 64 keys x 2 stages, 3 CTAs/SM, Q smem": Fa2Tiling(4, 64, 2, False, 3,
+                                                                                split_keys=True),
     "keys split over 2 warps, 32 keys x 2 stages": Fa2Tiling(2, 32, 2, True, 4, split_keys=True),
     "rows split over 4 warps, 64 keys x 2 stages": Fa2Tiling(4, 64, 2, True, 2),
-    "rows split over 4 warps, 32 keys x 4 stages": Fa2Tiling(4, 32, 4, True, 2),
 }
 ROWS = [("GQA 64x4k 32/8", 64, 4096, 32, 8), ("MHA 64x4k 32/32", 64, 4096, 32, 32),
         ("MQA 64x4k 32/1", 64, 4096, 32, 1), ("split 1x128k 32/8", 1, 131072, 32, 8), ("8x32k 64/8", 8, 32768, 64, 8)]

@@ -339,33 +339,50 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
     }
 
+    // Who copies which K/V rows: all threads the whole tile, or, when warps
+    // split the keys, each warp its own WKEYS rows. Then no warp reads rows
+    // another copied, and the main loop needs no CTA barrier: warps drift
+    // apart and keep more copies in flight.
+    constexpr int LOAD_KEYS = Traits::kSplitKeys ? WKEYS : KEYS;
+    constexpr int LOAD_THREADS = Traits::kSplitKeys ? 32 : THREADS;
+    const int load_tid = Traits::kSplitKeys ? lane : tid;
+    const uint32_t load_off = warp_key0 * ROW_BYTES;
     // Pages of this thread's rows of the next tile to issue (K and V share
     // them), looked up one tile ahead of the copy.
-    int pages[fa2::TileRows<KEYS, D, THREADS>::kPerThread];
+    int pages[fa2::TileRows<LOAD_KEYS, D, LOAD_THREADS>::kPerThread];
     auto lookup = [&](int tile) {
       if (tile < num_tiles) {
-        const int t0 = key_begin + tile * KEYS;
-        fa2::tile_pages<KEYS, D, THREADS>(pages, k_rows, t0, min(KEYS, w.kv_len - t0), tid);
+        const int k0 = key_begin + tile * KEYS + warp_key0;
+        fa2::tile_pages<LOAD_KEYS, D, LOAD_THREADS>(pages, k_rows, k0, min(LOAD_KEYS, w.kv_len - k0), load_tid);
       }
     };
     // Issues tile `tile`'s K (or V) into its ring slot and commits one group;
     // past the last tile it commits an empty group so the counts stay uniform.
     auto issue_k = [&](int tile) {
       if (tile < num_tiles) {
-        const int t0 = key_begin + tile * KEYS;
-        fa2::load_tile_async<T, KEYS, D, THREADS>(kv_smem + (tile % STAGES) * Traits::kStageBytes, k_rows, pages,
-                                                   t0, min(KEYS, w.kv_len - t0), tid);
+        const int k0 = key_begin + tile * KEYS + warp_key0;
+        fa2::load_tile_async<T, LOAD_KEYS, D, LOAD_THREADS>(
+            kv_smem + (tile % STAGES) * Traits::kStageBytes + load_off, k_rows, pages, k0,
+            min(LOAD_KEYS, w.kv_len - k0), load_tid);
       }
       cp_async_commit();
     };
     auto issue_v = [&](int tile) {
       if (tile < num_tiles) {
-        const int t0 = key_begin + tile * KEYS;
-        fa2::load_tile_async<T, KEYS, D, THREADS>(
-            kv_smem + (tile % STAGES) * Traits::kStageBytes + Traits::kKvTileBytes, v_rows, pages, t0,
-            min(KEYS, w.kv_len - t0), tid);
+        const int k0 = key_begin + tile * KEYS + warp_key0;
+        fa2::load_tile_async<T, LOAD_KEYS, D, LOAD_THREADS>(
+            kv_smem + (tile % STAGES) * Traits::kStageBytes + Traits::kKvTileBytes + load_off, v_rows, pages, k0,
+            min(LOAD_KEYS, w.kv_len - k0), load_tid);
       }
       cp_async_commit();
+    };
+    // The barrier that makes a landed tile visible to the threads that read it.
+    auto tile_barrier = [] {
+      if constexpr (Traits::kSplitKeys) {
+        __syncwarp();
+      } else {
+        __syncthreads();
+      }
     };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -388,9 +405,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     const uint32_t q_warp = q_smem + (Traits::kSplitKeys ? 0 : warp * WROWS * ROW_BYTES);
 
     uint32_t q_frag[kQInRegs ? FM : 1][kQInRegs ? KSTEPS_QK : 1][4];
-    if constexpr (kQInRegs) {
+    if constexpr (kQInRegs || Traits::kSplitKeys) {
       cp_async_wait<kWaitK>();  // [Q + K_0] landed for this thread ...
-      __syncthreads();               // ... and for every thread
+      __syncthreads();          // ... and for every thread (Q rows come from all of them)
+    }
+    if constexpr (kQInRegs) {
 #pragma unroll
       for (int f = 0; f < FM; ++f)
 #pragma unroll
@@ -401,7 +420,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // ---- Main loop. Iteration t consumes ring slot t % STAGES. Before it, the
     // committed groups are [Q+K_0], [V_0], ..., [K_{t+S-2}], [V_{t+S-2}] (S =
     // STAGES): 2S-3 groups follow K_t, so wait_group(2S-3) completes K_t. The
-    // barrier after it also proves every warp finished tile t-1, whose slot
+    // barrier after it also proves every warp (with split keys: every lane of
+    // this warp, the only reader of its rows) finished tile t-1, whose slot
     // (t-1) % S == (t+S-1) % S then receives tile t+S-1 ([K], [V]: two more
     // groups). 2S-2 groups then follow V_t: wait_group(2S-2) before P.V.
     for (int t = 0; t < num_tiles; ++t) {
@@ -411,7 +431,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       const int k0 = t0 + warp_key0;  // this warp's first key
 
       cp_async_wait<kWaitK>();
-      __syncthreads();
+      tile_barrier();
       issue_k(t + STAGES - 1);
       issue_v(t + STAGES - 1);
       lookup(t + STAGES);
@@ -527,7 +547,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
 
       cp_async_wait<kWaitV>();
-      __syncthreads();
+      tile_barrier();
 
       if (!warp_skip) {
         // O += P.V: n-tiles 2dn, 2dn+1 cover head dims 16dn .. 16dn+15; each V
