@@ -2,11 +2,14 @@
 which request against which keys (FlashjitWorkItem in attention_params.cuh).
 
 Pure host-side arithmetic, kept apart from tensors so that it can be tested
-without a GPU. The split-KV rule: when the longest work item costs more than
-the GPU's share of the whole batch (total cost over one full wave of CTAs),
-long items are cut into chunks of about that share, so that one long request
-(decode at 128k keys, or a few long requests in a small batch) does not leave
-the GPU idle while it finishes. A merge pass then combines the chunks.
+without a GPU. The split-KV rule: among chunk sizes that cut the longest request
+into 1..64 pieces, take the one with the shortest estimated run time, where
+the estimate is the longest item or whole waves of the GPU's resident CTAs
+times the mean item, whichever is larger (a batch of 512 equal CTAs on 396
+slots runs two waves, and cutting each in three runs four shorter ones). So
+one long request (decode at 128k keys, or a few long requests in a small
+batch) does not leave the GPU idle while it finishes, and a uniform batch does
+not run a nearly empty last wave. A merge pass then combines the chunks.
 """
 
 from __future__ import annotations
@@ -18,6 +21,16 @@ from dataclasses import dataclass
 MIN_CHUNK_KEYS = 512
 # Default chunks are multiples of this many keys (and of the kernel's tile).
 CHUNK_ALIGN = 128
+# Estimated cost, in keys, of a CTA beyond its keys (loading Q, the epilogue),
+# and of splitting at all (one more launch). A split item also writes its
+# rows' fp32 partial state and the merge reads it back: about two keys' worth
+# of K/V traffic per query row (4-byte values against two 2-byte K/V rows).
+_ITEM_OVERHEAD = 64
+_SPLIT_OVERHEAD = 256
+_PARTIAL_PER_ROW = 2
+_MAX_PIECES = 64
+# A split must promise at least this much shorter a run to be worth its merge.
+_MIN_GAIN = 0.05
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -37,12 +50,42 @@ def _item_cost(qo_len: int, kv_len: int, tile: int, rows_per_cta: int, group: in
     if causal:
         last_query = min((tile + 1) * rows_per_cta, qo_len * group) // group
         kv_len = max(0, min(kv_len, kv_len - qo_len + last_query))
-    return kv_len + 64
+    return kv_len + _ITEM_OVERHEAD
+
+
+def _estimate(base, chunk: int, slots: int, heads: int) -> float:
+    """Run time, in keys, of the plan that cuts requests into `chunk`-key
+    pieces (0: none): the longest item, or whole waves times the mean item."""
+    count, total, longest = 0, 0, 0
+    for cost, _, _, kv, rows in base:
+        n = ceil_div(kv, chunk) if chunk and kv > chunk else 1
+        extra = 0 if n == 1 else _ITEM_OVERHEAD + _PARTIAL_PER_ROW * rows
+        count += n
+        total += cost + (n - 1) * _ITEM_OVERHEAD + n * extra
+        longest = max(longest, cost if n == 1 else chunk + extra)
+    waves = ceil_div(count * heads, slots)
+    return max(longest, waves * total / count) + (_SPLIT_OVERHEAD if chunk else 0)
+
+
+def _best_chunk(base, slots: int, heads: int, align: int) -> int:
+    step = max(align, CHUNK_ALIGN)
+    longest_kv = max(item[3] for item in base)
+    unsplit = _estimate(base, 0, slots, heads)
+    best, best_time = 0, unsplit
+    for pieces in range(2, _MAX_PIECES + 1):
+        chunk = ceil_div(ceil_div(longest_kv, pieces), step) * step
+        if chunk < MIN_CHUNK_KEYS:
+            break
+        t = _estimate(base, chunk, slots, heads)
+        if t < best_time:
+            best, best_time = chunk, t
+    return best if best_time < (1 - _MIN_GAIN) * unsplit else 0
 
 
 def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, num_sms: int,
-              split_align: int, ctas_per_sm: int = 1, causal: bool = False, fixed_chunk: int | None = None, allow_split: bool = True,
-              max_items: int | None = None, max_partial_rows: int | None = None) -> WorkPlan:
+              split_align: int, ctas_per_sm: int = 1, causal: bool = False, fixed_chunk: int | None = None,
+              allow_split: bool = True, max_items: int | None = None,
+              max_partial_rows: int | None = None) -> WorkPlan:
     """Items sorted longest first (the tail of the grid is then short).
 
     fixed_chunk: split every request with more keys than this into chunks of
@@ -51,10 +94,11 @@ def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: 
     workspace holds. Chunks grow until both hold (the unsplit plan needs no
     partial state); ValueError if even the unsplit plan has too many items."""
     align = max(split_align, 1)
-    base = []  # (cost, request, tile, kv_len)
+    base = []  # (cost, request, tile, kv_len, query rows)
     for request, (qo_len, kv_len) in enumerate(zip(qo_lens, kv_lens)):
         for tile in range(ceil_div(qo_len * group, rows_per_cta)):
-            base.append((_item_cost(qo_len, kv_len, tile, rows_per_cta, group, causal), request, tile, kv_len))
+            rows = min(rows_per_cta, qo_len * group - tile * rows_per_cta)
+            base.append((_item_cost(qo_len, kv_len, tile, rows_per_cta, group, causal), request, tile, kv_len, rows))
     if max_items is not None and len(base) > max_items:
         raise ValueError(f"the batch needs {len(base)} CTAs per KV head, more than the {max_items} this wrapper's "
                          f"CUDA graph was sized for; create a new wrapper for the larger batch")
@@ -64,26 +108,21 @@ def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: 
         if fixed_chunk is not None:
             chunk = ceil_div(max(int(fixed_chunk), 1), align) * align
         else:
-            # CTAs per KV head in one full wave of the GPU: on an H200, two waves
-            # (chunks half as long) read 1x128k decode at 2574 GB/s against 3078.
-            slots = max(1, num_sms * ctas_per_sm // max(num_kv_heads, 1))
-            share = ceil_div(sum(cost for cost, *_ in base), slots)
-            if max(cost for cost, *_ in base) > share:
-                chunk = ceil_div(max(share, MIN_CHUNK_KEYS), max(align, CHUNK_ALIGN)) * max(align, CHUNK_ALIGN)
+            chunk = _best_chunk(base, max(1, num_sms * ctas_per_sm), max(num_kv_heads, 1), align)
     while True:
-        splits = {r: ceil_div(kv, chunk) if chunk else 1 for _, r, _, kv in base}
+        splits = {r: ceil_div(kv, chunk) if chunk else 1 for _, r, _, kv, _ in base}
         splits = {r: n if n > 1 else 1 for r, n in splits.items()}
-        count = sum(splits[r] for _, r, _, _ in base)
+        count = sum(splits[r] for _, r, _, _, _ in base)
         partial_rows = sum(qo_lens[r] * n for r, n in splits.items() if n > 1)
         if (max_items is None or count <= max_items) and (max_partial_rows is None or partial_rows <= max_partial_rows):
             break
         chunk *= 2  # fewer, longer chunks until the grid and the workspace hold them
     if all(n == 1 for n in splits.values()):
-        items = [(r, t, -1, 0) for _, r, t, _ in sorted(base, key=lambda b: -b[0])]
+        items = [(r, t, -1, 0) for _, r, t, _, _ in sorted(base, key=lambda b: -b[0])]
         return WorkPlan(items, None, 0, 0)
 
     expanded = []  # (cost, request, tile, split)
-    for cost, r, t, kv in base:
+    for cost, r, t, kv, _ in base:
         n = splits[r]
         if n == 1:
             expanded.append((cost, r, t, -1))
