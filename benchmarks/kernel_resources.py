@@ -30,6 +30,12 @@ def specs() -> list[KernelSpec]:
                                        sliding_window=True, return_lse=True))
             out.append(KernelSpec.make("single_decode", dtype, head_dim, soft_cap=True, sliding_window=True,
                                        return_lse=True))
+            out.append(KernelSpec.make("batch_decode_paged", dtype, head_dim, soft_cap=True, sliding_window=True,
+                                       return_lse=True))
+        out.append(KernelSpec.make("batch_decode_paged", "bfloat16", head_dim, use_tensor_cores=True, soft_cap=True,
+                                   sliding_window=True, return_lse=True))
+        out.append(KernelSpec.make("batch_prefill_paged", "bfloat16", head_dim, use_tensor_cores=True, causal=True,
+                                   soft_cap=True, return_lse=True))
     return out
 
 

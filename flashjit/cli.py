@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from .spec import DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, KernelSpec, canonical_dtype
+from .spec import DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, UTILITY_OPS, KernelSpec, canonical_dtype
 
 # Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
 ALWAYS_LSE = {"batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged"}
@@ -39,6 +39,8 @@ def specs_from_args(args) -> list[KernelSpec]:
             continue  # fp32 has no tensor-core kernel; "both" means the ones that exist
         if causal and op in NO_CAUSAL:
             continue
+        if op in UTILITY_OPS and (tc or causal or window or cap or lse):
+            continue  # a copy has one configuration per dtype and head_dim
         spec = KernelSpec.make(op, dtype, head_dim, backend=backend, use_tensor_cores=tc, causal=causal,
                                sliding_window=window, soft_cap=cap, return_lse=lse or op in ALWAYS_LSE)
         specs.append(spec.validate())

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .spec import DTYPES, KernelSpec, canonical_dtype
+from .spec import DTYPES, UTILITY_OPS, KernelSpec, canonical_dtype
 
 MODEL_VERSION = "flashjit-error-model-1"
 U32 = 2.0**-24
@@ -42,7 +42,7 @@ def profile(spec: KernelSpec) -> dict:
     """The coefficients of the bound for one configuration (stored in its manifest)."""
     u_in = DTYPES[spec.dtype_kv][2]
     u_out = DTYPES[spec.dtype_o][2]
-    return {
+    coefficients = {
         "model": MODEL_VERSION,
         "rtol": u_out + 4 * U32,
         "atol_floor": u_out * _TINY[spec.dtype_o],
@@ -57,6 +57,9 @@ def profile(spec: KernelSpec) -> dict:
         "dtype_in": spec.dtype_kv,
         "dtype_out": spec.dtype_o,
     }
+    if spec.op in UTILITY_OPS:  # a copy: exact, every coefficient 0
+        coefficients.update({k: 0.0 for k, v in coefficients.items() if isinstance(v, float)}, exact=True)
+    return coefficients
 
 
 @dataclass(frozen=True)

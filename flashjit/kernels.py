@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import DECODE_OPS, DTYPES, PAGED_OPS, KernelSpec
+from .spec import DECODE_OPS, DTYPES, PAGED_OPS, UTILITY_OPS, KernelSpec
 
 # Dynamic shared memory one CTA may use on every target (SM89 allows 99 KB).
 SMEM_BUDGET = 96 * 1024
@@ -123,6 +123,8 @@ def template_for(spec: KernelSpec) -> tuple[str, dict]:
         "return_lse": spec.return_lse,
         "paged": spec.op in PAGED_OPS,
     }
+    if spec.op == "append_paged":
+        return "append_paged.cu.jinja", context
     if not spec.use_tensor_cores:
         context["tiling"] = cuda_core_tiling(spec)
         return "attention_cuda_core.cu.jinja", context

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FlashjitError, KernelLaunchError
-from .spec import KernelSpec
+from .spec import UTILITY_OPS, KernelSpec
 
 ABI_VERSION = 3  # FLASHJIT_ABI_VERSION in templates/include/flashjit/attention_params.cuh
 
@@ -34,6 +34,19 @@ class AttentionParams(ctypes.Structure):
         ("v_stride_n", _i64), ("v_stride_h", _i64), ("v_stride_page", _i64),
         ("o_stride_n", _i64), ("o_stride_h", _i64), ("lse_stride_n", _i64),
         ("sm_scale", ctypes.c_float), ("logits_soft_cap", ctypes.c_float), ("window_left", _i32),
+    ]
+
+
+class AppendParams(ctypes.Structure):
+    """Mirror of FlashjitAppendParams (append_paged.cuh); field order matters."""
+
+    _fields_ = [
+        ("key", _p), ("value", _p), ("k_cache", _p), ("v_cache", _p),
+        ("batch_indices", _p), ("positions", _p), ("kv_indices", _p), ("kv_indptr", _p),
+        ("nnz", _i32), ("num_heads", _i32), ("page_size", _i32), ("reserved", _i32),
+        ("key_stride_n", _i64), ("key_stride_h", _i64), ("value_stride_n", _i64), ("value_stride_h", _i64),
+        ("k_stride_page", _i64), ("k_stride_slot", _i64), ("k_stride_h", _i64),
+        ("v_stride_page", _i64), ("v_stride_slot", _i64), ("v_stride_h", _i64),
     ]
 
 
@@ -82,16 +95,21 @@ def load_library(spec: KernelSpec, path: Path, manifest: dict) -> KernelModule:
     if lib.flashjit_abi_version() != ABI_VERSION:
         raise FlashjitError(f"{path} speaks ABI {lib.flashjit_abi_version()}, this flashjit {ABI_VERSION}; "
                             f"run `flashjit cache clear`")
+    utility = spec.op in UTILITY_OPS
+    mirror = AppendParams if utility else AttentionParams
     lib.flashjit_params_size.restype = ctypes.c_int
-    if lib.flashjit_params_size() != ctypes.sizeof(AttentionParams):
+    if lib.flashjit_params_size() != ctypes.sizeof(mirror):
         raise FlashjitError(f"{path}: its params struct is {lib.flashjit_params_size()} bytes, the host mirror "
-                            f"{ctypes.sizeof(AttentionParams)}; run `flashjit cache clear`")
-    run = lib.flashjit_attention_run
+                            f"{ctypes.sizeof(mirror)}; run `flashjit cache clear`")
+    run = lib.flashjit_append_run if utility else lib.flashjit_attention_run
     run.argtypes = [ctypes.c_char_p, ctypes.c_void_p]  # bytes pass as a pointer, uncopied
     run.restype = ctypes.c_int
     err = lib.flashjit_error_string
     err.argtypes = [ctypes.c_int]
     err.restype = ctypes.c_char_p
+    if utility:
+        return KernelModule(spec=spec, path=path, manifest=manifest, rows_per_cta=0, split_align=0, _run=run,
+                            _error_string=err)
     lib.flashjit_rows_per_cta.restype = ctypes.c_int
     lib.flashjit_split_align.restype = ctypes.c_int
     lib.flashjit_ctas_per_sm.restype = ctypes.c_int

@@ -22,7 +22,11 @@ DTYPES = {
 _DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16",
                   "fp32": "float32", "float": "float32", "f32": "float32"}
 
-OPS = ("single_prefill", "single_decode", "batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged")
+ATTENTION_OPS = ("single_prefill", "single_decode", "batch_prefill_ragged", "batch_prefill_paged",
+                 "batch_decode_paged")
+# Ops that move KV data rather than attend: no tensor cores, no variant flags.
+UTILITY_OPS = ("append_paged",)
+OPS = ATTENTION_OPS + UTILITY_OPS
 # Ops whose keys and values live in pages (kv_page_indices), and ops with one
 # query token per request (their CUDA-core tiling splits keys across warps).
 PAGED_OPS = ("batch_prefill_paged", "batch_decode_paged")
@@ -32,7 +36,7 @@ PLANNED_OPS = {"mla_paged": "batch_prefill_paged"}
 HEAD_DIMS = (64, 128, 256)
 BACKENDS = ("fa2", "fa3")
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
-TENSOR_CORE_OPS = OPS
+TENSOR_CORE_OPS = ATTENTION_OPS
 
 
 def canonical_dtype(dtype) -> str:
@@ -85,8 +89,9 @@ class KernelSpec:
             parts.append(f"d{self.head_dim_qk}")
         else:
             parts.append(f"qk{self.head_dim_qk}_vo{self.head_dim_vo}")
-        parts.append(self.backend)
-        parts.append("tc" if self.use_tensor_cores else "cc")
+        if self.op not in UTILITY_OPS:  # a copy has no backend or cores to name
+            parts.append(self.backend)
+            parts.append("tc" if self.use_tensor_cores else "cc")
         for flag, label in (("causal", "causal"), ("sliding_window", "swa"), ("soft_cap", "softcap"),
                             ("return_lse", "lse")):
             if getattr(self, flag):
@@ -129,6 +134,13 @@ class KernelSpec:
         if self.head_dim_qk != self.head_dim_vo:
             fail(f"head_dim_qk={self.head_dim_qk} != head_dim_vo={self.head_dim_vo}",
                  f"equal head dims for {self.op}", self.replace(head_dim_vo=self.head_dim_qk))
+        if self.op in UTILITY_OPS:
+            flags = [f for f in ("causal", "sliding_window", "soft_cap", "return_lse") if getattr(self, f)]
+            if flags or self.use_tensor_cores:
+                fail(f"{self.op} with {', '.join(flags + (['use_tensor_cores'] if self.use_tensor_cores else []))}",
+                     f"{self.op} without variant flags or tensor cores",
+                     self.replace(use_tensor_cores=False, causal=False, sliding_window=False, soft_cap=False,
+                                  return_lse=False, backend="fa2"))
         if self.use_tensor_cores and self.dtype_q not in TENSOR_CORE_DTYPES:
             fail(f"use_tensor_cores=True with {self.dtype_q}",
                  f"tensor cores with {TENSOR_CORE_DTYPES}; float32 runs on CUDA cores",

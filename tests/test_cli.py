@@ -18,7 +18,7 @@ from helpers_cache import (REPO, copy_cache, entry_dirs, flip_byte, have_nvcc, m
 PREWARM = ["prewarm", "--preset", "minimal", "--dtype", "bfloat16", "--head-dim", "64", "--arch", "sm_80",
            "--jobs", "2"]
 # --preset minimal = every op; --causal defaults to both (decode has no causal variant);
-# batch_prefill_ragged always builds its LSE variant.
+# the batch wrappers always build their LSE variant; append has no variants.
 EXPECTED = [
     KernelSpec.make("single_prefill", "bfloat16", 64),
     KernelSpec.make("single_prefill", "bfloat16", 64, causal=True),
@@ -28,6 +28,7 @@ EXPECTED = [
     KernelSpec.make("batch_prefill_paged", "bfloat16", 64, return_lse=True),
     KernelSpec.make("batch_prefill_paged", "bfloat16", 64, causal=True, return_lse=True),
     KernelSpec.make("batch_decode_paged", "bfloat16", 64, return_lse=True),
+    KernelSpec.make("append_paged", "bfloat16", 64),
 ]
 
 
@@ -58,7 +59,7 @@ def test_prewarm_selection_matches_the_flags():
 
 
 @pytest.mark.parametrize("flags,expected_count", [
-    (["--window", "both"], 16), (["--soft-cap", "on", "--causal", "off"], 5), (["--lse", "both"], 11),
+    (["--window", "both"], 17), (["--soft-cap", "on", "--causal", "off"], 5), (["--lse", "both"], 12),
     (["--op", "single_decode", "--dtype", "fp16", "fp32"], 2),
 ])
 def test_prewarm_flags_expand_the_selection(flags, expected_count):

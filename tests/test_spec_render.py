@@ -13,7 +13,8 @@ import jinja2
 import pytest
 
 from flashjit import kernels, render
-from flashjit.spec import BACKENDS, DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, KernelSpec, canonical_dtype
+from flashjit.spec import (ATTENTION_OPS, BACKENDS, DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, KernelSpec,
+                           canonical_dtype)
 from helpers_cache import REPO, subprocess_env, templates_copy  # noqa: F401 (fixture)
 
 FLAGS = ("causal", "sliding_window", "soft_cap", "return_lse")
@@ -24,7 +25,8 @@ def sweep() -> list[KernelSpec]:
     """op x dtype x head_dim x causal x window x soft-cap x lse, CUDA cores."""
     return [KernelSpec.make(op, dtype, hd, use_tensor_cores=False, causal=c, sliding_window=w, soft_cap=s,
                             return_lse=lse)
-            for op, dtype, hd, c, w, s, lse in itertools.product(OPS, DTYPES, HEAD_DIMS, *[(False, True)] * 4)]
+            for op, dtype, hd, c, w, s, lse in itertools.product(ATTENTION_OPS, DTYPES, HEAD_DIMS,
+                                                                         *[(False, True)] * 4)]
 
 
 SWEEP = sweep()
@@ -50,7 +52,7 @@ def all_valid_specs() -> dict[str, KernelSpec]:
 
 def test_sweep_names_are_unique_and_readable():
     names = [s.name for s in SWEEP]
-    assert len(SWEEP) == len(OPS) * 3 * 3 * 16
+    assert len(SWEEP) == len(ATTENTION_OPS) * 3 * 3 * 16
     assert len(set(names)) == len(names), "two configurations share a name (and so a cache directory)"
     for spec in SWEEP:
         assert spec.name.startswith(f"{spec.op}_{DTYPES[spec.dtype_q][0]}_d{spec.head_dim_qk}_fa2_cc")
@@ -88,7 +90,7 @@ def _expected_values(spec: KernelSpec) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", ATTENTION_OPS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_sweep_renders_with_its_instantiation_values(op, dtype, head_dim):
@@ -362,3 +364,11 @@ def test_every_public_name_resolves():
     assert callable(flashjit.tolerance) and isinstance(flashjit.Tolerance, type)
     with pytest.raises(AttributeError, match="no_such_name"):
         getattr(flashjit, "no_such_name")
+
+
+@pytest.mark.parametrize("flags", [{"causal": True}, {"use_tensor_cores": True}, {"return_lse": True}])
+def test_append_takes_no_variant_flags(flags):
+    spec = KernelSpec.make("append_paged", "bfloat16", 128, **flags)
+    with pytest.raises(ValueError, match="Nearest working choice: append_paged_bf16_d128$"):
+        spec.validate()
+    assert KernelSpec.make("append_paged", "bfloat16", 128).validate().name == "append_paged_bf16_d128"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..spec import HEAD_DIMS
 from . import _checks
 
 _INDEX_DTYPE = torch.int32
@@ -101,6 +102,13 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
                        batch_indices=batch_indices, positions=positions, kv_indices=kv_indices,
                        kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
 
+    if k_cache.device.type == "cuda" and head_dim in HEAD_DIMS and _vector_aligned(append_key, append_value, k_cache,
+                                                                                   v_cache):
+        _append_kernel(append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr,
+                       kv_layout, page_size)
+        return
+    # CPU tensors, head dims we generate no kernel for, or layouts the kernel
+    # cannot copy in 16-byte vectors: torch ops.
     page = kv_indices[kv_indptr[batch_indices] + positions // page_size]
     slot = positions % page_size
     if kv_layout == "HND":
@@ -108,6 +116,50 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     k_cache.index_put_((page, slot), append_key)
     v_cache.index_put_((page, slot), append_value)
+
+
+_modules: dict = {}  # (dtype, head_dim) -> the loaded append kernel
+
+
+def _vector_aligned(*tensors) -> bool:
+    """Bases and row strides (all but the last, contiguous, dimension) in whole 16-byte vectors."""
+    for t in tensors:
+        vec = 16 // t.element_size()
+        if t.data_ptr() % 16 or t.stride(-1) != 1 or any(s % vec for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _append_kernel(key, value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr, kv_layout: str,
+                   page_size: int) -> None:
+    """One launch of the generated append kernel on torch's current stream."""
+    from ..loader import AppendParams
+    from ._launch import run_on
+
+    nnz, heads, head_dim = key.shape
+    if nnz == 0:
+        return
+    module = _modules.get((key.dtype, head_dim))
+    if module is None:
+        from .. import jit
+        from ..spec import KernelSpec
+
+        module = _modules[(key.dtype, head_dim)] = jit.get_module(
+            KernelSpec.make("append_paged", key.dtype, head_dim).validate())
+    p = AppendParams()
+    p.key, p.value, p.k_cache, p.v_cache = key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+    p.batch_indices, p.positions = batch_indices.data_ptr(), positions.data_ptr()
+    p.kv_indices, p.kv_indptr = kv_indices.data_ptr(), kv_indptr.data_ptr()
+    p.nnz, p.num_heads, p.page_size = nnz, heads, page_size
+    p.key_stride_n, p.key_stride_h = key.stride(0), key.stride(1)
+    p.value_stride_n, p.value_stride_h = value.stride(0), value.stride(1)
+    # NHD caches are [pages, slots, heads, dim]; HND [pages, heads, slots, dim].
+    slot_dim, head_dim_index = (1, 2) if kv_layout == "NHD" else (2, 1)
+    p.k_stride_page, p.k_stride_slot, p.k_stride_h = (k_cache.stride(0), k_cache.stride(slot_dim),
+                                                      k_cache.stride(head_dim_index))
+    p.v_stride_page, p.v_stride_slot, p.v_stride_h = (v_cache.stride(0), v_cache.stride(slot_dim),
+                                                      v_cache.stride(head_dim_index))
+    run_on(module, bytes(p), k_cache.device.index)
 
 
 def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices=None,
