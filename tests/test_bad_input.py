@@ -330,3 +330,45 @@ def test_wrapper_run_before_plan():
     q, k, v = inputs("prefill")
     with pytest.raises(RuntimeError, match=r"run\(\) called before plan\(\)"):
         _wrapper().run(q, k, v)
+
+
+# ---------------------------------------------------------------------------
+# The paged wrappers: plan() checks of the page table, no GPU
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+DECODE_PLAN = dict(indptr=_i32(0, 2, 5), indices=_i32(4, 0, 1, 2, 3), last_page_len=_i32(7, 16), num_qo_heads=8,
+                   num_kv_heads=2, head_dim=128, page_size=16, q_data_type=torch.bfloat16)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"indptr": _i32(0, 5, 2)}, r"^indptr: expected non-decreasing"),
+    ({"indptr": [0, 2, 5, 5]}, r"^last_page_len: expected 3 elements \(batch_size\), got 2"),
+    ({"last_page_len": _i32(0, 16)}, r"^last_page_len: expected 1\.\.16 \(page_size\) for request 0"),
+    ({"last_page_len": _i32(7, 17)}, r"^last_page_len: expected 1\.\.16 \(page_size\) for request 1"),
+    ({"last_page_len": _i32(7)}, r"^last_page_len: expected 2 elements \(batch_size\), got 1"),
+    ({"indices": _i32(4, 0, 1)}, r"^indices: expected at least 5 elements, got 3"),
+    ({"indices": torch.tensor([4, 0, 1, 2, 3])}, r"^indices: expected a 1-D int32 tensor, got torch.int64"),
+    ({"page_size": 0}, r"^page_size: expected a positive int"),
+    ({"head_dim": 80}, r"^head_dim: expected a head_dim in \(64, 128, 256\), got 80"),
+    ({"pos_encoding_mode": "ROPE_LLAMA"}, r"^pos_encoding_mode='ROPE_LLAMA'"),
+    ({"q_data_type": torch.float32, "kv_data_type": torch.float16}, r"^kv_data_type: expected torch.float32"),
+], ids=lambda x: "-".join(x) if isinstance(x, dict) else None)
+def test_paged_decode_plan_checks(change, match):
+    workspace = torch.Tensor._make_subclass(_FakeCudaTensor, torch.empty(1024, dtype=torch.uint8))
+    wrapper = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    with pytest.raises((ValueError, NotImplementedError), match=match):
+        wrapper.plan(**{**DECODE_PLAN, **change})
+
+
+def test_paged_prefill_plan_names_its_arguments():
+    workspace = torch.Tensor._make_subclass(_FakeCudaTensor, torch.empty(1024, dtype=torch.uint8))
+    wrapper = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace)
+    with pytest.raises(ValueError, match=r"^paged_kv_last_page_len: expected 1\.\.16"):
+        wrapper.plan(_i32(0, 3, 8), _i32(0, 2, 5), _i32(4, 0, 1, 2, 3), _i32(7, 0), 8, 2, 128, 16, causal=True,
+                     q_data_type=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^paged_kv_indptr: expected 3 elements"):
+        wrapper.plan(_i32(0, 3, 8), _i32(0, 5), _i32(4, 0, 1, 2, 3), _i32(7), 8, 2, 128, 16,
+                     q_data_type=torch.bfloat16)

@@ -104,14 +104,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
              use_tensor_cores: bool | None = None) -> None:
         """fixed_split_size: pages per split-KV chunk; disable_split_kv: none."""
         qo = _checks.check_indptr("qo_indptr", qo_indptr)
-        spec, scalars, q_dtype = plan_spec("batch_prefill_paged", self._backend, num_qo_heads, num_kv_heads,
-                                           head_dim_qk, head_dim_vo, custom_mask=custom_mask,
-                                           packed_custom_mask=packed_custom_mask, causal=causal,
-                                           pos_encoding_mode=pos_encoding_mode,
-                                           use_fp16_qk_reduction=use_fp16_qk_reduction, window_left=window_left,
-                                           logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-                                           q_data_type=q_data_type, kv_data_type=kv_data_type,
-                                           o_data_type=o_data_type, use_tensor_cores=use_tensor_cores)
+        spec, scalars, q_dtype = plan_spec(
+            "batch_prefill_paged", self._backend, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, custom_mask,
+            packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
+            sm_scale, q_data_type, kv_data_type, o_data_type, use_tensor_cores)
         self._plan_paged(qo, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size, spec, scalars,
                          q_dtype, num_qo_heads, num_kv_heads, head_dim_qk, fixed_split_size, disable_split_kv,
                          non_blocking)

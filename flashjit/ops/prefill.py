@@ -73,14 +73,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
         tile); disable_split_kv: every request in one CTA per row tile."""
         qo = _checks.check_indptr("qo_indptr", qo_indptr)
         kv = _checks.check_indptr("kv_indptr", kv_indptr, batch_size=len(qo) - 1)
-        spec, scalars, q_dtype = plan_spec("batch_prefill_ragged", self._backend, num_qo_heads, num_kv_heads,
-                                           head_dim_qk, head_dim_vo, custom_mask=custom_mask,
-                                           packed_custom_mask=packed_custom_mask, causal=causal,
-                                           pos_encoding_mode=pos_encoding_mode,
-                                           use_fp16_qk_reduction=use_fp16_qk_reduction, window_left=window_left,
-                                           logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-                                           q_data_type=q_data_type, kv_data_type=kv_data_type,
-                                           o_data_type=o_data_type, use_tensor_cores=use_tensor_cores)
+        spec, scalars, q_dtype = plan_spec(
+            "batch_prefill_ragged", self._backend, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, custom_mask,
+            packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
+            sm_scale, q_data_type, kv_data_type, o_data_type, use_tensor_cores)
         kv_lens = [kv[i + 1] - kv[i] for i in range(len(kv) - 1)]
         self._plan_batch(spec, qo, kv, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                          head_dim=head_dim_qk, q_dtype=q_dtype, scalars=scalars, fixed_chunk=fixed_split_size,
@@ -111,10 +107,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
     forward = run
 
 
-def plan_spec(op: str, backend: str, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo, *,
-              causal: bool, window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type, o_data_type,
-              use_tensor_cores, custom_mask=None, packed_custom_mask=None, pos_encoding_mode: str = "NONE",
-              use_fp16_qk_reduction: bool = False):
+def plan_spec(op: str, backend: str, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo,
+              custom_mask=None, packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
+              use_fp16_qk_reduction: bool = False, window_left=-1, logits_soft_cap=None, sm_scale=None,
+              q_data_type="float16", kv_data_type=None, o_data_type=None, use_tensor_cores=None):
     """The checks every batch plan() shares; returns (spec, scalars, q dtype).
     The LSE variant writes LSE only when run() passes a buffer, so one plan serves both."""
     _checks.check_unsupported(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
