@@ -22,8 +22,9 @@ PRESETS = {
 }
 
 
-def _switch(value: str) -> list[bool]:
-    return {"on": [True], "off": [False], "both": [False, True]}[value]
+def _switch(value: str) -> list:
+    """on / off / both; auto (--tensor-cores only) is None: what the ops' auto choice takes."""
+    return {"on": [True], "off": [False], "both": [False, True], "auto": [None]}[value]
 
 
 def specs_from_args(args) -> list[KernelSpec]:
@@ -35,6 +36,10 @@ def specs_from_args(args) -> list[KernelSpec]:
     for op, dtype, head_dim, backend, tc, causal, window, cap, lse in itertools.product(
             ops, dtypes, head_dims, args.backend, _switch(args.tensor_cores), _switch(args.causal),
             _switch(args.window), _switch(args.soft_cap), _switch(args.lse)):
+        if tc is None:
+            from .arch import choose_backend
+
+            tc = False if op in UTILITY_OPS else choose_backend(op, dtype, None, backend)[1]
         if tc and dtype == "float32":
             continue  # fp32 has no tensor-core kernel; "both" means the ones that exist
         if causal and op in NO_CAUSAL:
@@ -152,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--dtype", nargs="+", help=f"of {', '.join(DTYPES)} (or fp16, bf16, fp32)")
     pre.add_argument("--head-dim", nargs="+", type=int)
     pre.add_argument("--backend", nargs="+", default=["fa2"], choices=["fa2", "fa3"])
-    pre.add_argument("--tensor-cores", default="off", choices=["on", "off", "both"])
+    pre.add_argument("--tensor-cores", default="auto", choices=["auto", "on", "off", "both"],
+                     help="auto (default): what the ops pick when not told: tensor cores for fp16/bf16 prefill")
     pre.add_argument("--causal", default="both", choices=["on", "off", "both"])
     pre.add_argument("--window", default="off", choices=["on", "off", "both"])
     pre.add_argument("--soft-cap", default="off", choices=["on", "off", "both"])

@@ -17,16 +17,17 @@ from helpers_cache import (REPO, copy_cache, entry_dirs, flip_byte, have_nvcc, m
 
 PREWARM = ["prewarm", "--preset", "minimal", "--dtype", "bfloat16", "--head-dim", "64", "--arch", "sm_80",
            "--jobs", "2"]
-# --preset minimal = every op; --causal defaults to both (decode has no causal variant);
-# the batch wrappers always build their LSE variant; append has no variants.
+# --preset minimal = every op; --tensor-cores auto = what the ops pick (tensor cores for
+# bf16 prefill, CUDA cores for decode); --causal defaults to both (decode has no causal
+# variant); the batch wrappers always build their LSE variant; append has no variants.
 EXPECTED = [
-    KernelSpec.make("single_prefill", "bfloat16", 64),
-    KernelSpec.make("single_prefill", "bfloat16", 64, causal=True),
+    KernelSpec.make("single_prefill", "bfloat16", 64, use_tensor_cores=True),
+    KernelSpec.make("single_prefill", "bfloat16", 64, use_tensor_cores=True, causal=True),
     KernelSpec.make("single_decode", "bfloat16", 64),
-    KernelSpec.make("batch_prefill_ragged", "bfloat16", 64, return_lse=True),
-    KernelSpec.make("batch_prefill_ragged", "bfloat16", 64, causal=True, return_lse=True),
-    KernelSpec.make("batch_prefill_paged", "bfloat16", 64, return_lse=True),
-    KernelSpec.make("batch_prefill_paged", "bfloat16", 64, causal=True, return_lse=True),
+    KernelSpec.make("batch_prefill_ragged", "bfloat16", 64, use_tensor_cores=True, return_lse=True),
+    KernelSpec.make("batch_prefill_ragged", "bfloat16", 64, use_tensor_cores=True, causal=True, return_lse=True),
+    KernelSpec.make("batch_prefill_paged", "bfloat16", 64, use_tensor_cores=True, return_lse=True),
+    KernelSpec.make("batch_prefill_paged", "bfloat16", 64, use_tensor_cores=True, causal=True, return_lse=True),
     KernelSpec.make("batch_decode_paged", "bfloat16", 64, return_lse=True),
     KernelSpec.make("append_paged", "bfloat16", 64),
 ]
