@@ -190,7 +190,7 @@ class BatchAttention:
 
     def _launch(self, q, k, v, k_strides: tuple, v_strides: tuple, out, lse) -> None:
         plan = self._plan
-        key = (q.stride(), k_strides, v_strides)
+        key = (q.stride(), q.device, k.device, v.device, k_strides, v_strides)  # devices: checked once per key
         tail = self._tails.get(key)
         if tail is None:
             check_placement(q, k, v, plan.module.spec)

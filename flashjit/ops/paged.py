@@ -19,8 +19,6 @@ from .prefill import plan_spec
 
 
 class _PagedAttention(BatchAttention):
-    _op = ""
-
     def _plan_paged(self, qo: list[int], paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size: int,
                     spec, scalars, q_dtype, num_qo_heads, num_kv_heads, head_dim, fixed_split_size,
                     disable_split_kv: bool, non_blocking: bool,
