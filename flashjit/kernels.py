@@ -93,10 +93,12 @@ FA2_TILINGS = {
 # end; with rows split, one warp did all the math while three waited at its
 # barriers. d128 caps registers at 168 so that three CTAs share an SM: on an
 # H200 that read 3712-3985 GB/s where two read 3273-3607 on the long rows
-# (benchmarks/results/2026-11-22-h200-decode-tilings.md).
+# (benchmarks/results/2026-11-22-h200-decode-tilings.md). Its Q stays in shared
+# memory: in registers, the soft-cap variant spilled 8 bytes on sm_80 at that
+# cap, and the same run measured Q in shared memory 0-1% faster.
 FA2_DECODE_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=4, q_in_regs=True, min_blocks_per_sm=2, split_keys=True),
-    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=3, split_keys=True),
+    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=3, split_keys=True),
     256: Fa2Tiling(warps=2, keys_per_tile=32, stages=2, q_in_regs=False, min_blocks_per_sm=2, split_keys=True),
 }
 

@@ -45,6 +45,11 @@ REPRESENTATIVE = [
     KernelSpec.make("single_prefill", "float16", 128, use_tensor_cores=True, soft_cap=True, return_lse=True),
     KernelSpec.make("batch_prefill_ragged", "bfloat16", 256, use_tensor_cores=True, sliding_window=True,
                     return_lse=True),
+    # Paged K/V (decode in the fa2 kernel's split-keys mode) and the append kernel with its own ABI struct.
+    KernelSpec.make("batch_decode_paged", "bfloat16", 128, use_tensor_cores=True, soft_cap=True, return_lse=True),
+    KernelSpec.make("batch_decode_paged", "float32", 256, sliding_window=True, return_lse=True),
+    KernelSpec.make("batch_prefill_paged", "float16", 64, causal=True, return_lse=True),
+    KernelSpec.make("append_paged", "bfloat16", 128),
 ]
 IDS = [s.name for s in REPRESENTATIVE]
 
@@ -156,7 +161,8 @@ def test_entry_verifies_and_records_its_inputs(representative, spec):
 def test_no_register_spills(representative, spec, arch_name):
     usage = representative.results[spec].entry.manifest["resources"]
     kernels_seen = {u["kernel"] for u in usage}
-    assert any("attention_kernel" in k for k in kernels_seen), "no attention kernel in the ptxas report"
+    main = "append_paged_kernel" if spec.op == "append_paged" else "attention_kernel"
+    assert any(main in k for k in kernels_seen), f"no {main} in the ptxas report"
     for kernel in kernels_seen:
         assert sorted(u["arch"] for u in usage if u["kernel"] == kernel) == sorted(ARCHES), \
             f"{kernel} is not reported once per arch"
@@ -174,13 +180,18 @@ def test_no_register_spills(representative, spec, arch_name):
 @pytest.mark.parametrize("spec", REPRESENTATIVE, ids=IDS)
 def test_artifact_loads_without_a_gpu(representative, spec):
     entry = representative.results[spec].entry
+    # load_library also checks the library's params struct size against the host mirror.
     module = loader.load_library(spec, entry.artifact, entry.manifest)
-    if spec.use_tensor_cores:  # 16 rows per m16 MMA fragment, frags_m of them per warp
+    if spec.op == "append_paged":  # no rows: one CTA per new token
+        expected = 0
+    elif spec.use_tensor_cores:  # 16 rows per m16 MMA fragment, frags_m of them per warp (or per CTA)
         expected = kernels.fa2_tiling(spec).rows_per_cta
+        assert expected > 0
     else:
         tiling = kernels.cuda_core_tiling(spec)
         expected = tiling.rows_per_warp * tiling.row_warps
-    assert module.rows_per_cta == expected > 0
+        assert expected > 0
+    assert module.rows_per_cta == expected
     # The library speaks the ABI of the header it was built from, which is the host's.
     header = (entry.path / "include" / "flashjit" / "attention_params.cuh").read_text()
     abi = int(re.search(r"#define FLASHJIT_ABI_VERSION (\d+)", header).group(1))
