@@ -267,6 +267,23 @@ def publish(build_dir: Path, manifest: dict) -> Entry:
     return Entry(final, manifest)
 
 
+def refresh_fingerprint(root: Path, entry: Entry, key: str, fingerprint: str) -> Entry:
+    """Records a new fingerprint in a valid entry found by its content key (its
+    generator changed in ways that left the source alike), so that later loads
+    take the fast path again. Under the configuration's lock, the manifest is
+    replaced by rename. Raises CacheError if the manifest cannot be written."""
+    manifest = {**entry.manifest, "fingerprint": fingerprint}
+    path = entry.path / MANIFEST
+    tmp = entry.path / f".{MANIFEST}.{os.getpid()}.tmp"
+    with config_lock(root, entry.path.parent.name, key):
+        write_file(tmp, json.dumps(manifest, indent=1, sort_keys=True))
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise _os_error("update the manifest", path, exc) from exc
+    return Entry(entry.path, manifest)
+
+
 def remove_entry(root: Path, entry: Entry) -> None:
     """Deletes one entry under its configuration lock (so no reader races a builder)."""
     key = entry.path.name

@@ -93,9 +93,18 @@ def fingerprint(spec: KernelSpec, arches: tuple[str, ...], nvcc: str | None) -> 
 
 
 def _lookup(root: Path, p: Planned) -> cache.Entry | None:
+    """The entry for p's content key. One found with an older fingerprint gets
+    the current one recorded, so that the next load skips rendering."""
     if p.nvcc is None:
         return cache.find_entry_any_toolchain(root, p.spec.name, p.key_inputs)
-    return cache.find_entry(root, p.spec.name, p.key)
+    entry = cache.find_entry(root, p.spec.name, p.key)
+    fp = fingerprint(p.spec, p.arches, p.nvcc)
+    if entry is not None and fp is not None and entry.manifest.get("fingerprint") != fp:
+        try:
+            entry = cache.refresh_fingerprint(root, entry, p.key, fp)
+        except CacheError as exc:  # a read-only cache still serves the entry, only slower
+            log.warning("flashjit: %s", exc)
+    return entry
 
 
 def prewarm_command(spec: KernelSpec, arches) -> str:

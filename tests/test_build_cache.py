@@ -326,6 +326,25 @@ def test_header_edit_rebuilds_instead_of_serving_the_old_entry(fresh_cache, temp
     assert len(entry_dirs(fresh_cache)) == 2
 
 
+@needs_nvcc
+@pytest.mark.nvcc
+def test_entry_found_by_key_gets_the_current_fingerprint(fresh_cache, monkeypatch):
+    """An entry whose manifest records an older fingerprint (its generator changed
+    without changing the source) is served by its content key once, and records
+    the current fingerprint, so the next load takes the fast path again."""
+    first = jit.build_many([SMALL_SPEC])[0]
+    manifest = first.entry.path / "manifest.json"
+    current = json.loads(manifest.read_text())["fingerprint"]
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "fingerprint": "an-older-one"}))
+    assert cache.find_entry_by_fingerprint(fresh_cache, SMALL_SPEC.name, current) is None
+    again = jit.build_many([SMALL_SPEC])[0]
+    assert again.built is False and again.entry.path == first.entry.path
+    assert json.loads(manifest.read_text())["fingerprint"] == current
+    assert cache.find_entry_by_fingerprint(fresh_cache, SMALL_SPEC.name, current).path == first.entry.path
+    monkeypatch.setattr(jit, "plan", lambda *a, **k: pytest.fail("a fingerprint hit must not render"))
+    assert jit.build_many([SMALL_SPEC])[0].entry.path == first.entry.path
+
+
 def test_key_changes_when_the_template_changes(templates_copy):
     spec = KernelSpec.make("single_decode", "float16", 64)
     before = _key(spec)
