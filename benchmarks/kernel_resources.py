@@ -36,6 +36,8 @@ def specs() -> list[KernelSpec]:
                                    sliding_window=True, return_lse=True))
         out.append(KernelSpec.make("batch_prefill_paged", "bfloat16", head_dim, use_tensor_cores=True, causal=True,
                                    soft_cap=True, return_lse=True))
+    out += [KernelSpec.make("append_paged", dtype, head_dim) for head_dim in (64, 128, 256)
+            for dtype in ("bfloat16", "float32")]
     return out
 
 
@@ -57,7 +59,8 @@ def main() -> int:
         spills = 0
         for r in results:
             for row in r.entry.manifest["resources"]:
-                kind = "attention" if "attention_kernel" in row["kernel"] else "split-KV merge"
+                kind = ("attention" if "attention_kernel" in row["kernel"] else
+                        "append" if "append_paged_kernel" in row["kernel"] else "split-KV merge")
                 smem = smem_bytes(r.spec) if kind == "attention" else 0
                 spills += row["spill_stores"] + row["spill_loads"]
                 lines.append(f"| {r.spec.name} | {kind} | {row['arch']} | {row.get('registers', '?')} | "
@@ -71,7 +74,8 @@ def main() -> int:
             f.write("# Kernel resources\n\nFrom `ptxas -v` (nvcc "
                     f"{r.entry.manifest['key_inputs']['nvcc_version']}), written by "
                     "`python benchmarks/kernel_resources.py --out docs/kernels.md`. Each configuration "
-                    "takes the variant flags that cost the most registers (causal, window, soft-cap, LSE).\n\n"
+                    "takes the variant flags that cost the most registers (causal, window, soft-cap, LSE); append "
+                    "has none.\n\n"
                     + text + "\n")
     return 1 if spills else 0
 

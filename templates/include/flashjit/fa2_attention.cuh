@@ -3,6 +3,7 @@
 // cuda_core_attention.cuh: a CTA owns kRowsPerCta packed rows (query token x
 // query head pairs of one KV head, token-major) of one request, grid
 // (num_work, num_kv_heads).
+// Fragment layouts and the swizzle: fa2_primitives.cuh.
 //
 // Structure of one CTA (kWarps warps, 16 * kFragsM rows per warp):
 //   * Q (kRowsPerCta x D) and K/V tiles (kKeysPerTile x D) live in XOR-swizzled
@@ -16,57 +17,10 @@
 //   * The epilogue normalises O, stages it through the warp's own slice of the
 //     Q buffer and writes 16-byte vectors; LSE is m + log2(l) in log2 units.
 //
-// ---------------------------------------------------------------------------
-// Fragment layouts (PTX ISA, mma.m16n8k16 with .f16/.bf16 inputs). Per lane:
-//   g = lane / 4 (the "group"), t = lane % 4 (thread in group).
-//   A, 16x16 row-major, four .b32 registers of two 16-bit elements each, the
-//   lower-numbered column in the low half:
-//     a[0] = A[g    ][2t, 2t+1]      a[1] = A[g + 8][2t, 2t+1]
-//     a[2] = A[g    ][2t+8, 2t+9]    a[3] = A[g + 8][2t+8, 2t+9]
-//   B, 16x8 (k x n, "col": B^T is row-major), two registers:
-//     b[0] = B[2t, 2t+1][g]          b[1] = B[2t+8, 2t+9][g]
-//   C/D, 16x8 fp32, four registers:
-//     c[0], c[1] = C[g][2t, 2t+1]    c[2], c[3] = C[g + 8][2t, 2t+1]
-//
-// ldmatrix.m8n8.x4: lanes 8i..8i+7 give the row addresses (16 bytes = 8
-// elements each) of matrix i; register i of lane L receives matrix i's
-// elements [L/4][2(L%4), 2(L%4)+1]. With .trans it receives the transposed
-// pair [2(L%4)][L/4], [2(L%4)+1][L/4] instead.
-//
-//   "A pattern" (lane L addresses row L % 16, 8-column chunk L / 16 of a
-//   16x16 block) gives matrices {rows 0-7 | 8-15} x {cols 0-7 | 8-15} in the
-//   order (0-7,0-7), (8-15,0-7), (0-7,8-15), (8-15,8-15) = a[0..3] above. Used
-//   for Q (rows = query rows, cols = head dims) and, with .trans, for V (rows =
-//   keys, cols = head dims): there register 0 of lane L holds V[2t, 2t+1][g] of
-//   keys 0-7 / dims 0-7 = b[0] of the n-tile of dims 0-7, register 1 (keys 8-15)
-//   its b[1], registers 2 and 3 the same for the n-tile of dims 8-15.
-//
-//   "B pattern" (lane L addresses row 8*(L/16) + L%8, chunk (L/8)%2) gives the
-//   matrices (keys 0-7, dims 0-7), (keys 0-7, dims 8-15), (keys 8-15, dims 0-7),
-//   (keys 8-15, dims 8-15) of K (row-major [key][dim] = B^T of S = Q.K^T), so
-//   registers 0, 1 are b[0], b[1] of the n-tile of keys 0-7 and registers 2, 3
-//   those of keys 8-15.
-//
-// P as the A operand: S n-tile j (keys 8j..8j+7) has c[0..1] on row g and c[2..3]
-// on row g+8 at keys 8j+2t, +1, exactly the A layout's columns 2t, 2t+1 (tile
-// 2kk) and 2t+8, 2t+9 (tile 2kk+1) of k-step kk, so
-//   pa[kk] = { pack(S[2kk][0..1]), pack(S[2kk][2..3]), pack(S[2kk+1][0..1]), pack(S[2kk+1][2..3]) }.
-//
-// Shared memory swizzle: every tile is row-major, D elements (D/8 16-byte
-// chunks, at least 8) per row; logical chunk c of row r lives at physical chunk
-// c ^ (r % 8). The row pitch is a multiple of 128 bytes, so the 8 rows one
-// 8x8 ldmatrix phase reads (8 consecutive rows, one logical chunk) fall on 8
-// distinct chunks of a 128-byte line = all 32 banks, conflict-free. cp.async
-// stores (8 consecutive chunks of a row per 8 lanes) and the epilogue's 4-byte
-// stores (row g, chunk j ^ g, word t) are conflict-free too.
-// Since the XOR only touches the low 3 bits of the chunk index and the lanes'
-// chunk offset is 0 or 1 added to an even 2*kk, chunk (2kk + b) of a row with
-// r % 8 = r7 sits at byte 128*(kk/4) + 16*((2*(kk%4) + b) ^ r7): a per-lane
-// table of four offsets plus a compile-time immediate.
-// ---------------------------------------------------------------------------
 #pragma once
 #include <type_traits>
 #include "async_copy.cuh"
+#include "fa2_primitives.cuh"
 #include "kernel_config.cuh"
 #include "merge_states.cuh"
 #include "numeric.cuh"
@@ -135,107 +89,6 @@ struct Fa2Traits {
                 "the warps' states must fit in the K/V stages to merge");
 };
 
-namespace fa2 {
-
-// 2^x in one MUFU.EX2 (at most 2 ulp, like exp2f, whose extra instructions
-// only rescue subnormal results: here those are weights below 2^-126, which
-// flush to 0 at an absolute cost the error model's floor already covers).
-// 2^0 is exactly 1 and 2^-inf exactly 0.
-__device__ __forceinline__ float exp2_fast(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// d += a.b, m16n8k16, fp32 accumulation.
-template <class T>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same<T, __half>::value) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-// Two floats rounded to T (round to nearest even), `lo` in the low 16 bits.
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same<T, __half>::value) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  } else {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-}
-
-// Byte offset of logical chunk `chunk` of row `row` in a swizzled tile.
-template <int kRowBytes>
-__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
-  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
-}
-
-// Rows of a kRows-key tile that thread `tid` copies: tid / kChunks + i *
-// (kThreads / kChunks), chunk tid % kChunks of each, so that consecutive
-// threads read consecutive 16 bytes of a row (coalesced).
-template <int kRows, int kDim, int kThreads>
-struct TileRows {
-  static constexpr int kChunks = kDim / 8;
-  static constexpr int kRowsPerPass = kThreads / kChunks;
-  static constexpr int kPerThread = kRows / kRowsPerPass;
-};
-
-// Looks up the pages of this thread's rows of the tile at key `first` (one
-// global load each when paged, nothing when ragged), a tile ahead of its copy.
-template <int kRows, int kDim, int kThreads, class Rows>
-__device__ __forceinline__ void tile_pages(int (&pages)[TileRows<kRows, kDim, kThreads>::kPerThread],
-                                           const Rows& src, int first, int valid, int tid) {
-  using R = TileRows<kRows, kDim, kThreads>;
-#pragma unroll
-  for (int i = 0; i < R::kPerThread; ++i) {
-    const int row = tid / R::kChunks + i * R::kRowsPerPass;
-    pages[i] = row < valid ? src.page_of(first + row) : 0;
-  }
-}
-
-// Asynchronously copies kRows keys from `first` on (ragged rows or page
-// slots, see KvRows; `pages` from tile_pages) into the swizzled tile at `dst`;
-// rows >= valid are zero-filled (reading nothing from the head's base address).
-template <class T, int kRows, int kDim, int kThreads, class Rows>
-__device__ __forceinline__ void load_tile_async(uint32_t dst, const Rows& src,
-                                                const int (&pages)[TileRows<kRows, kDim, kThreads>::kPerThread],
-                                                int first, int valid, int tid) {
-  using R = TileRows<kRows, kDim, kThreads>;
-  const int chunk = tid % R::kChunks, row0 = tid / R::kChunks;
-#pragma unroll
-  for (int i = 0; i < R::kPerThread; ++i) {
-    const int row = row0 + i * R::kRowsPerPass;
-    const bool ok = row < valid;
-    cp_async_16(dst + swizzled<kDim * 2>(row, chunk), ok ? src.row_in(pages[i], first + row) + chunk * 8 : src.base,
-                ok);
-  }
-}
-
-}  // namespace fa2
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
