@@ -372,3 +372,21 @@ def test_paged_prefill_plan_names_its_arguments():
     with pytest.raises(ValueError, match=r"^paged_kv_indptr: expected 3 elements"):
         wrapper.plan(_i32(0, 3, 8), _i32(0, 5), _i32(4, 0, 1, 2, 3), _i32(7), 8, 2, 128, 16,
                      q_data_type=torch.bfloat16)
+
+
+@pytest.mark.parametrize("form", ["5d", "tuple"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_paged_cache_geometry(layout, form):
+    """What run() reads from a cache: pages, page size, heads, dim, and (token, head, page) strides."""
+    pages, page_size, heads, dim = 7, 16, 2, 64
+    inner = (page_size, heads, dim) if layout == "NHD" else (heads, page_size, dim)
+    cache = torch.randn(pages, 2, *inner).to(torch.bfloat16)
+    arg = cache if form == "5d" else (cache[:, 0].contiguous(), cache[:, 1].contiguous())
+    k, v, n, ps, h, d, ks, vs = _checks.paged_kv_cache(arg, layout)
+    assert (n, ps, h, d) == (pages, page_size, heads, dim)
+    token, head = (1, 2) if layout == "NHD" else (2, 1)
+    for t, strides in ((k, ks), (v, vs)):
+        assert strides == (t.stride(token), t.stride(head), t.stride(0))
+    assert torch.equal(k, cache[:, 0]) and torch.equal(v, cache[:, 1])
+    if form == "5d":
+        assert k.data_ptr() == cache.data_ptr() and ks[2] == cache.stride(0)

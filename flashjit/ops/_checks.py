@@ -138,29 +138,44 @@ def check_indptr(name: str, indptr, batch_size: int | None = None) -> list[int]:
     return values
 
 
-def paged_kv_cache(paged_kv_cache, kv_layout: str) -> tuple:
-    """(k, v, num_pages, page_size, num_kv_heads, head_dim, k_strides, v_strides)
-    of one 5-D cache [pages, 2, page_size, heads, dim] (NHD; HND swaps page_size
-    and heads) or a (k, v) tuple of 4-D caches; strides are (token, head, page)."""
-    check_layout(kv_layout)
+def check_same_device(device: torch.device, reference: str, **tensors) -> None:
+    """Every tensor on `device`, where the tensor named `reference` is."""
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (where {reference} is), got {t.device}")
+
+
+def unpack_paged_cache(paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(k_cache, v_cache, the name to report K cache mistakes under), 4-D views
+    of one 5-D cache [pages, 2, ...] or the two tensors of a (k, v) tuple."""
     if isinstance(paged_kv_cache, torch.Tensor):
         check_tensor("paged_kv_cache", paged_kv_cache, 5)
         if paged_kv_cache.shape[1] != 2:
-            raise ValueError(f"paged_kv_cache: expected shape [num_pages, 2, ...] (K and V), got "
-                             f"{tuple(paged_kv_cache.shape)}")
-        k, v = paged_kv_cache.select(1, 0), paged_kv_cache.select(1, 1)
-        names = ("paged_kv_cache[:, 0]", "paged_kv_cache[:, 1]")
-    elif isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
-        k, v = paged_kv_cache
-        names = ("paged_kv_cache[0] (k)", "paged_kv_cache[1] (v)")
-        check_tensor(names[0], k, 4)
-        check_tensor(names[1], v, 4)
-        check_same_dtype(**{names[0]: k, names[1]: v})
-    else:
-        raise ValueError(f"paged_kv_cache: expected a 5-D tensor or a (k_cache, v_cache) tuple, got "
-                         f"{type(paged_kv_cache).__name__}")
-    if k.shape != v.shape:
-        raise ValueError(f"{names[1]}: expected shape {tuple(k.shape)} (as {names[0]}), got {tuple(v.shape)}")
+            raise ValueError(f"paged_kv_cache: expected shape [num_pages, 2, ...] (K and V in dimension 1), "
+                             f"got shape {tuple(paged_kv_cache.shape)}")
+        # Views: writing through them writes the caller's tensor.
+        return paged_kv_cache[:, 0], paged_kv_cache[:, 1], "paged_kv_cache"
+    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
+        got = f"a {type(paged_kv_cache).__name__} of {len(paged_kv_cache)}" \
+            if isinstance(paged_kv_cache, (tuple, list)) else type(paged_kv_cache).__name__
+        raise ValueError(f"paged_kv_cache: expected a 5-D tensor or a (k_cache, v_cache) tuple, got {got}")
+    k_cache, v_cache = paged_kv_cache
+    check_tensor("paged_kv_cache[0]", k_cache, 4)
+    check_tensor("paged_kv_cache[1]", v_cache, 4)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_kv_cache[1]: expected shape {tuple(k_cache.shape)} (as paged_kv_cache[0]), "
+                         f"got {tuple(v_cache.shape)}")
+    check_same_dtype(**{"paged_kv_cache[0]": k_cache, "paged_kv_cache[1]": v_cache})
+    check_same_device(k_cache.device, "paged_kv_cache[0]", **{"paged_kv_cache[1]": v_cache})
+    return k_cache, v_cache, "paged_kv_cache[0]"
+
+
+def paged_kv_cache(paged_kv_cache, kv_layout: str) -> tuple:
+    """(k, v, num_pages, page_size, num_kv_heads, head_dim, k_strides, v_strides)
+    of a paged cache (see unpack_paged_cache) in kv_layout: NHD pages are
+    [page_size, heads, dim], HND [heads, page_size, dim]; strides are (token, head, page)."""
+    check_layout(kv_layout)
+    k, v, _ = unpack_paged_cache(paged_kv_cache)
     num_pages = k.shape[0]
     if kv_layout == "NHD":
         page_size, heads, dim = k.shape[1], k.shape[2], k.shape[3]

@@ -28,36 +28,6 @@ def _check_index(name: str, t, length: int | None = None, what: str = "") -> Non
         raise ValueError(f"{name}: expected {length} elements{what}, got {t.shape[0]}")
 
 
-def _check_same_device(device: torch.device, reference: str, **tensors) -> None:
-    for name, t in tensors.items():
-        if t.device != device:
-            raise ValueError(f"{name}: expected a tensor on {device} (where {reference} is), got {t.device}")
-
-
-def _unpack_cache(paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(k_cache, v_cache, the name to report K cache mistakes under), 4-D each."""
-    if isinstance(paged_kv_cache, torch.Tensor):
-        _checks.check_tensor("paged_kv_cache", paged_kv_cache, 5)
-        if paged_kv_cache.shape[1] != 2:
-            raise ValueError(f"paged_kv_cache: expected shape [num_pages, 2, ...] (K and V in dimension 1), "
-                             f"got shape {tuple(paged_kv_cache.shape)}")
-        # Views: writing through them writes the caller's tensor.
-        return paged_kv_cache[:, 0], paged_kv_cache[:, 1], "paged_kv_cache"
-    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
-        got = f"a {type(paged_kv_cache).__name__} of {len(paged_kv_cache)}" \
-            if isinstance(paged_kv_cache, (tuple, list)) else type(paged_kv_cache).__name__
-        raise ValueError(f"paged_kv_cache: expected a 5-D tensor or a (k_cache, v_cache) tuple, got {got}")
-    k_cache, v_cache = paged_kv_cache
-    _checks.check_tensor("paged_kv_cache[0]", k_cache, 4)
-    _checks.check_tensor("paged_kv_cache[1]", v_cache, 4)
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"paged_kv_cache[1]: expected shape {tuple(k_cache.shape)} (as paged_kv_cache[0]), "
-                         f"got {tuple(v_cache.shape)}")
-    _checks.check_same_dtype(**{"paged_kv_cache[0]": k_cache, "paged_kv_cache[1]": v_cache})
-    _check_same_device(k_cache.device, "paged_kv_cache[0]", **{"paged_kv_cache[1]": v_cache})
-    return k_cache, v_cache, "paged_kv_cache[0]"
-
-
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices,
                           kv_indptr, kv_last_page_len, kv_layout: str = "NHD") -> None:
     """Writes append_key/append_value [nnz, num_kv_heads, head_dim] into the paged cache:
@@ -70,7 +40,7 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     Indices are not range-checked on the host (that would read them): an index past a
     tensor's end is a device-side error. Two tokens aimed at one slot leave either value."""
     _checks.check_layout(kv_layout)
-    k_cache, v_cache, cache_name = _unpack_cache(paged_kv_cache)
+    k_cache, v_cache, cache_name = _checks.unpack_paged_cache(paged_kv_cache)
     _checks.check_tensor("append_key", append_key, 3)
     _checks.check_tensor("append_value", append_value, 3)
     if append_value.shape != append_key.shape:
@@ -98,7 +68,7 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         raise ValueError("kv_indptr: expected batch_size + 1 elements, got none")
     _check_index("kv_last_page_len", kv_last_page_len, kv_indptr.shape[0] - 1,
                  f" (batch_size, from kv_indptr's {kv_indptr.shape[0]} elements)")
-    _check_same_device(k_cache.device, cache_name, append_key=append_key, append_value=append_value,
+    _checks.check_same_device(k_cache.device, cache_name, append_key=append_key, append_value=append_value,
                        batch_indices=batch_indices, positions=positions, kv_indices=kv_indices,
                        kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
 
@@ -181,11 +151,11 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices
                          f"got {seq_lens.shape[0]}")
     nnz = _host_int("nnz", nnz, minimum=0)
     device = append_indptr.device
-    _check_same_device(device, "append_indptr", seq_lens=seq_lens)
+    _checks.check_same_device(device, "append_indptr", seq_lens=seq_lens)
     for name, out in (("batch_indices", batch_indices), ("positions", positions)):
         if out is not None:
             _check_index(name, out, nnz)
-            _check_same_device(device, "append_indptr", **{name: out})
+            _checks.check_same_device(device, "append_indptr", **{name: out})
 
     token = torch.arange(nnz, dtype=torch.int32, device=device)
     if batch_size == 0:
@@ -217,7 +187,7 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int) -> torch.Tensor:
     _check_index("kv_last_page_len", kv_last_page_len, kv_indptr.shape[0] - 1,
                  " (batch_size, from kv_indptr)")
     page_size = _host_int("page_size", page_size, minimum=1)
-    _check_same_device(kv_indptr.device, "kv_indptr", kv_last_page_len=kv_last_page_len)
+    _checks.check_same_device(kv_indptr.device, "kv_indptr", kv_last_page_len=kv_last_page_len)
     return torch.clamp(kv_indptr[1:] - kv_indptr[:-1] - 1, min=0) * page_size + kv_last_page_len
 
 

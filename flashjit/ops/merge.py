@@ -38,12 +38,6 @@ def _check_s(name: str, t, shape: tuple, v_name: str, float32_only: bool = False
         raise ValueError(f"{name}: expected a float32 log-sum-exp (float16/bfloat16 are converted), got {t.dtype}")
 
 
-def _check_same_device(device: torch.device, reference: str, **tensors) -> None:
-    for name, t in tensors.items():
-        if t.device != device:
-            raise ValueError(f"{name}: expected a tensor on {device} (where {reference} is), got {t.device}")
-
-
 def _check_pair(v_name, v, s_name, s, ov_name, ov, os_name, os, s_float32_only=False) -> None:
     _check_v(v_name, v, 3)
     _check_v(ov_name, ov, 3)
@@ -52,7 +46,7 @@ def _check_pair(v_name, v, s_name, s, ov_name, ov, os_name, os, s_float32_only=F
     _checks.check_same_dtype(**{v_name: v, ov_name: ov})
     _check_s(s_name, s, v.shape[:2], v_name, float32_only=s_float32_only)
     _check_s(os_name, os, v.shape[:2], v_name)
-    _check_same_device(v.device, v_name, **{s_name: s, ov_name: ov, os_name: os})
+    _checks.check_same_device(v.device, v_name, **{s_name: s, ov_name: ov, os_name: os})
 
 
 def _scales(s: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +92,7 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (v.shape[0],):
             got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise ValueError(f"mask: expected a bool tensor of shape ({v.shape[0]},) (seq_len, from v), got {got}")
-        _check_same_device(v.device, "v", mask=mask)
+        _checks.check_same_device(v.device, "v", mask=mask)
     merged_v, merged_s = _merge_two(v, s, v_other, s_other)
     if mask is not None:
         merged_v = torch.where(mask[:, None, None], merged_v, v.float())
@@ -114,7 +108,7 @@ def merge_states(v, s) -> tuple[torch.Tensor, torch.Tensor]:
     v = 0, s = -inf."""
     _check_v("v", v, 4)
     _check_s("s", s, v.shape[:3], "v")
-    _check_same_device(v.device, "v", s=s)
+    _checks.check_same_device(v.device, "v", s=s)
     seq_len, num_states, num_heads, head_dim = v.shape
     if num_states == 0:  # a shape, known on the host: no state is an empty segment
         return (torch.zeros(seq_len, num_heads, head_dim, dtype=v.dtype, device=v.device),
