@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from .arch import choose_backend
 from .spec import DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, UTILITY_OPS, KernelSpec, canonical_dtype
 
 # Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
@@ -37,8 +38,6 @@ def specs_from_args(args) -> list[KernelSpec]:
             ops, dtypes, head_dims, args.backend, _switch(args.tensor_cores), _switch(args.causal),
             _switch(args.window), _switch(args.soft_cap), _switch(args.lse)):
         if tc is None:
-            from .arch import choose_backend
-
             tc = False if op in UTILITY_OPS else choose_backend(op, dtype, None, backend)[1]
         if tc and dtype == "float32":
             continue  # fp32 has no tensor-core kernel; "both" means the ones that exist

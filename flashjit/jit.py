@@ -63,6 +63,7 @@ class Planned:
     nvcc: str | None
     key_inputs: dict
     key: str
+    fingerprint: str | None  # recorded in the manifest; None without nvcc
 
     @property
     def artifact_name(self) -> str:
@@ -79,7 +80,8 @@ def plan(spec: KernelSpec, arches: tuple[str, ...], nvcc: str | None) -> Planned
         "flashjit_version": __version__,
         "abi_version": ABI_VERSION,
     }
-    return Planned(spec, arches, rendered, nvcc, key_inputs, cache.compute_key(key_inputs))
+    return Planned(spec, arches, rendered, nvcc, key_inputs, cache.compute_key(key_inputs),
+                   fingerprint(spec, arches, nvcc))
 
 
 def fingerprint(spec: KernelSpec, arches: tuple[str, ...], nvcc: str | None) -> str | None:
@@ -98,10 +100,9 @@ def _lookup(root: Path, p: Planned) -> cache.Entry | None:
     if p.nvcc is None:
         return cache.find_entry_any_toolchain(root, p.spec.name, p.key_inputs)
     entry = cache.find_entry(root, p.spec.name, p.key)
-    fp = fingerprint(p.spec, p.arches, p.nvcc)
-    if entry is not None and fp is not None and entry.manifest.get("fingerprint") != fp:
+    if entry is not None and p.fingerprint is not None and entry.manifest.get("fingerprint") != p.fingerprint:
         try:
-            entry = cache.refresh_fingerprint(root, entry, p.key, fp)
+            entry = cache.refresh_fingerprint(root, entry, p.key, p.fingerprint)
         except CacheError as exc:  # a read-only cache still serves the entry, only slower
             log.warning("flashjit: %s", exc)
     return entry
@@ -140,7 +141,7 @@ def _manifest(p: Planned, job: build.BuildJob) -> dict:
         "arches": list(p.arches),
         "key": p.key,
         "key_inputs": p.key_inputs,
-        "fingerprint": fingerprint(p.spec, p.arches, p.nvcc),
+        "fingerprint": p.fingerprint,
         "artifact": p.artifact_name,
         "artifact_sha256": cache.sha256_file(job.build_dir / p.artifact_name),
         "tolerance": profile(p.spec),
