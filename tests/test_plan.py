@@ -8,7 +8,7 @@ import pytest
 
 from flashjit.ops._plan import MIN_CHUNK_KEYS, plan_work
 
-H200 = dict(num_sms=132, split_align=64)
+H200 = dict(resident_ctas=132, split_align=64)  # 132 SMs, one CTA each
 
 
 def covered(plan, qo_lens, kv_lens, group, rows):
@@ -105,6 +105,7 @@ def test_a_small_workspace_means_longer_chunks():
 
 def test_more_resident_ctas_mean_more_chunks():
     """A full wave of the GPU is the target: an SM that holds more CTAs wants more of them."""
-    one = plan_work([1], [131072], group=4, rows_per_cta=16, num_kv_heads=8, ctas_per_sm=1, **H200)
-    three = plan_work([1], [131072], group=4, rows_per_cta=16, num_kv_heads=8, ctas_per_sm=3, **H200)
+    one = plan_work([1], [131072], group=4, rows_per_cta=16, num_kv_heads=8, resident_ctas=132, split_align=64)
+    three = plan_work([1], [131072], group=4, rows_per_cta=16, num_kv_heads=8, resident_ctas=3 * 132,
+                      split_align=64)
     assert len(three.items) > len(one.items) > 1

@@ -20,7 +20,7 @@ import torch
 from .. import jit
 from ..loader import KernelModule
 from . import _checks
-from ._launch import PER_CALL, check_placement, fill_params, num_sms, run_on
+from ._launch import PER_CALL, check_placement, fill_params, resident_ctas, run_on
 from ._plan import WorkPlan, ceil_div, plan_work
 
 
@@ -92,13 +92,11 @@ class BatchAttention:
         qo_lens = [qo_indptr[i + 1] - qo_indptr[i] for i in range(batch)]
         tokens = qo_indptr[-1]
         group = num_qo_heads // num_kv_heads
-        sms = num_sms(self._device)
-        with torch.cuda.device(self._device):
-            ctas_per_sm = module.ctas_per_sm(self._device.index)
+        wave = resident_ctas(module, self._device)
         max_items = None
         if self._use_cuda_graph:
             if self._capacity is None:
-                slots = ceil_div(sms * ctas_per_sm, num_kv_heads)
+                slots = ceil_div(wave, num_kv_heads)
                 self._capacity = (batch, tokens, ceil_div(tokens * group, module.rows_per_cta) + 2 * batch + slots)
             cap_batch, cap_tokens, max_items = self._capacity
             if batch != cap_batch or tokens > cap_tokens:
@@ -111,7 +109,7 @@ class BatchAttention:
         workspace_bytes = self._workspace.numel() * self._workspace.element_size()
         rows_fit = workspace_bytes // (4 * num_qo_heads * (head_dim + 1))
         work = plan_work(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta, num_kv_heads=num_kv_heads,
-                         num_sms=sms, split_align=module.split_align, ctas_per_sm=ctas_per_sm, causal=spec.causal,
+                         resident_ctas=wave, split_align=module.split_align, causal=spec.causal,
                          fixed_chunk=fixed_chunk, allow_split=allow_split, max_items=max_items,
                          max_partial_rows=rows_fit)
         base = self._workspace.data_ptr()

@@ -86,8 +86,7 @@ class Prepared:
              group: int = 1) -> "Prepared":
         """A single-request launch; it splits the keys across CTAs (flash-decoding)
         when the grid would not fill one full wave of the GPU (as ops._plan)."""
-        with torch.cuda.device(device):
-            split_ctas = num_sms(device) * module.ctas_per_sm(device.index)
+        split_ctas = resident_ctas(module, device)
         # Tensor-core kernels also copy Q (and write O) in 16-byte vectors.
         aligned = ("q", "k", "v", "out") if module.spec.use_tensor_cores else ("k", "v")
         return Prepared(module, bytes(params)[PER_CALL.size:], tuple(out_shape) if out_shape else (),
@@ -147,10 +146,12 @@ def run_on(module: KernelModule, params: bytes, device_index: int) -> None:
 _SM_COUNTS: dict = {}
 
 
-def num_sms(device: torch.device) -> int:
+def resident_ctas(module: KernelModule, device: torch.device) -> int:
+    """CTAs of the module's kernel that run at once on the device: one full wave."""
     if device.index not in _SM_COUNTS:
         _SM_COUNTS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNTS[device.index]
+    with torch.cuda.device(device):  # the occupancy query asks the current device
+        return _SM_COUNTS[device.index] * module.ctas_per_sm(device.index)
 
 
 def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_qo_heads: int, num_kv_heads: int,

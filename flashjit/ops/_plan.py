@@ -82,8 +82,8 @@ def _best_chunk(base, slots: int, heads: int, align: int) -> int:
     return best if best_time < (1 - _MIN_GAIN) * unsplit else 0
 
 
-def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, num_sms: int,
-              split_align: int, ctas_per_sm: int = 1, causal: bool = False, fixed_chunk: int | None = None,
+def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, resident_ctas: int,
+              split_align: int, causal: bool = False, fixed_chunk: int | None = None,
               allow_split: bool = True, max_items: int | None = None,
               max_partial_rows: int | None = None) -> WorkPlan:
     """Items sorted longest first (the tail of the grid is then short).
@@ -108,7 +108,7 @@ def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: 
         if fixed_chunk is not None:
             chunk = ceil_div(max(int(fixed_chunk), 1), align) * align
         else:
-            chunk = _best_chunk(base, max(1, num_sms * ctas_per_sm), max(num_kv_heads, 1), align)
+            chunk = _best_chunk(base, max(1, resident_ctas), max(num_kv_heads, 1), align)
     while True:
         splits = {r: ceil_div(kv, chunk) if chunk else 1 for _, r, _, kv, _ in base}
         splits = {r: n if n > 1 else 1 for r, n in splits.items()}
