@@ -1,10 +1,14 @@
-// The C entry points of a generated library. The including template defines
-// namespace flashjit_generated with launch(), ctas_per_sm(), kRowsPerCta and kSplitAlign first.
+// The C entry points of a generated attention library. The including template
+// defines namespace flashjit_generated with launch(), ctas_per_sm(), kRowsPerCta
+// and kSplitAlign first.
 #pragma once
-#include <cuda_runtime.h>
 #include "attention_params.cuh"
 
-#define FLASHJIT_EXPORT __attribute__((visibility("default")))
+namespace flashjit_generated {
+using Params = FlashjitAttentionParams;
+}  // namespace flashjit_generated
+
+#include "common_exports.cuh"
 
 extern "C" {
 
@@ -12,12 +16,6 @@ FLASHJIT_EXPORT int flashjit_attention_run(const FlashjitAttentionParams* params
   if (params == nullptr) return cudaErrorInvalidValue;
   return flashjit_generated::launch(*params, static_cast<cudaStream_t>(stream));
 }
-
-FLASHJIT_EXPORT const char* flashjit_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
-
-FLASHJIT_EXPORT int flashjit_abi_version(void) { return FLASHJIT_ABI_VERSION; }
-
-FLASHJIT_EXPORT int flashjit_params_size(void) { return sizeof(FlashjitAttentionParams); }
 
 FLASHJIT_EXPORT int flashjit_rows_per_cta(void) { return flashjit_generated::kRowsPerCta; }
 

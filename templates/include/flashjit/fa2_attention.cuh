@@ -548,25 +548,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
 }
 
-// Host side: raises the dynamic shared memory limit once per device, then launches.
 template <class Traits>
 int launch_fa2_attention(const FlashjitAttentionParams& p, cudaStream_t stream) {
-  cudaError_t err = ensure_smem_limit<fa2_attention_kernel<Traits>>(static_cast<int>(Traits::kSmemBytes));
-  if (err != cudaSuccess) return err;
-  if (p.num_work == 0 || p.num_kv_heads == 0) return cudaSuccess;
-  const int splits = p.work == nullptr && p.num_splits > 1 ? p.num_splits : 1;
-  dim3 grid(p.num_work, p.num_kv_heads, splits);
-  fa2_attention_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-  err = cudaGetLastError();
-  if (err != cudaSuccess || !has_partial_states(p)) return err;
-  return launch_merge_split_states<typename Traits::DType, Traits::kHeadDim>(p, Traits::kLse, stream);
+  return launch_attention<fa2_attention_kernel<Traits>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
+      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream);
 }
 
-}  // namespace flashjit
-
-namespace flashjit {
 template <class Traits>
 int fa2_ctas_per_sm() {
   return ctas_per_sm<fa2_attention_kernel<Traits>>(Traits::kThreads, static_cast<int>(Traits::kSmemBytes));
 }
+
 }  // namespace flashjit

@@ -1,8 +1,9 @@
-// Per-device kernel setup shared by the launchers: the dynamic shared memory
-// limit (a per-device attribute, raised once per device) and the occupancy
-// that the host planner sizes its grids by.
+// What the attention launchers share: the dynamic shared memory limit (a
+// per-device attribute, raised once per device), the occupancy that the host
+// planner sizes its grids by, and the launch itself with its merge pass.
 #pragma once
 #include <cuda_runtime.h>
+#include "merge_states.cuh"
 
 namespace flashjit {
 
@@ -29,6 +30,21 @@ int ctas_per_sm(int threads, int smem_bytes) {
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, kKernel, threads, smem_bytes) != cudaSuccess)
     return 0;
   return count;
+}
+
+// Launches an attention kernel over (work items, KV heads, single-request
+// splits) and, when it left partial states, the merge pass that writes o/lse.
+template <auto kKernel, class DTypeO, int kHeadDimVO, bool kLse>
+int launch_attention(const FlashjitAttentionParams& p, int threads, int smem_bytes, cudaStream_t stream) {
+  cudaError_t err = ensure_smem_limit<kKernel>(smem_bytes);
+  if (err != cudaSuccess) return err;
+  if (p.num_work == 0 || p.num_kv_heads == 0) return cudaSuccess;
+  const int splits = p.work == nullptr && p.num_splits > 1 ? p.num_splits : 1;
+  dim3 grid(p.num_work, p.num_kv_heads, splits);
+  kKernel<<<grid, threads, smem_bytes, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || !has_partial_states(p)) return err;
+  return launch_merge_split_states<DTypeO, kHeadDimVO>(p, kLse, stream);
 }
 
 }  // namespace flashjit
