@@ -42,9 +42,7 @@ def specs() -> list[KernelSpec]:
 
 
 def smem_bytes(spec: KernelSpec) -> int:
-    if spec.use_tensor_cores:
-        return kernels.fa2_tiling(spec).smem_bytes(spec)
-    return kernels.cuda_core_tiling(spec).smem_bytes(spec)
+    return kernels.tiling_for(spec)[1].smem_bytes(spec)
 
 
 def main() -> int:

@@ -5,7 +5,7 @@ same attention computed in float64 from the same (already rounded) inputs.
 docs/numerics.md derives every term; in short, with u_in / u_out the unit
 roundoff of the input / output dtype, u = 2^-24 (fp32), lam = 2 (probabilistic
 accumulation bound: lam*sqrt(n)*u instead of the worst case n*u), n = kv_len,
-D = head_dim, T = n / 32 rescalings, S = log2(e) * max_ij |sm_scale| sum_d |q_id k_jd|:
+D = head_dim, T = online-softmax rescalings (per kernel tiling, about n / 32), S = log2(e) * max_ij |sm_scale| sum_d |q_id k_jd|:
 
   rtol = u_out + 4u                                (output rounding, final 1/l multiply,
                                                     split-KV merge weights and 1/sum)
@@ -28,9 +28,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .kernels import tiling_for
 from .spec import DTYPES, UTILITY_OPS, KernelSpec, canonical_dtype
 
-MODEL_VERSION = "flashjit-error-model-1"
+MODEL_VERSION = "flashjit-error-model-2"
 U32 = 2.0**-24
 LAMBDA = 2.0
 _TINY = {"float16": 2.0**-14, "bfloat16": 2.0**-126, "float32": 2.0**-126}
@@ -59,6 +60,8 @@ def profile(spec: KernelSpec) -> dict:
     }
     if spec.op in UTILITY_OPS:  # a copy: exact, every coefficient 0
         coefficients.update({k: 0.0 for k, v in coefficients.items() if isinstance(v, float)}, exact=True)
+        return coefficients
+    coefficients["keys_per_rescale"], coefficients["merge_rescales"] = tiling_for(spec)[1].rescales(spec)
     return coefficients
 
 
@@ -99,11 +102,17 @@ class Tolerance:
         return r
 
 
+def rescales(prof: dict, n: int) -> int:
+    """T: the online-softmax rescales a key's weight passes through in this
+    configuration's kernel (profiles written before the field: 32 keys each)."""
+    return math.ceil(n / prof.get("keys_per_rescale", 32)) + int(prof.get("merge_rescales", 0))
+
+
 def evaluate(prof: dict, *, kv_len: int, v_absmax: float, logit_absmax: float) -> Tolerance:
     """Turns a stored profile and the call's magnitudes into (rtol, atol).
     logit_absmax bounds |sm_scale| * sum_d |q_d k_d| over all query/key pairs."""
     n = max(int(kv_len), 1)
-    tiles = math.ceil(n / 32)
+    tiles = rescales(prof, n)
     s_log2 = _LOG2E * float(logit_absmax)
     per_v = (prof["p_rounding"] + prof["accumulation_per_sqrt_kv"] * math.sqrt(n)
              + prof["logit_per_s"] * s_log2 + prof["exp2"] + prof["rescale_per_sqrt_tiles"] * math.sqrt(tiles))
@@ -114,7 +123,7 @@ def evaluate_lse(prof: dict, *, kv_len: int, logit_absmax: float) -> Tolerance:
     """Bound on the base-2 LSE (m + log2 l): the logit perturbation in log2 units,
     the relative error of l over ln 2, and the final rounding of m + log2 l."""
     n = max(int(kv_len), 1)
-    tiles = math.ceil(n / 32)
+    tiles = rescales(prof, n)
     s_log2 = _LOG2E * float(logit_absmax)
     logit = prof["logit_per_s"] * s_log2 / (2 * _LN2)          # Delta's logit part, back in log2 units
     l_rel = (prof["accumulation_per_sqrt_kv"] * math.sqrt(n) + prof["exp2"]

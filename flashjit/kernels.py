@@ -21,6 +21,15 @@ class CudaCoreTiling:
     row_warps: int
     kv_warps: int
 
+    @property
+    def rows_per_cta(self) -> int:
+        return self.rows_per_warp * self.row_warps
+
+    def rescales(self, spec: KernelSpec) -> tuple[int, int]:
+        """(keys per online-softmax rescale, merge rescales): a key's weight passes
+        through one rescale per 32-key tile of its KV warp, then the KV-warp merge."""
+        return 32 * self.kv_warps, (1 if self.kv_warps > 1 else 0)
+
     def smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of CudaCoreTraits::kSmemBytes (cuda_core_attention.cuh)."""
         elt = _DTYPE_BYTES[spec.dtype_kv]
@@ -36,17 +45,45 @@ class CudaCoreTiling:
 
 
 def cuda_core_tiling(spec: KernelSpec) -> CudaCoreTiling:
-    if spec.op in DECODE_OPS:
-        # One query token: its GQA group is the rows; warps split the keys.
-        for kv_warps in (4, 2, 1):
-            tiling = CudaCoreTiling(rows_per_warp=4, row_warps=1, kv_warps=kv_warps)
-            if tiling.smem_bytes(spec) <= SMEM_BUDGET:
-                return tiling
-    else:
-        tiling = CudaCoreTiling(rows_per_warp=4, row_warps=4, kv_warps=1)
-        if tiling.smem_bytes(spec) <= SMEM_BUDGET:
-            return tiling
+    """Prefill on CUDA cores: four row warps of four rows each."""
+    tiling = CudaCoreTiling(rows_per_warp=4, row_warps=4, kv_warps=1)
+    if tiling.smem_bytes(spec) <= SMEM_BUDGET:
+        return tiling
     raise ValueError(f"{spec.name}: no CUDA-core tiling fits {SMEM_BUDGET} bytes of shared memory")
+
+
+@dataclass(frozen=True)
+class CudaDecodeTiling:
+    """Decode on CUDA cores (cuda_core_decode.cuh): warps stream their own
+    chunks of keys, keys_per_group keys per lane group and stage."""
+    warps: int
+    keys_per_group: int
+    stages: int
+    # The query heads of one KV head that a CTA holds (fewer for smaller groups).
+    rows_per_cta: int = 4
+
+    def rescales(self, spec: KernelSpec) -> tuple[int, int]:
+        """(keys per rescale, merge rescales): one rescale per chunk of the key's
+        lane group, which takes every (groups * warps)-th chunk; then the merges,
+        lane groups by halves and the warps."""
+        groups = 32 // (spec.head_dim_qk // 8)
+        return self.keys_per_group * groups * self.warps, groups.bit_length() - 1 + 1
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        """Mirror of CudaCoreDecodeTraits::kSmemBytes."""
+        vecs = 8 * _DTYPE_BYTES[spec.dtype_kv] // 16
+        ring = self.warps * self.stages * 2 * self.keys_per_group * vecs * 32 * 16
+        merge = 4 * self.warps * self.rows_per_cta * (spec.head_dim_vo + 2)
+        return max(ring, merge)
+
+
+def cuda_decode_tiling(spec: KernelSpec) -> CudaDecodeTiling:
+    # Three stages of 4 KB per warp (16-bit types) leave room for four CTAs,
+    # 16 warps, per SM; fp32 rows are twice as wide, so two stages.
+    stages = 2 if _DTYPE_BYTES[spec.dtype_kv] == 4 else 3
+    tiling = CudaDecodeTiling(warps=4, keys_per_group=4, stages=stages)
+    assert tiling.smem_bytes(spec) <= SMEM_BUDGET, spec.name
+    return tiling
 
 
 @dataclass(frozen=True)
@@ -62,10 +99,19 @@ class Fa2Tiling:
     # Warps split each tile's keys (and merge their states at the end) instead
     # of the rows: for decode, whose rows are one KV head's query heads.
     split_keys: bool = False
+    # The math walks each tile in this many steps of keys_per_tile / sub_tiles
+    # keys (S registers for one step), with copies and barriers per tile.
+    sub_tiles: int = 1
 
     @property
     def rows_per_cta(self) -> int:
         return 16 * self.frags_m * (1 if self.split_keys else self.warps)
+
+    def rescales(self, spec: KernelSpec) -> tuple[int, int]:
+        """(keys per rescale, merge rescales): one rescale per step of keys (a warp
+        that splits keys rescales once per tile too), and in split-keys mode the
+        merge of the warps' states."""
+        return self.keys_per_tile // self.sub_tiles, (1 if self.split_keys else 0)
 
     def smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of Fa2Traits::kSmemBytes (fa2_attention.cuh): Q tile + K/V stages."""
@@ -76,10 +122,12 @@ class Fa2Tiling:
 # Per head_dim: tiles that build without spills on sm_80/89/90a and fit
 # SMEM_BUDGET. d64 runs two m16 fragments per warp (32 rows, 128 per CTA), so
 # each K / V fragment read by ldmatrix feeds two mma's. d128 keeps one fragment
-# and 64-key tiles: on an H200 it beat two fragments (32-key tiles, which two
-# fragments need to stay clear of spills) and 8-warp CTAs on 3 of 4 rows
-# (benchmarks/results/2026-11-21-h200-fa2-tilings.md). d256 has one fragment
-# (its 128 O registers leave no room). docs/fa2_notes.md.
+# and 64-key tiles: on an H200 it beat two fragments with 32-key tiles and
+# 8-warp CTAs (benchmarks/results/2026-11-21-h200-fa2-tilings.md); two fragments
+# with 64-key tiles in two 32-key steps (sub_tiles=2) ran 5-12% faster on the
+# non-causal rows and tied on the causal ones, but needs 96 KB, which leaves
+# one CTA per SM on an A100 (2026-11-22-h200-fa2-prefill-copies.md). d256 has
+# one fragment (its 128 O registers leave no room). docs/fa2_notes.md.
 FA2_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2),
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=1),
@@ -110,6 +158,18 @@ def fa2_tiling(spec: KernelSpec) -> Fa2Tiling:
     return tiling
 
 
+def tiling_for(spec: KernelSpec):
+    """The template file of a validated attention spec and its tiling (every
+    tiling has rows_per_cta and smem_bytes(spec))."""
+    if not spec.use_tensor_cores and spec.op in DECODE_OPS:
+        return "attention_cuda_decode.cu.jinja", cuda_decode_tiling(spec)
+    if not spec.use_tensor_cores:
+        return "attention_cuda_core.cu.jinja", cuda_core_tiling(spec)
+    if spec.backend == "fa2":
+        return "attention_fa2.cu.jinja", fa2_tiling(spec)
+    raise ValueError(f"{spec.name}: no template generates backend {spec.backend} yet")
+
+
 def template_for(spec: KernelSpec) -> tuple[str, dict]:
     """The template file and its context for a validated spec."""
     context = {
@@ -127,10 +187,5 @@ def template_for(spec: KernelSpec) -> tuple[str, dict]:
     }
     if spec.op == "append_paged":
         return "append_paged.cu.jinja", context
-    if not spec.use_tensor_cores:
-        context["tiling"] = cuda_core_tiling(spec)
-        return "attention_cuda_core.cu.jinja", context
-    if spec.backend == "fa2":
-        context["tiling"] = fa2_tiling(spec)
-        return "attention_fa2.cu.jinja", context
-    raise ValueError(f"{spec.name}: no template generates backend {spec.backend} yet")
+    template, context["tiling"] = tiling_for(spec)
+    return template, context

@@ -184,12 +184,8 @@ def test_artifact_loads_without_a_gpu(representative, spec):
     module = loader.load_library(spec, entry.artifact, entry.manifest)
     if spec.op == "append_paged":  # no rows: one CTA per new token
         expected = 0
-    elif spec.use_tensor_cores:  # 16 rows per m16 MMA fragment, frags_m of them per warp (or per CTA)
-        expected = kernels.fa2_tiling(spec).rows_per_cta
-        assert expected > 0
     else:
-        tiling = kernels.cuda_core_tiling(spec)
-        expected = tiling.rows_per_warp * tiling.row_warps
+        expected = kernels.tiling_for(spec)[1].rows_per_cta
         assert expected > 0
     assert module.rows_per_cta == expected
     # The library speaks the ABI of the header it was built from, which is the host's.

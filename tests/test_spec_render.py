@@ -13,8 +13,8 @@ import jinja2
 import pytest
 
 from flashjit import kernels, render
-from flashjit.spec import (ATTENTION_OPS, BACKENDS, DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, KernelSpec,
-                           canonical_dtype)
+from flashjit.spec import (ATTENTION_OPS, BACKENDS, DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PAGED_OPS, PLANNED_OPS,
+                           KernelSpec, canonical_dtype)
 from helpers_cache import REPO, subprocess_env, templates_copy  # noqa: F401 (fixture)
 
 FLAGS = ("causal", "sliding_window", "soft_cap", "return_lse")
@@ -78,15 +78,20 @@ def test_environment_is_strict():
 
 
 def _expected_values(spec: KernelSpec) -> dict[str, str]:
-    tiling = kernels.cuda_core_tiling(spec)
+    template, tiling = kernels.tiling_for(spec)
     cb = {True: "true", False: "false"}
+    flags = {"kWindow": cb[spec.sliding_window], "kSoftCap": cb[spec.soft_cap], "kLse": cb[spec.return_lse]}
+    if template == "attention_cuda_decode.cu.jinja":
+        return {
+            "DType": CTYPES[spec.dtype_q], "kHeadDim": str(spec.head_dim_qk), "kWarps": str(tiling.warps),
+            "kKeysPerGroup": str(tiling.keys_per_group), "kStages": str(tiling.stages),
+            "kPaged": cb[spec.op in PAGED_OPS], **flags,
+        }
     return {
         "DTypeQ": CTYPES[spec.dtype_q], "DTypeKV": CTYPES[spec.dtype_kv], "DTypeO": CTYPES[spec.dtype_o],
         "kHeadDimQK": str(spec.head_dim_qk), "kHeadDimVO": str(spec.head_dim_vo),
         "kRowsPerWarp": str(tiling.rows_per_warp), "kRowWarps": str(tiling.row_warps),
-        "kKvWarps": str(tiling.kv_warps),
-        "kCausal": cb[spec.causal], "kWindow": cb[spec.sliding_window], "kSoftCap": cb[spec.soft_cap],
-        "kLse": cb[spec.return_lse],
+        "kKvWarps": str(tiling.kv_warps), "kPaged": cb[spec.op in PAGED_OPS], "kCausal": cb[spec.causal], **flags,
     }
 
 
@@ -106,19 +111,18 @@ def test_sweep_renders_with_its_instantiation_values(op, dtype, head_dim):
         for param, value in _expected_values(spec).items():
             found = re.findall(rf"/\*{param}=\*/\s*([\w:]+)", text)
             assert found == [value], f"{spec.name}: {param} instantiated as {found}, expected {value}"
-        tiling = kernels.cuda_core_tiling(spec)
-        assert tiling.smem_bytes(spec) <= kernels.SMEM_BUDGET
+        assert kernels.tiling_for(spec)[1].smem_bytes(spec) <= kernels.SMEM_BUDGET
         texts.add(text)
     assert len(texts) == 16, "each flag combination must render a different source"
 
 
-def test_decode_tiling_splits_keys_and_prefill_splits_rows():
+def test_decode_has_its_own_kernel_and_prefill_splits_rows():
     for spec in SWEEP:
-        t = kernels.cuda_core_tiling(spec)
+        template, t = kernels.tiling_for(spec)
         if spec.op in DECODE_OPS:
-            assert t.row_warps == 1 and t.kv_warps >= 1
+            assert template == "attention_cuda_decode.cu.jinja" and t.warps > 1 and t.rows_per_cta == 4
         else:
-            assert t.kv_warps == 1 and t.row_warps > 1
+            assert template == "attention_cuda_core.cu.jinja" and t.kv_warps == 1 and t.row_warps > 1
 
 
 @pytest.mark.parametrize("missing", ["name", "dtype_q", "dtype_kv", "dtype_o", "head_dim_qk", "head_dim_vo",

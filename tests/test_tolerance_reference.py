@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashjit
-from flashjit.error_model import Tolerance, evaluate, measure, profile
+from flashjit.error_model import Tolerance, evaluate, measure, profile, rescales
 from flashjit.reference import attention_reference, ragged_reference
 from flashjit.spec import KernelSpec
 
@@ -241,7 +241,11 @@ def test_tensor_core_bound_exceeds_cuda_core_bound_by_u_times_vmax(dtype):
     tc = flashjit.tolerance(use_tensor_cores=True, **kw)
     cc = flashjit.tolerance(use_tensor_cores=False, **kw)
     assert tc.rtol == cc.rtol
-    assert tc.atol - cc.atol == pytest.approx(U[dtype] * 3.0, rel=1e-12)
+    # P rounding (u_in * vmax), and the two tilings' different rescale counts T.
+    profiles = {c: profile(KernelSpec.make("single_prefill", dtype, 128, use_tensor_cores=c)) for c in (True, False)}
+    sqrt_t = {c: math.sqrt(rescales(prof, 2048)) for c, prof in profiles.items()}
+    expected = 3.0 * (U[dtype] + profiles[True]["rescale_per_sqrt_tiles"] * (sqrt_t[True] - sqrt_t[False]))
+    assert tc.atol - cc.atol == pytest.approx(expected, rel=1e-12)
     # Two paths may differ by the sum of their bounds.
     both = tc + cc
     assert (both.rtol, both.atol) == (tc.rtol + cc.rtol, tc.atol + cc.atol)

@@ -1,0 +1,321 @@
+// Decode attention on CUDA cores: one query token per request, fp32 logits,
+// fp32 softmax and fp32 P.V throughout.
+//
+// The rows of a CTA are the query heads of one KV head (up to kRowsPerCta).
+// Every thread keeps its slice of those queries in registers, so one read of a
+// key from shared memory serves all of them:
+//   - a key is spread over kLanesPerKey lanes, 8 head dims each; a warp works
+//     on kKeyGroups keys side by side and sums each logit with a butterfly over
+//     the key's lanes, after which every lane of the key holds every logit;
+//   - each warp streams its own chunks of keys (chunk c goes to warp c mod
+//     kWarps) through a private cp.async ring, and each thread copies exactly
+//     the 16-byte pieces it later reads, so the loop needs no barrier at all;
+//   - softmax statistics are updated once per chunk, not per key;
+//   - at the end the key groups of a warp merge by shuffles, the warps through
+//     shared memory.
+// The query position is the last key (kv_len - 1), so a causal mask hides
+// nothing and a window only moves the first key.
+#pragma once
+#include <type_traits>
+#include "async_copy.cuh"
+#include "kernel_config.cuh"
+#include "merge_states.cuh"
+#include "numeric.cuh"
+#include "work.cuh"
+
+namespace flashjit {
+
+template <class DType_, int kHeadDim_, int kWarps_, int kKeysPerGroup_, int kStages_, bool kPaged_,
+          bool kWindow_, bool kSoftCap_, bool kLse_>
+struct CudaCoreDecodeTraits {
+  using DType = DType_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kKeysPerGroup = kKeysPerGroup_;  // keys one lane group takes per chunk
+  static constexpr int kStages = kStages_;
+  static constexpr bool kPaged = kPaged_;
+  static constexpr bool kWindow = kWindow_;
+  static constexpr bool kSoftCap = kSoftCap_;
+  static constexpr bool kLse = kLse_;
+
+  static constexpr int kDimsPerLane = 8;
+  static constexpr int kLanesPerKey = kHeadDim / kDimsPerLane;
+  static constexpr int kKeyGroups = 32 / kLanesPerKey;
+  static constexpr int kKeysPerChunk = kKeyGroups * kKeysPerGroup;  // one warp, one pipeline stage
+  // 16-byte copies per lane for its 8 dims of one K (or V) row.
+  static constexpr int kVecsPerKey = kDimsPerLane * int(sizeof(DType)) / 16;
+  static constexpr int kRowsPerCta = 4;  // kernels.py CudaDecodeTiling.rows_per_cta
+  static constexpr int kThreads = 32 * kWarps;
+  // At most 128 registers a thread: four CTAs (16 warps) per SM hide the
+  // latency of the shuffles, which every logit waits for.
+  static constexpr int kMinBlocksPerSm = 4;
+
+  static_assert(kLanesPerKey >= 1 && kLanesPerKey <= 32 && 32 % kLanesPerKey == 0, "head_dim 8..256");
+  static_assert(kVecsPerKey >= 1, "8 dims fill whole 16-byte vectors");
+
+  // Per warp and stage: K then V, kKeysPerGroup keys, kVecsPerKey vectors, 32 lanes.
+  static constexpr size_t kStageBytes = size_t(2) * kKeysPerGroup * kVecsPerKey * 32 * 16;
+  static constexpr size_t kRingBytes = size_t(kWarps) * kStages * kStageBytes;
+  // The warps' states (acc, then m and l per row), written once the ring is drained.
+  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kRowsPerCta * (kHeadDim + 2);
+  static constexpr size_t kSmemBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
+};
+
+// Sum over the kLanes lanes that share a key (aligned groups of kLanes lanes).
+template <int kLanes>
+__device__ __forceinline__ float key_group_sum(float x) {
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+template <class Traits, int kRows>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
+    cuda_core_decode_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {
+  using DType = typename Traits::DType;
+  constexpr int D = Traits::kHeadDim, DPL = Traits::kDimsPerLane, LANES = Traits::kLanesPerKey;
+  constexpr int GROUPS = Traits::kKeyGroups, NK = Traits::kKeysPerGroup, VECS = Traits::kVecsPerKey;
+  constexpr int WARPS = Traits::kWarps, STAGES = Traits::kStages, CHUNK = Traits::kKeysPerChunk;
+  constexpr float kLog2e = 1.4426950408889634f;
+  static_assert(kRows >= 1 && kRows <= Traits::kRowsPerCta, "rows per CTA");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const CtaWork w = decode_work<Traits::kPaged>(p, Traits::kRowsPerCta);
+  const int rows_total = w.qo_len * w.group;  // qo_len is 1: the rows are the group's heads
+  if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int key_group = lane / LANES, dim0 = (lane % LANES) * DPL;
+
+  // This lane's 8 dims of each row's query, pre-scaled so that logits come out
+  // in log2 units (natural units when the soft-cap needs them).
+  const float q_scale = Traits::kSoftCap ? p.sm_scale : p.sm_scale * kLog2e;
+  float q[kRows][DPL];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = w.row_begin + r;
+    const bool ok = row < rows_total;
+    const DType* src = static_cast<const DType*>(p.q) + int64_t(w.qo_start + row / w.group) * p.q_stride_n +
+                       int64_t(w.kv_head * w.group + row % w.group) * p.q_stride_h + dim0;
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) q[r][e] = ok ? to_float(src[e]) * q_scale : 0.f;
+  }
+
+  const Mask<false, Traits::kWindow> mask{w.kv_len - w.qo_len, p.window_left};
+  const int key_begin = max(mask.key_begin(0), w.kv_begin);
+  const int key_end = w.kv_end;
+  const int num_chunks = key_end > key_begin ? (key_end - key_begin + CHUNK - 1) / CHUNK : 0;
+  const int my_chunks = num_chunks > warp ? (num_chunks - warp + WARPS - 1) / WARPS : 0;
+
+  const auto k_rows = kv_rows<DType, Traits::kPaged>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page);
+  const auto v_rows = kv_rows<DType, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page);
+  // This lane's 16-byte slots: [stage][K, V][key][vector][lane].
+  const uint32_t ring = smem_addr(smem + warp * STAGES * Traits::kStageBytes) + lane * 16;
+  auto slot = [&](int stage, int kind, int n, int vec) {
+    return ring + (((stage * 2 + kind) * NK + n) * VECS + vec) * 32 * 16;
+  };
+  // Key n of this lane's group in the warp's i-th chunk.
+  auto key_of = [&](int i, int n) { return key_begin + (warp + i * WARPS) * CHUNK + n * GROUPS + key_group; };
+
+  // Page ids are looked up one chunk before their copies are issued, so that
+  // the copies never wait on the page table.
+  int page[NK];
+  auto lookup_pages = [&](int i) {
+#pragma unroll
+    for (int n = 0; n < NK; ++n) {
+      const int key = key_of(i, n);
+      page[n] = (i < my_chunks && key < key_end) ? k_rows.page_of(key) : 0;
+    }
+  };
+  auto issue_chunk = [&](int i, int stage) {
+    if (i < my_chunks) {
+#pragma unroll
+      for (int n = 0; n < NK; ++n) {
+        const int key = key_of(i, n);
+        const bool ok = key < key_end;
+        const DType* k_src = ok ? k_rows.row_in(page[n], key) + dim0 : k_rows.base;
+        const DType* v_src = ok ? v_rows.row_in(page[n], key) + dim0 : v_rows.base;
+#pragma unroll
+        for (int vec = 0; vec < VECS; ++vec) {
+          cp_async_16(slot(stage, 0, n, vec), k_src + vec * Vec16<DType>::kElems, ok);
+          cp_async_16(slot(stage, 1, n, vec), v_src + vec * Vec16<DType>::kElems, ok);
+        }
+      }
+    }
+    cp_async_commit();  // possibly empty: keeps one group per stage for the waits below
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    lookup_pages(s);
+    issue_chunk(s, s);
+  }
+  lookup_pages(STAGES - 1);
+
+  float m[kRows], l[kRows], acc[kRows][DPL];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    m[r] = -CUDART_INF_F;
+    l[r] = 0.f;
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) acc[r][e] = 0.f;
+  }
+
+  for (int i = 0; i < my_chunks; ++i) {
+    const int stage = i % STAGES;
+    // Refill the stage consumed last iteration; only this thread reads it.
+    issue_chunk(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+    lookup_pages(i + STAGES);
+    cp_async_wait<STAGES - 1>();
+
+    float s[NK][kRows];
+#pragma unroll
+    for (int n = 0; n < NK; ++n) {
+      float kf[DPL];
+#pragma unroll
+      for (int vec = 0; vec < VECS; ++vec) {
+        uint4 raw;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+                     : "r"(slot(stage, 0, n, vec)));
+        unpack16<DType>(raw, kf + vec * Vec16<DType>::kElems);
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) dot = fmaf(q[r][e], kf[e], dot);
+        s[n][r] = key_group_sum<LANES>(dot);
+      }
+      const bool visible = key_of(i, n) < key_end;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (Traits::kSoftCap) s[n][r] = p.logits_soft_cap * tanhf(s[n][r] / p.logits_soft_cap) * kLog2e;
+        if (!visible) s[n][r] = -CUDART_INF_F;
+      }
+    }
+
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float m_new = m[r];
+#pragma unroll
+      for (int n = 0; n < NK; ++n) m_new = fmaxf(m_new, s[n][r]);
+      const float rescale = exp2_diff(m[r], m_new);
+      m[r] = m_new;
+      l[r] *= rescale;
+#pragma unroll
+      for (int n = 0; n < NK; ++n) {
+        s[n][r] = exp2_diff(s[n][r], m_new);  // now the probability
+        l[r] += s[n][r];
+      }
+#pragma unroll
+      for (int e = 0; e < DPL; ++e) acc[r][e] *= rescale;
+    }
+
+#pragma unroll
+    for (int n = 0; n < NK; ++n) {
+      float vf[DPL];
+#pragma unroll
+      for (int vec = 0; vec < VECS; ++vec) {
+        uint4 raw;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+                     : "r"(slot(stage, 1, n, vec)));
+        unpack16<DType>(raw, vf + vec * Vec16<DType>::kElems);
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) acc[r][e] = fmaf(s[n][r], vf[e], acc[r][e]);
+    }
+  }
+  cp_async_wait<0>();  // the trailing (zero-filled) copies land before the ring is reused
+
+  // Merge the key groups of this warp: afterwards every group holds the warp's state.
+#pragma unroll
+  for (int off = LANES; off < 32; off *= 2) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float m_other = __shfl_xor_sync(0xffffffffu, m[r], off);
+      const float l_other = __shfl_xor_sync(0xffffffffu, l[r], off);
+      const float m_all = fmaxf(m[r], m_other);
+      const float f_mine = exp2_diff(m[r], m_all), f_other = exp2_diff(m_other, m_all);
+      m[r] = m_all;
+      l[r] = l[r] * f_mine + l_other * f_other;
+#pragma unroll
+      for (int e = 0; e < DPL; ++e) {
+        const float a_other = __shfl_xor_sync(0xffffffffu, acc[r][e], off);
+        acc[r][e] = acc[r][e] * f_mine + a_other * f_other;
+      }
+    }
+  }
+
+  // Merge the warps through shared memory: [warp][row][acc..., m, l].
+  __syncthreads();
+  float* merge = reinterpret_cast<float*>(smem);
+  constexpr int kStride = D + 2;
+  if (key_group == 0) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float* dst = merge + (warp * Traits::kRowsPerCta + r) * kStride;
+#pragma unroll
+      for (int e = 0; e < DPL; ++e) dst[dim0 + e] = acc[r][e];
+      if (lane == 0) {
+        dst[D] = m[r];
+        dst[D + 1] = l[r];
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int idx = threadIdx.x; idx < kRows * D; idx += Traits::kThreads) {
+    const int r = idx / D, d = idx % D, row = w.row_begin + r;
+    if (row >= rows_total) break;
+    float m_all = -CUDART_INF_F;
+#pragma unroll
+    for (int wp = 0; wp < WARPS; ++wp) m_all = fmaxf(m_all, merge[(wp * Traits::kRowsPerCta + r) * kStride + D]);
+    float l_all = 0.f, o = 0.f;
+#pragma unroll
+    for (int wp = 0; wp < WARPS; ++wp) {
+      const float* src = merge + (wp * Traits::kRowsPerCta + r) * kStride;
+      const float f = exp2_diff(src[D], m_all);
+      l_all += src[D + 1] * f;
+      o = fmaf(src[d], f, o);
+    }
+    // A row that sees no key (kv_len 0, an empty window) outputs 0 and LSE -inf.
+    o = l_all > 0.f ? o / l_all : 0.f;
+    const float lse = l_all > 0.f ? m_all + log2f(l_all) : -CUDART_INF_F;
+    const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+    if (w.split >= 0) {  // fp32 partial state; the merge pass rounds once to DType
+      const int64_t prow = partial_row(p, token, w.split) * p.num_qo_heads + head;
+      p.partial_o[prow * D + d] = o;
+      if (d == 0) p.partial_lse[prow] = lse;
+    } else {
+      static_cast<DType*>(p.o)[token * p.o_stride_n + head * p.o_stride_h + d] = from_float<DType>(o);
+      if (Traits::kLse && p.lse != nullptr && d == 0) p.lse[token * p.lse_stride_n + head] = lse;
+    }
+  }
+}
+
+// The rows a CTA holds follow the group size (query heads per KV head), so
+// MHA does not pay for four rows of arithmetic.
+template <class Traits>
+int launch_cuda_core_decode(const FlashjitAttentionParams& p, cudaStream_t stream) {
+  const int group = p.num_kv_heads > 0 ? p.num_qo_heads / p.num_kv_heads : 1;
+  const int threads = Traits::kThreads, smem = static_cast<int>(Traits::kSmemBytes);
+  using O = typename Traits::DType;
+  constexpr int D = Traits::kHeadDim;
+  constexpr bool kLse = Traits::kLse;
+  if (group == 1) return launch_attention<cuda_core_decode_attention_kernel<Traits, 1>, O, D, kLse>(p, threads, smem, stream);
+  if (group == 2) return launch_attention<cuda_core_decode_attention_kernel<Traits, 2>, O, D, kLse>(p, threads, smem, stream);
+  return launch_attention<cuda_core_decode_attention_kernel<Traits, 4>, O, D, kLse>(p, threads, smem, stream);
+}
+
+// Same for every row count: their shared memory and register cap are equal.
+template <class Traits>
+int cuda_core_decode_ctas_per_sm() {
+  return ctas_per_sm<cuda_core_decode_attention_kernel<Traits, Traits::kRowsPerCta>>(Traits::kThreads,
+                                                                            static_cast<int>(Traits::kSmemBytes));
+}
+
+}  // namespace flashjit
