@@ -1,8 +1,8 @@
-"""Compares tensor-core decode tilings for head_dim 128 in one run: each variant
-is built into its own cache, checked against a float32 reference, then timed on
-paged decode rows (bf16, page 16, random page order) as benchmarks/decode.py does.
+"""Compares decode tilings for head_dim 128 in one run: each variant is built
+into its own cache, checked against a float32 reference, then timed on paged
+decode rows (bf16, page 16, random page order) as benchmarks/decode.py does.
 
-Usage: python benchmarks/decode_tilings.py [--out FILE]
+Usage: python benchmarks/decode_tilings.py [--cores tensor|cuda] [--out FILE]
 """
 
 from __future__ import annotations
@@ -18,15 +18,22 @@ from decode import BF16, D, PAGE, check, paged_cache, reference, time_us
 
 import flashjit
 from flashjit import jit, kernels
-from flashjit.kernels import Fa2Tiling
+from flashjit.kernels import CudaDecodeTiling, Fa2Tiling
 
-VARIANTS = {
+TENSOR_CORE_VARIANTS = {
     "keys split over 4 warps, 64 keys x 2 stages, 2 CTAs/SM": Fa2Tiling(4, 64, 2, True, 2, split_keys=True),
     "keys split over 4 warps, 64 keys x 2 stages, 3 CTAs/SM": Fa2Tiling(4, 64, 2, True, 3, split_keys=True),
     "keys split over 4 warps, 64 keys x 2 stages, 3 CTAs/SM, Q smem": Fa2Tiling(4, 64, 2, False, 3,
                                                                                 split_keys=True),
     "keys split over 2 warps, 32 keys x 2 stages": Fa2Tiling(2, 32, 2, True, 4, split_keys=True),
     "rows split over 4 warps, 64 keys x 2 stages": Fa2Tiling(4, 64, 2, True, 2),
+}
+CUDA_CORE_VARIANTS = {
+    "4 warps, 4 keys per lane group x 3 stages, 4 CTAs/SM": CudaDecodeTiling(4, 4, 3, 4),
+    "4 warps, 2 keys per lane group x 4 stages, 4 CTAs/SM": CudaDecodeTiling(4, 2, 4, 4),
+    "4 warps, 8 keys per lane group x 2 stages, 3 CTAs/SM": CudaDecodeTiling(4, 8, 2, 3),
+    "4 warps, 4 keys per lane group x 3 stages, 3 CTAs/SM": CudaDecodeTiling(4, 4, 3, 3),
+    "2 warps, 4 keys per lane group x 3 stages, 8 CTAs/SM": CudaDecodeTiling(2, 4, 3, 8),
 }
 ROWS = [("GQA 64x4k 32/8", 64, 4096, 32, 8), ("MHA 64x4k 32/32", 64, 4096, 32, 32),
         ("MQA 64x4k 32/1", 64, 4096, 32, 1), ("split 1x128k 32/8", 1, 131072, 32, 8), ("8x32k 64/8", 8, 32768, 64, 8)]
@@ -36,7 +43,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--cores", choices=("tensor", "cuda"), default="tensor")
     args = parser.parse_args()
+    tensor_cores = args.cores == "tensor"
+    variants = TENSOR_CORE_VARIANTS if tensor_cores else CUDA_CORE_VARIANTS
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     cases = []
     for label, batch, kv_len, qo_heads, kv_heads in ROWS:
@@ -44,17 +54,20 @@ def main() -> int:
         q = torch.randn(batch, qo_heads, D, dtype=BF16, device="cuda")
         cases.append((label, batch * kv_len * kv_heads * D * 4, q, cache, indptr, indices, last, qo_heads, kv_heads,
                       reference(q, cache, indices, kv_len)))
-    lines = [f"device: {torch.cuda.get_device_name()}, bf16 paged decode, head_dim {D}, tensor cores; "
+    lines = [f"device: {torch.cuda.get_device_name()}, bf16 paged decode, head_dim {D}, {args.cores} cores; "
              "cells: µs · GB/s of K+V read", "", "| variant | smem | " + " | ".join(r[0] for r in ROWS) + " |",
              "|---|---|" + "---|" * len(ROWS)]
-    for name, tiling in VARIANTS.items():
-        kernels.FA2_DECODE_TILINGS[D] = tiling
+    for name, tiling in variants.items():
+        if tensor_cores:
+            kernels.FA2_DECODE_TILINGS[D] = tiling
+        else:
+            kernels.cuda_decode_tiling = lambda spec, tiling=tiling: tiling
         jit._modules.clear()
         os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="decode-tiling-")
         cells = []
         try:
             for label, nbytes, q, cache, indptr, indices, last, qo_heads, kv_heads, ref in cases:
-                w = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace, use_tensor_cores=True)
+                w = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace, use_tensor_cores=tensor_cores)
                 w.plan(indptr, indices, last, qo_heads, kv_heads, D, PAGE, q_data_type=BF16)
                 ok, max_err, rel = check(w.run(q, cache), ref)
                 if not ok:
@@ -64,7 +77,7 @@ def main() -> int:
                 cells.append(f"{us:.1f} · {nbytes / us / 1e3:.0f}")
         except Exception as exc:
             cells.append(f"failed: {type(exc).__name__}: {str(exc)[:120]}")
-        spec = flashjit.KernelSpec.make("batch_decode_paged", "bfloat16", D, use_tensor_cores=True)
+        spec = flashjit.KernelSpec.make("batch_decode_paged", "bfloat16", D, use_tensor_cores=tensor_cores)
         lines.append(f"| {name} | {tiling.smem_bytes(spec)} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     emit("\n".join(lines), args.out)

@@ -59,6 +59,7 @@ class CudaDecodeTiling:
     warps: int
     keys_per_group: int
     stages: int
+    min_blocks_per_sm: int = 4
     # The query heads of one KV head that a CTA holds (fewer for smaller groups).
     rows_per_cta: int = 4
 
@@ -125,8 +126,8 @@ class Fa2Tiling:
 # and 64-key tiles: on an H200 it beat two fragments with 32-key tiles and
 # 8-warp CTAs (benchmarks/results/2026-11-21-h200-fa2-tilings.md); two fragments
 # with 64-key tiles in two 32-key steps (sub_tiles=2) ran 5-12% faster on the
-# non-causal rows and tied on the causal ones, but needs 96 KB, which leaves
-# one CTA per SM on an A100 (2026-11-22-h200-fa2-prefill-copies.md). d256 has
+# non-causal rows but up to 3% slower on the causal ones, and its 96 KB would
+# leave one CTA per SM on an A100 (2026-11-22-h200-fa2-prefill-copies.md). d256 has
 # one fragment (its 128 O registers leave no room). docs/fa2_notes.md.
 FA2_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2),

@@ -344,8 +344,8 @@ def test_entry_found_by_key_gets_the_current_fingerprint(fresh_cache, monkeypatc
 def test_key_changes_when_the_template_changes(templates_copy):
     spec = KernelSpec.make("single_decode", "float16", 64)
     before = _key(spec)
-    template = templates_copy / "attention_cuda_core.cu.jinja"
-    template.write_text(template.read_text().replace("CUDA-core attention", "CUDA-core attention (edited)"))
+    template = templates_copy / "attention_cuda_decode.cu.jinja"
+    template.write_text(template.read_text().replace("CUDA-core decode", "CUDA-core decode (edited)"))
     assert _key(spec) != before
 
 

@@ -85,6 +85,7 @@ def _expected_values(spec: KernelSpec) -> dict[str, str]:
         return {
             "DType": CTYPES[spec.dtype_q], "kHeadDim": str(spec.head_dim_qk), "kWarps": str(tiling.warps),
             "kKeysPerGroup": str(tiling.keys_per_group), "kStages": str(tiling.stages),
+            "kMinBlocksPerSm": str(tiling.min_blocks_per_sm),
             "kPaged": cb[spec.op in PAGED_OPS], **flags,
         }
     return {

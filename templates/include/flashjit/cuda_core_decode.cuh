@@ -25,8 +25,8 @@
 
 namespace flashjit {
 
-template <class DType_, int kHeadDim_, int kWarps_, int kKeysPerGroup_, int kStages_, bool kPaged_,
-          bool kWindow_, bool kSoftCap_, bool kLse_>
+template <class DType_, int kHeadDim_, int kWarps_, int kKeysPerGroup_, int kStages_, int kMinBlocksPerSm_,
+          bool kPaged_, bool kWindow_, bool kSoftCap_, bool kLse_>
 struct CudaCoreDecodeTraits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -46,9 +46,9 @@ struct CudaCoreDecodeTraits {
   static constexpr int kVecsPerKey = kDimsPerLane * int(sizeof(DType)) / 16;
   static constexpr int kRowsPerCta = 4;  // kernels.py CudaDecodeTiling.rows_per_cta
   static constexpr int kThreads = 32 * kWarps;
-  // At most 128 registers a thread: four CTAs (16 warps) per SM hide the
-  // latency of the shuffles, which every logit waits for.
-  static constexpr int kMinBlocksPerSm = 4;
+  // Four CTAs of four warps (at most 128 registers a thread) keep 16 warps
+  // per SM to hide the latency of the shuffles that every logit waits for.
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
 
   static_assert(kLanesPerKey >= 1 && kLanesPerKey <= 32 && 32 % kLanesPerKey == 0, "head_dim 8..256");
   static_assert(kVecsPerKey >= 1, "8 dims fill whole 16-byte vectors");
