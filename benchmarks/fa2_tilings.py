@@ -1,8 +1,11 @@
 """Compares fa2 tilings for one head_dim in one run: each variant is built into
 its own cache, checked against float64 on a ragged batch (within its profile),
 then timed on the prefill rows, beside FlashInfer fa2 when importable.
+`--baseline-templates DIR` (a copy of an older templates/ folder, e.g. from
+`git archive`) adds the current default tiling built from those sources, so
+that a kernel change is measured against the code before it in the same run.
 
-Usage: python benchmarks/fa2_tilings.py [--head-dim 128]
+Usage: python benchmarks/fa2_tilings.py [--head-dim 128] [--baseline-templates DIR] [--no-flashinfer]
 """
 
 from __future__ import annotations
@@ -12,25 +15,37 @@ import math
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 from common import emit
 from prefill import bench_ms, flashinfer_ragged, indptr
 
 import flashjit
-from flashjit import jit, kernels
+from flashjit import jit, kernels, render
 from flashjit.kernels import Fa2Tiling
 from flashjit.reference import ragged_reference
 from flashjit.spec import KernelSpec
 
+# Per head_dim: name -> tiling; the current default is always measured first.
 VARIANTS = {
-    "2 frags, 32 keys x 3 stages, Q smem": Fa2Tiling(4, 32, 3, False, 2, frags_m=2),
-    "1 frag, 64 keys x 2 stages, Q regs": Fa2Tiling(4, 64, 2, True, 2, frags_m=1),
-    "8 warps, 64 keys x 2 stages, Q regs": Fa2Tiling(8, 64, 2, True, 1, frags_m=1),
-    "8 warps, 32 keys x 3 stages, Q regs": Fa2Tiling(8, 32, 3, True, 1, frags_m=1),
-    "2 frags, 32 keys x 2 stages, Q smem": Fa2Tiling(4, 32, 2, False, 2, frags_m=2),
+    64: {},
+    128: {
+        "2 frags, 64 keys in 2 steps x 2 stages, Q smem": Fa2Tiling(4, 64, 2, False, 2, frags_m=2, sub_tiles=2),
+        "2 frags, 32 keys x 3 stages, Q smem": Fa2Tiling(4, 32, 3, False, 2, frags_m=2),
+    },
+    256: {},
 }
-ROWS = [(16, 1024, False), (16, 1024, True), (4, 4096, False), (4, 4096, True)]
+ROWS = [(16, 1024, False), (16, 1024, True), (4, 4096, False), (4, 4096, True), (1, 16384, False),
+        (1, 16384, True)]
+_TEMPLATES_DIR = render.templates_dir
+
+
+def use_templates(folder: Path | None) -> None:
+    """Renders from `folder` (an older templates/ copy), or from the package's own when None."""
+    render.templates_dir = (lambda: folder) if folder else _TEMPLATES_DIR
+    render.environment.cache_clear()
+    render.generator_digest.cache_clear()
 
 
 def wrapper(lens, h, d, causal):
@@ -53,9 +68,15 @@ def check(d: int) -> float:
     return worst
 
 
+def tflops(b: int, h: int, s: int, d: int, causal: bool, ms: float) -> float:
+    return 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--baseline-templates", type=Path)
+    parser.add_argument("--no-flashinfer", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
     d = args.head_dim
@@ -65,33 +86,43 @@ def main() -> int:
              f"| variant | err/bound | smem | {header} |", "|---|---|---|" + "---|" * len(ROWS)]
     inputs = {(b, s): [torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
               for b, s, _ in ROWS}
-    for name, tiling in VARIANTS.items():
+    default = kernels.FA2_TILINGS[d]
+    runs = [(f"default {default}", default, None)]
+    if args.baseline_templates:
+        runs.insert(0, (f"default {default}, baseline sources", default, args.baseline_templates.resolve()))
+    runs += [(name, tiling, None) for name, tiling in VARIANTS[d].items()]
+    for name, tiling, templates in runs:
         kernels.FA2_TILINGS[d] = tiling
+        use_templates(templates)
         jit._modules.clear()
         os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fa2-tiling-")
         try:
+            # Both masks' libraries in one parallel build instead of one at a time on first use.
+            jit.build_many([KernelSpec.make("batch_prefill_ragged", "bfloat16", d, backend="fa2", use_tensor_cores=True,
+                                            causal=c).validate() for c in (False, True)])
             worst = check(d)
             cells = []
             for b, s, causal in ROWS:
                 run = wrapper([s] * b, h, d, causal).run
                 q, k, v = inputs[(b, s)]
-                ms = bench_ms(lambda: run(q, k, v))
-                cells.append(f"{4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9:.0f}")
-            lines.append(f"| {name} | {worst:.3f} | {tiling.smem_bytes(KernelSpec.make('single_prefill', 'bfloat16', d))} | "
-                         + " | ".join(cells) + " |")
+                cells.append(f"{tflops(b, h, s, d, causal, bench_ms(lambda: run(q, k, v))):.0f}")
+            smem = tiling.smem_bytes(KernelSpec.make("single_prefill", "bfloat16", d))
+            lines.append(f"| {name} | {worst:.3f} | {smem} | " + " | ".join(cells) + " |")
         except Exception as exc:
-            lines.append(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:120]} |")
+            lines.append(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:300]} |")
         print(lines[-1], flush=True)
-    try:
-        cells = []
-        for b, s, causal in ROWS:
-            run = flashinfer_ragged("fa2")([s] * b, [s] * b, h, d, causal, torch.bfloat16)
-            q, k, v = inputs[(b, s)]
-            ms = bench_ms(lambda: run(q, k, v))
-            cells.append(f"{4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9:.0f}")
-        lines.append("| FlashInfer fa2 (same run) | - | - | " + " | ".join(cells) + " |")
-    except Exception as exc:
-        print(f"flashinfer not available: {type(exc).__name__}: {exc}", file=sys.stderr)
+    kernels.FA2_TILINGS[d] = default
+    use_templates(None)
+    if not args.no_flashinfer:
+        try:
+            cells = []
+            for b, s, causal in ROWS:
+                run = flashinfer_ragged("fa2")([s] * b, [s] * b, h, d, causal, torch.bfloat16)
+                q, k, v = inputs[(b, s)]
+                cells.append(f"{tflops(b, h, s, d, causal, bench_ms(lambda: run(q, k, v))):.0f}")
+            lines.append("| FlashInfer fa2 (same run) | - | - | " + " | ".join(cells) + " |")
+        except Exception as exc:
+            print(f"flashinfer not available: {type(exc).__name__}: {exc}", file=sys.stderr)
     emit("\n".join(lines), args.out)
     return 0
 

@@ -28,9 +28,9 @@
 
 namespace flashjit {
 
-template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kStages_, bool kQInRegs_,
-          int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_,
-          bool kLse_>
+template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
+          bool kQInRegs_, int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_,
+          bool kSoftCap_, bool kLse_>
 struct Fa2Traits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -39,6 +39,11 @@ struct Fa2Traits {
   // ldmatrix feeds kFragsM mma's, so shared-memory traffic per FLOP is 1/kFragsM.
   static constexpr int kFragsM = kFragsM_;
   static constexpr int kKeysPerTile = kKeysPerTile_;
+  // The math walks each tile in kSubTiles steps of kKeysPerTile / kSubTiles
+  // keys (S registers for one step at a time), while copies, cp.async waits
+  // and barriers stay per tile: two m16 fragments per warp fit 255 registers
+  // with 32-key steps, and 64-key tiles halve the barriers per key.
+  static constexpr int kSubTiles = kSubTiles_;
   static constexpr int kStages = kStages_;
   // Q fragments held in registers for the whole KV loop (D/4 registers per
   // thread); else re-read from shared memory with ldmatrix every tile, which
@@ -61,6 +66,7 @@ struct Fa2Traits {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRowsPerCta = kSplitKeys ? kRowsPerWarp : kRowsPerWarp * kWarps;
   static constexpr int kKeysPerWarp = kSplitKeys ? kKeysPerTile / kWarps : kKeysPerTile;
+  static constexpr int kKeysPerStep = kKeysPerWarp / kSubTiles;  // keys of one math step of a warp
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks of one row
   static constexpr int kRowBytes = kHeadDim * 2;
 
@@ -70,6 +76,8 @@ struct Fa2Traits {
   static_assert(kKeysPerWarp % 16 == 0 && kKeysPerWarp * (kSplitKeys ? kWarps : 1) == kKeysPerTile,
                 "keys per tile (per warp when warps split them): a multiple of 16");
   static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
+  static_assert(kSubTiles >= 1 && kKeysPerStep % 16 == 0 && (kSubTiles == 1 || !kSplitKeys),
+                "math steps: a multiple of 16 keys; split keys take whole tiles");
   static_assert(kFragsM == 1 || kFragsM == 2, "m16 fragments per warp: 1 or 2");
   static_assert(kMinBlocksPerSm >= 1, "min blocks per SM: at least 1");
   static_assert(kWarps >= 1 && kThreads % kChunksPerRow == 0, "threads must cover whole rows");
@@ -100,8 +108,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr int ROW_BYTES = Traits::kRowBytes;
   constexpr int KSTEPS_QK = D / 16;    // k-steps of S = Q.K^T (head dims)
   constexpr int WKEYS = Traits::kKeysPerWarp;  // keys of each tile this warp computes
-  constexpr int KSTEPS_PV = WKEYS / 16;  // k-steps of O += P.V (keys)
-  constexpr int NT_S = WKEYS / 8;        // n8 tiles of S
+  constexpr int SKEYS = Traits::kKeysPerStep, SUB = Traits::kSubTiles;  // ... in SUB steps of SKEYS keys
+  constexpr int KSTEPS_PV = SKEYS / 16;  // k-steps of O += P.V (keys)
+  constexpr int NT_S = SKEYS / 8;        // n8 tiles of S
   constexpr int NT_O = D / 8;           // n8 tiles of O
   constexpr bool kQInRegs = Traits::kQInRegs;
   // Commit groups are [Q + K_0], [V_0], [K_1], [V_1], ...; see the main loop.
@@ -211,21 +220,32 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     };
     // Issues tile `tile`'s K (or V) into its ring slot and commits one group;
     // past the last tile it commits an empty group so the counts stay uniform.
+    // Ragged rows: per-thread addresses computed once (fa2::RaggedTileCopy).
+    using Copy = fa2::RaggedTileCopy<T, LOAD_KEYS, D, LOAD_THREADS>;
+    const Copy k_copy(k_rows, load_tid), v_copy(v_rows, load_tid);
     auto issue_k = [&](int tile) {
       if (tile < num_tiles) {
         const int k0 = key_begin + tile * KEYS + warp_key0;
-        fa2::load_tile_async<T, LOAD_KEYS, D, LOAD_THREADS>(
-            kv_smem + (tile % STAGES) * Traits::kStageBytes + load_off, k_rows, pages, k0,
-            min(LOAD_KEYS, w.kv_len - k0), load_tid);
+        const uint32_t dst = kv_smem + (tile % STAGES) * Traits::kStageBytes + load_off;
+        if constexpr (Traits::kPaged) {
+          fa2::load_tile_async<T, LOAD_KEYS, D, LOAD_THREADS>(dst, k_rows, pages, k0,
+                                                              min(LOAD_KEYS, w.kv_len - k0), load_tid);
+        } else {
+          k_copy.issue(dst, k0, w.kv_len - k0, k_rows.base);
+        }
       }
       cp_async_commit();
     };
     auto issue_v = [&](int tile) {
       if (tile < num_tiles) {
         const int k0 = key_begin + tile * KEYS + warp_key0;
-        fa2::load_tile_async<T, LOAD_KEYS, D, LOAD_THREADS>(
-            kv_smem + (tile % STAGES) * Traits::kStageBytes + Traits::kKvTileBytes + load_off, v_rows, pages, k0,
-            min(LOAD_KEYS, w.kv_len - k0), load_tid);
+        const uint32_t dst = kv_smem + (tile % STAGES) * Traits::kStageBytes + Traits::kKvTileBytes + load_off;
+        if constexpr (Traits::kPaged) {
+          fa2::load_tile_async<T, LOAD_KEYS, D, LOAD_THREADS>(dst, v_rows, pages, k0,
+                                                              min(LOAD_KEYS, w.kv_len - k0), load_tid);
+        } else {
+          v_copy.issue(dst, k0, w.kv_len - k0, v_rows.base);
+        }
       }
       cp_async_commit();
     };
@@ -281,7 +301,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       const uint32_t k_s = kv_smem + (t % STAGES) * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
       const int t0 = key_begin + t * KEYS;
-      const int k0 = t0 + warp_key0;  // this warp's first key
 
       cp_async_wait<kWaitK>();
       tile_barrier();
@@ -289,136 +308,144 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       issue_v(t + STAGES - 1);
       lookup(t + STAGES);
 
-      // Warp-uniform: no key of the tile is visible to any row of the warp (skip
-      // the math), or some key is invisible to some row (apply the element mask).
-      const bool warp_skip = !warp_active || (Traits::kCausal && k0 > wq_last + offset) ||
-                             (Traits::kWindow && k0 + WKEYS - 1 < wq_first + offset - window_left);
-      const bool need_mask = k0 + WKEYS > w.kv_len || (Traits::kCausal && k0 + WKEYS - 1 > wq_first + offset) ||
-                             (Traits::kWindow && k0 < wq_last + offset - window_left);
+#pragma unroll
+      for (int h = 0; h < SUB; ++h) {
+        const int kofs = warp_key0 + h * SKEYS;  // this step's first key within the tile
+        const int k0 = t0 + kofs;                // ... and in the request
 
-      uint32_t pa[FM][KSTEPS_PV][4];  // P in T, A-operand layout, per m16 fragment
-      if (!warp_skip) {
-        // S = Q.K^T: fragment f, n-tile j covers rows 16f .. 16f + 15, keys k0 + 8j .. + 7.
-        // Each K B-fragment is loaded once and feeds FM mma's.
-        float s[FM][NT_S][4];
+        // Warp-uniform: no key of the tile is visible to any row of the warp (skip
+        // the math), or some key is invisible to some row (apply the element mask).
+        const bool warp_skip = !warp_active || (Traits::kCausal && k0 > wq_last + offset) ||
+                               (Traits::kWindow && k0 + SKEYS - 1 < wq_first + offset - window_left);
+        const bool need_mask = k0 + SKEYS > w.kv_len || (Traits::kCausal && k0 + SKEYS - 1 > wq_first + offset) ||
+                               (Traits::kWindow && k0 < wq_last + offset - window_left);
+
+        uint32_t pa[FM][KSTEPS_PV][4];  // P in T, A-operand layout, per m16 fragment
+        if (!warp_skip) {
+          // S = Q.K^T: fragment f, n-tile j covers rows 16f .. 16f + 15, keys k0 + 8j .. + 7.
+          // Each K B-fragment is loaded once and feeds FM mma's.
+          float s[FM][NT_S][4];
 #pragma unroll
-        for (int f = 0; f < FM; ++f)
+          for (int f = 0; f < FM; ++f)
 #pragma unroll
-          for (int j = 0; j < NT_S; ++j)
+            for (int j = 0; j < NT_S; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[f][j][e] = 0.f;
+              for (int e = 0; e < 4; ++e) s[f][j][e] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < KSTEPS_QK; ++kk) {
-          uint32_t a[FM][4];
+          for (int kk = 0; kk < KSTEPS_QK; ++kk) {
+            uint32_t a[FM][4];
+#pragma unroll
+            for (int f = 0; f < FM; ++f) {
+              if constexpr (kQInRegs) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a[f][e] = q_frag[f][kk][e];
+              } else {
+                fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off[kk % 4] + (kk / 4) * 128);
+              }
+            }
+#pragma unroll
+            for (int jn = 0; jn < SKEYS / 16; ++jn) {
+              uint32_t b[4];
+              fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off[kk % 4] + (kk / 4) * 128);
+#pragma unroll
+              for (int f = 0; f < FM; ++f) {
+                fa2::mma_16816<T>(s[f][2 * jn], a[f], b[0], b[1]);
+                fa2::mma_16816<T>(s[f][2 * jn + 1], a[f], b[2], b[3]);
+              }
+            }
+          }
+
 #pragma unroll
           for (int f = 0; f < FM; ++f) {
-            if constexpr (kQInRegs) {
+            if constexpr (Traits::kSoftCap) {
 #pragma unroll
-              for (int e = 0; e < 4; ++e) a[f][e] = q_frag[f][kk][e];
-            } else {
-              fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off[kk % 4] + (kk / 4) * 128);
+              for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[f][j][e] = cap_out * tanhf(s[f][j][e] * cap_in);
             }
-          }
+            // s[f][j][e] is row 16f + g + 8 * (e / 2), key k0 + 8j + 2 * tq + e % 2.
+            if (need_mask) {
+              int q_off[2];
 #pragma unroll
-          for (int jn = 0; jn < WKEYS / 16; ++jn) {
-            uint32_t b[4];
-            fa2::ldmatrix_x4(b, k_s + (warp_key0 + jn * 16) * ROW_BYTES + b_off[kk % 4] + (kk / 4) * 128);
+              for (int r = 0; r < 2; ++r)
+                q_off[r] = min(warp_row0 + 16 * f + g + 8 * r, rows_total - 1) / w.group + offset;
 #pragma unroll
-            for (int f = 0; f < FM; ++f) {
-              fa2::mma_16816<T>(s[f][2 * jn], a[f], b[0], b[1]);
-              fa2::mma_16816<T>(s[f][2 * jn + 1], a[f], b[2], b[3]);
+              for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                  const int key = k0 + 8 * j + 2 * tq + (e & 1);
+                  const int qo = q_off[e >> 1];
+                  if (key >= w.kv_len || (Traits::kCausal && key > qo) ||
+                      (Traits::kWindow && key < qo - window_left))
+                    s[f][j][e] = kNegInf;
+                }
+            }
+
+            // Online softmax, row 16f + g + 8r, across the 4 lanes of the quad.
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              float mx = m[f][r];
+#pragma unroll
+              for (int j = 0; j < NT_S; ++j) mx = fmaxf(mx, fmaxf(s[f][j][2 * r], s[f][j][2 * r + 1]));
+              mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+              mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+              // A row that has seen no key yet keeps mx = -inf: subtract 0 instead
+              // so that exp2(-inf - (-inf)) never makes a NaN; everything is 0 then.
+              const float m_scaled = mx == kNegInf ? 0.f : mx * scale;
+              const float rescale = fa2::exp2_fast(m[f][r] * scale - m_scaled);  // 0 when m = -inf
+              m[f][r] = mx;
+              float sum = 0.f;
+#pragma unroll
+              for (int j = 0; j < NT_S; ++j) {
+                s[f][j][2 * r] = fa2::exp2_fast(fmaf(s[f][j][2 * r], scale, -m_scaled));
+                s[f][j][2 * r + 1] = fa2::exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_scaled));
+                sum += s[f][j][2 * r] + s[f][j][2 * r + 1];  // unrounded fp32 P
+              }
+              l[f][r] = l[f][r] * rescale + sum;
+              // Once the running max settles, rescale is exactly 1 on most tiles: a
+              // warp vote skips the NT_O * 2 multiplies (as many as the tile's MMAs).
+              if (__any_sync(0xffffffffu, rescale != 1.f)) {
+#pragma unroll
+                for (int n = 0; n < NT_O; ++n) {
+                  o[f][n][2 * r] *= rescale;
+                  o[f][n][2 * r + 1] *= rescale;
+                }
+              }
+            }
+            // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS_PV; ++kk) {
+              pa[f][kk][0] = fa2::pack2<T>(s[f][2 * kk][0], s[f][2 * kk][1]);
+              pa[f][kk][1] = fa2::pack2<T>(s[f][2 * kk][2], s[f][2 * kk][3]);
+              pa[f][kk][2] = fa2::pack2<T>(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
+              pa[f][kk][3] = fa2::pack2<T>(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
             }
           }
         }
 
-#pragma unroll
-        for (int f = 0; f < FM; ++f) {
-          if constexpr (Traits::kSoftCap) {
-#pragma unroll
-            for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) s[f][j][e] = cap_out * tanhf(s[f][j][e] * cap_in);
-          }
-          // s[f][j][e] is row 16f + g + 8 * (e / 2), key k0 + 8j + 2 * tq + e % 2.
-          if (need_mask) {
-            int q_off[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-              q_off[r] = min(warp_row0 + 16 * f + g + 8 * r, rows_total - 1) / w.group + offset;
-#pragma unroll
-            for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int key = k0 + 8 * j + 2 * tq + (e & 1);
-                const int qo = q_off[e >> 1];
-                if (key >= w.kv_len || (Traits::kCausal && key > qo) ||
-                    (Traits::kWindow && key < qo - window_left))
-                  s[f][j][e] = kNegInf;
-              }
-          }
+        if (h == 0) {  // V of the whole tile, before the first step's P.V
+          cp_async_wait<kWaitV>();
+          tile_barrier();
+        }
 
-          // Online softmax, row 16f + g + 8r, across the 4 lanes of the quad.
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float mx = m[f][r];
-#pragma unroll
-            for (int j = 0; j < NT_S; ++j) mx = fmaxf(mx, fmaxf(s[f][j][2 * r], s[f][j][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // A row that has seen no key yet keeps mx = -inf: subtract 0 instead
-            // so that exp2(-inf - (-inf)) never makes a NaN; everything is 0 then.
-            const float m_scaled = mx == kNegInf ? 0.f : mx * scale;
-            const float rescale = fa2::exp2_fast(m[f][r] * scale - m_scaled);  // 0 when m = -inf
-            m[f][r] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < NT_S; ++j) {
-              s[f][j][2 * r] = fa2::exp2_fast(fmaf(s[f][j][2 * r], scale, -m_scaled));
-              s[f][j][2 * r + 1] = fa2::exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_scaled));
-              sum += s[f][j][2 * r] + s[f][j][2 * r + 1];  // unrounded fp32 P
-            }
-            l[f][r] = l[f][r] * rescale + sum;
-            // Once the running max settles, rescale is exactly 1 on most tiles: a
-            // warp vote skips the NT_O * 2 multiplies (as many as the tile's MMAs).
-            if (__any_sync(0xffffffffu, rescale != 1.f)) {
-#pragma unroll
-              for (int n = 0; n < NT_O; ++n) {
-                o[f][n][2 * r] *= rescale;
-                o[f][n][2 * r + 1] *= rescale;
-              }
-            }
-          }
-          // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
+        if (!warp_skip) {
+          // O += P.V: n-tiles 2dn, 2dn+1 cover head dims 16dn .. 16dn+15; each V
+          // B-fragment is loaded once and feeds FM mma's.
 #pragma unroll
           for (int kk = 0; kk < KSTEPS_PV; ++kk) {
-            pa[f][kk][0] = fa2::pack2<T>(s[f][2 * kk][0], s[f][2 * kk][1]);
-            pa[f][kk][1] = fa2::pack2<T>(s[f][2 * kk][2], s[f][2 * kk][3]);
-            pa[f][kk][2] = fa2::pack2<T>(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
-            pa[f][kk][3] = fa2::pack2<T>(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
-          }
-        }
-      }
-
-      cp_async_wait<kWaitV>();
-      tile_barrier();
-
-      if (!warp_skip) {
-        // O += P.V: n-tiles 2dn, 2dn+1 cover head dims 16dn .. 16dn+15; each V
-        // B-fragment is loaded once and feeds FM mma's.
 #pragma unroll
-        for (int kk = 0; kk < KSTEPS_PV; ++kk) {
+            for (int dn = 0; dn < D / 16; ++dn) {
+              uint32_t b[4];
+              fa2::ldmatrix_x4_trans(b, v_s + (kofs + kk * 16) * ROW_BYTES + a_off[dn % 4] + (dn / 4) * 128);
 #pragma unroll
-          for (int dn = 0; dn < D / 16; ++dn) {
-            uint32_t b[4];
-            fa2::ldmatrix_x4_trans(b, v_s + (warp_key0 + kk * 16) * ROW_BYTES + a_off[dn % 4] + (dn / 4) * 128);
-#pragma unroll
-            for (int f = 0; f < FM; ++f) {
-              fa2::mma_16816<T>(o[f][2 * dn], pa[f][kk], b[0], b[1]);
-              fa2::mma_16816<T>(o[f][2 * dn + 1], pa[f][kk], b[2], b[3]);
+              for (int f = 0; f < FM; ++f) {
+                fa2::mma_16816<T>(o[f][2 * dn], pa[f][kk], b[0], b[1]);
+                fa2::mma_16816<T>(o[f][2 * dn + 1], pa[f][kk], b[2], b[3]);
+              }
             }
           }
         }
-      }
+      }  // steps
     }
     // Every group still pending is empty (tiles past num_tiles), and the warp's
     // own Q rows are only ever read by this warp: no CTA barrier needed below.

@@ -158,6 +158,63 @@ __device__ __forceinline__ void load_tile_async(uint32_t dst, const Rows& src,
   }
 }
 
+// 16-byte global->shared copy of a row known to be in range (no src-size
+// operand: nothing to zero-fill).
+__device__ __forceinline__ void cp_async_16_full(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+// The copies of one thread into ragged (not paged) K or V tiles, with the
+// address arithmetic done once per CTA instead of once per row and tile:
+// load_tile_async rebuilds a 64-bit address per row (int64 multiply by the
+// stride, a range predicate, the swizzle), about 20 instructions per 16-byte
+// copy, which the main loop issues between the barrier and the first mma.
+// Here a tile costs one 64-bit multiply-add, then two adds per row; the
+// shared-memory offsets are compile-time steps from one per-thread base when
+// a copy pass covers a multiple of 8 rows (the swizzle repeats every 8 rows).
+template <class T, int kRows, int kDim, int kThreads>
+struct RaggedTileCopy {
+  using R = TileRows<kRows, kDim, kThreads>;
+  static constexpr int kRowBytes = kDim * 2;
+  const T* src;      // this thread's row and chunk at key 0
+  int64_t stride_n;  // between keys, in elements
+  int chunk;         // this thread's 16-byte chunk of each row
+  int row0;          // this thread's first row of a tile
+
+  template <class Rows>
+  __device__ __forceinline__ RaggedTileCopy(const Rows& rows, int tid) {
+    chunk = tid % R::kChunks;
+    row0 = tid / R::kChunks;
+    stride_n = rows.stride_n;
+    src = rows.base + int64_t(row0) * stride_n + chunk * 8;
+  }
+
+  __device__ __forceinline__ uint32_t row_off(int i) const {
+    if constexpr (R::kRowsPerPass % 8 == 0) {
+      return swizzled<kRowBytes>(row0, chunk) + i * R::kRowsPerPass * kRowBytes;
+    } else {
+      return swizzled<kRowBytes>(row0 + i * R::kRowsPerPass, chunk);
+    }
+  }
+
+  // Copies keys first .. first + kRows - 1 into the tile at `dst`; rows at or
+  // past `valid` are zero-filled, reading nothing (`fallback`: a mapped address).
+  __device__ __forceinline__ void issue(uint32_t dst, int first, int valid, const T* fallback) const {
+    const T* s = src + int64_t(first) * stride_n;
+    const int64_t step = int64_t(R::kRowsPerPass) * stride_n;
+    if (valid >= kRows) {
+#pragma unroll
+      for (int i = 0; i < R::kPerThread; ++i) cp_async_16_full(dst + row_off(i), s + i * step);
+    } else {
+#pragma unroll
+      for (int i = 0; i < R::kPerThread; ++i) {
+        const bool ok = row0 + i * R::kRowsPerPass < valid;
+        cp_async_16(dst + row_off(i), ok ? s + i * step : fallback, ok);
+      }
+    }
+  }
+};
+
 }  // namespace fa2
 
 }  // namespace flashjit
