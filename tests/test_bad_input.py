@@ -6,6 +6,7 @@ report 'expected a CUDA tensor' instead of the real mistake."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -390,3 +391,15 @@ def test_paged_cache_geometry(layout, form):
     assert torch.equal(k, cache[:, 0]) and torch.equal(v, cache[:, 1])
     if form == "5d":
         assert k.data_ptr() == cache.data_ptr() and ks[2] == cache.stride(0)
+
+
+@pytest.mark.parametrize("strides,page_size,match", [
+    ((2**30, 128, 0), 0, "k: expected a token stride below 2 GiB, got 2147483648 bytes"),
+    ((1024, 2**30, 0), 0, "k: expected a head stride below 2 GiB"),
+    ((1024, 128, 2**30), 16, "k: expected a page stride below 2 GiB"),
+    ((2**29, 128, 2**29), 8, "k: expected the 8 tokens of a page to span below 4 GiB"),
+])
+def test_kv_strides_beyond_32_bit_offsets(strides, page_size, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        _launch.check_kv_strides("k", strides, page_size, 2)
+    _launch.check_kv_strides("k", (1024, 128, 16 * 1024), 16, 2)  # a usual cache passes

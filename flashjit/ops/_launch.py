@@ -50,10 +50,25 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_strides: 
                        window_left, soft_cap)
 
 
+def check_kv_strides(name: str, strides: tuple, page_size: int, element_size: int) -> None:
+    """Decode kernels address K/V rows with 32-bit byte strides: each stride
+    below 2 GiB, and one page's tokens below 4 GiB."""
+    for label, stride in zip(("token", "head", "page"), strides):
+        if stride * element_size >= 2**31:
+            raise ValueError(f"{name}: expected a {label} stride below 2 GiB, got {stride * element_size} bytes "
+                             f"({stride} elements)")
+    if page_size and strides[0] * element_size * page_size >= 2**32:
+        raise ValueError(f"{name}: expected the {page_size} tokens of a page to span below 4 GiB, got "
+                         f"{strides[0] * element_size * page_size} bytes")
+
+
 def fill_params(q: torch.Tensor, num_kv_heads: int, k_strides: tuple, v_strides: tuple, page_size: int,
                 out_strides: tuple[int, int], lse_stride: int, sm_scale: float, window_left: int, soft_cap: float
                 ) -> AttentionParams:
-    """The non-pointer fields; k/v strides are (token, head, page) in elements."""
+    """The non-pointer fields; k/v strides are (token, head, page) in elements.
+    Raises ValueError for K/V strides the kernels cannot address (see check_kv_strides)."""
+    for name, strides in (("k", k_strides), ("v", v_strides)):
+        check_kv_strides(name, strides, page_size, q.element_size())
     p = AttentionParams()
     p.num_qo_heads, p.num_kv_heads, p.page_size = q.shape[-2], num_kv_heads, page_size
     p.q_stride_n, p.q_stride_h = (q.stride(0), q.stride(1)) if q.dim() == 3 else (0, q.stride(0))

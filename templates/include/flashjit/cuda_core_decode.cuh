@@ -54,20 +54,81 @@ struct CudaCoreDecodeTraits {
   static_assert(kVecsPerKey >= 1, "8 dims fill whole 16-byte vectors");
 
   // Per warp and stage: K then V, kKeysPerGroup keys, kVecsPerKey vectors, 32 lanes.
-  static constexpr size_t kStageBytes = size_t(2) * kKeysPerGroup * kVecsPerKey * 32 * 16;
+  static constexpr uint32_t kStageBytes = 2 * kKeysPerGroup * kVecsPerKey * 32 * 16;
   static constexpr size_t kRingBytes = size_t(kWarps) * kStages * kStageBytes;
   // The warps' states (acc, then m and l per row), written once the ring is drained.
   static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kRowsPerCta * (kHeadDim + 2);
   static constexpr size_t kSmemBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
 };
 
-// Sum over the kLanes lanes that share a key (aligned groups of kLanes lanes).
-template <int kLanes>
-__device__ __forceinline__ float key_group_sum(float x) {
+// Sums kRows partial logits over the kLanes lanes of a key group, scattering
+// the results: each halving step sends half of a lane's rows to its partner
+// and keeps the other half, then plain butterflies finish. Afterwards lane
+// holds in v[0] the full logit of row (lane % kLanes) / (kLanes / kRows): for
+// four rows over 16 lanes that is 5 shuffles instead of 16, and the softmax
+// then works on one value per lane.
+template <int kOff, int kCount>
+__device__ __forceinline__ void reduce_scatter(float* v, int lane) {
+  if constexpr (kOff > 0) {
+    if constexpr (kCount > 1) {
+      constexpr int kHalf = kCount / 2;
+      const bool upper = (lane & kOff) != 0;
 #pragma unroll
-  for (int off = kLanes / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
+      for (int i = 0; i < kHalf; ++i) {
+        const float send = upper ? v[i] : v[i + kHalf];
+        const float keep = upper ? v[i + kHalf] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kOff);
+      }
+      reduce_scatter<kOff / 2, kHalf>(v, lane);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], kOff);
+      reduce_scatter<kOff / 2, 1>(v, lane);
+    }
+  }
 }
+
+// Where one lane's 8 dims of key `key` lie in K and V: a slot of one of the
+// request's pages, or a ragged row. Strides are 32-bit byte counts (the host
+// rejects strides of 2 GiB or more, and pages of 4 GiB or more), so that an
+// address costs one wide multiply-add per stride.
+template <class T, bool kPaged>
+struct DecodeKvRows {
+  const char* k;            // KV head and the lane's dims applied
+  const char* v;
+  uint32_t k_page, v_page;  // bytes between pages
+  uint32_t k_row, v_row;    // bytes between tokens (within a page)
+  const int32_t* pages;
+  FastDivmod page_size;
+
+  __device__ __forceinline__ DecodeKvRows(const FlashjitAttentionParams& p, const CtaWork& w, int dim0)
+      : page_size(kPaged ? p.page_size : 1) {
+    constexpr int64_t kElt = sizeof(T);
+    k = static_cast<const char*>(p.k) + (int64_t(w.kv_head) * p.k_stride_h + dim0) * kElt;
+    v = static_cast<const char*>(p.v) + (int64_t(w.kv_head) * p.v_stride_h + dim0) * kElt;
+    k_row = uint32_t(p.k_stride_n * kElt);
+    v_row = uint32_t(p.v_stride_n * kElt);
+    k_page = kPaged ? uint32_t(p.k_stride_page * kElt) : 0u;
+    v_page = kPaged ? uint32_t(p.v_stride_page * kElt) : 0u;
+    pages = kPaged ? p.kv_page_indices + w.kv_start : nullptr;
+    if (!kPaged) {
+      k += int64_t(w.kv_start) * p.k_stride_n * kElt;
+      v += int64_t(w.kv_start) * p.v_stride_n * kElt;
+    }
+  }
+  // The page holding `key` (a global load; 0 for ragged rows).
+  __device__ __forceinline__ int page_of(int key) const { return kPaged ? pages[page_size.div(key)] : 0; }
+  // Addresses of this lane's dims of `key`, which lies in `page`.
+  __device__ __forceinline__ void rows_of(int page, int key, const char*& k_src, const char*& v_src) const {
+    if constexpr (kPaged) {
+      const uint32_t slot = uint32_t(page_size.mod(key, page_size.div(key)));
+      k_src = k + (uint64_t(uint32_t(page)) * k_page + slot * k_row);
+      v_src = v + (uint64_t(uint32_t(page)) * v_page + slot * v_row);
+    } else {
+      k_src = k + uint64_t(uint32_t(key)) * k_row;
+      v_src = v + uint64_t(uint32_t(key)) * v_row;
+    }
+  }
+};
 
 template <class Traits, int kRows>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
@@ -76,8 +137,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr int D = Traits::kHeadDim, DPL = Traits::kDimsPerLane, LANES = Traits::kLanesPerKey;
   constexpr int GROUPS = Traits::kKeyGroups, NK = Traits::kKeysPerGroup, VECS = Traits::kVecsPerKey;
   constexpr int WARPS = Traits::kWarps, STAGES = Traits::kStages, CHUNK = Traits::kKeysPerChunk;
+  constexpr uint32_t kStageBytes = Traits::kStageBytes, kVecBytes = 32 * 16;  // one vector of every lane
   constexpr float kLog2e = 1.4426950408889634f;
-  static_assert(kRows >= 1 && kRows <= Traits::kRowsPerCta, "rows per CTA");
+  static_assert(kRows >= 1 && kRows <= Traits::kRowsPerCta && kRows <= LANES, "rows per CTA, at most one per lane of a key");
 
   extern __shared__ __align__(16) unsigned char smem[];
   const CtaWork w = decode_work<Traits::kPaged>(p, Traits::kRowsPerCta);
@@ -106,16 +168,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int key_end = w.kv_end;
   const int num_chunks = key_end > key_begin ? (key_end - key_begin + CHUNK - 1) / CHUNK : 0;
   const int my_chunks = num_chunks > warp ? (num_chunks - warp + WARPS - 1) / WARPS : 0;
+  // Key n of this lane's group in the warp's i-th chunk is first_key + i * kChunkStride + n * GROUPS.
+  const int first_key = key_begin + warp * CHUNK + key_group;
+  constexpr int kChunkStride = WARPS * CHUNK;
 
-  const auto k_rows = kv_rows<DType, Traits::kPaged>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page);
-  const auto v_rows = kv_rows<DType, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page);
+  const DecodeKvRows<DType, Traits::kPaged> rows(p, w, dim0);
   // This lane's 16-byte slots: [stage][K, V][key][vector][lane].
-  const uint32_t ring = smem_addr(smem + warp * STAGES * Traits::kStageBytes) + lane * 16;
-  auto slot = [&](int stage, int kind, int n, int vec) {
-    return ring + (((stage * 2 + kind) * NK + n) * VECS + vec) * 32 * 16;
-  };
-  // Key n of this lane's group in the warp's i-th chunk.
-  auto key_of = [&](int i, int n) { return key_begin + (warp + i * WARPS) * CHUNK + n * GROUPS + key_group; };
+  const uint32_t ring_begin = smem_addr(smem + warp * STAGES * kStageBytes) + lane * 16;
+  const uint32_t ring_end = ring_begin + STAGES * kStageBytes;
+  auto next_stage = [&](uint32_t stage) { return stage + kStageBytes == ring_end ? ring_begin : stage + kStageBytes; };
 
   // Page ids are looked up one chunk before their copies are issued, so that
   // the copies never wait on the page table.
@@ -123,113 +184,128 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   auto lookup_pages = [&](int i) {
 #pragma unroll
     for (int n = 0; n < NK; ++n) {
-      const int key = key_of(i, n);
-      page[n] = (i < my_chunks && key < key_end) ? k_rows.page_of(key) : 0;
+      const int key = first_key + i * kChunkStride + n * GROUPS;
+      page[n] = (i < my_chunks && key < key_end) ? rows.page_of(key) : 0;
     }
   };
-  auto issue_chunk = [&](int i, int stage) {
+  auto issue_chunk = [&](int i, uint32_t stage) {
     if (i < my_chunks) {
 #pragma unroll
       for (int n = 0; n < NK; ++n) {
-        const int key = key_of(i, n);
+        const int key = first_key + i * kChunkStride + n * GROUPS;
         const bool ok = key < key_end;
-        const DType* k_src = ok ? k_rows.row_in(page[n], key) + dim0 : k_rows.base;
-        const DType* v_src = ok ? v_rows.row_in(page[n], key) + dim0 : v_rows.base;
+        const char *k_src = rows.k, *v_src = rows.v;  // zero-filled past the keys, but mapped
+        if (ok) rows.rows_of(page[n], key, k_src, v_src);
 #pragma unroll
         for (int vec = 0; vec < VECS; ++vec) {
-          cp_async_16(slot(stage, 0, n, vec), k_src + vec * Vec16<DType>::kElems, ok);
-          cp_async_16(slot(stage, 1, n, vec), v_src + vec * Vec16<DType>::kElems, ok);
+          cp_async_16(stage + (n * VECS + vec) * kVecBytes, k_src + vec * 16, ok);
+          cp_async_16(stage + ((NK + n) * VECS + vec) * kVecBytes, v_src + vec * 16, ok);
         }
       }
     }
     cp_async_commit();  // possibly empty: keeps one group per stage for the waits below
   };
 
+  uint32_t write_stage = ring_begin;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     lookup_pages(s);
-    issue_chunk(s, s);
+    issue_chunk(s, write_stage);
+    write_stage = next_stage(write_stage);
   }
   lookup_pages(STAGES - 1);
 
-  float m[kRows], l[kRows], acc[kRows][DPL];
+  // Softmax state: m and l of this lane's row, acc of every row.
+  float m_mine = -CUDART_INF_F, l_mine = 0.f, acc[kRows][DPL];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    m[r] = -CUDART_INF_F;
-    l[r] = 0.f;
+  for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int e = 0; e < DPL; ++e) acc[r][e] = 0.f;
-  }
+  // Row r's value of a per-row quantity, from a lane of this key group that holds row r.
+  const int group_lane0 = lane & ~(LANES - 1);
+  auto row_value = [&](float mine, int r) {
+    return kRows == 1 ? mine : __shfl_sync(0xffffffffu, mine, group_lane0 + r * (LANES / kRows));
+  };
 
+  uint32_t read_stage = ring_begin;
   for (int i = 0; i < my_chunks; ++i) {
-    const int stage = i % STAGES;
     // Refill the stage consumed last iteration; only this thread reads it.
-    issue_chunk(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+    issue_chunk(i + STAGES - 1, write_stage);
+    write_stage = next_stage(write_stage);
     lookup_pages(i + STAGES);
     cp_async_wait<STAGES - 1>();
 
-    float s[NK][kRows];
+    // The logits of this lane's row (see reduce_scatter) for the chunk's keys.
+    float s[NK];
 #pragma unroll
     for (int n = 0; n < NK; ++n) {
       float kf[DPL];
 #pragma unroll
-      for (int vec = 0; vec < VECS; ++vec) {
-        uint4 raw;
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-                     : "r"(slot(stage, 0, n, vec)));
-        unpack16<DType>(raw, kf + vec * Vec16<DType>::kElems);
-      }
+      for (int vec = 0; vec < VECS; ++vec)
+        unpack16<DType>(ld_shared_16(read_stage + (n * VECS + vec) * kVecBytes), kf + vec * Vec16<DType>::kElems);
+      float dot[kRows];
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        float dot = 0.f;
+        dot[r] = 0.f;
 #pragma unroll
-        for (int e = 0; e < DPL; ++e) dot = fmaf(q[r][e], kf[e], dot);
-        s[n][r] = key_group_sum<LANES>(dot);
+        for (int e = 0; e < DPL; ++e) dot[r] = fmaf(q[r][e], kf[e], dot[r]);
       }
-      const bool visible = key_of(i, n) < key_end;
+      reduce_scatter<LANES / 2, kRows>(dot, lane);
+      s[n] = dot[0];
+      if (Traits::kSoftCap) s[n] = p.logits_soft_cap * tanhf(s[n] / p.logits_soft_cap) * kLog2e;
+    }
+    // Only a warp's last chunk can run past the keys (uniform across the warp).
+    const int chunk_key0 = first_key - key_group + i * kChunkStride;
+    if (chunk_key0 + CHUNK > key_end) {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (Traits::kSoftCap) s[n][r] = p.logits_soft_cap * tanhf(s[n][r] / p.logits_soft_cap) * kLog2e;
-        if (!visible) s[n][r] = -CUDART_INF_F;
-      }
+      for (int n = 0; n < NK; ++n)
+        if (chunk_key0 + key_group + n * GROUPS >= key_end) s[n] = -CUDART_INF_F;
     }
 
+    float m_new = m_mine;
+#pragma unroll
+    for (int n = 0; n < NK; ++n) m_new = fmaxf(m_new, s[n]);
+    // While every key so far is masked, m stays -inf: subtract 0 instead,
+    // which maps the -inf logits (and the -inf m) to weight 0.
+    const float m_sub = m_new == -CUDART_INF_F ? 0.f : m_new;
+    const float rescale = fast_exp2(m_mine - m_sub);
+    m_mine = m_new;
+    l_mine *= rescale;
+#pragma unroll
+    for (int n = 0; n < NK; ++n) {
+      s[n] = fast_exp2(s[n] - m_sub);  // now the weight
+      l_mine += s[n];
+    }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      float m_new = m[r];
+      const float f = row_value(rescale, r);
 #pragma unroll
-      for (int n = 0; n < NK; ++n) m_new = fmaxf(m_new, s[n][r]);
-      const float rescale = exp2_diff(m[r], m_new);
-      m[r] = m_new;
-      l[r] *= rescale;
-#pragma unroll
-      for (int n = 0; n < NK; ++n) {
-        s[n][r] = exp2_diff(s[n][r], m_new);  // now the probability
-        l[r] += s[n][r];
-      }
-#pragma unroll
-      for (int e = 0; e < DPL; ++e) acc[r][e] *= rescale;
+      for (int e = 0; e < DPL; ++e) acc[r][e] *= f;
     }
 
 #pragma unroll
     for (int n = 0; n < NK; ++n) {
       float vf[DPL];
 #pragma unroll
-      for (int vec = 0; vec < VECS; ++vec) {
-        uint4 raw;
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-                     : "r"(slot(stage, 1, n, vec)));
-        unpack16<DType>(raw, vf + vec * Vec16<DType>::kElems);
+      for (int vec = 0; vec < VECS; ++vec)
+        unpack16<DType>(ld_shared_16(read_stage + ((NK + n) * VECS + vec) * kVecBytes),
+                        vf + vec * Vec16<DType>::kElems);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float weight = row_value(s[n], r);
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) acc[r][e] = fmaf(weight, vf[e], acc[r][e]);
       }
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-#pragma unroll
-        for (int e = 0; e < DPL; ++e) acc[r][e] = fmaf(s[n][r], vf[e], acc[r][e]);
     }
+    read_stage = next_stage(read_stage);
   }
   cp_async_wait<0>();  // the trailing (zero-filled) copies land before the ring is reused
+  float m[kRows], l[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    m[r] = row_value(m_mine, r);
+    l[r] = row_value(l_mine, r);
+  }
 
   // Merge the key groups of this warp: afterwards every group holds the warp's state.
 #pragma unroll

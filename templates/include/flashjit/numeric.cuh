@@ -36,6 +36,17 @@ __device__ __forceinline__ void unpack16(const uint4& raw, float* out) {
   for (int i = 0; i < Vec16<T>::kElems; ++i) out[i] = to_float(e[i]);
 }
 
+// bf16 is the top half of an fp32: one shift or one mask per element.
+template <>
+__device__ __forceinline__ void unpack16<__nv_bfloat16>(const uint4& raw, float* out) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(words[i] << 16);
+    out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
@@ -52,6 +63,14 @@ __device__ __forceinline__ float warp_sum(float x) {
 // callers pass differences whose both sides may be -inf on fully masked rows.
 __device__ __forceinline__ float exp2_diff(float a, float b) {
   return (b == -CUDART_INF_F) ? 0.f : exp2f(a - b);
+}
+
+// 2^x in one MUFU instruction (2 ulp, like exp2f); results below 2^-126 flush
+// to 0 and -inf gives 0. Callers keep x finite or -inf (never NaN).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 }  // namespace flashjit

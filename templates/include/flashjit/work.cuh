@@ -66,6 +66,19 @@ __device__ __forceinline__ int64_t partial_row(const FlashjitAttentionParams& p,
                                    : int64_t(token) * p.num_splits + split;
 }
 
+// Division by a runtime constant d >= 1 without a divide instruction, exact for
+// dividends below 2^31 (round-up multiplier, Granlund and Montgomery 1994):
+// q = (umulhi(n, m) + n) >> l with l = ceil(log2 d), m = 2^32 (2^l - d) / d + 1.
+struct FastDivmod {
+  uint32_t d, m, l;
+  __device__ __forceinline__ explicit FastDivmod(int divisor) : d(divisor) {
+    l = d > 1 ? 32 - __clz(d - 1) : 0;
+    m = static_cast<uint32_t>(((uint64_t(1) << 32) * ((uint64_t(1) << l) - d)) / d + 1);
+  }
+  __device__ __forceinline__ int div(int n) const { return (__umulhi(uint32_t(n), m) + uint32_t(n)) >> l; }
+  __device__ __forceinline__ int mod(int n, int q) const { return n - q * int(d); }
+};
+
 // Address of key `key` (0-based within its request) of one KV head: a strided
 // row of a ragged tensor, or a slot of one of the request's pages.
 template <class T, bool kPaged>
