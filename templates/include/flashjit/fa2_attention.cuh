@@ -212,43 +212,34 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // Pages of this thread's rows of the next tile to issue (K and V share
     // them), looked up one tile ahead of the copy.
     int pages[fa2::TileRows<LOAD_KEYS, D, LOAD_THREADS>::kPerThread];
+    // Per-thread copy addresses computed once (fa2::RaggedTileCopy, fa2::PagedTileCopy).
+    using Copy = std::conditional_t<Traits::kPaged, fa2::PagedTileCopy<T, LOAD_KEYS, D, LOAD_THREADS>,
+                                    fa2::RaggedTileCopy<T, LOAD_KEYS, D, LOAD_THREADS>>;
+    const Copy k_copy(k_rows, load_tid), v_copy(v_rows, load_tid);
     auto lookup = [&](int tile) {
-      if (tile < num_tiles) {
-        const int k0 = key_begin + tile * KEYS + warp_key0;
-        fa2::tile_pages<LOAD_KEYS, D, LOAD_THREADS>(pages, k_rows, k0, min(LOAD_KEYS, w.kv_len - k0), load_tid);
+      if constexpr (Traits::kPaged) {
+        if (tile < num_tiles) {
+          const int k0 = key_begin + tile * KEYS + warp_key0;
+          k_copy.lookup(pages, k0, min(LOAD_KEYS, w.kv_len - k0));
+        }
       }
     };
     // Issues tile `tile`'s K (or V) into its ring slot and commits one group;
     // past the last tile it commits an empty group so the counts stay uniform.
-    // Ragged rows: per-thread addresses computed once (fa2::RaggedTileCopy).
-    using Copy = fa2::RaggedTileCopy<T, LOAD_KEYS, D, LOAD_THREADS>;
-    const Copy k_copy(k_rows, load_tid), v_copy(v_rows, load_tid);
-    auto issue_k = [&](int tile) {
+    auto issue = [&](const Copy& copy, const T* fallback, int tile, uint32_t tile_off) {
       if (tile < num_tiles) {
         const int k0 = key_begin + tile * KEYS + warp_key0;
-        const uint32_t dst = kv_smem + (tile % STAGES) * Traits::kStageBytes + load_off;
+        const uint32_t dst = kv_smem + (tile % STAGES) * Traits::kStageBytes + tile_off + load_off;
         if constexpr (Traits::kPaged) {
-          fa2::load_tile_async<T, LOAD_KEYS, D, LOAD_THREADS>(dst, k_rows, pages, k0,
-                                                              min(LOAD_KEYS, w.kv_len - k0), load_tid);
+          copy.issue(dst, pages, k0, min(LOAD_KEYS, w.kv_len - k0));
         } else {
-          k_copy.issue(dst, k0, w.kv_len - k0, k_rows.base);
+          copy.issue(dst, k0, w.kv_len - k0, fallback);
         }
       }
       cp_async_commit();
     };
-    auto issue_v = [&](int tile) {
-      if (tile < num_tiles) {
-        const int k0 = key_begin + tile * KEYS + warp_key0;
-        const uint32_t dst = kv_smem + (tile % STAGES) * Traits::kStageBytes + Traits::kKvTileBytes + load_off;
-        if constexpr (Traits::kPaged) {
-          fa2::load_tile_async<T, LOAD_KEYS, D, LOAD_THREADS>(dst, v_rows, pages, k0,
-                                                              min(LOAD_KEYS, w.kv_len - k0), load_tid);
-        } else {
-          v_copy.issue(dst, k0, w.kv_len - k0, v_rows.base);
-        }
-      }
-      cp_async_commit();
-    };
+    auto issue_k = [&](int tile) { issue(k_copy, k_rows.base, tile, 0); };
+    auto issue_v = [&](int tile) { issue(v_copy, v_rows.base, tile, Traits::kKvTileBytes); };
     // The barrier that makes a landed tile visible to the threads that read it.
     auto tile_barrier = [] {
       if constexpr (Traits::kSplitKeys) {

@@ -55,6 +55,7 @@
 #include <stdint.h>
 #include <type_traits>
 #include "async_copy.cuh"
+#include "work.cuh"
 
 namespace flashjit {
 
@@ -127,34 +128,15 @@ struct TileRows {
   static constexpr int kPerThread = kRows / kRowsPerPass;
 };
 
-// Looks up the pages of this thread's rows of the tile at key `first` (one
-// global load each when paged, nothing when ragged), a tile ahead of its copy.
-template <int kRows, int kDim, int kThreads, class Rows>
-__device__ __forceinline__ void tile_pages(int (&pages)[TileRows<kRows, kDim, kThreads>::kPerThread],
-                                           const Rows& src, int first, int valid, int tid) {
-  using R = TileRows<kRows, kDim, kThreads>;
-#pragma unroll
-  for (int i = 0; i < R::kPerThread; ++i) {
-    const int row = tid / R::kChunks + i * R::kRowsPerPass;
-    pages[i] = row < valid ? src.page_of(first + row) : 0;
-  }
-}
-
-// Asynchronously copies kRows keys from `first` on (ragged rows or page
-// slots, see KvRows; `pages` from tile_pages) into the swizzled tile at `dst`;
-// rows >= valid are zero-filled (reading nothing from the head's base address).
-template <class T, int kRows, int kDim, int kThreads, class Rows>
-__device__ __forceinline__ void load_tile_async(uint32_t dst, const Rows& src,
-                                                const int (&pages)[TileRows<kRows, kDim, kThreads>::kPerThread],
-                                                int first, int valid, int tid) {
-  using R = TileRows<kRows, kDim, kThreads>;
-  const int chunk = tid % R::kChunks, row0 = tid / R::kChunks;
-#pragma unroll
-  for (int i = 0; i < R::kPerThread; ++i) {
-    const int row = row0 + i * R::kRowsPerPass;
-    const bool ok = row < valid;
-    cp_async_16(dst + swizzled<kDim * 2>(row, chunk), ok ? src.row_in(pages[i], first + row) + chunk * 8 : src.base,
-                ok);
+// Byte offset, in a swizzled tile, of the i-th row a thread copies (see
+// TileRows): compile-time steps from one per-thread base when a copy pass
+// covers a multiple of 8 rows (the swizzle repeats every 8 rows).
+template <class R, int kRowBytes>
+__device__ __forceinline__ uint32_t tile_row_off(int row0, int chunk, int i) {
+  if constexpr (R::kRowsPerPass % 8 == 0) {
+    return swizzled<kRowBytes>(row0, chunk) + i * R::kRowsPerPass * kRowBytes;
+  } else {
+    return swizzled<kRowBytes>(row0 + i * R::kRowsPerPass, chunk);
   }
 }
 
@@ -165,13 +147,10 @@ __device__ __forceinline__ void cp_async_16_full(uint32_t dst, const void* src) 
 }
 
 // The copies of one thread into ragged (not paged) K or V tiles, with the
-// address arithmetic done once per CTA instead of once per row and tile:
-// load_tile_async rebuilds a 64-bit address per row (int64 multiply by the
-// stride, a range predicate, the swizzle), about 20 instructions per 16-byte
-// copy, which the main loop issues between the barrier and the first mma.
-// Here a tile costs one 64-bit multiply-add, then two adds per row; the
-// shared-memory offsets are compile-time steps from one per-thread base when
-// a copy pass covers a multiple of 8 rows (the swizzle repeats every 8 rows).
+// address arithmetic done once per CTA instead of once per row and tile (a
+// 64-bit address rebuilt per row costs about 20 instructions per 16-byte
+// copy, which the main loop issues between the barrier and the first mma).
+// Here a tile costs one 64-bit multiply-add, then two adds per row.
 template <class T, int kRows, int kDim, int kThreads>
 struct RaggedTileCopy {
   using R = TileRows<kRows, kDim, kThreads>;
@@ -189,13 +168,7 @@ struct RaggedTileCopy {
     src = rows.base + int64_t(row0) * stride_n + chunk * 8;
   }
 
-  __device__ __forceinline__ uint32_t row_off(int i) const {
-    if constexpr (R::kRowsPerPass % 8 == 0) {
-      return swizzled<kRowBytes>(row0, chunk) + i * R::kRowsPerPass * kRowBytes;
-    } else {
-      return swizzled<kRowBytes>(row0 + i * R::kRowsPerPass, chunk);
-    }
-  }
+  __device__ __forceinline__ uint32_t row_off(int i) const { return tile_row_off<R, kRowBytes>(row0, chunk, i); }
 
   // Copies keys first .. first + kRows - 1 into the tile at `dst`; rows at or
   // past `valid` are zero-filled, reading nothing (`fallback`: a mapped address).
@@ -211,6 +184,53 @@ struct RaggedTileCopy {
         const bool ok = row0 + i * R::kRowsPerPass < valid;
         cp_async_16(dst + row_off(i), ok ? s + i * step : fallback, ok);
       }
+    }
+  }
+};
+
+// The copies of one thread into paged K or V tiles. Each row's page is looked
+// up a tile ahead (lookup), then its address costs a multiply-shift division
+// by the page size, one wide multiply-add and an add: byte strides are 32-bit
+// (the host keeps strides below 2 GiB and a page's tokens below 4 GiB).
+template <class T, int kRows, int kDim, int kThreads>
+struct PagedTileCopy {
+  using R = TileRows<kRows, kDim, kThreads>;
+  static constexpr int kRowBytes = kDim * 2;
+  const char* base;     // the KV head and this thread's chunk applied
+  uint32_t page_bytes;  // between pages
+  uint32_t row_bytes;   // between tokens within a page
+  const int32_t* pages;
+  FastDivmod page_size;
+  int chunk, row0;
+
+  __device__ __forceinline__ PagedTileCopy(const KvRows<T, true>& rows, int tid) : page_size(rows.page_size) {
+    chunk = tid % R::kChunks;
+    row0 = tid / R::kChunks;
+    base = reinterpret_cast<const char*>(rows.base + chunk * 8);
+    page_bytes = uint32_t(rows.stride_page * int64_t(sizeof(T)));
+    row_bytes = uint32_t(rows.stride_n * int64_t(sizeof(T)));
+    pages = rows.pages;
+  }
+
+  // Pages of this thread's rows of the tile at key `first` (0 past `valid`).
+  __device__ __forceinline__ void lookup(int (&page)[R::kPerThread], int first, int valid) const {
+#pragma unroll
+    for (int i = 0; i < R::kPerThread; ++i) {
+      const int row = row0 + i * R::kRowsPerPass;
+      page[i] = row < valid ? pages[page_size.div(first + row)] : 0;
+    }
+  }
+
+  // Copies keys first .. first + kRows - 1 (their pages from lookup) into the
+  // tile at `dst`; rows at or past `valid` are zero-filled, reading nothing.
+  __device__ __forceinline__ void issue(uint32_t dst, const int (&page)[R::kPerThread], int first, int valid) const {
+#pragma unroll
+    for (int i = 0; i < R::kPerThread; ++i) {
+      const int row = row0 + i * R::kRowsPerPass, key = first + row;
+      const bool ok = row < valid;
+      const uint32_t slot = uint32_t(page_size.mod(key, page_size.div(key)));
+      const char* src = base + (uint64_t(uint32_t(page[i])) * page_bytes + slot * row_bytes);
+      cp_async_16(dst + tile_row_off<R, kRowBytes>(row0, chunk, i), ok ? src : base, ok);
     }
   }
 };
