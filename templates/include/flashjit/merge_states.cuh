@@ -9,16 +9,19 @@
 
 namespace flashjit {
 
-// One warp per (token, head): token `row / num_qo_heads` has partial rows
+// One CTA per (token, head): token `row / num_qo_heads` has partial rows
 // [first, first + count) (see partial_row in work.cuh); a token with none was
-// written by its attention CTA directly.
+// written by its attention CTA directly. A long context leaves dozens of
+// partial rows per head and only a few heads to merge, so the warps split the
+// partial rows (loads of several in flight each) and combine through shared
+// memory; one warp walking all of them serially costs microseconds of latency.
 template <class DTypeO, int kHeadDim>
 __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_constant__ FlashjitAttentionParams p) {
   static_assert(kHeadDim % 32 == 0, "one lane per 32 dims");
-  constexpr int kDimsPerLane = kHeadDim / 32;
-  const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;  // token * heads + head
-  if (row >= p.qo_len * p.num_qo_heads) return;
+  constexpr int kWarps = 4, kDimsPerLane = kHeadDim / 32;
+  __shared__ float s_max[kWarps], s_sum[kWarps], s_acc[kWarps][kHeadDim];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int row = blockIdx.x;  // token * heads + head
   const int token = row / p.num_qo_heads, head = row % p.num_qo_heads;
   int64_t first;
   int count;
@@ -29,24 +32,45 @@ __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_co
     first = int64_t(token) * p.num_splits;
     count = p.num_splits;
   }
-  if (count == 0) return;
+  if (count == 0) return;  // uniform across the CTA
+  auto lse_of = [&](int s) { return p.partial_lse[(first + s) * p.num_qo_heads + head]; };
 
   float m = -CUDART_INF_F;
-  for (int s = 0; s < count; ++s) m = fmaxf(m, p.partial_lse[(first + s) * p.num_qo_heads + head]);
+  for (int s = threadIdx.x; s < count; s += 32 * kWarps) m = fmaxf(m, lse_of(s));
+  m = warp_max(m);
+  if (lane == 0) s_max[warp] = m;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, s_max[w]);
+
   float acc[kDimsPerLane] = {};
   float sum = 0.f;
-  for (int s = 0; s < count; ++s) {
-    const int64_t idx = (first + s) * p.num_qo_heads + head;
-    const float w = exp2_diff(p.partial_lse[idx], m);
+#pragma unroll 4
+  for (int s = warp; s < count; s += kWarps) {
+    const float w = exp2_diff(lse_of(s), m);
     sum += w;
-    const float* src = p.partial_o + idx * kHeadDim;
+    const float* src = p.partial_o + ((first + s) * p.num_qo_heads + head) * kHeadDim;
 #pragma unroll
     for (int i = 0; i < kDimsPerLane; ++i) acc[i] = fmaf(w, src[lane + 32 * i], acc[i]);
   }
+  if (lane == 0) s_sum[warp] = sum;
+#pragma unroll
+  for (int i = 0; i < kDimsPerLane; ++i) s_acc[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+  if (warp != 0) return;
+
+  sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) sum += s_sum[w];
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   DTypeO* out = static_cast<DTypeO*>(p.o) + token * p.o_stride_n + head * p.o_stride_h;
 #pragma unroll
-  for (int i = 0; i < kDimsPerLane; ++i) out[lane + 32 * i] = from_float<DTypeO>(acc[i] * inv);
+  for (int i = 0; i < kDimsPerLane; ++i) {
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) o += s_acc[w][lane + 32 * i];
+    out[lane + 32 * i] = from_float<DTypeO>(o * inv);
+  }
   if (p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_n + head] = sum > 0.f ? m + log2f(sum) : -CUDART_INF_F;
 }
 
@@ -57,8 +81,7 @@ int launch_merge_split_states(const FlashjitAttentionParams& p, bool write_lse, 
   if (rows == 0) return cudaSuccess;
   FlashjitAttentionParams merged = p;
   if (!write_lse) merged.lse = nullptr;
-  constexpr int kWarps = 4;
-  merge_split_states_kernel<DTypeO, kHeadDim><<<(rows + kWarps - 1) / kWarps, 32 * kWarps, 0, stream>>>(merged);
+  merge_split_states_kernel<DTypeO, kHeadDim><<<rows, 128, 0, stream>>>(merged);
   return cudaGetLastError();
 }
 

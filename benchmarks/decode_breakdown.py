@@ -1,0 +1,70 @@
+"""Per-kernel GPU time of paged decode calls (attention, split-KV merge), from
+torch.profiler: where a split-KV row's time goes beyond its attention kernel.
+
+Usage: python benchmarks/decode_breakdown.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+
+import torch
+from common import emit
+from decode import BF16, D, PAGE, paged_cache
+
+import flashjit
+
+ROWS = [("GQA 64x4k 32/8", 64, 4096, 32, 8), ("split 1x32k 32/8", 1, 32768, 32, 8),
+        ("split 1x128k 32/8", 1, 131072, 32, 8)]
+CALLS = 20
+
+
+def kernel_times(fn) -> dict[str, float]:
+    """Mean µs per call of each CUDA kernel that fn launches."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            fn()
+        torch.cuda.synchronize()
+    times = defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            times[event.key] += event.device_time_total / CALLS
+    return dict(times)
+
+
+def short_name(kernel: str) -> str:
+    for label in ("merge_split_states", "decode_attention", "fa2_attention", "cuda_core_attention"):
+        if label in kernel:
+            return label
+    return kernel[:40]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    lines = [f"device: {torch.cuda.get_device_name()}; bf16 paged decode, head_dim {D}, page {PAGE}; "
+             f"mean µs per call over {CALLS} calls (torch.profiler)", "",
+             "| row | cores | split chunk (keys) | kernel | µs |", "|---|---|---|---|---|"]
+    for label, batch, kv_len, qo_heads, kv_heads in ROWS:
+        cache, indptr, indices, last = paged_cache(batch, kv_len, kv_heads)
+        q = torch.randn(batch, qo_heads, D, dtype=BF16, device="cuda")
+        for tensor_cores in (False, True):
+            w = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace, use_tensor_cores=tensor_cores)
+            w.plan(indptr, indices, last, qo_heads, kv_heads, D, PAGE, q_data_type=BF16)
+            chunk = w._plan.work.kv_chunk or "none"  # the plan's split, for the table
+            for kernel, us in sorted(kernel_times(lambda: w.run(q, cache)).items(), key=lambda kv: -kv[1]):
+                lines.append(f"| {label} | {'tensor' if tensor_cores else 'CUDA'} | {chunk} | "
+                             f"{short_name(kernel)} | {us:.1f} |")
+                print(lines[-1], flush=True)
+    emit("\n".join(lines), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
