@@ -17,36 +17,32 @@ _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 @dataclass(frozen=True)
 class CudaCoreTiling:
+    """Prefill on CUDA cores (cuda_core_attention.cuh): row warps share 32-key tiles."""
     rows_per_warp: int
     row_warps: int
-    kv_warps: int
 
     @property
     def rows_per_cta(self) -> int:
         return self.rows_per_warp * self.row_warps
 
     def rescales(self, spec: KernelSpec) -> tuple[int, int]:
-        """(keys per online-softmax rescale, merge rescales): a key's weight passes
-        through one rescale per 32-key tile of its KV warp, then the KV-warp merge."""
-        return 32 * self.kv_warps, (1 if self.kv_warps > 1 else 0)
+        """(keys per online-softmax rescale, merge rescales): one per 32-key tile."""
+        return 32, 0
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of CudaCoreTraits::kSmemBytes (cuda_core_attention.cuh)."""
+        """Mirror of CudaCoreTraits::kSmemBytes: fp32 Q, P per warp, one K and one V tile."""
         elt = _DTYPE_BYTES[spec.dtype_kv]
         keys = 32
-        rows = self.rows_per_warp * self.row_warps
-        warps = self.row_warps * self.kv_warps
-        q = 4 * rows * spec.head_dim_qk
+        q = 4 * self.rows_per_cta * spec.head_dim_qk
+        p = 4 * self.row_warps * self.rows_per_warp * keys
         k_tile = elt * keys * (spec.head_dim_qk + 16 // elt)
         v_tile = elt * keys * spec.head_dim_vo
-        p = 4 * warps * self.rows_per_warp * keys
-        merge = 4 * warps * self.rows_per_warp * (spec.head_dim_vo + 2)
-        return q + p + max(self.kv_warps * (k_tile + v_tile), merge)
+        return q + p + k_tile + v_tile
 
 
 def cuda_core_tiling(spec: KernelSpec) -> CudaCoreTiling:
     """Prefill on CUDA cores: four row warps of four rows each."""
-    tiling = CudaCoreTiling(rows_per_warp=4, row_warps=4, kv_warps=1)
+    tiling = CudaCoreTiling(rows_per_warp=4, row_warps=4)
     if tiling.smem_bytes(spec) <= SMEM_BUDGET:
         return tiling
     raise ValueError(f"{spec.name}: no CUDA-core tiling fits {SMEM_BUDGET} bytes of shared memory")
@@ -103,6 +99,10 @@ class Fa2Tiling:
     # The math walks each tile in this many steps of keys_per_tile / sub_tiles
     # keys (S registers for one step), with copies and barriers per tile.
     sub_tiles: int = 1
+    # One cp.async wait and CTA barrier per tile for K and V together (at the top
+    # of the tile) instead of one for K there and one for V before P.V. Rows-split
+    # mode only; ignored with split_keys.
+    one_wait: bool = False
 
     @property
     def rows_per_cta(self) -> int:

@@ -1,9 +1,8 @@
 // Attention on CUDA cores: fp32 logits, fp32 softmax and fp32 P.V throughout.
 //
-// A CTA owns kRowWarps * kRowsPerWarp packed rows of one KV head. Its warps form
-// a kRowWarps x kKvWarps grid: row warps split the rows, KV warps split the key
-// tiles (interleaved) and merge their partial softmax states at the end. Prefill
-// uses many row warps; decode, with few rows, uses KV warps to keep bandwidth up.
+// A CTA owns kRowWarps * kRowsPerWarp packed rows of one KV head; its warps
+// split the rows and share each K/V tile. Prefill runs here; decode, with a
+// handful of rows per KV head, has its own kernel (cuda_core_decode.cuh).
 //
 // Per 32-key tile each lane owns one key for Q.K (reading a 16-byte-padded K row,
 // conflict-free) and owns head dims lane, lane+32, ... for P.V.
@@ -17,7 +16,7 @@
 namespace flashjit {
 
 template <class DTypeQ_, class DTypeKV_, class DTypeO_, int kHeadDimQK_, int kHeadDimVO_,
-          int kRowsPerWarp_, int kRowWarps_, int kKvWarps_, bool kPaged_, bool kCausal_, bool kWindow_,
+          int kRowsPerWarp_, int kRowWarps_, bool kPaged_, bool kCausal_, bool kWindow_,
           bool kSoftCap_, bool kLse_>
 struct CudaCoreTraits {
   using DTypeQ = DTypeQ_;
@@ -27,7 +26,6 @@ struct CudaCoreTraits {
   static constexpr int kHeadDimVO = kHeadDimVO_;
   static constexpr int kRowsPerWarp = kRowsPerWarp_;
   static constexpr int kRowWarps = kRowWarps_;
-  static constexpr int kKvWarps = kKvWarps_;
   static constexpr bool kPaged = kPaged_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kWindow = kWindow_;
@@ -38,7 +36,7 @@ struct CudaCoreTraits {
   // A minimum of 3 resident CTAs (at most 170 registers a thread) is what keeps
   // ptxas from spilling a few bytes in some variants; shared memory allows 3 anyway.
   static constexpr int kMinBlocksPerSm = 3;
-  static constexpr int kThreads = 32 * kRowWarps * kKvWarps;
+  static constexpr int kThreads = 32 * kRowWarps;
   static constexpr int kRowsPerCta = kRowsPerWarp * kRowWarps;
   static constexpr int kKvVec = Vec16<DTypeKV>::kElems;
   // K rows padded by 16 bytes so that lanes reading different rows at the same
@@ -53,13 +51,8 @@ struct CudaCoreTraits {
   static constexpr size_t kQBytes = sizeof(float) * kRowsPerCta * kHeadDimQK;
   static constexpr size_t kKTileBytes = sizeof(DTypeKV) * kKeysPerTile * kKRowStride;
   static constexpr size_t kVTileBytes = sizeof(DTypeKV) * kKeysPerTile * kHeadDimVO;
-  static constexpr size_t kPBytes = sizeof(float) * kRowWarps * kKvWarps * kRowsPerWarp * kKeysPerTile;
-  static constexpr size_t kTileBytes = kKvWarps * (kKTileBytes + kVTileBytes);
-  // The KV-warp merge reuses the tile buffers once the main loop is done.
-  static constexpr size_t kMergeBytes =
-      sizeof(float) * kRowWarps * kKvWarps * kRowsPerWarp * (kHeadDimVO + 2);
-  static constexpr size_t kSmemBytes =
-      kQBytes + kPBytes + (kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes);
+  static constexpr size_t kPBytes = sizeof(float) * kRowWarps * kRowsPerWarp * kKeysPerTile;
+  static constexpr size_t kSmemBytes = kQBytes + kPBytes + kKTileBytes + kVTileBytes;
 };
 
 // Issues asynchronous copies of kRows keys from `first` on (ragged rows or
@@ -88,7 +81,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   using DTypeO = typename Traits::DTypeO;
   constexpr int D_QK = Traits::kHeadDimQK, D_VO = Traits::kHeadDimVO;
   constexpr int R = Traits::kRowsPerWarp, KEYS = Traits::kKeysPerTile;
-  constexpr int KV_WARPS = Traits::kKvWarps, ROW_WARPS = Traits::kRowWarps;
+  constexpr int ROW_WARPS = Traits::kRowWarps;
   constexpr int DPL = Traits::kDimsPerLane;
   constexpr float kLog2e = 1.4426950408889634f;
 
@@ -98,7 +91,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   unsigned char* tiles = smem + Traits::kQBytes + Traits::kPBytes;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int row_warp = warp % ROW_WARPS, kv_warp = warp / ROW_WARPS;
+  const int row_warp = warp;
   const CtaWork w = decode_work<Traits::kPaged>(p, Traits::kRowsPerCta);
   const int rows_total = w.qo_len * w.group;
   if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
@@ -130,15 +123,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int key_begin = max((mask.key_begin(cta_q_first) / KEYS) * KEYS, w.kv_begin);
   const int key_end = min(mask.key_end(cta_q_last / w.group, w.kv_len), w.kv_end);
   const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
-  const int rounds = (num_tiles + KV_WARPS - 1) / KV_WARPS;
 
-  DTypeKV* k_s = reinterpret_cast<DTypeKV*>(tiles + kv_warp * Traits::kKTileBytes);
-  DTypeKV* v_s = reinterpret_cast<DTypeKV*>(tiles + KV_WARPS * Traits::kKTileBytes +
-                                            kv_warp * Traits::kVTileBytes);
+  DTypeKV* k_s = reinterpret_cast<DTypeKV*>(tiles);
+  DTypeKV* v_s = reinterpret_cast<DTypeKV*>(tiles + Traits::kKTileBytes);
   float* my_p = p_s + (warp * R) * KEYS;
   const auto k_rows = kv_rows<DTypeKV, Traits::kPaged>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page);
   const auto v_rows = kv_rows<DTypeKV, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page);
-  const int loader = row_warp * 32 + lane;  // the row warps of one KV warp load its tile together
+  const int loader = threadIdx.x;  // all warps load each tile together
 
   float m[R], l[R], acc[R][DPL];
 #pragma unroll
@@ -149,20 +140,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     for (int i = 0; i < DPL; ++i) acc[r][i] = 0.f;
   }
 
-  for (int round = 0; round < rounds; ++round) {
-    const int tile = round * KV_WARPS + kv_warp;
+  for (int tile = 0; tile < num_tiles; ++tile) {
     const int t0 = key_begin + tile * KEYS;
-    const bool active = tile < num_tiles;
     __syncthreads();  // previous tiles fully consumed (and q_s written, first time)
-    if (active) {
-      const int valid = min(KEYS, w.kv_len - t0);
-      copy_rows_async<DTypeKV, D_QK, Traits::kKRowStride, KEYS, 32 * ROW_WARPS>(k_s, k_rows, t0, valid, loader);
-      copy_rows_async<DTypeKV, D_VO, D_VO, KEYS, 32 * ROW_WARPS>(v_s, v_rows, t0, valid, loader);
-    }
+    const int valid = min(KEYS, w.kv_len - t0);
+    copy_rows_async<DTypeKV, D_QK, Traits::kKRowStride, KEYS, 32 * ROW_WARPS>(k_s, k_rows, t0, valid, loader);
+    copy_rows_async<DTypeKV, D_VO, D_VO, KEYS, 32 * ROW_WARPS>(v_s, v_rows, t0, valid, loader);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    if (!active) continue;
 
     // Logits for key t0 + lane, one per row of this warp.
     float s[R];
@@ -227,43 +213,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
 #pragma unroll
   for (int r = 0; r < R; ++r) l[r] = warp_sum(l[r]);
-
-  if constexpr (KV_WARPS > 1) {
-    // Merge the KV warps' partial states (m, l, acc) into KV warp 0.
-    __syncthreads();
-    float* merge = reinterpret_cast<float*>(tiles);
-    constexpr int kStride = D_VO + 2;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float* slot = merge + ((kv_warp * ROW_WARPS + row_warp) * R + r) * kStride;
-      if (lane == 0) {
-        slot[D_VO] = m[r];
-        slot[D_VO + 1] = l[r];
-      }
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) slot[lane + 32 * i] = acc[r][i];
-    }
-    __syncthreads();
-    if (kv_warp != 0) return;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float m_all = -CUDART_INF_F;
-      for (int kw = 0; kw < KV_WARPS; ++kw)
-        m_all = fmaxf(m_all, merge[((kw * ROW_WARPS + row_warp) * R + r) * kStride + D_VO]);
-      float l_all = 0.f;
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) acc[r][i] = 0.f;
-      for (int kw = 0; kw < KV_WARPS; ++kw) {
-        const float* slot = merge + ((kw * ROW_WARPS + row_warp) * R + r) * kStride;
-        const float f = exp2_diff(slot[D_VO], m_all);
-        l_all += slot[D_VO + 1] * f;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[r][i] = fmaf(slot[lane + 32 * i], f, acc[r][i]);
-      }
-      m[r] = m_all;
-      l[r] = l_all;
-    }
-  }
 
 #pragma unroll
   for (int r = 0; r < R; ++r) {
