@@ -53,30 +53,45 @@ def _item_cost(qo_len: int, kv_len: int, tile: int, rows_per_cta: int, group: in
     return kv_len + _ITEM_OVERHEAD
 
 
-def _estimate(base, chunk: int, slots: int, heads: int) -> float:
+def _estimate(columns, chunk: int, slots: int, heads: int) -> float:
     """Run time, in keys, of the plan that cuts requests into `chunk`-key
-    pieces (0: none): the longest item, or whole waves times the mean item."""
-    count, total, longest = 0, 0, 0
-    for cost, _, _, kv, rows in base:
-        n = ceil_div(kv, chunk) if chunk and kv > chunk else 1
-        extra = 0 if n == 1 else _ITEM_OVERHEAD + _PARTIAL_PER_ROW * rows
-        count += n
-        total += cost + (n - 1) * _ITEM_OVERHEAD + n * extra
-        longest = max(longest, cost if n == 1 else chunk + extra)
+    pieces (0: none): the longest item, or whole waves times the mean item.
+    columns: (costs, kv lengths, query rows) of the unsplit items."""
+    costs, kvs, rows = columns
+    total = sum(costs)
+    if not chunk:
+        count, longest = len(costs), max(costs)
+    else:
+        count, whole_longest, split_rows = 0, 0, -1
+        for cost, kv, r in zip(costs, kvs, rows):  # one pass: this runs for every candidate chunk
+            if kv > chunk:  # n pieces, each with the item overhead and its rows' partial state
+                n = -(-kv // chunk)
+                count += n
+                total += (n - 1) * _ITEM_OVERHEAD + n * (_ITEM_OVERHEAD + _PARTIAL_PER_ROW * r)
+                split_rows = max(split_rows, r)
+            else:
+                count += 1
+                whole_longest = max(whole_longest, cost)
+        split_longest = chunk + _ITEM_OVERHEAD + _PARTIAL_PER_ROW * split_rows if split_rows >= 0 else 0
+        longest = max(whole_longest, split_longest)
     waves = ceil_div(count * heads, slots)
     return max(longest, waves * total / count) + (_SPLIT_OVERHEAD if chunk else 0)
 
 
 def _best_chunk(base, slots: int, heads: int, align: int) -> int:
     step = max(align, CHUNK_ALIGN)
-    longest_kv = max(item[3] for item in base)
-    unsplit = _estimate(base, 0, slots, heads)
-    best, best_time = 0, unsplit
+    columns = ([b[0] for b in base], [b[3] for b in base], [b[4] for b in base])
+    longest_kv = max(columns[1])
+    unsplit = _estimate(columns, 0, slots, heads)
+    best, best_time, tried = 0, unsplit, set()
     for pieces in range(2, _MAX_PIECES + 1):
         chunk = ceil_div(ceil_div(longest_kv, pieces), step) * step
         if chunk < MIN_CHUNK_KEYS:
             break
-        t = _estimate(base, chunk, slots, heads)
+        if chunk in tried:  # several piece counts round to one chunk
+            continue
+        tried.add(chunk)
+        t = _estimate(columns, chunk, slots, heads)
         if t < best_time:
             best, best_time = chunk, t
     return best if best_time < (1 - _MIN_GAIN) * unsplit else 0
