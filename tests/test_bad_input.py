@@ -391,6 +391,11 @@ def test_paged_cache_geometry(layout, form):
     assert torch.equal(k, cache[:, 0]) and torch.equal(v, cache[:, 1])
     if form == "5d":
         assert k.data_ptr() == cache.data_ptr() and ks[2] == cache.stride(0)
+    # The launch path: the same geometry, K and V addresses without views (5-D), twice (memoised).
+    for _ in range(2):
+        k_src, v_src, v_offset, *geometry = _checks.paged_kv_sources(arg, layout)
+        assert tuple(geometry) == (n, ps, h, d, ks, vs)
+        assert k_src.data_ptr() == k.data_ptr() and v_src.data_ptr() + v_offset == v.data_ptr()
 
 
 @pytest.mark.parametrize("strides,page_size,match", [

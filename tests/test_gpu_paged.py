@@ -124,7 +124,7 @@ def test_batch_prefill_paged(prewarmed, error_report, dtype, tensor_cores, head_
 
 @pytest.mark.parametrize("form", ["5d", "tuple"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("page_size", [1, 16, 32, 64])
+@pytest.mark.parametrize("page_size", [1, 3, 7, 16, 32, 64])  # 3, 7: the page division without a shift
 @pytest.mark.parametrize("tensor_cores", [False, True], ids=["cc", "tc"])
 @pytest.mark.parametrize("op", ["decode", "prefill"])
 def test_page_sizes_layouts_and_forms(prewarmed, error_report, op, tensor_cores, page_size, layout, form):
@@ -139,6 +139,18 @@ def test_page_sizes_layouts_and_forms(prewarmed, error_report, op, tensor_cores,
         spec = spec_for("batch_prefill_paged", dtype, head_dim, True, tensor_cores=tensor_cores)
     check(spec, out, ref, q, batch.k, batch.v, max(batch.kv_lens), 1 / math.sqrt(head_dim), error_report,
           f"paged_{op}", lse=lse, ref_lse=ref_lse, shape=f"page{page_size}_{layout}_{form}", heads=heads)
+
+
+# Group sizes beside the sweep's 1, 4 and 8: the CUDA-core decode kernel
+# instantiates 1, 2 and 4 rows per CTA and pads 3; 6 and 16 take two and four row tiles.
+@pytest.mark.parametrize("heads", [(4, 2), (6, 2), (12, 2), (16, 1)], ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cc", "tc"])
+def test_decode_group_sizes(prewarmed, error_report, tensor_cores, heads):
+    dtype, head_dim = torch.bfloat16, 128
+    _, batch, q, out, lse, ref, ref_lse = decode_case(DECODE_LENS, dtype, tensor_cores, head_dim, heads)
+    spec = spec_for("batch_decode_paged", dtype, head_dim, tensor_cores=tensor_cores)
+    check(spec, out, ref, q, batch.k, batch.v, max(DECODE_LENS), 1 / math.sqrt(head_dim), error_report,
+          "batch_decode_paged", lse=lse, ref_lse=ref_lse, shape="groups", heads=heads)
 
 
 @pytest.mark.parametrize("split", ["auto", "fixed", "disabled"])

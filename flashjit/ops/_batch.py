@@ -186,9 +186,12 @@ class BatchAttention:
             lse = None
         return out, lse
 
-    def _launch(self, q, k, v, k_strides: tuple, v_strides: tuple, out, lse) -> None:
+    def _launch(self, q, k, v, k_strides: tuple, v_strides: tuple, out, lse, v_offset: int = 0) -> None:
+        """v_offset: bytes from v's address to V's first element (one 5-D paged cache passes itself as k and v)."""
         plan = self._plan
-        key = (q.stride(), q.device, k.device, v.device, k_strides, v_strides)  # devices: checked once per key
+        q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr() + v_offset
+        # Devices and alignment are checked once per key.
+        key = (q.stride(), q.device, k.device, v.device, k_strides, v_strides, q_ptr % 16, k_ptr % 16, v_ptr % 16)
         tail = self._tails.get(key)
         if tail is None:
             check_placement(q, k, v, plan.module.spec)
@@ -197,7 +200,7 @@ class BatchAttention:
             params = fill_params(q, plan.num_kv_heads, k_strides, v_strides, plan.page_size,
                                  (plan.num_qo_heads * plan.head_dim, plan.head_dim), plan.num_qo_heads, *plan.scalars)
             tail = self._tails[key] = bytes(params)[PER_CALL.size:]
-        packed = PER_CALL.pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+        packed = PER_CALL.pack(q_ptr, k_ptr, v_ptr, out.data_ptr(),
                                0 if lse is None else lse.data_ptr(), *plan.pointers, *plan.partials, plan.num_work,
                                plan.merge_tokens, 0, 1, 0) + tail
         run_on(plan.module, packed, self._device.index)

@@ -60,8 +60,8 @@ class _PagedAttention(BatchAttention):
             raise NotImplementedError(f"{sorted(kwargs)}: not supported by flashjit's {type(self).__name__}.run()")
         if window_left is not None and window_left != plan.scalars[1]:
             raise ValueError(f"window_left: expected {plan.scalars[1]} (as planned) or None, got {window_left}")
-        k, v, num_pages, page_size, heads, dim, k_strides, v_strides = _checks.paged_kv_cache(paged_kv_cache,
-                                                                                              self._kv_layout)
+        k, v, v_offset, num_pages, page_size, heads, dim, k_strides, v_strides = _checks.paged_kv_sources(
+            paged_kv_cache, self._kv_layout)
         key = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.stride())
         if key not in self._validated:
             self._check_q(q, plan)
@@ -69,11 +69,11 @@ class _PagedAttention(BatchAttention):
             if (page_size, heads, dim) != (plan.page_size, plan.num_kv_heads, plan.head_dim):
                 raise ValueError(f"paged_kv_cache: expected page_size {plan.page_size}, {plan.num_kv_heads} kv heads "
                                  f"and head_dim {plan.head_dim} as planned (layout {self._kv_layout}), got "
-                                 f"{page_size}, {heads} and {dim} (shape {tuple(k.shape)} per K/V)")
+                                 f"{page_size}, {heads} and {dim} (shape {tuple(k.shape)})")
         if plan.max_page >= num_pages:
             raise ValueError(f"{self._indices_name}: page id {plan.max_page} is past the cache's {num_pages} pages")
         out, lse = self._outputs(q, plan, out, lse, return_lse)
-        self._launch(q, k, v, k_strides, v_strides, out, lse)
+        self._launch(q, k, v, k_strides, v_strides, out, lse, v_offset)
         self._validated.add(key)
         return (out, lse) if return_lse else out
 
