@@ -54,10 +54,14 @@ def main() -> int:
     for label, batch, kv_len, qo_heads, kv_heads in ROWS:
         cache, indptr, indices, last = paged_cache(batch, kv_len, kv_heads)
         q = torch.randn(batch, qo_heads, D, dtype=BF16, device="cuda")
-        for tensor_cores in (False, True):
+        # The planner's choice, and the same row with splitting disabled.
+        for tensor_cores, no_split in ((False, False), (True, False), (False, True), (True, True)):
             w = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace, use_tensor_cores=tensor_cores)
-            w.plan(indptr, indices, last, qo_heads, kv_heads, D, PAGE, q_data_type=BF16)
+            w.plan(indptr, indices, last, qo_heads, kv_heads, D, PAGE, q_data_type=BF16, disable_split_kv=no_split)
             chunk = w._plan.work.kv_chunk or "none"  # the plan's split, for the table
+            if no_split and chunk == "none" and batch > 1:
+                continue  # the planner did not split this row either: nothing new to time
+            chunk = f"{chunk} (split disabled)" if no_split else chunk
             for kernel, us in sorted(kernel_times(lambda: w.run(q, cache)).items(), key=lambda kv: -kv[1]):
                 lines.append(f"| {label} | {'tensor' if tensor_cores else 'CUDA'} | {chunk} | "
                              f"{short_name(kernel)} | {us:.1f} |")
