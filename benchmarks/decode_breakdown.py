@@ -59,8 +59,6 @@ def main() -> int:
             w = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace, use_tensor_cores=tensor_cores)
             w.plan(indptr, indices, last, qo_heads, kv_heads, D, PAGE, q_data_type=BF16, disable_split_kv=no_split)
             chunk = w._plan.work.kv_chunk or "none"  # the plan's split, for the table
-            if no_split and chunk == "none" and batch > 1:
-                continue  # the planner did not split this row either: nothing new to time
             chunk = f"{chunk} (split disabled)" if no_split else chunk
             for kernel, us in sorted(kernel_times(lambda: w.run(q, cache)).items(), key=lambda kv: -kv[1]):
                 lines.append(f"| {label} | {'tensor' if tensor_cores else 'CUDA'} | {chunk} | "
