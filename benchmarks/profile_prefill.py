@@ -1,12 +1,38 @@
 """One bf16 prefill call of flashjit fa2 and of FlashInfer fa2 (when importable),
 for a profiler to compare: `ncu -k regex:'fa2_attention|Prefill' python benchmarks/profile_prefill.py`.
-Shape: 4 requests x 4096 tokens, 16 heads, head_dim 128, not causal."""
+Shape: 4 requests x 4096 tokens, 16 heads, head_dim 128, not causal.
+`--templates DIR` renders from an older templates/ copy (as fa2_tilings.py's --baseline-templates);
+`--tiling 'Fa2Tiling(...)'` replaces the d128 default tiling; `--no-flashinfer` skips FlashInfer."""
 
 from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
 
 import torch
 
 import flashjit
+from flashjit import kernels, render
+from flashjit.kernels import Fa2Tiling  # noqa: F401  (for --tiling)
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--templates", type=Path)
+parser.add_argument("--tiling")
+parser.add_argument("--no-flashinfer", action="store_true")
+args = parser.parse_args()
+if args.templates:
+    folder = args.templates.resolve()
+    render.templates_dir = lambda: folder
+    render.environment.cache_clear()
+    render.generator_digest.cache_clear()
+if args.tiling:
+    kernels.FA2_TILINGS[128] = eval(args.tiling)
+if args.templates or args.tiling:
+    # The cache key hashes kernels.py's file, not a tiling replaced at run time: a
+    # fresh cache keeps a variant from loading the default's library.
+    os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fa2-profile-")
 
 b, s, h, d = 4, 4096, 16, 128
 indptr = torch.arange(b + 1, dtype=torch.int32) * s
@@ -15,6 +41,8 @@ w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=tor
 w.plan(indptr, indptr, h, h, d, causal=False, q_data_type=torch.bfloat16)
 w.run(q, k, v)
 try:
+    if args.no_flashinfer:
+        raise ImportError
     import flashinfer
 
     fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),

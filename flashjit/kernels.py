@@ -128,11 +128,15 @@ class Fa2Tiling:
 # with 64-key tiles in two 32-key steps (sub_tiles=2) ran 5-12% faster on the
 # non-causal rows but up to 3% slower on the causal ones, and its 96 KB would
 # leave one CTA per SM on an A100 (2026-11-22-h200-fa2-prefill-copies.md). d256 has
-# one fragment (its 128 O registers leave no room). docs/fa2_notes.md.
+# one fragment (its 128 O registers leave no room). d128 waits for K and V together
+# at the top of each tile (one_wait: one CTA barrier per tile instead of two), as
+# does d256: d128 +1-19% (mean +13%) in two H200 runs, d256 +0-14%
+# (2026-11-22-h200-fa2-prefill-softmax.md); d64 gained only 1-3% from it and
+# spills 4-60 bytes with soft-cap. docs/fa2_notes.md.
 FA2_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2),
-    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=1),
-    256: Fa2Tiling(warps=4, keys_per_tile=32, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=1),
+    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=1, one_wait=True),
+    256: Fa2Tiling(warps=4, keys_per_tile=32, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=1, one_wait=True),
 }
 
 

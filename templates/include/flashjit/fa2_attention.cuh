@@ -29,7 +29,7 @@
 namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
-          bool kQInRegs_, int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_,
+          bool kOneWait_, bool kQInRegs_, int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_,
           bool kSoftCap_, bool kLse_>
 struct Fa2Traits {
   using DType = DType_;
@@ -45,6 +45,12 @@ struct Fa2Traits {
   // with 32-key steps, and 64-key tiles halve the barriers per key.
   static constexpr int kSubTiles = kSubTiles_;
   static constexpr int kStages = kStages_;
+  // One cp.async wait and one CTA barrier per tile, for K and V together, at the
+  // top of the tile (instead of K there and V again before P.V): half the
+  // barriers, and the P.V ldmatrix loads may be scheduled across the softmax.
+  // V_t must then land by the top of tile t, not by the end of its softmax.
+  // Rows-split mode only (split keys synchronise with __syncwarp).
+  static constexpr bool kOneWait = kOneWait_ && !kSplitKeys_;
   // Q fragments held in registers for the whole KV loop (D/4 registers per
   // thread); else re-read from shared memory with ldmatrix every tile, which
   // D = 256 needs to stay clear of spills next to its 128 O registers.
@@ -114,7 +120,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr int NT_O = D / 8;           // n8 tiles of O
   constexpr bool kQInRegs = Traits::kQInRegs;
   // Commit groups are [Q + K_0], [V_0], [K_1], [V_1], ...; see the main loop.
-  constexpr int kWaitK = 2 * STAGES - 3, kWaitV = 2 * STAGES - 2;
+  // With kOneWait, wait_group(2S-4) at the top of tile t completes V_t as well.
+  constexpr int kWaitK = 2 * STAGES - 3, kWaitV = 2 * STAGES - 2, kWaitKV = 2 * STAGES - 4;
   constexpr float kLog2e = 1.4426950408889634f;
   const float kNegInf = -CUDART_INF_F;
 
@@ -287,13 +294,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // barrier after it also proves every warp (with split keys: every lane of
     // this warp, the only reader of its rows) finished tile t-1, whose slot
     // (t-1) % S == (t+S-1) % S then receives tile t+S-1 ([K], [V]: two more
-    // groups). 2S-2 groups then follow V_t: wait_group(2S-2) before P.V.
+    // groups). 2S-2 groups then follow V_t: wait_group(2S-2) before P.V. With
+    // kOneWait, wait_group(2S-4) before that barrier completes V_t too, and P.V
+    // needs no second wait or barrier.
     for (int t = 0; t < num_tiles; ++t) {
       const uint32_t k_s = kv_smem + (t % STAGES) * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
       const int t0 = key_begin + t * KEYS;
 
-      cp_async_wait<kWaitK>();
+      if constexpr (Traits::kOneWait) {
+        cp_async_wait<kWaitKV>();
+      } else {
+        cp_async_wait<kWaitK>();
+      }
       tile_barrier();
       issue_k(t + STAGES - 1);
       issue_v(t + STAGES - 1);
@@ -372,36 +385,45 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
                 }
             }
 
-            // Online softmax, row 16f + g + 8r, across the 4 lanes of the quad.
+            // Online softmax, rows 16f + g + 8r, across the 4 lanes of the quad. The
+            // two rows' chains (max, shuffles, exp2) are interleaved so that their
+            // latencies overlap.
+            float mx[2], m_scaled[2], rescale[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) mx[r] = fmaxf(m[f][r], fa2::row_max<NT_S>(s[f], r));
+#pragma unroll
+            for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+#pragma unroll
+            for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-              float mx = m[f][r];
-#pragma unroll
-              for (int j = 0; j < NT_S; ++j) mx = fmaxf(mx, fmaxf(s[f][j][2 * r], s[f][j][2 * r + 1]));
-              mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-              mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
               // A row that has seen no key yet keeps mx = -inf: subtract 0 instead
               // so that exp2(-inf - (-inf)) never makes a NaN; everything is 0 then.
-              const float m_scaled = mx == kNegInf ? 0.f : mx * scale;
-              const float rescale = fa2::exp2_fast(m[f][r] * scale - m_scaled);  // 0 when m = -inf
-              m[f][r] = mx;
+              m_scaled[r] = mx[r] == kNegInf ? 0.f : mx[r] * scale;
+              rescale[r] = fa2::exp2_fast(m[f][r] * scale - m_scaled[r]);  // 0 when m = -inf
+              m[f][r] = mx[r];
+            }
+            // Once the running max settles, rescale is exactly 1 on most tiles: one
+            // warp vote for both rows skips the NT_O * 4 multiplies (x * 1 == x, so
+            // a row whose max did not move beside one whose did is unchanged). Voted
+            // before the exponentials, so that those, the rounding of P and P.V
+            // share one basic block that the scheduler can interleave.
+            if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
+#pragma unroll
+              for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[f][n][e] *= rescale[e >> 1];
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
               float sum = 0.f;
 #pragma unroll
               for (int j = 0; j < NT_S; ++j) {
-                s[f][j][2 * r] = fa2::exp2_fast(fmaf(s[f][j][2 * r], scale, -m_scaled));
-                s[f][j][2 * r + 1] = fa2::exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_scaled));
+                s[f][j][2 * r] = fa2::exp2_fast(fmaf(s[f][j][2 * r], scale, -m_scaled[r]));
+                s[f][j][2 * r + 1] = fa2::exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_scaled[r]));
                 sum += s[f][j][2 * r] + s[f][j][2 * r + 1];  // unrounded fp32 P
               }
-              l[f][r] = l[f][r] * rescale + sum;
-              // Once the running max settles, rescale is exactly 1 on most tiles: a
-              // warp vote skips the NT_O * 2 multiplies (as many as the tile's MMAs).
-              if (__any_sync(0xffffffffu, rescale != 1.f)) {
-#pragma unroll
-                for (int n = 0; n < NT_O; ++n) {
-                  o[f][n][2 * r] *= rescale;
-                  o[f][n][2 * r + 1] *= rescale;
-                }
-              }
+              l[f][r] = l[f][r] * rescale[r] + sum;
             }
             // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
 #pragma unroll
@@ -414,7 +436,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           }
         }
 
-        if (h == 0) {  // V of the whole tile, before the first step's P.V
+        if (!Traits::kOneWait && h == 0) {  // V of the whole tile, before the first step's P.V
           cp_async_wait<kWaitV>();
           tile_barrier();
         }

@@ -71,6 +71,21 @@ __device__ __forceinline__ float exp2_fast(float x) {
   return y;
 }
 
+// Max of s[j][2r] and s[j][2r + 1] over the NT n8 tiles: a pairwise tree (depth
+// log2(2 NT) instead of a chain of 2 NT dependent FMNMX); max is exact, so the
+// order does not change the result.
+template <int NT>
+__device__ __forceinline__ float row_max(const float (&s)[NT][4], int r) {
+  float v[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) v[j] = fmaxf(s[j][2 * r], s[j][2 * r + 1]);
+#pragma unroll
+  for (int width = 1; width < NT; width *= 2)
+#pragma unroll
+    for (int j = 0; j + width < NT; j += 2 * width) v[j] = fmaxf(v[j], v[j + width]);
+  return v[0];
+}
+
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
