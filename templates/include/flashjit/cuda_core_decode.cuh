@@ -5,14 +5,18 @@
 // Every thread keeps its slice of those queries in registers, so one read of a
 // key from shared memory serves all of them:
 //   - a key is spread over kLanesPerKey lanes, 8 head dims each; a warp works
-//     on kKeyGroups keys side by side and sums each logit with a butterfly over
-//     the key's lanes, after which every lane of the key holds every logit;
+//     on kKeyGroups keys side by side, and the rows' partial logits of a key
+//     are reduce-scattered over its lanes, so that each lane ends with the
+//     full logit of one row (reduce_scatter below);
 //   - each warp streams its own chunks of keys (chunk c goes to warp c mod
 //     kWarps) through a private cp.async ring, and each thread copies exactly
 //     the 16-byte pieces it later reads, so the loop needs no barrier at all;
-//   - softmax statistics are updated once per chunk, not per key;
+//   - the softmax runs once per chunk on each lane's row; weights and rescale
+//     factors reach the lanes that need them by one shuffle each;
 //   - at the end the key groups of a warp merge by shuffles, the warps through
 //     shared memory.
+// An H200 profile found the loop instruction-bound, so its address arithmetic
+// is 32-bit and division-free (see DecodeKvRows).
 // The query position is the last key (kv_len - 1), so a causal mask hides
 // nothing and a window only moves the first key.
 #pragma once
