@@ -102,29 +102,26 @@ struct DecodeKvRows {
   uint32_t k_page, v_page;  // bytes between pages
   uint32_t k_row, v_row;    // bytes between tokens (within a page)
   const int32_t* pages;
-  FastDivmod page_size;
+  FastDivmod page_div;
 
-  __device__ __forceinline__ DecodeKvRows(const FlashjitAttentionParams& p, const CtaWork& w, int dim0)
-      : page_size(kPaged ? p.page_size : 1) {
+  // From the KV head's K and V rows (work.cuh), with this lane's dims applied.
+  __device__ __forceinline__ DecodeKvRows(const KvRows<T, kPaged>& k_rows, const KvRows<T, kPaged>& v_rows, int dim0)
+      : page_div(k_rows.page_div) {
     constexpr int64_t kElt = sizeof(T);
-    k = static_cast<const char*>(p.k) + (int64_t(w.kv_head) * p.k_stride_h + dim0) * kElt;
-    v = static_cast<const char*>(p.v) + (int64_t(w.kv_head) * p.v_stride_h + dim0) * kElt;
-    k_row = uint32_t(p.k_stride_n * kElt);
-    v_row = uint32_t(p.v_stride_n * kElt);
-    k_page = kPaged ? uint32_t(p.k_stride_page * kElt) : 0u;
-    v_page = kPaged ? uint32_t(p.v_stride_page * kElt) : 0u;
-    pages = kPaged ? p.kv_page_indices + w.kv_start : nullptr;
-    if (!kPaged) {
-      k += int64_t(w.kv_start) * p.k_stride_n * kElt;
-      v += int64_t(w.kv_start) * p.v_stride_n * kElt;
-    }
+    k = reinterpret_cast<const char*>(k_rows.base + dim0);
+    v = reinterpret_cast<const char*>(v_rows.base + dim0);
+    k_row = uint32_t(k_rows.stride_n * kElt);
+    v_row = uint32_t(v_rows.stride_n * kElt);
+    k_page = uint32_t(k_rows.stride_page * kElt);
+    v_page = uint32_t(v_rows.stride_page * kElt);
+    pages = k_rows.pages;
   }
   // The page holding `key` (a global load; 0 for ragged rows).
-  __device__ __forceinline__ int page_of(int key) const { return kPaged ? pages[page_size.div(key)] : 0; }
+  __device__ __forceinline__ int page_of(int key) const { return kPaged ? pages[page_div.div(key)] : 0; }
   // Addresses of this lane's dims of `key`, which lies in `page`.
   __device__ __forceinline__ void rows_of(int page, int key, const char*& k_src, const char*& v_src) const {
     if constexpr (kPaged) {
-      const uint32_t slot = uint32_t(page_size.mod(key, page_size.div(key)));
+      const uint32_t slot = uint32_t(page_div.mod(key, page_div.div(key)));
       k_src = k + (uint64_t(uint32_t(page)) * k_page + slot * k_row);
       v_src = v + (uint64_t(uint32_t(page)) * v_page + slot * v_row);
     } else {
@@ -176,7 +173,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int first_key = key_begin + warp * CHUNK + key_group;
   constexpr int kChunkStride = WARPS * CHUNK;
 
-  const DecodeKvRows<DType, Traits::kPaged> rows(p, w, dim0);
+  const DecodeKvRows<DType, Traits::kPaged> rows(
+      kv_rows<DType, Traits::kPaged>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page),
+      kv_rows<DType, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page), dim0);
   // This lane's 16-byte slots: [stage][K, V][key][vector][lane].
   const uint32_t ring_begin = smem_addr(smem + warp * STAGES * kStageBytes) + lane * 16;
   const uint32_t ring_end = ring_begin + STAGES * kStageBytes;

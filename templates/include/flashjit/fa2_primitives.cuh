@@ -215,10 +215,10 @@ struct PagedTileCopy {
   uint32_t page_bytes;  // between pages
   uint32_t row_bytes;   // between tokens within a page
   const int32_t* pages;
-  FastDivmod page_size;
+  FastDivmod page_div;
   int chunk, row0;
 
-  __device__ __forceinline__ PagedTileCopy(const KvRows<T, true>& rows, int tid) : page_size(rows.page_size) {
+  __device__ __forceinline__ PagedTileCopy(const KvRows<T, true>& rows, int tid) : page_div(rows.page_div) {
     chunk = tid % R::kChunks;
     row0 = tid / R::kChunks;
     base = reinterpret_cast<const char*>(rows.base + chunk * 8);
@@ -232,7 +232,7 @@ struct PagedTileCopy {
 #pragma unroll
     for (int i = 0; i < R::kPerThread; ++i) {
       const int row = row0 + i * R::kRowsPerPass;
-      page[i] = row < valid ? pages[page_size.div(first + row)] : 0;
+      page[i] = row < valid ? pages[page_div.div(first + row)] : 0;
     }
   }
 
@@ -243,7 +243,7 @@ struct PagedTileCopy {
     for (int i = 0; i < R::kPerThread; ++i) {
       const int row = row0 + i * R::kRowsPerPass, key = first + row;
       const bool ok = row < valid;
-      const uint32_t slot = uint32_t(page_size.mod(key, page_size.div(key)));
+      const uint32_t slot = uint32_t(page_div.mod(key, page_div.div(key)));
       const char* src = base + (uint64_t(uint32_t(page[i])) * page_bytes + slot * row_bytes);
       cp_async_16(dst + tile_row_off<R, kRowBytes>(row0, chunk, i), ok ? src : base, ok);
     }

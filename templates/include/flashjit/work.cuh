@@ -71,6 +71,7 @@ __device__ __forceinline__ int64_t partial_row(const FlashjitAttentionParams& p,
 // q = (umulhi(n, m) + n) >> l with l = ceil(log2 d), m = 2^32 (2^l - d) / d + 1.
 struct FastDivmod {
   uint32_t d, m, l;
+  FastDivmod() = default;
   __device__ __forceinline__ explicit FastDivmod(int divisor) : d(divisor) {
     l = d > 1 ? 32 - __clz(d - 1) : 0;
     m = static_cast<uint32_t>(((uint64_t(1) << 32) * ((uint64_t(1) << l) - d)) / d + 1);
@@ -87,8 +88,7 @@ struct KvRows {
   int64_t stride_n;       // between consecutive tokens (within a page)
   int64_t stride_page;
   const int32_t* pages;   // the request's page ids
-  int page_size;
-  int page_shift;         // log2(page_size) when a power of two, else -1
+  FastDivmod page_div;    // division by the page size (1 for ragged rows)
 
   // The page holding `key` (a global load; 0 for ragged rows). Kernels that
   // pipeline their copies look pages up a tile ahead, so that the copy itself
@@ -97,7 +97,7 @@ struct KvRows {
     if constexpr (!kPaged) {
       return 0;
     } else {
-      return pages[page_shift >= 0 ? key >> page_shift : key / page_size];
+      return pages[page_div.div(key)];
     }
   }
   // Address of `key`, which lies in `page` (from page_of); no memory access.
@@ -105,7 +105,7 @@ struct KvRows {
     if constexpr (!kPaged) {
       return base + int64_t(key) * stride_n;
     } else {
-      const int slot = page_shift >= 0 ? key & (page_size - 1) : key % page_size;
+      const int slot = page_div.mod(key, page_div.div(key));
       return base + int64_t(page) * stride_page + int64_t(slot) * stride_n;
     }
   }
@@ -120,15 +120,12 @@ __device__ __forceinline__ KvRows<T, kPaged> kv_rows(const FlashjitAttentionPara
   r.base = static_cast<const T*>(data) + int64_t(w.kv_head) * stride_h;
   r.stride_n = stride_n;
   r.stride_page = stride_page;
+  r.page_div = FastDivmod(kPaged ? p.page_size : 1);
   if constexpr (kPaged) {
     r.pages = p.kv_page_indices + w.kv_start;
-    r.page_size = p.page_size;
-    r.page_shift = (p.page_size & (p.page_size - 1)) == 0 ? __ffs(p.page_size) - 1 : -1;
   } else {
     r.base += int64_t(w.kv_start) * stride_n;
     r.pages = nullptr;
-    r.page_size = 0;
-    r.page_shift = -1;
   }
   return r;
 }
