@@ -143,7 +143,7 @@ def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: 
             expanded.append((cost, r, t, -1))
         else:
             for s in range(n):
-                expanded.append((min(chunk, kv - s * chunk) + 64, r, t, s))
+                expanded.append((min(chunk, kv - s * chunk) + _ITEM_OVERHEAD, r, t, s))
     expanded.sort(key=lambda e: -e[0])
     items = [(r, t, s, chunk if s >= 0 else 0) for _, r, t, s in expanded]
     merge_indptr = [0]
