@@ -158,6 +158,24 @@ def short(exc: Exception) -> str:
     return f"error: {type(exc).__name__}: {msg}".replace("|", "/")
 
 
+def bandwidth_cell(fn, reps: int, nbytes: int, baseline_gbps: float, frac_key: str, rec: dict,
+                   us_digits: int) -> str:
+    """Times fn, records µs, GB/s and the fraction of the baseline bandwidth in
+    rec, and returns the table cell: µs · GB/s · % of the baseline."""
+    us, mode, inner = time_us(fn, reps)
+    gbps = nbytes / us / 1e3
+    rec.update(us=us, gbps=gbps, mode=mode, inner=inner, **{frac_key: gbps / baseline_gbps})
+    cell = f"{us:.{us_digits}f} · {gbps:.0f} · {100 * gbps / baseline_gbps:.0f}%"
+    return cell + ("" if mode == "graph" else " (eager)")
+
+
+def error_cell(exc: Exception, rec: dict, what: str) -> str:
+    """Records a failed cell in rec and on stderr; returns its table text."""
+    rec.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    print(f"{what}: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+    return short(exc)
+
+
 def decode_row(libs, workspaces, row, reps, results, failures) -> list[str]:
     label, batch, kv_len, qo_heads, kv_heads = row
     cache, indptr, indices, last = paged_cache(batch, kv_len, kv_heads)
@@ -182,15 +200,10 @@ def decode_row(libs, workspaces, row, reps, results, failures) -> list[str]:
                     print(f"FAIL {impl} {label}: max |out - ref| {max_err:.4g}, ||out - ref||/||ref|| {rel:.4g} "
                           f"(bound {ATOL} + {RTOL}*|ref|, rel < {REL_NORM})", flush=True)
                 else:
-                    us, mode, inner = time_us(lambda w=w: w.run(q, cache), reps)
-                    gbps = nbytes / us / 1e3
-                    rec.update(us=us, gbps=gbps, frac_read=gbps / results["read_gbps"], mode=mode, inner=inner)
-                    cell = f"{us:.1f} · {gbps:.0f} · {100 * gbps / results['read_gbps']:.0f}%"
-                    cell += "" if mode == "graph" else " (eager)"
+                    cell = bandwidth_cell(lambda w=w: w.run(q, cache), reps, nbytes, results["read_gbps"], "frac_read",
+                                          rec, us_digits=1)
             except Exception as exc:
-                rec.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-                cell = short(exc)
-                print(f"{impl} {label}: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+                cell = error_cell(exc, rec, f"{impl} {label}")
             if lib_name == "flashjit" and not rec["ok"]:
                 failures.append(f"{impl} {label}: {cell}")
             results["decode"].append(rec)
@@ -225,15 +238,9 @@ def append_row(libs, n_req, n_new, reps, results, failures) -> list[str]:
                 cell = "FAIL wrong slots"
                 print(f"FAIL {lib_name} {label}: appended K/V not found in the cache slots", flush=True)
             else:
-                us, mode, inner = time_us(fn, reps)
-                gbps = nbytes / us / 1e3
-                rec.update(us=us, gbps=gbps, frac_copy=gbps / results["copy_gbps"], mode=mode, inner=inner)
-                cell = f"{us:.2f} · {gbps:.0f} · {100 * gbps / results['copy_gbps']:.0f}%"
-                cell += "" if mode == "graph" else " (eager)"
+                cell = bandwidth_cell(fn, reps, nbytes, results["copy_gbps"], "frac_copy", rec, us_digits=2)
         except Exception as exc:
-            rec.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-            cell = short(exc)
-            print(f"{lib_name} {label}: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+            cell = error_cell(exc, rec, f"{lib_name} {label}")
         if lib_name == "flashjit" and not rec["ok"]:
             failures.append(f"{lib_name} {label}: {cell}")
         results["append"].append(rec)
