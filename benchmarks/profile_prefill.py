@@ -29,6 +29,7 @@ if args.templates:
     render.generator_digest.cache_clear()
 if args.tiling:
     kernels.FA2_TILINGS[128] = eval(args.tiling)
+    kernels.FA2_WIDE_TILINGS.pop(128, None)
 if args.templates or args.tiling:
     # The cache key hashes kernels.py's file, not a tiling replaced at run time: a
     # fresh cache keeps a variant from loading the default's library.

@@ -71,7 +71,7 @@ class Planned:
 
 
 def plan(spec: KernelSpec, arches: tuple[str, ...], nvcc: str | None) -> Planned:
-    rendered = render(spec)
+    rendered = render(spec, arches)
     args = build.nvcc_args(arches, rendered.filename, f"lib{spec.name}.so")
     key_inputs = {
         **rendered.digest_inputs(),

@@ -156,27 +156,55 @@ FA2_DECODE_TILINGS = {
 }
 
 
-def fa2_tiling(spec: KernelSpec) -> Fa2Tiling:
+# Non-causal prefill where every target arch holds two CTAs of a wider tiling
+# per SM: d128 with two fragments per warp (128-row CTAs, half the ldmatrix
+# traffic per mma). On an H200 it ran 14-16% faster than FA2_TILINGS[128] on the
+# non-causal rows and no faster on the causal ones, whose 128-row CTAs idle more
+# warps on the diagonal (2026-11-22-h200-fa2-prefill-2frag.md). Its 96 KB leave
+# one CTA per SM on an A100 or an SM89 part, so a library built for those keeps
+# FA2_TILINGS. Not for paged K/V (the page ids of two tiles push it past 255
+# registers: 4-40 bytes of spills on sm_90a) nor with soft-cap and window together
+# (16 bytes).
+FA2_WIDE_TILINGS = {
+    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=2,
+                   one_wait=True),
+}
+# Shared memory per SM (bytes) and what the driver reserves per CTA, per arch.
+SMEM_PER_SM = {"sm_80": 164 * 1024, "sm_86": 100 * 1024, "sm_89": 100 * 1024, "sm_90a": 228 * 1024,
+               "sm_100a": 228 * 1024, "sm_120": 100 * 1024}
+SMEM_RESERVED_PER_CTA = 1024
+
+
+def fa2_tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
+    """The fa2 tiling of a spec; `arches` (the build's targets, None when
+    unknown) admits FA2_WIDE_TILINGS where all of them fit two of its CTAs per SM."""
     table = FA2_DECODE_TILINGS if spec.op in DECODE_OPS else FA2_TILINGS
     tiling = table[spec.head_dim_qk]
+    wide = FA2_WIDE_TILINGS.get(spec.head_dim_qk)
+    if (wide is not None and arches and spec.op not in DECODE_OPS and spec.op not in PAGED_OPS and not spec.causal
+            and not (spec.soft_cap and spec.sliding_window)
+            and all(2 * (wide.smem_bytes(spec) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM.get(a, 0) for a in arches)):
+        tiling = wide
     assert tiling.smem_bytes(spec) <= SMEM_BUDGET, spec.name
     return tiling
 
 
-def tiling_for(spec: KernelSpec):
+def tiling_for(spec: KernelSpec, arches=None):
     """The template file of a validated attention spec and its tiling (every
-    tiling has rows_per_cta and smem_bytes(spec))."""
+    tiling has rows_per_cta and smem_bytes(spec)); `arches`: the build's target
+    arches, None when unknown (then a tiling that suits every arch)."""
     if not spec.use_tensor_cores and spec.op in DECODE_OPS:
         return "attention_cuda_decode.cu.jinja", cuda_decode_tiling(spec)
     if not spec.use_tensor_cores:
         return "attention_cuda_core.cu.jinja", cuda_core_tiling(spec)
     if spec.backend == "fa2":
-        return "attention_fa2.cu.jinja", fa2_tiling(spec)
+        return "attention_fa2.cu.jinja", fa2_tiling(spec, arches)
     raise ValueError(f"{spec.name}: no template generates backend {spec.backend} yet")
 
 
-def template_for(spec: KernelSpec) -> tuple[str, dict]:
-    """The template file and its context for a validated spec."""
+def template_for(spec: KernelSpec, arches=None) -> tuple[str, dict]:
+    """The template file and its context for a validated spec built for
+    `arches` (None: unknown)."""
     context = {
         "name": spec.name,
         "dtype_q": DTYPES[spec.dtype_q][1],
@@ -192,5 +220,5 @@ def template_for(spec: KernelSpec) -> tuple[str, dict]:
     }
     if spec.op == "append_paged":
         return "append_paged.cu.jinja", context
-    template, context["tiling"] = tiling_for(spec)
+    template, context["tiling"] = tiling_for(spec, arches)
     return template, context

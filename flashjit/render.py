@@ -99,10 +99,12 @@ def _included_headers(text: str, include_root: Path) -> dict[str, bytes]:
     return found
 
 
-def render(spec: KernelSpec) -> RenderedSource:
-    """Source text and included headers of a validated spec. Raises ValueError
-    for a spec with no template and jinja2.UndefinedError for a template bug."""
-    template_name, context = template_for(spec)
+def render(spec: KernelSpec, arches=None) -> RenderedSource:
+    """Source text and included headers of a validated spec, for a build that
+    targets `arches` (None: unknown; some tilings need every target to fit them).
+    Raises ValueError for a spec with no template and jinja2.UndefinedError for
+    a template bug."""
+    template_name, context = template_for(spec, arches)
     text = environment().get_template(template_name).render(**context)
     headers = _included_headers(text, templates_dir() / "include")
     return RenderedSource(spec=spec, filename=f"{spec.name}.cu", text=text, headers=headers)

@@ -218,7 +218,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     const uint32_t load_off = warp_key0 * ROW_BYTES;
     // Pages of this thread's rows of the next tile to issue (K and V share
     // them), looked up one tile ahead of the copy.
-    int pages[fa2::TileRows<LOAD_KEYS, D, LOAD_THREADS>::kPerThread];
+    constexpr int kPageRows = fa2::TileRows<LOAD_KEYS, D, LOAD_THREADS>::kPerThread;
+    int pages[kPageRows];
     // Per-thread copy addresses computed once (fa2::RaggedTileCopy, fa2::PagedTileCopy).
     using Copy = std::conditional_t<Traits::kPaged, fa2::PagedTileCopy<T, LOAD_KEYS, D, LOAD_THREADS>,
                                     fa2::RaggedTileCopy<T, LOAD_KEYS, D, LOAD_THREADS>>;
@@ -288,6 +289,153 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           fa2::ldmatrix_x4(q_frag[f][kk], q_warp + f * 16 * ROW_BYTES + a_off[kk % 4] + (kk / 4) * 128);
     }
 
+    // Warp-uniform, for the step of keys k0 .. k0 + SKEYS - 1: no key is visible
+    // to any row of the warp (skip the math), or some key is invisible to some
+    // row (apply the element mask).
+    struct StepFlags {
+      bool skip, mask;
+    };
+    auto step_flags = [&](int k0) {
+      StepFlags f;
+      f.skip = !warp_active || (Traits::kCausal && k0 > wq_last + offset) ||
+               (Traits::kWindow && k0 + SKEYS - 1 < wq_first + offset - window_left);
+      f.mask = k0 + SKEYS > w.kv_len || (Traits::kCausal && k0 + SKEYS - 1 > wq_first + offset) ||
+               (Traits::kWindow && k0 < wq_last + offset - window_left);
+      return f;
+    };
+
+    // S = Q.K^T for the step at row kofs of the K tile at k_s: fragment f, n-tile
+    // j covers rows 16f .. 16f + 15, keys kofs + 8j .. + 7. Each K B-fragment is
+    // loaded once and feeds FM mma's.
+    auto compute_s = [&](float (&s)[FM][NT_S][4], uint32_t k_s, int kofs) {
+#pragma unroll
+      for (int f = 0; f < FM; ++f)
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[f][j][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS_QK; ++kk) {
+        uint32_t a[FM][4];
+#pragma unroll
+        for (int f = 0; f < FM; ++f) {
+          if constexpr (kQInRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[f][e] = q_frag[f][kk][e];
+          } else {
+            fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off[kk % 4] + (kk / 4) * 128);
+          }
+        }
+#pragma unroll
+        for (int jn = 0; jn < SKEYS / 16; ++jn) {
+          uint32_t b[4];
+          fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off[kk % 4] + (kk / 4) * 128);
+#pragma unroll
+          for (int f = 0; f < FM; ++f) {
+            fa2::mma_16816<T>(s[f][2 * jn], a[f], b[0], b[1]);
+            fa2::mma_16816<T>(s[f][2 * jn + 1], a[f], b[2], b[3]);
+          }
+        }
+      }
+    };
+
+    // Soft-cap, mask (keys from k0) and online softmax of S in place; P rounded to
+    // T in pa; O and l rescaled.
+    auto softmax_to_p = [&](float (&s)[FM][NT_S][4], uint32_t (&pa)[FM][KSTEPS_PV][4], int k0, bool need_mask) {
+#pragma unroll
+      for (int f = 0; f < FM; ++f) {
+        if constexpr (Traits::kSoftCap) {
+#pragma unroll
+          for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[f][j][e] = cap_out * tanhf(s[f][j][e] * cap_in);
+        }
+        // s[f][j][e] is row 16f + g + 8 * (e / 2), key k0 + 8j + 2 * tq + e % 2.
+        if (need_mask) {
+          int q_off[2];
+#pragma unroll
+          for (int r = 0; r < 2; ++r) q_off[r] = min(warp_row0 + 16 * f + g + 8 * r, rows_total - 1) / w.group + offset;
+#pragma unroll
+          for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int key = k0 + 8 * j + 2 * tq + (e & 1);
+              const int qo = q_off[e >> 1];
+              if (key >= w.kv_len || (Traits::kCausal && key > qo) || (Traits::kWindow && key < qo - window_left))
+                s[f][j][e] = kNegInf;
+            }
+        }
+
+        // Online softmax, rows 16f + g + 8r, across the 4 lanes of the quad. The
+        // two rows' chains (max, shuffles, exp2) are interleaved so that their
+        // latencies overlap.
+        float mx[2], m_scaled[2], rescale[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) mx[r] = fmaxf(m[f][r], fa2::row_max<NT_S>(s[f], r));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          // A row that has seen no key yet keeps mx = -inf: subtract 0 instead
+          // so that exp2(-inf - (-inf)) never makes a NaN; everything is 0 then.
+          m_scaled[r] = mx[r] == kNegInf ? 0.f : mx[r] * scale;
+          rescale[r] = fa2::exp2_fast(m[f][r] * scale - m_scaled[r]);  // 0 when m = -inf
+          m[f][r] = mx[r];
+        }
+        // Once the running max settles, rescale is exactly 1 on most tiles: one
+        // warp vote for both rows skips the NT_O * 4 multiplies (x * 1 == x, so
+        // a row whose max did not move beside one whose did is unchanged). Voted
+        // before the exponentials, so that those, the rounding of P and P.V
+        // share one basic block that the scheduler can interleave.
+        if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
+#pragma unroll
+          for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[f][n][e] *= rescale[e >> 1];
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < NT_S; ++j) {
+            s[f][j][2 * r] = fa2::exp2_fast(fmaf(s[f][j][2 * r], scale, -m_scaled[r]));
+            s[f][j][2 * r + 1] = fa2::exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_scaled[r]));
+            sum += s[f][j][2 * r] + s[f][j][2 * r + 1];  // unrounded fp32 P
+          }
+          l[f][r] = l[f][r] * rescale[r] + sum;
+        }
+        // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS_PV; ++kk) {
+          pa[f][kk][0] = fa2::pack2<T>(s[f][2 * kk][0], s[f][2 * kk][1]);
+          pa[f][kk][1] = fa2::pack2<T>(s[f][2 * kk][2], s[f][2 * kk][3]);
+          pa[f][kk][2] = fa2::pack2<T>(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
+          pa[f][kk][3] = fa2::pack2<T>(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
+        }
+      }
+    };
+
+    // O += P.V for the step at row kofs of the V tile at v_s: n-tiles 2dn, 2dn+1
+    // cover head dims 16dn .. 16dn+15; each V B-fragment is loaded once and feeds
+    // FM mma's.
+    auto accumulate_pv = [&](const uint32_t (&pa)[FM][KSTEPS_PV][4], uint32_t v_s, int kofs) {
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS_PV; ++kk) {
+#pragma unroll
+        for (int dn = 0; dn < D / 16; ++dn) {
+          uint32_t b[4];
+          fa2::ldmatrix_x4_trans(b, v_s + (kofs + kk * 16) * ROW_BYTES + a_off[dn % 4] + (dn / 4) * 128);
+#pragma unroll
+          for (int f = 0; f < FM; ++f) {
+            fa2::mma_16816<T>(o[f][2 * dn], pa[f][kk], b[0], b[1]);
+            fa2::mma_16816<T>(o[f][2 * dn + 1], pa[f][kk], b[2], b[3]);
+          }
+        }
+      }
+    };
+
     // ---- Main loop. Iteration t consumes ring slot t % STAGES. Before it, the
     // committed groups are [Q+K_0], [V_0], ..., [K_{t+S-2}], [V_{t+S-2}] (S =
     // STAGES): 2S-3 groups follow K_t, so wait_group(2S-3) completes K_t. The
@@ -315,149 +463,22 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
       for (int h = 0; h < SUB; ++h) {
         const int kofs = warp_key0 + h * SKEYS;  // this step's first key within the tile
-        const int k0 = t0 + kofs;                // ... and in the request
-
-        // Warp-uniform: no key of the tile is visible to any row of the warp (skip
-        // the math), or some key is invisible to some row (apply the element mask).
-        const bool warp_skip = !warp_active || (Traits::kCausal && k0 > wq_last + offset) ||
-                               (Traits::kWindow && k0 + SKEYS - 1 < wq_first + offset - window_left);
-        const bool need_mask = k0 + SKEYS > w.kv_len || (Traits::kCausal && k0 + SKEYS - 1 > wq_first + offset) ||
-                               (Traits::kWindow && k0 < wq_last + offset - window_left);
-
+        const StepFlags step = step_flags(t0 + kofs);
         uint32_t pa[FM][KSTEPS_PV][4];  // P in T, A-operand layout, per m16 fragment
-        if (!warp_skip) {
-          // S = Q.K^T: fragment f, n-tile j covers rows 16f .. 16f + 15, keys k0 + 8j .. + 7.
-          // Each K B-fragment is loaded once and feeds FM mma's.
+        if (!step.skip) {
           float s[FM][NT_S][4];
-#pragma unroll
-          for (int f = 0; f < FM; ++f)
-#pragma unroll
-            for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) s[f][j][e] = 0.f;
-#pragma unroll
-          for (int kk = 0; kk < KSTEPS_QK; ++kk) {
-            uint32_t a[FM][4];
-#pragma unroll
-            for (int f = 0; f < FM; ++f) {
-              if constexpr (kQInRegs) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) a[f][e] = q_frag[f][kk][e];
-              } else {
-                fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off[kk % 4] + (kk / 4) * 128);
-              }
-            }
-#pragma unroll
-            for (int jn = 0; jn < SKEYS / 16; ++jn) {
-              uint32_t b[4];
-              fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off[kk % 4] + (kk / 4) * 128);
-#pragma unroll
-              for (int f = 0; f < FM; ++f) {
-                fa2::mma_16816<T>(s[f][2 * jn], a[f], b[0], b[1]);
-                fa2::mma_16816<T>(s[f][2 * jn + 1], a[f], b[2], b[3]);
-              }
-            }
-          }
-
-#pragma unroll
-          for (int f = 0; f < FM; ++f) {
-            if constexpr (Traits::kSoftCap) {
-#pragma unroll
-              for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[f][j][e] = cap_out * tanhf(s[f][j][e] * cap_in);
-            }
-            // s[f][j][e] is row 16f + g + 8 * (e / 2), key k0 + 8j + 2 * tq + e % 2.
-            if (need_mask) {
-              int q_off[2];
-#pragma unroll
-              for (int r = 0; r < 2; ++r)
-                q_off[r] = min(warp_row0 + 16 * f + g + 8 * r, rows_total - 1) / w.group + offset;
-#pragma unroll
-              for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                  const int key = k0 + 8 * j + 2 * tq + (e & 1);
-                  const int qo = q_off[e >> 1];
-                  if (key >= w.kv_len || (Traits::kCausal && key > qo) ||
-                      (Traits::kWindow && key < qo - window_left))
-                    s[f][j][e] = kNegInf;
-                }
-            }
-
-            // Online softmax, rows 16f + g + 8r, across the 4 lanes of the quad. The
-            // two rows' chains (max, shuffles, exp2) are interleaved so that their
-            // latencies overlap.
-            float mx[2], m_scaled[2], rescale[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) mx[r] = fmaxf(m[f][r], fa2::row_max<NT_S>(s[f], r));
-#pragma unroll
-            for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-#pragma unroll
-            for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              // A row that has seen no key yet keeps mx = -inf: subtract 0 instead
-              // so that exp2(-inf - (-inf)) never makes a NaN; everything is 0 then.
-              m_scaled[r] = mx[r] == kNegInf ? 0.f : mx[r] * scale;
-              rescale[r] = fa2::exp2_fast(m[f][r] * scale - m_scaled[r]);  // 0 when m = -inf
-              m[f][r] = mx[r];
-            }
-            // Once the running max settles, rescale is exactly 1 on most tiles: one
-            // warp vote for both rows skips the NT_O * 4 multiplies (x * 1 == x, so
-            // a row whose max did not move beside one whose did is unchanged). Voted
-            // before the exponentials, so that those, the rounding of P and P.V
-            // share one basic block that the scheduler can interleave.
-            if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
-#pragma unroll
-              for (int n = 0; n < NT_O; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) o[f][n][e] *= rescale[e >> 1];
-            }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              float sum = 0.f;
-#pragma unroll
-              for (int j = 0; j < NT_S; ++j) {
-                s[f][j][2 * r] = fa2::exp2_fast(fmaf(s[f][j][2 * r], scale, -m_scaled[r]));
-                s[f][j][2 * r + 1] = fa2::exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_scaled[r]));
-                sum += s[f][j][2 * r] + s[f][j][2 * r + 1];  // unrounded fp32 P
-              }
-              l[f][r] = l[f][r] * rescale[r] + sum;
-            }
-            // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
-#pragma unroll
-            for (int kk = 0; kk < KSTEPS_PV; ++kk) {
-              pa[f][kk][0] = fa2::pack2<T>(s[f][2 * kk][0], s[f][2 * kk][1]);
-              pa[f][kk][1] = fa2::pack2<T>(s[f][2 * kk][2], s[f][2 * kk][3]);
-              pa[f][kk][2] = fa2::pack2<T>(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
-              pa[f][kk][3] = fa2::pack2<T>(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
-            }
-          }
+          compute_s(s, k_s, kofs);
+          softmax_to_p(s, pa, t0 + kofs, step.mask);
         }
-
         if (!Traits::kOneWait && h == 0) {  // V of the whole tile, before the first step's P.V
           cp_async_wait<kWaitV>();
           tile_barrier();
         }
-
-        if (!warp_skip) {
-          // O += P.V: n-tiles 2dn, 2dn+1 cover head dims 16dn .. 16dn+15; each V
-          // B-fragment is loaded once and feeds FM mma's.
-#pragma unroll
-          for (int kk = 0; kk < KSTEPS_PV; ++kk) {
-#pragma unroll
-            for (int dn = 0; dn < D / 16; ++dn) {
-              uint32_t b[4];
-              fa2::ldmatrix_x4_trans(b, v_s + (kofs + kk * 16) * ROW_BYTES + a_off[dn % 4] + (dn / 4) * 128);
-#pragma unroll
-              for (int f = 0; f < FM; ++f) {
-                fa2::mma_16816<T>(o[f][2 * dn], pa[f][kk], b[0], b[1]);
-                fa2::mma_16816<T>(o[f][2 * dn + 1], pa[f][kk], b[2], b[3]);
-              }
-            }
-          }
-        }
+        // Two fragments sit at the register cap: without this fence ptxas moves
+        // the second fragment's exponentials into P.V, which leaves registers
+        // for one V fragment at a time, and each mma then waits for its ldmatrix.
+        if constexpr (FM == 2 && Traits::kOneWait) __syncwarp();
+        if (!step.skip) accumulate_pv(pa, v_s, kofs);
       }  // steps
     }
     // Every group still pending is empty (tiles past num_tiles), and the warp's

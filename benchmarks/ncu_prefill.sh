@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Hardware counters of one d128 bf16 prefill call (4 x 4096 tokens, 16 heads, not
+# causal; benchmarks/profile_prefill.py) for flashjit's default tiling, each tiling
+# given as an argument (a Fa2Tiling(...) expression, with '@DIR' rendered from the
+# templates folder DIR), and FlashInfer fa2 when
+# importable. Reports (.ncu-rep, raw CSV, SASS with stall samples) go to $OUT; a
+# table of the throughput and stall metrics that locate a loop's limit is printed last.
+#   bash benchmarks/ncu_prefill.sh ['Fa2Tiling(...)' ...]
+set -uo pipefail
+OUT=${OUT:-$PWD/ncu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export FLASHJIT_CACHE_DIR=${FLASHJIT_CACHE_DIR:-/tmp/flashjit-cache} FLASHJIT_JOBS=${FLASHJIT_JOBS:-16}
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .whl/site ]; then
+  pip install -q --no-deps --target .whl/site .whl/*.whl > "$OUT/flashinfer_install.log" 2>&1 || true
+fi
+if [ -d .whl/site ]; then
+  export PYTHONPATH=$PYTHONPATH:$PWD/.whl/site FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+fi
+
+profile() {  # name, extra profile_prefill.py arguments...
+  local name=$1; shift
+  ncu --clock-control none --set full --import-source no -k 'regex:fa2_attention|BatchPrefill' -c 1 \
+    -f -o "$OUT/$name" python3 benchmarks/profile_prefill.py "$@" > "$OUT/$name.log" 2>&1 \
+    || { echo "$name: ncu failed"; tail -5 "$OUT/$name.log"; return; }
+  ncu -i "$OUT/$name.ncu-rep" --page raw --csv > "$OUT/$name.raw.csv" 2>/dev/null
+  ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name.sass.csv" 2>/dev/null
+}
+
+profile flashjit --no-flashinfer
+i=0
+for tiling in "$@"; do
+  i=$((i + 1))
+  if [[ $tiling == *@* ]]; then  # 'Fa2Tiling(...)@DIR': rendered from the templates in DIR
+    profile "variant$i" --no-flashinfer --tiling "${tiling%@*}" --templates "${tiling#*@}"
+  else
+    profile "variant$i" --no-flashinfer --tiling "$tiling"
+  fi
+  echo "variant$i = $tiling" >> "$OUT/variants.txt"
+done
+if python3 -c "import flashinfer" 2>/dev/null; then
+  # FlashInfer's plan/run are profiled in a process of their own; flashjit's kernel is skipped there.
+  ncu --clock-control none --set full --import-source no -k 'regex:BatchPrefill' -c 1 -f -o "$OUT/flashinfer" \
+    python3 benchmarks/profile_prefill.py > "$OUT/flashinfer.log" 2>&1 || echo "flashinfer: ncu failed"
+  ncu -i "$OUT/flashinfer.ncu-rep" --page raw --csv > "$OUT/flashinfer.raw.csv" 2>/dev/null
+  ncu -i "$OUT/flashinfer.ncu-rep" --page source --csv --print-source sass > "$OUT/flashinfer.sass.csv" 2>/dev/null
+fi
+python3 benchmarks/ncu_table.py "$OUT"/*.raw.csv | tee "$OUT/ncu_table.md"
+# The device returns few files: one archive of the reports.
+(cd "$OUT" && tar czf ncu_reports.tar.gz ./*.ncu-rep ./*.csv ./*.log ./variants.txt 2>/dev/null \
+  && rm -f ./*.ncu-rep ./*.csv ./*.log)
