@@ -14,16 +14,16 @@ import sys
 from pathlib import Path
 
 METRICS = {
-    "time (us)": "gpu__time_duration.sum",
-    "SM clock (MHz)": "smsp__cycles_elapsed.avg.per_second",
+    "time": "gpu__time_duration.sum",
+    "SM clock": "smsp__cycles_elapsed.avg.per_second",
     "registers": "launch__registers_per_thread",
     "achieved warps / SM": "sm__warps_active.avg.per_cycle_active",
     "issue slots busy %": "smsp__issue_active.avg.pct_of_peak_sustained_active",
     "eligible warps / scheduler": "smsp__warps_eligible.avg.per_cycle_active",
     "tensor pipe %": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
-    "HMMA instructions": "smsp__inst_executed_pipe_tensor_op_hmma.sum",
+    "ldmatrix instructions": "smsp__inst_executed_op_ldsm.sum",
     "instructions": "smsp__inst_executed.sum",
-    "shared pipe (lsu wavefronts) %": "l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed",
+    "shared memory wavefronts %": "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed",
     "shared bank conflicts": "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
     "L1 throughput %": "l1tex__throughput.avg.pct_of_peak_sustained_active",
     "L2 throughput %": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
@@ -34,16 +34,18 @@ STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.r
 
 
 def first_kernel(path: Path) -> dict[str, str]:
+    """Metric -> value (with its unit) of the first kernel in the export."""
     with open(path, newline="") as f:
         rows = [r for r in csv.reader(f) if r]
-    header = rows[0]
-    data = next(r for r in rows[2:] if len(r) == len(header))  # rows[1] holds the units
-    return dict(zip(header, data))
+    header, units = rows[0], rows[1]
+    data = next(r for r in rows[2:] if len(r) == len(header))
+    return {name: f"{value} {unit}".strip() if unit and unit != "%" else value
+            for name, value, unit in zip(header, data, units)}
 
 
 def number(text: str) -> float | None:
     try:
-        return float(text.replace(",", ""))
+        return float(text.split()[0].replace(",", "")) if text else None
     except ValueError:
         return None
 
