@@ -41,8 +41,19 @@ def specs() -> list[KernelSpec]:
     return out
 
 
-def smem_bytes(spec: KernelSpec) -> int:
-    return kernels.tiling_for(spec)[1].smem_bytes(spec)
+# Tilings a library takes only when all its targets are sm_90a-class
+# (kernels.FA2_WIDE_TILINGS), built for sm_90a alone, with their heaviest flags.
+WIDE_ARCHES = ("sm_90a",)
+
+
+def wide_specs() -> list[KernelSpec]:
+    return [KernelSpec.make("batch_prefill_ragged", dtype, 128, use_tensor_cores=True, **flags)
+            for dtype in ("float16", "bfloat16")
+            for flags in ({"soft_cap": True, "return_lse": True}, {"sliding_window": True, "return_lse": True})]
+
+
+def smem_bytes(spec: KernelSpec, arches) -> int:
+    return kernels.tiling_for(spec, arches)[1].smem_bytes(spec)
 
 
 def main() -> int:
@@ -51,26 +62,28 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as cache_dir:
         os.environ["FLASHJIT_CACHE_DIR"] = cache_dir
-        results = jit.build_many(specs(), arches=ARCHES)
+        results = [(r, ARCHES) for r in jit.build_many(specs(), arches=ARCHES)]
+        results += [(r, WIDE_ARCHES) for r in jit.build_many(wide_specs(), arches=WIDE_ARCHES)]
         lines = ["| configuration | kernel | arch | registers | spill stores/loads (B) | stack (B) | "
                  "dynamic smem (B) |", "|---|---|---|---|---|---|---|"]
         spills = 0
-        for r in results:
+        for r, arches in results:
             for row in r.entry.manifest["resources"]:
                 kind = ("attention" if "attention_kernel" in row["kernel"] else
                         "append" if "append_paged_kernel" in row["kernel"] else "split-KV merge")
-                smem = smem_bytes(r.spec) if kind == "attention" else 0
+                smem = smem_bytes(r.spec, arches) if kind == "attention" else 0
                 spills += row["spill_stores"] + row["spill_loads"]
                 lines.append(f"| {r.spec.name} | {kind} | {row['arch']} | {row.get('registers', '?')} | "
                              f"{row['spill_stores']}/{row['spill_loads']} | {row['stack']} | {smem} |")
     lines.append("")
-    lines.append(f"{len(results)} configurations x {len(ARCHES)} arches; total spilled bytes: {spills}")
+    lines.append(f"{len(results) - len(wide_specs())} configurations x {len(ARCHES)} arches, and "
+                 f"{len(wide_specs())} sm_90a-only ones (two-fragment d128 tiling); total spilled bytes: {spills}")
     text = "\n".join(lines)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write("# Kernel resources\n\nFrom `ptxas -v` (nvcc "
-                    f"{r.entry.manifest['key_inputs']['nvcc_version']}), written by "
+                    f"{results[0][0].entry.manifest['key_inputs']['nvcc_version']}), written by "
                     "`python benchmarks/kernel_resources.py --out docs/kernels.md`. Each configuration "
                     "takes the variant flags that cost the most registers (causal, window, soft-cap, LSE); append "
                     "has none.\n\n"

@@ -1,6 +1,5 @@
 """A markdown table of the metrics that locate a kernel's limit, from ncu raw CSV
-exports (`ncu -i X.ncu-rep --page raw --csv`), one column per file (its first
-profiled kernel): time, issue-slot use, the tensor and shared-memory pipes, L2 and
+exports (`ncu -i X.ncu-rep --page raw --csv`), one column per profiled kernel: time, issue-slot use, the tensor and shared-memory pipes, L2 and
 DRAM throughput, and the warp stall reasons (warps stalled per issued instruction).
 
 Usage: python benchmarks/ncu_table.py A.raw.csv [B.raw.csv ...]
@@ -33,14 +32,14 @@ METRICS = {
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
 
 
-def first_kernel(path: Path) -> dict[str, str]:
-    """Metric -> value (with its unit) of the first kernel in the export."""
+def kernels_of(path: Path) -> list[dict[str, str]]:
+    """Metric -> value (with its unit), per profiled kernel of the export."""
     with open(path, newline="") as f:
         rows = [r for r in csv.reader(f) if r]
     header, units = rows[0], rows[1]
-    data = next(r for r in rows[2:] if len(r) == len(header))
-    return {name: f"{value} {unit}".strip() if unit and unit != "%" else value
-            for name, value, unit in zip(header, data, units)}
+    return [{name: f"{value} {unit}".strip() if unit and unit != "%" else value
+             for name, value, unit in zip(header, data, units)}
+            for data in rows[2:] if len(data) == len(header)]
 
 
 def number(text: str) -> float | None:
@@ -54,7 +53,11 @@ def main(paths: list[str]) -> int:
     if not paths:
         print(__doc__)
         return 2
-    kernels = {Path(p).name.removesuffix(".raw.csv"): first_kernel(Path(p)) for p in paths}
+    kernels = {}
+    for p in paths:
+        found = kernels_of(Path(p))
+        for i, k in enumerate(found):
+            kernels[Path(p).name.removesuffix(".raw.csv") + (f"#{i}" if len(found) > 1 else "")] = k
     names = list(kernels)
     lines = ["| metric | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     lines.append("| kernel | " + " | ".join(k.get("Kernel Name", "?")[:40] for k in kernels.values()) + " |")

@@ -132,7 +132,8 @@ class Fa2Tiling:
 # at the top of each tile (one_wait: one CTA barrier per tile instead of two), as
 # does d256: d128 +1-19% (mean +13%) in two H200 runs, d256 +0-14%
 # (2026-11-22-h200-fa2-prefill-softmax.md); d64 gained only 1-3% from it and
-# spills 4-60 bytes with soft-cap. docs/fa2_notes.md.
+# spills 4-60 bytes with soft-cap. Non-causal d128 may take FA2_WIDE_TILINGS
+# (below). docs/fa2_notes.md.
 FA2_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2),
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=1, one_wait=True),
