@@ -153,18 +153,28 @@ def test_decode_group_sizes(prewarmed, error_report, tensor_cores, heads):
           "batch_decode_paged", lse=lse, ref_lse=ref_lse, shape="groups", heads=heads)
 
 
-@pytest.mark.parametrize("split", ["auto", "fixed", "disabled"])
+# split -> (kv lengths, plan() arguments, expected chunk in keys; None: any nonzero).
+# many_rows: 41 requests x 32 heads = 1312 merged rows, past the count from which
+# the merge pass takes a warp per row (merge_states.cuh); the others merge a CTA per row.
+SPLIT_CASES = {
+    "auto": ([20000, 33001, 5], {}, None),
+    "fixed": ([20000, 33001, 5], {"fixed_split_size": 40}, 40 * 16),
+    "disabled": ([20000, 33001, 5], {"disable_split_kv": True}, 0),
+    "many_rows": ([300] * 40 + [5], {"fixed_split_size": 8}, 8 * 16),
+}
+
+
+@pytest.mark.parametrize("split", list(SPLIT_CASES))
 @pytest.mark.parametrize("dtype,tensor_cores", DTYPE_CORES, ids=[cores_id(p) for p in DTYPE_CORES])
 def test_split_kv_decode(prewarmed, error_report, dtype, tensor_cores, split):
-    """Few long requests: plan() splits their keys (or not, when told) and the merge pass combines them."""
-    kv_lens = [20000, 33001, 5]
-    plan_kw = {"auto": {}, "fixed": {"fixed_split_size": 40}, "disabled": {"disable_split_kv": True}}[split]
+    """plan() splits the keys of long requests (or not, when told) and the merge pass combines them."""
+    kv_lens, plan_kw, expected_chunk = SPLIT_CASES[split]
     wrapper, batch, q, out, lse, ref, ref_lse = decode_case(kv_lens, dtype, tensor_cores, 128, (32, 8),
                                                             plan_kw=plan_kw)
     chunk = wrapper._plan.work.kv_chunk
     assert (chunk == 0) == (split == "disabled"), f"kv_chunk {chunk} for split={split}"
-    if split == "fixed":
-        assert chunk == 40 * 16
+    if expected_chunk is not None:
+        assert chunk == expected_chunk
     spec = spec_for("batch_decode_paged", dtype, 128, tensor_cores=tensor_cores)
     check(spec, out, ref, q, batch.k, batch.v, max(kv_lens), 1 / math.sqrt(128), error_report, "split_kv_decode",
           lse=lse, ref_lse=ref_lse, shape=f"long_{split}", heads=(32, 8))

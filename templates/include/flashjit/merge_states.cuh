@@ -9,12 +9,35 @@
 
 namespace flashjit {
 
-// One CTA per (token, head): token `row / num_qo_heads` has partial rows
-// [first, first + count) (see partial_row in work.cuh); a token with none was
-// written by its attention CTA directly. A long context leaves dozens of
-// partial rows per head and only a few heads to merge, so the warps split the
-// partial rows (loads of several in flight each) and combine through shared
-// memory; one warp walking all of them serially costs microseconds of latency.
+// The partial rows [first, first + count) of (token, head) `row` (see
+// partial_row in work.cuh); count 0: the attention CTA wrote the row directly.
+__device__ __forceinline__ void partial_rows_of(const FlashjitAttentionParams& p, int token, int64_t& first,
+                                                int& count) {
+  if (p.merge_indptr != nullptr) {
+    first = p.merge_indptr[token];
+    count = p.merge_indptr[token + 1] - p.merge_indptr[token];
+  } else {
+    first = int64_t(token) * p.num_splits;
+    count = p.num_splits;
+  }
+}
+
+// Writes the merged output row (sum of weighted partials `acc`, weights summing
+// to `sum`, maximum LSE m) and its LSE; lane-strided dims.
+template <class DTypeO, int kDimsPerLane>
+__device__ __forceinline__ void store_merged(const FlashjitAttentionParams& p, int token, int head, int lane,
+                                             const float (&acc)[kDimsPerLane], float sum, float m) {
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  DTypeO* out = static_cast<DTypeO*>(p.o) + token * p.o_stride_n + head * p.o_stride_h;
+#pragma unroll
+  for (int i = 0; i < kDimsPerLane; ++i) out[lane + 32 * i] = from_float<DTypeO>(acc[i] * inv);
+  if (p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_n + head] = sum > 0.f ? m + log2f(sum) : -CUDART_INF_F;
+}
+
+// One CTA per (token, head). A long context leaves dozens of partial rows per
+// head and only a few heads to merge, so the warps split the partial rows
+// (loads of several in flight each) and combine through shared memory; one
+// warp walking all of them serially costs microseconds of latency.
 template <class DTypeO, int kHeadDim>
 __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_constant__ FlashjitAttentionParams p) {
   static_assert(kHeadDim % 32 == 0, "one lane per 32 dims");
@@ -25,13 +48,7 @@ __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_co
   const int token = row / p.num_qo_heads, head = row % p.num_qo_heads;
   int64_t first;
   int count;
-  if (p.merge_indptr != nullptr) {
-    first = p.merge_indptr[token];
-    count = p.merge_indptr[token + 1] - p.merge_indptr[token];
-  } else {
-    first = int64_t(token) * p.num_splits;
-    count = p.num_splits;
-  }
+  partial_rows_of(p, token, first, count);
   if (count == 0) return;  // uniform across the CTA
   auto lse_of = [&](int s) { return p.partial_lse[(first + s) * p.num_qo_heads + head]; };
 
@@ -62,17 +79,49 @@ __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_co
   sum = 0.f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) sum += s_sum[w];
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  DTypeO* out = static_cast<DTypeO*>(p.o) + token * p.o_stride_n + head * p.o_stride_h;
 #pragma unroll
   for (int i = 0; i < kDimsPerLane; ++i) {
-    float o = 0.f;
+    acc[i] = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) o += s_acc[w][lane + 32 * i];
-    out[lane + 32 * i] = from_float<DTypeO>(o * inv);
+    for (int w = 0; w < kWarps; ++w) acc[i] += s_acc[w][lane + 32 * i];
   }
-  if (p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_n + head] = sum > 0.f ? m + log2f(sum) : -CUDART_INF_F;
+  store_merged<DTypeO>(p, token, head, lane, acc, sum, m);
 }
+
+// One warp per (token, head), four per CTA: many rows with a few partial rows
+// each (a batch whose requests were cut in two or three), where the CTA per
+// row above spends its time in two barriers and three idle warps.
+template <class DTypeO, int kHeadDim>
+__global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __grid_constant__ FlashjitAttentionParams p,
+                                                                     int rows) {
+  constexpr int kDimsPerLane = kHeadDim / 32;
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * 4 + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int token = row / p.num_qo_heads, head = row % p.num_qo_heads;
+  int64_t first;
+  int count;
+  partial_rows_of(p, token, first, count);
+  if (count == 0) return;
+  auto lse_of = [&](int s) { return p.partial_lse[(first + s) * p.num_qo_heads + head]; };
+  float m = -CUDART_INF_F;
+  for (int s = lane; s < count; s += 32) m = fmaxf(m, lse_of(s));
+  m = warp_max(m);
+  float acc[kDimsPerLane] = {};
+  float sum = 0.f;
+#pragma unroll 4
+  for (int s = 0; s < count; ++s) {
+    const float w = exp2_diff(lse_of(s), m);
+    sum += w;
+    const float* src = p.partial_o + ((first + s) * p.num_qo_heads + head) * kHeadDim;
+#pragma unroll
+    for (int i = 0; i < kDimsPerLane; ++i) acc[i] = fmaf(w, src[lane + 32 * i], acc[i]);
+  }
+  store_merged<DTypeO>(p, token, head, lane, acc, sum, m);
+}
+
+// Rows from which the merge takes a warp per row (256 CTAs of four warps).
+constexpr int kWarpMergeRows = 1024;
 
 // Runs after the attention kernel when any CTA wrote partial state.
 template <class DTypeO, int kHeadDim>
@@ -81,7 +130,13 @@ int launch_merge_split_states(const FlashjitAttentionParams& p, bool write_lse, 
   if (rows == 0) return cudaSuccess;
   FlashjitAttentionParams merged = p;
   if (!write_lse) merged.lse = nullptr;
-  merge_split_states_kernel<DTypeO, kHeadDim><<<rows, 128, 0, stream>>>(merged);
+  // Rows enough to fill the GPU four to a CTA: a warp per row. Else (a long
+  // context cut into many chunks over few rows) a CTA per row.
+  if (rows >= kWarpMergeRows) {
+    merge_split_states_warp_kernel<DTypeO, kHeadDim><<<(rows + 3) / 4, 128, 0, stream>>>(merged, rows);
+  } else {
+    merge_split_states_kernel<DTypeO, kHeadDim><<<rows, 128, 0, stream>>>(merged);
+  }
   return cudaGetLastError();
 }
 
