@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import emit
+from common import emit, event_ms
 
 D, PAGE, BF16 = 128, 16, torch.bfloat16
 ATOL = RTOL = 2e-2  # elementwise bound against the float32 reference, bf16
@@ -40,16 +40,6 @@ ROWS = [("GQA 64x4k 32/8", 64, 4096, 32, 8), ("MHA 64x4k 32/32", 64, 4096, 32, 3
         ("8x32k 64/8", 8, 32768, 64, 8)]
 QUICK_ROWS = ("GQA 64x4k 32/8", "split 1x32k 32/8")
 APPEND = [(64, 1), (64, 128)]  # (requests, new tokens per request), 8 kv heads
-
-
-def event_ms(fn, inner: int = 1) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(inner):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def time_us(fn, reps: int, target_us: float = 2000.0) -> tuple[float, str, int]:

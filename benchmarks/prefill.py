@@ -15,19 +15,9 @@ import argparse
 import sys
 
 import torch
-from common import emit
+from common import emit, event_ms
 
 import flashjit
-
-
-def _events_ms(fn, calls: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def bench_ms(fn, reps: int = 10, sample_ms: float = 2.0) -> float:
@@ -37,8 +27,8 @@ def bench_ms(fn, reps: int = 10, sample_ms: float = 2.0) -> float:
     adding to a lone call's time."""
     for _ in range(2):
         fn()
-    calls = max(1, min(50, int(sample_ms / max(_events_ms(fn, 1), 1e-3))))
-    times = sorted(_events_ms(fn, calls) / calls for _ in range(reps))
+    calls = max(1, min(50, int(sample_ms / max(event_ms(fn, 1), 1e-3))))
+    times = sorted(event_ms(fn, calls) / calls for _ in range(reps))
     return times[len(times) // 2]
 
 
