@@ -143,13 +143,13 @@ APPEND_MISTAKES = [
     ("tuple-v-device", lambda a: {"paged_kv_cache": (a["paged_kv_cache"][:, 0], _meta(a["paged_kv_cache"][:, 1]))},
      r"^paged_kv_cache\[1\]: expected a tensor on cpu \(where paged_kv_cache\[0\] is\), got meta"),
     ("batch_indices-int64", lambda a: {"batch_indices": a["batch_indices"].long()},
-     r"^batch_indices: expected dtype torch.int32, got torch.int64"),
+     r"^batch_indices: expected a 1-D int32 tensor, got torch.int64"),
     ("batch_indices-list", lambda a: {"batch_indices": a["batch_indices"].tolist()},
-     r"^batch_indices: expected a torch.Tensor, got list"),
+     r"^batch_indices: expected a 1-D int32 torch.Tensor, got list"),
     ("positions-length", lambda a: {"positions": a["positions"][1:]}, r"^positions: expected \d+ elements \(one"),
-    ("positions-2d", lambda a: {"positions": a["positions"][None]}, r"^positions: expected a 1-D tensor"),
-    ("kv_indices-int64", lambda a: {"kv_indices": a["kv_indices"].long()}, r"^kv_indices: expected dtype torch.int32"),
-    ("kv_indptr-float", lambda a: {"kv_indptr": a["kv_indptr"].float()}, r"^kv_indptr: expected dtype torch.int32"),
+    ("positions-2d", lambda a: {"positions": a["positions"][None]}, r"^positions: expected a 1-D int32 tensor, got shape \(1, "),
+    ("kv_indices-int64", lambda a: {"kv_indices": a["kv_indices"].long()}, r"^kv_indices: expected a 1-D int32 tensor, got torch.int64"),
+    ("kv_indptr-float", lambda a: {"kv_indptr": a["kv_indptr"].float()}, r"^kv_indptr: expected a 1-D int32 tensor, got torch.float32"),
     ("kv_indptr-empty", lambda a: {"kv_indptr": a["kv_indptr"][:0]}, r"^kv_indptr: expected batch_size \+ 1"),
     ("last-length", lambda a: {"kv_last_page_len": a["kv_last_page_len"][1:]},
      r"^kv_last_page_len: expected 5 elements \(batch_size"),
@@ -171,7 +171,7 @@ def test_append_bad_input_names_the_argument_and_writes_nothing(mutate, match):
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda ip, sl: (ip.long(), sl, 3), r"^append_indptr: expected dtype torch.int32"),
+    (lambda ip, sl: (ip.long(), sl, 3), r"^append_indptr: expected a 1-D int32 tensor, got torch.int64"),
     (lambda ip, sl: (ip[:0], sl, 3), r"^append_indptr: expected batch_size \+ 1 elements"),
     (lambda ip, sl: (ip, sl[1:], 3), r"^seq_lens: expected 2 elements"),
     (lambda ip, sl: (ip, sl.float(), 3), r"^seq_lens: expected a 1-D int32 or int64 tensor, got torch.float32"),
@@ -179,7 +179,7 @@ def test_append_bad_input_names_the_argument_and_writes_nothing(mutate, match):
     (lambda ip, sl: (ip, sl, torch.tensor(3)), r"^nnz: expected a Python int"),
     (lambda ip, sl: (ip, _meta(sl), 3), r"^seq_lens: expected a tensor on cpu \(where append_indptr is\)"),
     (lambda ip, sl: (ip, sl, 3, torch.zeros(2, dtype=I32)), r"^batch_indices: expected 3 elements"),
-    (lambda ip, sl: (ip, sl, 3, None, torch.zeros(3)), r"^positions: expected dtype torch.int32"),
+    (lambda ip, sl: (ip, sl, 3, None, torch.zeros(3)), r"^positions: expected a 1-D int32 tensor, got torch.float32"),
 ])
 def test_batch_indices_positions_bad_input(call, match):
     with pytest.raises(ValueError, match=match):

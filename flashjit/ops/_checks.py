@@ -212,14 +212,20 @@ def paged_kv_sources(cache, kv_layout: str) -> tuple:
     return (k, v, 0, *geometry)
 
 
-def int_tensor(name: str, t, length: int | None = None) -> torch.Tensor:
-    """A 1-D int32 tensor (the kernels read int32 page tables)."""
+def int_tensor(name: str, t, length: int | None = None, *, exact: bool = False, what: str = "") -> torch.Tensor:
+    """A 1-D int32 tensor (the kernels read int32 index tables); with `length`,
+    at least that many elements, or exactly that many when `exact` (`what` says
+    where the count comes from)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a 1-D int32 torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 1 or t.dtype != torch.int32:
-        raise ValueError(f"{name}: expected a 1-D int32 tensor, got {t.dtype} of shape {tuple(t.shape)}")
-    if length is not None and t.shape[0] < length:
-        raise ValueError(f"{name}: expected at least {length} elements, got {t.shape[0]}")
+    if t.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D int32 tensor, got shape {tuple(t.shape)}")
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name}: expected a 1-D int32 tensor, got {t.dtype}")
+    if length is not None and exact and t.shape[0] != length:
+        raise ValueError(f"{name}: expected {length} elements{what}, got {t.shape[0]}")
+    if length is not None and not exact and t.shape[0] < length:
+        raise ValueError(f"{name}: expected at least {length} elements{what}, got {t.shape[0]}")
     return t
 
 

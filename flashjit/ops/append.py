@@ -14,19 +14,6 @@ import torch
 from ..spec import HEAD_DIMS
 from . import _checks
 
-_INDEX_DTYPE = torch.int32
-
-
-def _check_index(name: str, t, length: int | None = None, what: str = "") -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 1:
-        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(t.shape)}")
-    if t.dtype != _INDEX_DTYPE:
-        raise ValueError(f"{name}: expected dtype torch.int32, got {t.dtype}")
-    if length is not None and t.shape[0] != length:
-        raise ValueError(f"{name}: expected {length} elements{what}, got {t.shape[0]}")
-
 
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices,
                           kv_indptr, kv_last_page_len, kv_layout: str = "NHD") -> None:
@@ -60,14 +47,15 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     if page_size < 1:
         raise ValueError(f"{cache_name}: expected page_size >= 1, got shape {tuple(k_cache.shape)}")
     _checks.check_same_dtype(**{cache_name: k_cache, "append_key": append_key, "append_value": append_value})
-    _check_index("batch_indices", batch_indices, nnz, " (one per appended token, as append_key)")
-    _check_index("positions", positions, nnz, " (one per appended token, as append_key)")
-    _check_index("kv_indices", kv_indices)
-    _check_index("kv_indptr", kv_indptr)
+    per_token = " (one per appended token, as append_key)"
+    _checks.int_tensor("batch_indices", batch_indices, nnz, exact=True, what=per_token)
+    _checks.int_tensor("positions", positions, nnz, exact=True, what=per_token)
+    _checks.int_tensor("kv_indices", kv_indices)
+    _checks.int_tensor("kv_indptr", kv_indptr)
     if kv_indptr.shape[0] < 1:
         raise ValueError("kv_indptr: expected batch_size + 1 elements, got none")
-    _check_index("kv_last_page_len", kv_last_page_len, kv_indptr.shape[0] - 1,
-                 f" (batch_size, from kv_indptr's {kv_indptr.shape[0]} elements)")
+    _checks.int_tensor("kv_last_page_len", kv_last_page_len, kv_indptr.shape[0] - 1, exact=True,
+                       what=f" (batch_size, from kv_indptr's {kv_indptr.shape[0]} elements)")
     _checks.check_same_device(k_cache.device, cache_name, append_key=append_key, append_value=append_value,
                        batch_indices=batch_indices, positions=positions, kv_indices=kv_indices,
                        kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
@@ -154,7 +142,7 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices
     _checks.check_same_device(device, "append_indptr", seq_lens=seq_lens)
     for name, out in (("batch_indices", batch_indices), ("positions", positions)):
         if out is not None:
-            _check_index(name, out, nnz)
+            _checks.int_tensor(name, out, nnz, exact=True)
             _checks.check_same_device(device, "append_indptr", **{name: out})
 
     token = torch.arange(nnz, dtype=torch.int32, device=device)
@@ -184,8 +172,8 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int) -> torch.Tensor:
     """Tokens of each request in the paged cache: (pages - 1) * page_size + kv_last_page_len
     (a request with no page counts kv_last_page_len alone, as in FlashInfer)."""
     _check_indptr_like("kv_indptr", kv_indptr)
-    _check_index("kv_last_page_len", kv_last_page_len, kv_indptr.shape[0] - 1,
-                 " (batch_size, from kv_indptr)")
+    _checks.int_tensor("kv_last_page_len", kv_last_page_len, kv_indptr.shape[0] - 1, exact=True,
+                       what=" (batch_size, from kv_indptr)")
     page_size = _host_int("page_size", page_size, minimum=1)
     _checks.check_same_device(kv_indptr.device, "kv_indptr", kv_last_page_len=kv_last_page_len)
     return torch.clamp(kv_indptr[1:] - kv_indptr[:-1] - 1, min=0) * page_size + kv_last_page_len
@@ -199,6 +187,6 @@ def _host_int(name: str, value, minimum: int) -> int:
 
 
 def _check_indptr_like(name: str, t) -> None:
-    _check_index(name, t)
+    _checks.int_tensor(name, t)
     if t.shape[0] < 1:
         raise ValueError(f"{name}: expected batch_size + 1 elements, got none")
