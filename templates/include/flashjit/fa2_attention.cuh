@@ -20,88 +20,15 @@
 #pragma once
 #include <type_traits>
 #include "async_copy.cuh"
+#include "fa2_epilogue.cuh"
 #include "fa2_primitives.cuh"
+#include "fa2_traits.cuh"
 #include "kernel_config.cuh"
 #include "merge_states.cuh"
 #include "numeric.cuh"
 #include "work.cuh"
 
 namespace flashjit {
-
-template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
-          bool kOneWait_, bool kQInRegs_, int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_,
-          bool kSoftCap_, bool kLse_>
-struct Fa2Traits {
-  using DType = DType_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kWarps = kWarps_;
-  // m16 row fragments per warp (1 or 2): each K / V B-fragment loaded by
-  // ldmatrix feeds kFragsM mma's, so shared-memory traffic per FLOP is 1/kFragsM.
-  static constexpr int kFragsM = kFragsM_;
-  static constexpr int kKeysPerTile = kKeysPerTile_;
-  // The math walks each tile in kSubTiles steps of kKeysPerTile / kSubTiles
-  // keys (S registers for one step at a time), while copies, cp.async waits
-  // and barriers stay per tile: two m16 fragments per warp fit 255 registers
-  // with 32-key steps, and 64-key tiles halve the barriers per key.
-  static constexpr int kSubTiles = kSubTiles_;
-  static constexpr int kStages = kStages_;
-  // One cp.async wait and one CTA barrier per tile, for K and V together, at the
-  // top of the tile (instead of K there and V again before P.V): half the
-  // barriers, and the P.V ldmatrix loads may be scheduled across the softmax.
-  // V_t must then land by the top of tile t, not by the end of its softmax.
-  // Rows-split mode only (split keys synchronise with __syncwarp).
-  static constexpr bool kOneWait = kOneWait_ && !kSplitKeys_;
-  // Q fragments held in registers for the whole KV loop (D/4 registers per
-  // thread); else re-read from shared memory with ldmatrix every tile, which
-  // D = 256 needs to stay clear of spills next to its 128 O registers.
-  static constexpr bool kQInRegs = kQInRegs_;
-  // Second __launch_bounds__ argument: caps registers at 64K / (kThreads * it)
-  // so that this many CTAs fit on one SM (1: no cap beyond 255 per thread).
-  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
-  // Warps split each tile's keys instead of the rows (decode: the rows are
-  // only one KV head's query heads, so one warp would do all the math while
-  // the others wait at the barriers); their states merge at the end.
-  static constexpr bool kSplitKeys = kSplitKeys_;
-  static constexpr bool kPaged = kPaged_;
-  static constexpr bool kCausal = kCausal_;
-  static constexpr bool kWindow = kWindow_;
-  static constexpr bool kSoftCap = kSoftCap_;
-  static constexpr bool kLse = kLse_;
-
-  static constexpr int kRowsPerWarp = 16 * kFragsM;
-  static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kRowsPerCta = kSplitKeys ? kRowsPerWarp : kRowsPerWarp * kWarps;
-  static constexpr int kKeysPerWarp = kSplitKeys ? kKeysPerTile / kWarps : kKeysPerTile;
-  static constexpr int kKeysPerStep = kKeysPerWarp / kSubTiles;  // keys of one math step of a warp
-  static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks of one row
-  static constexpr int kRowBytes = kHeadDim * 2;
-
-  static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
-                "fa2 tensor-core attention takes __half or __nv_bfloat16");
-  static_assert(kHeadDim % 64 == 0, "head_dim must be a multiple of 64 (swizzle spans 8 chunks)");
-  static_assert(kKeysPerWarp % 16 == 0 && kKeysPerWarp * (kSplitKeys ? kWarps : 1) == kKeysPerTile,
-                "keys per tile (per warp when warps split them): a multiple of 16");
-  static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
-  static_assert(kSubTiles >= 1 && kKeysPerStep % 16 == 0 && (kSubTiles == 1 || !kSplitKeys),
-                "math steps: a multiple of 16 keys; split keys take whole tiles");
-  static_assert(kFragsM == 1 || kFragsM == 2, "m16 fragments per warp: 1 or 2");
-  static_assert(kMinBlocksPerSm >= 1, "min blocks per SM: at least 1");
-  static_assert(kWarps >= 1 && kThreads % kChunksPerRow == 0, "threads must cover whole rows");
-  static_assert(kKeysPerTile % (kThreads / kChunksPerRow) == 0 &&
-                    kRowsPerCta % (kThreads / kChunksPerRow) == 0,
-                "tile rows must be a multiple of the rows one copy pass covers");
-
-  // Shared memory, in bytes: [Q | stage 0: K, V | stage 1: K, V | ...]; every
-  // offset is a multiple of 128 bytes.
-  static constexpr int kQBytes = kRowsPerCta * kRowBytes;
-  static constexpr int kKvTileBytes = kKeysPerTile * kRowBytes;
-  static constexpr int kStageBytes = 2 * kKvTileBytes;
-  static constexpr size_t kSmemBytes = size_t(kQBytes) + size_t(kStages) * kStageBytes;
-  // Split keys: each lane's O, m and l per warp, exchanged through the stages.
-  static constexpr int kMergeValues = kFragsM * (kHeadDim / 8) * 4 + kFragsM * 4;
-  static_assert(!kSplitKeys || size_t(kWarps) * kMergeValues * 32 * 4 <= size_t(kStages) * kStageBytes,
-                "the warps' states must fit in the K/V stages to merge");
-};
 
 
 template <class Traits>
@@ -486,127 +413,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
 
   if constexpr (Traits::kSplitKeys) {
-    // Warp 0 takes over the other warps' states (m, per-lane partial l, O) for
-    // the same rows: lane by lane, each at its own positions, through the
-    // stage buffers, laid out [warp][value][lane] (conflict-free).
-    constexpr int V = Traits::kMergeValues;
-    cp_async_wait<0>();  // only empty groups can still be pending
-    __syncthreads();     // every warp is done reading the stages
-    float* xchg = reinterpret_cast<float*>(smem + Traits::kQBytes);
-    if (warp > 0) {
-      float* mine = xchg + (warp * V) * 32 + lane;
-#pragma unroll
-      for (int f = 0; f < FM; ++f) {
-#pragma unroll
-        for (int n = 0; n < NT_O; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) mine[((f * NT_O + n) * 4 + e) * 32] = o[f][n][e];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          mine[(FM * NT_O * 4 + f * 4 + r) * 32] = m[f][r];
-          mine[(FM * NT_O * 4 + f * 4 + 2 + r) * 32] = l[f][r];
-        }
-      }
-    }
-    __syncthreads();
-    if (warp > 0) return;
-    for (int other = 1; other < Traits::kWarps; ++other) {
-      const float* theirs = xchg + (other * V) * 32 + lane;
-#pragma unroll
-      for (int f = 0; f < FM; ++f)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float m_other = theirs[(FM * NT_O * 4 + f * 4 + r) * 32];
-          const float l_other = theirs[(FM * NT_O * 4 + f * 4 + 2 + r) * 32];
-          const float m_new = fmaxf(m[f][r], m_other);
-          // A state that has seen no key (m = -inf) weighs 0, without a NaN.
-          const float a = m[f][r] == kNegInf ? 0.f : fa2::exp2_fast((m[f][r] - m_new) * scale);
-          const float b = m_other == kNegInf ? 0.f : fa2::exp2_fast((m_other - m_new) * scale);
-          m[f][r] = m_new;
-          l[f][r] = l[f][r] * a + l_other * b;
-#pragma unroll
-          for (int n = 0; n < NT_O; ++n)
-#pragma unroll
-            for (int e = 2 * r; e < 2 * r + 2; ++e)
-              o[f][n][e] = o[f][n][e] * a + theirs[((f * NT_O + n) * 4 + e) * 32] * b;
-        }
-    }
+    if (!fa2::merge_warp_states<Traits>(o, m, l, smem, scale)) return;
   }
-
-  // ---- Epilogue: full row sums, normalise, stage through this warp's Q rows.
-  float inv_l[FM][2];
-#pragma unroll
-  for (int f = 0; f < FM; ++f)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[f][r] += __shfl_xor_sync(0xffffffffu, l[f][r], 1);
-      l[f][r] += __shfl_xor_sync(0xffffffffu, l[f][r], 2);
-      // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
-      inv_l[f][r] = l[f][r] > 0.f ? 1.f / l[f][r] : 0.f;
-    }
-  if (w.split >= 0) {
-    // Split-KV chunk: fp32 normalised output and LSE as partial state; the
-    // merge pass rounds once to T. o[f][n][e] is row 16f + g + 8 * (e / 2),
-    // head dims 8n + 2 * tq + e % 2.
-#pragma unroll
-    for (int f = 0; f < FM; ++f)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = warp_row0 + 16 * f + g + 8 * r;
-        if (row >= rows_total) continue;
-        const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
-        const int64_t idx = partial_row(p, token, w.split) * p.num_qo_heads + head;
-        float* dst = p.partial_o + idx * D + 2 * tq;
-#pragma unroll
-        for (int n = 0; n < NT_O; ++n)
-          *reinterpret_cast<float2*>(dst + 8 * n) =
-              make_float2(o[f][n][2 * r] * inv_l[f][r], o[f][n][2 * r + 1] * inv_l[f][r]);
-        if (tq == 0) p.partial_lse[idx] = l[f][r] > 0.f ? m[f][r] * scale + log2f(l[f][r]) : kNegInf;
-      }
-    return;
-  }
-  unsigned char* stage = smem + warp * WROWS * ROW_BYTES;
-  __syncwarp();  // all lanes' last reads of the warp's Q rows are done
-#pragma unroll
-  for (int f = 0; f < FM; ++f)
-#pragma unroll
-    for (int n = 0; n < NT_O; ++n) {
-      // Row 16f + g (and + 8), logical chunk n, word tq; (16f + g + 8) % 8 == g.
-      const int at = (16 * f + g) * ROW_BYTES + ((n ^ g) << 4) + tq * 4;
-      *reinterpret_cast<uint32_t*>(stage + at) =
-          fa2::pack2<T>(o[f][n][0] * inv_l[f][0], o[f][n][1] * inv_l[f][0]);
-      *reinterpret_cast<uint32_t*>(stage + at + 8 * ROW_BYTES) =
-          fa2::pack2<T>(o[f][n][2] * inv_l[f][1], o[f][n][3] * inv_l[f][1]);
-    }
-  __syncwarp();
-  {
-    constexpr int kChunks = D / 8;
-    T* o_base = static_cast<T*>(p.o);
-#pragma unroll
-    for (int i = 0; i < WROWS * kChunks / 32; ++i) {
-      const int idx = i * 32 + lane, rr = idx / kChunks, c = idx % kChunks;
-      const int row = warp_row0 + rr;
-      if (row < rows_total) {
-        const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
-        const uint4 val = *reinterpret_cast<const uint4*>(stage + fa2::swizzled<ROW_BYTES>(rr, c));
-        *reinterpret_cast<uint4*>(o_base + int64_t(token) * p.o_stride_n + int64_t(head) * p.o_stride_h +
-                                  c * 8) = val;
-      }
-    }
-  }
-  if (Traits::kLse && p.lse != nullptr && tq == 0) {
-#pragma unroll
-    for (int f = 0; f < FM; ++f)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = warp_row0 + 16 * f + g + 8 * r;
-        if (row < rows_total) {
-          const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
-          p.lse[int64_t(token) * p.lse_stride_n + head] =
-              l[f][r] > 0.f ? m[f][r] * scale + log2f(l[f][r]) : kNegInf;
-        }
-      }
-  }
+  fa2::store_rows<Traits>(p, w, o, m, l, smem, warp_row0, rows_total, scale);
 }
 
 template <class Traits>

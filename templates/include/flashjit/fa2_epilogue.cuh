@@ -1,0 +1,165 @@
+// The end of an fa2 CTA (fa2_attention.cuh): in split-keys mode warp 0 takes
+// over the other warps' softmax states; then every warp normalises its rows of
+// O and writes them with their LSE, or, for a split-KV chunk, the fp32 partial
+// state that the merge pass (merge_states.cuh) combines.
+#pragma once
+#include <stdint.h>
+#include "async_copy.cuh"
+#include "attention_params.cuh"
+#include "fa2_primitives.cuh"
+#include "numeric.cuh"
+#include "work.cuh"
+
+namespace flashjit {
+namespace fa2 {
+
+// Per lane of a warp: O accumulators o[f][n][e] (row 16f + g + 8 * (e / 2) of
+// the warp, head dims 8n + 2 * tq + e % 2), the running max m[f][r] in logit
+// units before `scale`, and this lane's partial row sum l[f][r].
+template <class Traits>
+using WarpO = float[Traits::kFragsM][Traits::kHeadDim / 8][4];
+template <class Traits>
+using WarpRows = float[Traits::kFragsM][2];
+
+// Split keys: the warps share the rows, so warp 0 merges the others' states
+// (m, per-lane partial l, O) lane by lane, each at its own positions, through
+// the stage buffers, laid out [warp][value][lane] (conflict-free). Returns
+// whether this warp goes on to write the rows (warp 0 only).
+template <class Traits>
+__device__ __forceinline__ bool merge_warp_states(WarpO<Traits>& o, WarpRows<Traits>& m, WarpRows<Traits>& l,
+                                                  unsigned char* smem, float scale) {
+  constexpr int FM = Traits::kFragsM, NT_O = Traits::kHeadDim / 8, V = Traits::kMergeValues;
+  const float kNegInf = -CUDART_INF_F;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  cp_async_wait<0>();  // only empty groups can still be pending
+  __syncthreads();     // every warp is done reading the stages
+  float* xchg = reinterpret_cast<float*>(smem + Traits::kQBytes);
+  if (warp > 0) {
+    float* mine = xchg + (warp * V) * 32 + lane;
+#pragma unroll
+    for (int f = 0; f < FM; ++f) {
+#pragma unroll
+      for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine[((f * NT_O + n) * 4 + e) * 32] = o[f][n][e];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mine[(FM * NT_O * 4 + f * 4 + r) * 32] = m[f][r];
+        mine[(FM * NT_O * 4 + f * 4 + 2 + r) * 32] = l[f][r];
+      }
+    }
+  }
+  __syncthreads();
+  if (warp > 0) return false;
+  for (int other = 1; other < Traits::kWarps; ++other) {
+    const float* theirs = xchg + (other * V) * 32 + lane;
+#pragma unroll
+    for (int f = 0; f < FM; ++f)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_other = theirs[(FM * NT_O * 4 + f * 4 + r) * 32];
+        const float l_other = theirs[(FM * NT_O * 4 + f * 4 + 2 + r) * 32];
+        const float m_new = fmaxf(m[f][r], m_other);
+        // A state that has seen no key (m = -inf) weighs 0, without a NaN.
+        const float a = m[f][r] == kNegInf ? 0.f : exp2_fast((m[f][r] - m_new) * scale);
+        const float b = m_other == kNegInf ? 0.f : exp2_fast((m_other - m_new) * scale);
+        m[f][r] = m_new;
+        l[f][r] = l[f][r] * a + l_other * b;
+#pragma unroll
+        for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e)
+            o[f][n][e] = o[f][n][e] * a + theirs[((f * NT_O + n) * 4 + e) * 32] * b;
+      }
+  }
+  return true;
+}
+
+// Full row sums, normalise, then either the fp32 partial state of a split-KV
+// chunk, or O staged through this warp's own Q rows of shared memory (same
+// swizzle) and written in 16-byte vectors, and the LSE (m + log2(l), base 2).
+// Rows at or past rows_total are padding and write nothing.
+template <class Traits>
+__device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, const CtaWork& w, WarpO<Traits>& o,
+                                           WarpRows<Traits>& m, WarpRows<Traits>& l, unsigned char* smem,
+                                           int warp_row0, int rows_total, float scale) {
+  using T = typename Traits::DType;
+  constexpr int D = Traits::kHeadDim, FM = Traits::kFragsM, NT_O = D / 8;
+  constexpr int WROWS = Traits::kRowsPerWarp, ROW_BYTES = Traits::kRowBytes;
+  const float kNegInf = -CUDART_INF_F;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, tq = lane % 4;
+  float inv_l[FM][2];
+#pragma unroll
+  for (int f = 0; f < FM; ++f)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[f][r] += __shfl_xor_sync(0xffffffffu, l[f][r], 1);
+      l[f][r] += __shfl_xor_sync(0xffffffffu, l[f][r], 2);
+      // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
+      inv_l[f][r] = l[f][r] > 0.f ? 1.f / l[f][r] : 0.f;
+    }
+  if (w.split >= 0) {
+    // Split-KV chunk: fp32 normalised output and LSE as partial state; the
+    // merge pass rounds once to T.
+#pragma unroll
+    for (int f = 0; f < FM; ++f)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp_row0 + 16 * f + g + 8 * r;
+        if (row >= rows_total) continue;
+        const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+        const int64_t idx = partial_row(p, token, w.split) * p.num_qo_heads + head;
+        float* dst = p.partial_o + idx * D + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < NT_O; ++n)
+          *reinterpret_cast<float2*>(dst + 8 * n) =
+              make_float2(o[f][n][2 * r] * inv_l[f][r], o[f][n][2 * r + 1] * inv_l[f][r]);
+        if (tq == 0) p.partial_lse[idx] = l[f][r] > 0.f ? m[f][r] * scale + log2f(l[f][r]) : kNegInf;
+      }
+    return;
+  }
+  unsigned char* stage = smem + warp * WROWS * ROW_BYTES;
+  __syncwarp();  // all lanes' last reads of the warp's Q rows are done
+#pragma unroll
+  for (int f = 0; f < FM; ++f)
+#pragma unroll
+    for (int n = 0; n < NT_O; ++n) {
+      // Row 16f + g (and + 8), logical chunk n, word tq; (16f + g + 8) % 8 == g.
+      const int at = (16 * f + g) * ROW_BYTES + ((n ^ g) << 4) + tq * 4;
+      *reinterpret_cast<uint32_t*>(stage + at) = pack2<T>(o[f][n][0] * inv_l[f][0], o[f][n][1] * inv_l[f][0]);
+      *reinterpret_cast<uint32_t*>(stage + at + 8 * ROW_BYTES) =
+          pack2<T>(o[f][n][2] * inv_l[f][1], o[f][n][3] * inv_l[f][1]);
+    }
+  __syncwarp();
+  {
+    constexpr int kChunks = D / 8;
+    T* o_base = static_cast<T*>(p.o);
+#pragma unroll
+    for (int i = 0; i < WROWS * kChunks / 32; ++i) {
+      const int idx = i * 32 + lane, rr = idx / kChunks, c = idx % kChunks;
+      const int row = warp_row0 + rr;
+      if (row < rows_total) {
+        const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+        const uint4 val = *reinterpret_cast<const uint4*>(stage + swizzled<ROW_BYTES>(rr, c));
+        *reinterpret_cast<uint4*>(o_base + int64_t(token) * p.o_stride_n + int64_t(head) * p.o_stride_h +
+                                  c * 8) = val;
+      }
+    }
+  }
+  if (Traits::kLse && p.lse != nullptr && tq == 0) {
+#pragma unroll
+    for (int f = 0; f < FM; ++f)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp_row0 + 16 * f + g + 8 * r;
+        if (row < rows_total) {
+          const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+          p.lse[int64_t(token) * p.lse_stride_n + head] = l[f][r] > 0.f ? m[f][r] * scale + log2f(l[f][r]) : kNegInf;
+        }
+      }
+  }
+}
+
+}  // namespace fa2
+}  // namespace flashjit

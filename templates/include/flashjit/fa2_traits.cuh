@@ -1,0 +1,87 @@
+// Compile-time shape of one fa2 tensor-core attention kernel (fa2_attention.cuh):
+// its tiling (rendered from flashjit/kernels.py's Fa2Tiling), the variant flags,
+// and the shared-memory layout derived from them.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stddef.h>
+#include <type_traits>
+
+namespace flashjit {
+
+template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
+          bool kOneWait_, bool kQInRegs_, int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_,
+          bool kSoftCap_, bool kLse_>
+struct Fa2Traits {
+  using DType = DType_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = kWarps_;
+  // m16 row fragments per warp (1 or 2): each K / V B-fragment loaded by
+  // ldmatrix feeds kFragsM mma's, so shared-memory traffic per FLOP is 1/kFragsM.
+  static constexpr int kFragsM = kFragsM_;
+  static constexpr int kKeysPerTile = kKeysPerTile_;
+  // The math walks each tile in kSubTiles steps of kKeysPerTile / kSubTiles
+  // keys (S registers for one step at a time), while copies, cp.async waits
+  // and barriers stay per tile: two m16 fragments per warp fit 255 registers
+  // with 32-key steps, and 64-key tiles halve the barriers per key.
+  static constexpr int kSubTiles = kSubTiles_;
+  static constexpr int kStages = kStages_;
+  // One cp.async wait and one CTA barrier per tile, for K and V together, at the
+  // top of the tile (instead of K there and V again before P.V): half the
+  // barriers, and the P.V ldmatrix loads may be scheduled across the softmax.
+  // V_t must then land by the top of tile t, not by the end of its softmax.
+  // Rows-split mode only (split keys synchronise with __syncwarp).
+  static constexpr bool kOneWait = kOneWait_ && !kSplitKeys_;
+  // Q fragments held in registers for the whole KV loop (D/4 registers per
+  // thread); else re-read from shared memory with ldmatrix every tile, which
+  // D = 256 needs to stay clear of spills next to its 128 O registers.
+  static constexpr bool kQInRegs = kQInRegs_;
+  // Second __launch_bounds__ argument: caps registers at 64K / (kThreads * it)
+  // so that this many CTAs fit on one SM (1: no cap beyond 255 per thread).
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+  // Warps split each tile's keys instead of the rows (decode: the rows are
+  // only one KV head's query heads, so one warp would do all the math while
+  // the others wait at the barriers); their states merge at the end.
+  static constexpr bool kSplitKeys = kSplitKeys_;
+  static constexpr bool kPaged = kPaged_;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kWindow = kWindow_;
+  static constexpr bool kSoftCap = kSoftCap_;
+  static constexpr bool kLse = kLse_;
+
+  static constexpr int kRowsPerWarp = 16 * kFragsM;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRowsPerCta = kSplitKeys ? kRowsPerWarp : kRowsPerWarp * kWarps;
+  static constexpr int kKeysPerWarp = kSplitKeys ? kKeysPerTile / kWarps : kKeysPerTile;
+  static constexpr int kKeysPerStep = kKeysPerWarp / kSubTiles;  // keys of one math step of a warp
+  static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks of one row
+  static constexpr int kRowBytes = kHeadDim * 2;
+
+  static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
+                "fa2 tensor-core attention takes __half or __nv_bfloat16");
+  static_assert(kHeadDim % 64 == 0, "head_dim must be a multiple of 64 (swizzle spans 8 chunks)");
+  static_assert(kKeysPerWarp % 16 == 0 && kKeysPerWarp * (kSplitKeys ? kWarps : 1) == kKeysPerTile,
+                "keys per tile (per warp when warps split them): a multiple of 16");
+  static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
+  static_assert(kSubTiles >= 1 && kKeysPerStep % 16 == 0 && (kSubTiles == 1 || !kSplitKeys),
+                "math steps: a multiple of 16 keys; split keys take whole tiles");
+  static_assert(kFragsM == 1 || kFragsM == 2, "m16 fragments per warp: 1 or 2");
+  static_assert(kMinBlocksPerSm >= 1, "min blocks per SM: at least 1");
+  static_assert(kWarps >= 1 && kThreads % kChunksPerRow == 0, "threads must cover whole rows");
+  static_assert(kKeysPerTile % (kThreads / kChunksPerRow) == 0 &&
+                    kRowsPerCta % (kThreads / kChunksPerRow) == 0,
+                "tile rows must be a multiple of the rows one copy pass covers");
+
+  // Shared memory, in bytes: [Q | stage 0: K, V | stage 1: K, V | ...]; every
+  // offset is a multiple of 128 bytes.
+  static constexpr int kQBytes = kRowsPerCta * kRowBytes;
+  static constexpr int kKvTileBytes = kKeysPerTile * kRowBytes;
+  static constexpr int kStageBytes = 2 * kKvTileBytes;
+  static constexpr size_t kSmemBytes = size_t(kQBytes) + size_t(kStages) * kStageBytes;
+  // Split keys: each lane's O, m and l per warp, exchanged through the stages.
+  static constexpr int kMergeValues = kFragsM * (kHeadDim / 8) * 4 + kFragsM * 4;
+  static_assert(!kSplitKeys || size_t(kWarps) * kMergeValues * 32 * 4 <= size_t(kStages) * kStageBytes,
+                "the warps' states must fit in the K/V stages to merge");
+};
+
+}  // namespace flashjit
