@@ -1,7 +1,7 @@
 """Per-kernel GPU time of paged decode calls (attention, split-KV merge), from
 torch.profiler: where a split-KV row's time goes beyond its attention kernel.
 
-Usage: python benchmarks/decode_breakdown.py [--out FILE]
+Usage: python benchmarks/decode_breakdown.py [--rows LABEL ...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from decode import BF16, D, PAGE, paged_cache
 
 import flashjit
 
-ROWS = [("GQA 64x4k 32/8", 64, 4096, 32, 8), ("split 1x32k 32/8", 1, 32768, 32, 8),
+ROWS = [("GQA 64x4k 32/8", 64, 4096, 32, 8), ("MHA 64x4k 32/32", 64, 4096, 32, 32),
+        ("split 1x32k 32/8", 1, 32768, 32, 8),
         ("split 1x128k 32/8", 1, 131072, 32, 8)]
 CALLS = 20
 
@@ -46,12 +47,15 @@ def short_name(kernel: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
+    parser.add_argument("--rows", nargs="+", help="only the rows whose label starts with one of these")
     args = parser.parse_args()
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     lines = [f"device: {torch.cuda.get_device_name()}; bf16 paged decode, head_dim {D}, page {PAGE}; "
              f"mean µs per call over {CALLS} calls (torch.profiler)", "",
              "| row | cores | split chunk (keys) | kernel | µs |", "|---|---|---|---|---|"]
     for label, batch, kv_len, qo_heads, kv_heads in ROWS:
+        if args.rows and not any(label.startswith(r) for r in args.rows):
+            continue
         cache, indptr, indices, last = paged_cache(batch, kv_len, kv_heads)
         q = torch.randn(batch, qo_heads, D, dtype=BF16, device="cuda")
         # The planner's choice, and the same row with splitting disabled.
