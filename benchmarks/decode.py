@@ -42,12 +42,20 @@ QUICK_ROWS = ("GQA 64x4k 32/8", "split 1x32k 32/8")
 APPEND = [(64, 1), (64, 128)]  # (requests, new tokens per request), 8 kv heads
 
 
+# Calls per timing sample, at least: a sample starts on an idle GPU, and its
+# first launch costs tens of µs that a lone call would carry whole (on the
+# 1 ms MHA row, a 1-call sample read 1005 µs where 50 back-to-back calls ran
+# at 965 µs each, while the other library, estimated a little faster, got
+# 2-call samples: benchmarks/results/2026-11-22-h200-decode-mha-loop.md).
+MIN_CALLS_PER_SAMPLE = 4
+
+
 def time_us(fn, reps: int, target_us: float = 2000.0) -> tuple[float, str, int]:
     """(median µs per call, 'graph' or 'eager', calls per sample)."""
     for _ in range(3):
         fn()
     est = event_ms(fn, 5) * 1e3 / 5
-    inner = max(1, min(500, int(target_us / max(est, 1.0))))
+    inner = max(MIN_CALLS_PER_SAMPLE, min(500, int(target_us / max(est, 1.0))))
     runner, mode, graph = (lambda: event_ms(fn, inner)), "eager", None
     try:
         side = torch.cuda.Stream()
