@@ -70,7 +70,9 @@ def main() -> int:
         for r, arches in results:
             for row in r.entry.manifest["resources"]:
                 kind = ("attention" if "attention_kernel" in row["kernel"] else
-                        "append" if "append_paged_kernel" in row["kernel"] else "split-KV merge")
+                        "append" if "append_paged_kernel" in row["kernel"] else
+                        "split-KV merge, warp per row" if "warp_kernel" in row["kernel"] else
+                        "split-KV merge, CTA per row")
                 smem = smem_bytes(r.spec, arches) if kind == "attention" else 0
                 spills += row["spill_stores"] + row["spill_loads"]
                 lines.append(f"| {r.spec.name} | {kind} | {row['arch']} | {row.get('registers', '?')} | "
