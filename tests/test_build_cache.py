@@ -177,6 +177,30 @@ def test_no_register_spills(representative, spec, arch_name):
 
 @pytest.mark.nvcc
 @pytest.mark.slow
+@needs_nvcc
+def test_sm90a_only_build_takes_the_wide_fa2_tiling(monkeypatch, tmp_path):
+    """A library built for sm_90a alone takes the two-fragment d128 tiling for
+    non-causal ragged prefill (the same spec built for every default arch takes
+    one fragment): 128 rows per CTA from the library, no spill on the variant
+    closest to its register cap, and its own cache entry."""
+    spec = KernelSpec.make("batch_prefill_ragged", "bfloat16", 128, use_tensor_cores=True, soft_cap=True,
+                           return_lse=True).validate()
+    set_cache_env(monkeypatch, tmp_path / "cache", arches="sm_90a")
+    [result] = jit.build_many([spec])
+    manifest = result.entry.manifest
+    assert manifest["arches"] == ["sm_90a"]
+    wide = kernels.FA2_WIDE_TILINGS[128]
+    assert kernels.tiling_for(spec, manifest["arches"])[1] == wide
+    assert loader.load_library(spec, result.entry.artifact, manifest).rows_per_cta == wide.rows_per_cta == 128
+    spills = [u for u in manifest["resources"] if u["spill_stores"] or u["spill_loads"]]
+    assert spills == [], spills
+    other = jit.plan(spec, tuple(ARCHES), None)
+    assert other.key != jit.plan(spec, ("sm_90a",), None).key
+    assert re.findall(r"/\*kFragsM=\*/\s*(\d+)", other.rendered.text) == ["1"]
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", REPRESENTATIVE, ids=IDS)
 def test_artifact_loads_without_a_gpu(representative, spec):
     entry = representative.results[spec].entry
