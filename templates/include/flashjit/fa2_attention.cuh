@@ -3,7 +3,8 @@
 // cuda_core_attention.cuh: a CTA owns kRowsPerCta packed rows (query token x
 // query head pairs of one KV head, token-major) of one request, grid
 // (num_work, num_kv_heads).
-// Fragment layouts and the swizzle: fa2_primitives.cuh.
+// Fragment layouts and the swizzle: fa2_primitives.cuh; the compile-time shape:
+// fa2_traits.cuh; the end of a CTA (state merge, stores): fa2_epilogue.cuh.
 //
 // Structure of one CTA (kWarps warps, 16 * kFragsM rows per warp):
 //   * Q (kRowsPerCta x D) and K/V tiles (kKeysPerTile x D) live in XOR-swizzled
