@@ -51,9 +51,7 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     _checks.int_tensor("batch_indices", batch_indices, nnz, exact=True, what=per_token)
     _checks.int_tensor("positions", positions, nnz, exact=True, what=per_token)
     _checks.int_tensor("kv_indices", kv_indices)
-    _checks.int_tensor("kv_indptr", kv_indptr)
-    if kv_indptr.shape[0] < 1:
-        raise ValueError("kv_indptr: expected batch_size + 1 elements, got none")
+    _check_indptr_like("kv_indptr", kv_indptr)
     _checks.int_tensor("kv_last_page_len", kv_last_page_len, kv_indptr.shape[0] - 1, exact=True,
                        what=f" (batch_size, from kv_indptr's {kv_indptr.shape[0]} elements)")
     _checks.check_same_device(k_cache.device, cache_name, append_key=append_key, append_value=append_value,
