@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     int r = idx / D_QK, d = idx % D_QK, row = w.row_begin + r;
     float val = 0.f;
     if (row < rows_total) {
-      int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+      int token = w.token_of(row), head = w.head_of(row);
       val = to_float(static_cast<const DTypeQ*>(p.q)[token * p.q_stride_n + head * p.q_stride_h + d]) *
             q_scale;
     }
@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   for (int r = 0; r < R; ++r) {
     const int row = warp_row0 + r;
     if (row >= rows_total) break;
-    const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+    const int token = w.token_of(row), head = w.head_of(row);
     // A row that sees no key (kv_len 0, or masked out entirely) outputs 0 and LSE -inf.
     const float inv_l = l[r] > 0.f ? 1.f / l[r] : 0.f;
     const float lse = l[r] > 0.f ? m[r] + log2f(l[r]) : -CUDART_INF_F;

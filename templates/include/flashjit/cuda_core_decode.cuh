@@ -158,8 +158,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   for (int r = 0; r < kRows; ++r) {
     const int row = w.row_begin + r;
     const bool ok = row < rows_total;
-    const DType* src = static_cast<const DType*>(p.q) + int64_t(w.qo_start + row / w.group) * p.q_stride_n +
-                       int64_t(w.kv_head * w.group + row % w.group) * p.q_stride_h + dim0;
+    const DType* src = static_cast<const DType*>(p.q) + int64_t(w.token_of(row)) * p.q_stride_n +
+                       int64_t(w.head_of(row)) * p.q_stride_h + dim0;
 #pragma unroll
     for (int e = 0; e < DPL; ++e) q[r][e] = ok ? to_float(src[e]) * q_scale : 0.f;
   }
@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // A row that sees no key (kv_len 0, an empty window) outputs 0 and LSE -inf.
     o = l_all > 0.f ? o / l_all : 0.f;
     const float lse = l_all > 0.f ? m_all + log2f(l_all) : -CUDART_INF_F;
-    const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+    const int token = w.token_of(row), head = w.head_of(row);
     if (w.split >= 0) {  // fp32 partial state; the merge pass rounds once to DType
       const int64_t prow = partial_row(p, token, w.split) * p.num_qo_heads + head;
       p.partial_o[prow * D + d] = o;

@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         const bool ok = row < rows_total;
         const T* src = q_base;  // mapped fallback address, nothing is read from it
         if (ok) {
-          const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+          const int token = w.token_of(row), head = w.head_of(row);
           src = q_base + int64_t(token) * p.q_stride_n + int64_t(head) * p.q_stride_h + chunk * 8;
         }
         cp_async_16(q_smem + fa2::swizzled<ROW_BYTES>(r, chunk), src, ok);

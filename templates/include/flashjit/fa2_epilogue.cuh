@@ -89,6 +89,8 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
   const float kNegInf = -CUDART_INF_F;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, tq = lane % 4;
+  // Base-2 LSE of fragment f's row r, -inf for a row that saw no key.
+  auto lse_of = [&](int f, int r) { return l[f][r] > 0.f ? m[f][r] * scale + log2f(l[f][r]) : kNegInf; };
   float inv_l[FM][2];
 #pragma unroll
   for (int f = 0; f < FM; ++f)
@@ -108,14 +110,14 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
       for (int r = 0; r < 2; ++r) {
         const int row = warp_row0 + 16 * f + g + 8 * r;
         if (row >= rows_total) continue;
-        const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+        const int token = w.token_of(row), head = w.head_of(row);
         const int64_t idx = partial_row(p, token, w.split) * p.num_qo_heads + head;
         float* dst = p.partial_o + idx * D + 2 * tq;
 #pragma unroll
         for (int n = 0; n < NT_O; ++n)
           *reinterpret_cast<float2*>(dst + 8 * n) =
               make_float2(o[f][n][2 * r] * inv_l[f][r], o[f][n][2 * r + 1] * inv_l[f][r]);
-        if (tq == 0) p.partial_lse[idx] = l[f][r] > 0.f ? m[f][r] * scale + log2f(l[f][r]) : kNegInf;
+        if (tq == 0) p.partial_lse[idx] = lse_of(f, r);
       }
     return;
   }
@@ -140,7 +142,7 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
       const int idx = i * 32 + lane, rr = idx / kChunks, c = idx % kChunks;
       const int row = warp_row0 + rr;
       if (row < rows_total) {
-        const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
+        const int token = w.token_of(row), head = w.head_of(row);
         const uint4 val = *reinterpret_cast<const uint4*>(stage + swizzled<ROW_BYTES>(rr, c));
         *reinterpret_cast<uint4*>(o_base + int64_t(token) * p.o_stride_n + int64_t(head) * p.o_stride_h +
                                   c * 8) = val;
@@ -154,8 +156,8 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
       for (int r = 0; r < 2; ++r) {
         const int row = warp_row0 + 16 * f + g + 8 * r;
         if (row < rows_total) {
-          const int token = w.qo_start + row / w.group, head = w.kv_head * w.group + row % w.group;
-          p.lse[int64_t(token) * p.lse_stride_n + head] = l[f][r] > 0.f ? m[f][r] * scale + log2f(l[f][r]) : kNegInf;
+          const int token = w.token_of(row), head = w.head_of(row);
+          p.lse[int64_t(token) * p.lse_stride_n + head] = lse_of(f, r);
         }
       }
   }

@@ -17,6 +17,10 @@ struct CtaWork {
   int row_begin;         // first packed row of this CTA
   int kv_head;
   int group;             // query heads per KV head
+
+  // Packed row `row` of the request (token-major): its query token and query head.
+  __device__ __forceinline__ int token_of(int row) const { return qo_start + row / group; }
+  __device__ __forceinline__ int head_of(int row) const { return kv_head * group + row % group; }
 };
 
 template <bool kPaged>
