@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from common import emit
-from prefill import bench_ms, flashinfer_ragged, indptr
+from prefill import attention_flops, bench_ms, flashinfer_ragged, indptr
 
 import flashjit
 from flashjit import jit, kernels, render
@@ -73,7 +73,7 @@ def check(d: int) -> float:
 
 
 def tflops(b: int, h: int, s: int, d: int, causal: bool, ms: float) -> float:
-    return 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
+    return attention_flops(b, h, s, d, causal) / ms / 1e9
 
 
 def main() -> int:

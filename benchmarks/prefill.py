@@ -32,6 +32,11 @@ def bench_ms(fn, reps: int = 10, sample_ms: float = 2.0) -> float:
     return times[len(times) // 2]
 
 
+def attention_flops(b: int, h: int, s: int, d: int, causal: bool) -> float:
+    """4·B·H·S²·D for b requests of s tokens (queries and keys), halved when causal."""
+    return 4 * b * h * s * s * d / (2 if causal else 1)
+
+
 def indptr(lengths) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
@@ -120,13 +125,13 @@ def main() -> int:
         for s in seqlens:
             b = 16384 // s
             for causal in (False, True):
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                flops = attention_flops(b, h, s, d, causal)
                 cells = run_row(impls, [s] * b, [s] * b, h, d, causal, flops, reps=5 if s == 16384 else 10)
                 lines.append(f"| {d} | {b} x {s} | {causal} | " + " | ".join(cells) + " |")
                 print(lines[-1], flush=True)
     # Skewed: one 16k request among 64 of 100 tokens, causal, head_dim 128.
     qo_lens = [16384] + [100] * 64
-    flops = sum(4 * 16 * n * n * 128 / 2 for n in qo_lens)
+    flops = sum(attention_flops(1, 16, n, 128, True) for n in qo_lens)
     cells = run_row(impls, qo_lens, qo_lens, 16, 128, True, flops, reps=5)
     lines.append("| 128 | skewed 1x16k + 64x100 | True | " + " | ".join(cells) + " |")
     # Long-context decode on CUDA cores (split-KV): 32 qo / 8 kv heads, head_dim 128, 32k keys.

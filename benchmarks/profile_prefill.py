@@ -12,9 +12,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from fa2_tilings import use_templates
 
 import flashjit
-from flashjit import kernels, render
+from flashjit import kernels
 from flashjit.kernels import Fa2Tiling  # noqa: F401  (for --tiling)
 
 parser = argparse.ArgumentParser()
@@ -23,10 +24,7 @@ parser.add_argument("--tiling")
 parser.add_argument("--no-flashinfer", action="store_true")
 args = parser.parse_args()
 if args.templates:
-    folder = args.templates.resolve()
-    render.templates_dir = lambda: folder
-    render.environment.cache_clear()
-    render.generator_digest.cache_clear()
+    use_templates(args.templates.resolve())
 if args.tiling:
     kernels.FA2_TILINGS[128] = eval(args.tiling)
     kernels.FA2_WIDE_TILINGS.pop(128, None)
