@@ -2,8 +2,11 @@
 # One full device session: info, GPU tests (prewarm + numerical sweep), JIT
 # benchmarks, prefill/decode benchmarks. Logs and reports go to $OUT (or
 # ./gpu_out); a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench]
-# tests: GPU tests only; bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only.
+#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare]
+# tests: GPU tests only; bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
+# compare: GPU tests, fa2_tilings.py for each of $HEAD_DIMS (default 128; with
+# --baseline-templates $BASELINE_TEMPLATES when set: a kernel change against the
+# sources before it, in the same run) and decode.py, each step under a time limit.
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-$PWD/gpu_out}
@@ -29,7 +32,16 @@ test_rc=${PIPESTATUS[0]}
 [ "$test_rc" = 0 ] || status=1
 echo "gpu tests: rc=$test_rc in $(( $(date +%s) - start )) s"
 fi
-if [ "$MODE" = tests ]; then
+if [ "$MODE" = compare ]; then
+  baseline=${BASELINE_TEMPLATES:+--baseline-templates $BASELINE_TEMPLATES}
+  for d in ${HEAD_DIMS:-128}; do
+    (cd benchmarks && timeout ${TILINGS_LIMIT:-240} python3 fa2_tilings.py --head-dim "$d" $baseline \
+      --out "$OUT/tilings_d$d.md" 2>"$OUT/tilings_d$d.err" | grep "|") || status=1
+  done
+  timeout ${DECODE_LIMIT:-240} python3 benchmarks/decode.py --out "$OUT/decode.md" --json "$OUT/decode.json" \
+    2>"$OUT/decode.err" | tail -20 || status=1
+fi
+if [ "$MODE" = tests ] || [ "$MODE" = compare ]; then
   python3 benchmarks/error_summary.py "$OUT/error_report.json" --out "$OUT/error_summary.md" | tail -40 || status=1
   echo "== summary: gpu tests rc=$test_rc, overall status=$status"
   exit $status

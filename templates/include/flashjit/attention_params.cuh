@@ -32,7 +32,7 @@ struct FlashjitAttentionParams {
   const int32_t* kv_indptr;         // [batch + 1] ragged: token offsets; paged: offsets into kv_page_indices
   const int32_t* kv_page_indices;   // paged only: page ids of every request, concatenated
   const int32_t* kv_last_page_len;  // paged only: [batch] valid slots of each request's last page
-  const FlashjitWorkItem* work;     // [num_work]; null: request 0, tile blockIdx.x
+  const FlashjitWorkItem* work;     // [num_work]; null: request 0, tile = item slot (work.cuh)
   // Split-KV (flash-decoding): a CTA with split >= 0 writes its normalised fp32
   // output and LSE as partial state row merge_indptr[token] + split (single
   // requests: token * num_splits + split); a merge pass then writes o and lse
@@ -40,7 +40,7 @@ struct FlashjitAttentionParams {
   const int32_t* merge_indptr;      // [qo_len + 1] when batched work splits, else null
   float* partial_o;                 // [partial rows, num_qo_heads, head_dim_vo]
   float* partial_lse;               // [partial rows, num_qo_heads]
-  int32_t num_work;   // gridDim.x
+  int32_t num_work;   // gridDim.x / num_kv_heads
   int32_t qo_len;     // single request: its queries; batched with merge_indptr: tokens the merge visits
   int32_t kv_len;     // single request only
   int32_t num_splits; // single request: gridDim.z; 1 means no split

@@ -23,13 +23,20 @@ struct CtaWork {
   __device__ __forceinline__ int head_of(int row) const { return kv_head * group + row % group; }
 };
 
+// The grid's x walks (work item, KV head) pairs with the KV head fastest (see
+// launch_attention), so CTAs launch in the plan's longest-first order across
+// all heads, and the heads of one request read the same pages together.
 template <bool kPaged>
 __device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p, int rows_per_cta) {
   CtaWork w;
-  int request = 0, tile = blockIdx.x, chunk = 0;
+  const int slot = blockIdx.x / p.num_kv_heads;
+  w.kv_head = blockIdx.x - slot * p.num_kv_heads;
+  // Without a plan (one request), the last query tiles first: under a causal
+  // mask they see the most keys.
+  int request = 0, tile = p.num_work - 1 - slot, chunk = 0;
   w.split = -1;
   if (p.work != nullptr) {
-    const FlashjitWorkItem item = p.work[blockIdx.x];
+    const FlashjitWorkItem item = p.work[slot];
     request = item.request;
     tile = item.tile;
     w.split = item.split;
@@ -59,7 +66,6 @@ __device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p,
   w.kv_begin = w.split >= 0 ? w.split * chunk : 0;
   w.kv_end = w.split >= 0 ? min(w.kv_begin + chunk, w.kv_len) : w.kv_len;
   w.row_begin = tile * rows_per_cta;
-  w.kv_head = blockIdx.y;
   w.group = p.num_qo_heads / p.num_kv_heads;
   return w;
 }
