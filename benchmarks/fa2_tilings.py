@@ -34,7 +34,6 @@ VARIANTS = {
     },
     128: {
         "one fragment for every row": Fa2Tiling(4, 64, 2, True, 2, one_wait=True),
-        "two fragments for every row": Fa2Tiling(4, 64, 2, False, 2, frags_m=2, one_wait=True),
     },
     256: {
         "two waits per tile (previous default)": Fa2Tiling(4, 32, 2, False, 2),

@@ -49,7 +49,9 @@ WIDE_ARCHES = ("sm_90a",)
 def wide_specs() -> list[KernelSpec]:
     return [KernelSpec.make("batch_prefill_ragged", dtype, 128, use_tensor_cores=True, **flags)
             for dtype in ("float16", "bfloat16")
-            for flags in ({"soft_cap": True, "return_lse": True}, {"sliding_window": True, "return_lse": True})]
+            for flags in ({"soft_cap": True, "return_lse": True}, {"sliding_window": True, "return_lse": True},
+                          {"causal": True, "soft_cap": True, "return_lse": True},
+                          {"causal": True, "sliding_window": True, "return_lse": True})]
 
 
 def smem_bytes(spec: KernelSpec, arches) -> int:

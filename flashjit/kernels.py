@@ -157,15 +157,15 @@ FA2_DECODE_TILINGS = {
 }
 
 
-# Non-causal prefill where every target arch holds two CTAs of a wider tiling
-# per SM: d128 with two fragments per warp (128-row CTAs, half the ldmatrix
-# traffic per mma). On an H200 it ran 14-16% faster than FA2_TILINGS[128] on the
-# non-causal rows and no faster on the causal ones, whose 128-row CTAs idle more
-# warps on the diagonal (2026-11-22-h200-fa2-prefill-2frag.md). Its 96 KB leave
-# one CTA per SM on an A100 or an SM89 part, so a library built for those keeps
-# FA2_TILINGS. Not for paged K/V (the page ids of two tiles push it past 255
-# registers: 4-40 bytes of spills on sm_90a) nor with soft-cap and window together
-# (16 bytes).
+# Prefill where every target arch holds two CTAs of a wider tiling per SM: d128
+# with two fragments per warp (128-row CTAs, half the ldmatrix traffic per mma).
+# On an H200 it ran 14-16% faster than FA2_TILINGS[128] on the non-causal rows
+# (2026-11-22-h200-fa2-prefill-2frag.md), and on the causal ones 3-8% faster once
+# the launch order kept long tiles first across heads (ops._plan bands;
+# 2026-11-22-h200-cta-order.md). Its 96 KB leave one CTA per SM on an A100 or an
+# SM89 part, so a library built for those keeps FA2_TILINGS. Not for paged K/V
+# (the page ids of two tiles push it past 255 registers: 4-20 bytes of spills on
+# sm_90a) nor with soft-cap and window together (4 bytes without causal).
 FA2_WIDE_TILINGS = {
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=2,
                    one_wait=True),
@@ -182,7 +182,7 @@ def fa2_tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
     table = FA2_DECODE_TILINGS if spec.op in DECODE_OPS else FA2_TILINGS
     tiling = table[spec.head_dim_qk]
     wide = FA2_WIDE_TILINGS.get(spec.head_dim_qk)
-    if (wide is not None and arches and spec.op not in DECODE_OPS and spec.op not in PAGED_OPS and not spec.causal
+    if (wide is not None and arches and spec.op not in DECODE_OPS and spec.op not in PAGED_OPS
             and not (spec.soft_cap and spec.sliding_window)
             and all(2 * (wide.smem_bytes(spec) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM.get(a, 0) for a in arches)):
         tiling = wide

@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import FlashjitError, KernelLaunchError
 from .spec import UTILITY_OPS, KernelSpec
 
-ABI_VERSION = 3  # FLASHJIT_ABI_VERSION in templates/include/flashjit/attention_params.cuh
+ABI_VERSION = 4  # FLASHJIT_ABI_VERSION in templates/include/flashjit/attention_params.cuh
 
 _p = ctypes.c_void_p
 _i32 = ctypes.c_int32
@@ -28,6 +28,7 @@ class AttentionParams(ctypes.Structure):
         ("qo_indptr", _p), ("kv_indptr", _p), ("kv_page_indices", _p), ("kv_last_page_len", _p),
         ("work", _p), ("merge_indptr", _p), ("partial_o", _p), ("partial_lse", _p),
         ("num_work", _i32), ("qo_len", _i32), ("kv_len", _i32), ("num_splits", _i32), ("kv_chunk", _i32),
+        ("band_items", _i32),
         ("num_qo_heads", _i32), ("num_kv_heads", _i32), ("page_size", _i32),
         ("q_stride_n", _i64), ("q_stride_h", _i64),
         ("k_stride_n", _i64), ("k_stride_h", _i64), ("k_stride_page", _i64),

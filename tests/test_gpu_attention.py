@@ -11,6 +11,7 @@ import torch
 import flashjit
 from flashjit.reference import attention_reference, ragged_reference
 from flashjit.error_model import evaluate_lse, measure, profile
+from flashjit.ops import _plan
 from sweep import CAUSAL, DTYPE_CORES, DTYPES, HEAD_DIMS, HEADS, VARIANTS, cores_id, spec_for, variant_kwargs
 
 pytestmark = pytest.mark.gpu
@@ -123,6 +124,44 @@ def test_batch_prefill_ragged(prewarmed, error_report, dtype, tensor_cores, head
     # Running again without LSE through the same plan gives the same output bit for bit.
     again = wrapper.run(q, k, v)
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("band_items", [1, 3, 7])
+@pytest.mark.parametrize("dtype,tensor_cores", DTYPE_CORES, ids=[cores_id(p) for p in DTYPE_CORES])
+def test_launch_bands_change_only_the_order(prewarmed, error_report, monkeypatch, dtype, tensor_cores, band_items):
+    """Any launch band width (work.cuh) runs every (work slot, KV head) CTA
+    exactly once, ragged last band included: batched and single-request outputs
+    match the one-band launch bit for bit, and the float64 reference."""
+    num_qo, num_kv, head_dim = 8, 4, 128
+    qo_lens, kv_lens = [300, 77, 1000, 5], [300, 90, 1000, 5]
+    qo_indptr = torch.tensor([0] + qo_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    kv_indptr = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = randn(sum(qo_lens), num_qo, head_dim, dtype=dtype)
+    k, v = (randn(sum(kv_lens), num_kv, head_dim, dtype=dtype) for _ in range(2))
+
+    def run(bands: int):
+        monkeypatch.setattr(_plan, "choose_band_items", lambda costs, heads, slots, shared: bands)
+        _plan.single_request_band_items.cache_clear()
+        wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+        wrapper.plan(qo_indptr, kv_indptr, num_qo, num_kv, head_dim, causal=True, q_data_type=dtype,
+                     use_tensor_cores=tensor_cores)
+        assert wrapper._plan.work.band_items == bands
+        out = wrapper.run(q, k, v, out=torch.full_like(q, float("nan")))
+        single = flashjit.single_prefill_with_kv_cache(q[300:1300], k[300:1390], v[300:1390], causal=True,
+                                                       use_tensor_cores=tensor_cores)
+        torch.cuda.synchronize()
+        return out, single
+
+    out, single = run(band_items)
+    _plan.single_request_band_items.cache_clear()
+    monkeypatch.undo()
+    one_band, one_band_single = run(0)
+    _plan.single_request_band_items.cache_clear()
+    assert torch.equal(out, one_band) and torch.equal(single, one_band_single)
+    ref, _ = ragged_reference(q, k, v, qo_indptr.tolist(), kv_indptr.tolist(), causal=True)
+    spec = spec_for("batch_prefill_ragged", dtype, head_dim, True, tensor_cores=tensor_cores)
+    check(spec, out, ref, q, k, v, max(kv_lens), 1 / math.sqrt(head_dim), error_report, "launch_bands",
+          bands=band_items)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)

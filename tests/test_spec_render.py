@@ -129,14 +129,14 @@ def test_decode_has_its_own_kernel_and_prefill_splits_rows():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("op", ["single_prefill", "batch_prefill_ragged", "batch_prefill_paged"])
 def test_wide_fa2_tiling_only_where_every_target_fits_two_ctas(op, causal):
-    """d128 non-causal ragged prefill takes the two-fragment tiling when every
-    target arch holds two of its CTAs per SM; with an A100 or SM89 target, with
-    no arch known, causal or paged, the one-fragment tiling. Both rescale alike, so the
+    """d128 ragged prefill takes the two-fragment tiling when every target arch
+    holds two of its CTAs per SM; with an A100 or SM89 target, with no arch
+    known, or paged, the one-fragment tiling. Both rescale alike, so the
     tolerance profile does not depend on the target."""
     spec = KernelSpec.make(op, "bfloat16", 128, use_tensor_cores=True, causal=causal).validate()
     default = kernels.tiling_for(spec)[1]
     assert default == kernels.FA2_TILINGS[128]
-    wide_here = not causal and op != "batch_prefill_paged"
+    wide_here = op != "batch_prefill_paged"
     for arches, wide in [(("sm_90a",), wide_here), (("sm_80", "sm_90a"), False), (("sm_89",), False), (None, False)]:
         tiling = kernels.tiling_for(spec, arches)[1]
         assert tiling == (kernels.FA2_WIDE_TILINGS[128] if wide else default), arches

@@ -202,7 +202,7 @@ class BatchAttention:
             tail = self._tails[key] = bytes(params)[PER_CALL.size:]
         packed = PER_CALL.pack(q_ptr, k_ptr, v_ptr, out.data_ptr(),
                                0 if lse is None else lse.data_ptr(), *plan.pointers, *plan.partials, plan.num_work,
-                               plan.merge_tokens, 0, 1, 0) + tail
+                               plan.merge_tokens, 0, 1, 0, plan.work.band_items) + tail
         run_on(plan.module, packed, self._device.index)
 
 

@@ -13,7 +13,7 @@ from .. import arch, jit
 from ..loader import AttentionParams, KernelModule
 from ..spec import KernelSpec, canonical_dtype
 from . import _checks
-from ._plan import CHUNK_ALIGN, MIN_CHUNK_KEYS, ceil_div
+from ._plan import CHUNK_ALIGN, MIN_CHUNK_KEYS, ceil_div, single_request_band_items
 
 log = logging.getLogger("flashjit")
 _announced: set = set()
@@ -32,10 +32,10 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
     return spec
 
 
-# FlashjitAttentionParams starts with thirteen pointers and five per-call counts
-# (num_work, qo_len, kv_len, num_splits, kv_chunk); everything after them is fixed
+# FlashjitAttentionParams starts with thirteen pointers and six per-call counts
+# (num_work, qo_len, kv_len, num_splits, kv_chunk, band_items); everything after them is fixed
 # per call signature (configuration, heads, strides, scalars): packed once into `tail`.
-PER_CALL = struct.Struct("=13Q5i")
+PER_CALL = struct.Struct("=13Q6i")
 NO_BATCH = (0, 0, 0, 0, 0, 0)  # qo/kv indptr, page indices, last page lens, work, merge indptr
 _CACHE_LIMIT = 4096
 
@@ -144,8 +144,11 @@ class Prepared:
             partial_lse = partial_o + 4 * rows * splits * dim
         else:
             partial_o = partial_lse = 0
+        bands = single_request_band_items(qo_len, kv_len, group=self.group, rows_per_cta=self.module.rows_per_cta,
+                                          num_kv_heads=self.num_kv_heads, resident_ctas=self.split_ctas,
+                                          causal=self.module.spec.causal)
         params = PER_CALL.pack(qp, kp, vp, op, 0 if lse is None else lse.data_ptr(), *NO_BATCH, partial_o,
-                               partial_lse, num_work, qo_len, kv_len, splits, chunk) + self.tail
+                               partial_lse, num_work, qo_len, kv_len, splits, chunk, bands) + self.tail
         run_on(self.module, params, self.device_index)
 
 

@@ -14,6 +14,7 @@ not run a nearly empty last wave. A merge pass then combines the chunks.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 # A chunk covers at least this many keys: below it, writing and merging fp32
@@ -43,6 +44,7 @@ class WorkPlan:
     merge_indptr: list | None  # [tokens + 1] partial rows per query token, None when nothing is split
     partial_rows: int      # rows of partial state (each num_qo_heads x head_dim fp32 plus an LSE)
     kv_chunk: int          # keys per chunk of the split requests, 0 when none is split
+    band_items: int = 0    # launch order (work.cuh): work slots per band, 0: one band
 
 
 def _item_cost(qo_len: int, kv_len: int, tile: int, rows_per_cta: int, group: int, causal: bool) -> int:
@@ -97,6 +99,60 @@ def _best_chunk(base, slots: int, heads: int, align: int) -> int:
     return best if best_time < (1 - _MIN_GAIN) * unsplit else 0
 
 
+# Launch-order bands (work.cuh): the widest bands whose estimated run time is
+# within this fraction of a perfectly balanced grid.
+_BAND_SLACK = 0.03
+
+
+def _banded_time(costs, heads: int, slots: int, per_band: int) -> float:
+    """Fluid estimate of a grid launched in bands: a CTA starts once the work
+    launched before it, spread over `slots`, is done; the run ends with the
+    latest start plus cost. costs: per work slot, in launch order."""
+    done, latest = 0.0, 0.0
+    for first in range(0, len(costs), per_band):
+        band = costs[first:first + per_band]
+        width = sum(band)
+        start = done + (heads - 1) * width  # the band's last head starts after the others
+        for cost in band:
+            latest = max(latest, start / slots + cost)
+            start += cost
+        done += heads * width
+    return max(latest, done / slots)
+
+
+def choose_band_items(costs, heads: int, slots: int, shared_keys: bool) -> int:
+    """Work slots per launch band (0: one band). costs: per work slot, in
+    launch order; shared_keys: some request has several query tiles, whose
+    CTAs read the same keys. Without shared keys (decode), bands of one slot:
+    the KV heads of one request run together and read the same pages (on an
+    H200, 1-2% faster decode than one band). With them, one band keeps the CTAs
+    that read a KV head's keys together in L2 (non-causal prefill ran 3% slower
+    with heads fastest); narrower bands keep long-first order across heads when
+    the costs differ (causal), halving until the estimate is within _BAND_SLACK
+    of a balanced grid (2026-11-22-h200-cta-order.md)."""
+    if heads <= 1 or not costs:
+        return 0
+    if not shared_keys:
+        return 1
+    if len(costs) * heads <= slots or min(costs) == max(costs):
+        return 0  # one wave, or nothing to balance
+    balanced = max(sum(costs) * heads / slots, max(costs))
+    per_band = len(costs)
+    while per_band > 1 and _banded_time(costs, heads, slots, per_band) > (1 + _BAND_SLACK) * balanced:
+        per_band = ceil_div(per_band, 2)
+    return 0 if per_band >= len(costs) else per_band
+
+
+@functools.lru_cache(maxsize=1024)
+def single_request_band_items(qo_len: int, kv_len: int, *, group: int, rows_per_cta: int, num_kv_heads: int,
+                              resident_ctas: int, causal: bool) -> int:
+    """choose_band_items for a launch without a plan (one request, its last
+    query tiles first; see work.cuh)."""
+    tiles = ceil_div(qo_len * group, rows_per_cta)
+    costs = [_item_cost(qo_len, kv_len, t, rows_per_cta, group, causal) for t in reversed(range(tiles))]
+    return choose_band_items(costs, max(num_kv_heads, 1), max(1, resident_ctas), tiles > 1)
+
+
 def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, resident_ctas: int,
               split_align: int, causal: bool = False, fixed_chunk: int | None = None,
               allow_split: bool = True, max_items: int | None = None,
@@ -132,9 +188,12 @@ def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: 
         if (max_items is None or count <= max_items) and (max_partial_rows is None or partial_rows <= max_partial_rows):
             break
         chunk *= 2  # fewer, longer chunks until the grid and the workspace hold them
+    slots, heads = max(1, resident_ctas), max(num_kv_heads, 1)
+    shared = any(t > 0 for _, _, t, _, _ in base)  # a request with several query tiles
     if all(n == 1 for n in splits.values()):
-        items = [(r, t, -1, 0) for _, r, t, _, _ in sorted(base, key=lambda b: -b[0])]
-        return WorkPlan(items, None, 0, 0)
+        ordered = sorted(base, key=lambda b: -b[0])
+        items = [(r, t, -1, 0) for _, r, t, _, _ in ordered]
+        return WorkPlan(items, None, 0, 0, choose_band_items([b[0] for b in ordered], heads, slots, shared))
 
     expanded = []  # (cost, request, tile, split)
     for cost, r, t, kv, _ in base:
@@ -152,4 +211,5 @@ def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: 
         per_token = n if n > 1 else 0
         for _ in range(qo_len):
             merge_indptr.append(merge_indptr[-1] + per_token)
-    return WorkPlan(items, merge_indptr, merge_indptr[-1], chunk)
+    return WorkPlan(items, merge_indptr, merge_indptr[-1], chunk,
+                    choose_band_items([e[0] for e in expanded], heads, slots, shared))

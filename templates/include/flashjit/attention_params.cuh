@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FLASHJIT_ABI_VERSION 3
+#define FLASHJIT_ABI_VERSION 4
 
 extern "C" {
 
@@ -40,11 +40,12 @@ struct FlashjitAttentionParams {
   const int32_t* merge_indptr;      // [qo_len + 1] when batched work splits, else null
   float* partial_o;                 // [partial rows, num_qo_heads, head_dim_vo]
   float* partial_lse;               // [partial rows, num_qo_heads]
-  int32_t num_work;   // gridDim.x / num_kv_heads
+  int32_t num_work;   // work slots; the grid's x is num_work * num_kv_heads (see work.cuh)
   int32_t qo_len;     // single request: its queries; batched with merge_indptr: tokens the merge visits
   int32_t kv_len;     // single request only
   int32_t num_splits; // single request: gridDim.z; 1 means no split
   int32_t kv_chunk;   // single request: keys per split
+  int32_t band_items; // launch order: work slots per band (work.cuh); 0: one band
 
   // --- Per call signature: fixed while shapes, strides and scalars are. ---
   int32_t num_qo_heads;

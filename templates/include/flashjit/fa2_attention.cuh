@@ -194,13 +194,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
     // Per-lane ldmatrix offsets (see the header comment). A pattern: row
     // lane % 16, chunk 2i + lane / 16. B pattern: row 8 * (lane / 16) + lane % 8,
-    // chunk 2i + (lane / 8) % 2. In both, row % 8 == lane % 8.
-    uint32_t a_off[4], b_off[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      a_off[i] = (lane % 16) * ROW_BYTES + (((2 * i + lane / 16) ^ (lane % 8)) << 4);
-      b_off[i] = (8 * (lane / 16) + lane % 8) * ROW_BYTES + (((2 * i + (lane / 8) % 2) ^ (lane % 8)) << 4);
-    }
+    // chunk 2i + (lane / 8) % 2. In both, row % 8 == lane % 8. The swizzle puts
+    // i only in bits 5-6 of the offset ((2i + c) ^ r == (c ^ r) ^ 2i for c < 2), so
+    // chunk pair i is offset(0) ^ (i << 5): one register per pattern, not four,
+    // which two fragments at the register cap need.
+    const uint32_t a_off0 = (lane % 16) * ROW_BYTES + (((lane / 16) ^ (lane % 8)) << 4);
+    const uint32_t b_off0 = (8 * (lane / 16) + lane % 8) * ROW_BYTES + ((((lane / 8) % 2) ^ (lane % 8)) << 4);
+    auto a_off = [a_off0](int i) { return a_off0 ^ (uint32_t(i) << 5); };
+    auto b_off = [b_off0](int i) { return b_off0 ^ (uint32_t(i) << 5); };
     // Fragment f of this warp's Q rows at + f * 16 * ROW_BYTES.
     const uint32_t q_warp = q_smem + (Traits::kSplitKeys ? 0 : warp * WROWS * ROW_BYTES);
 
@@ -214,7 +215,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       for (int f = 0; f < FM; ++f)
 #pragma unroll
         for (int kk = 0; kk < KSTEPS_QK; ++kk)
-          fa2::ldmatrix_x4(q_frag[f][kk], q_warp + f * 16 * ROW_BYTES + a_off[kk % 4] + (kk / 4) * 128);
+          fa2::ldmatrix_x4(q_frag[f][kk], q_warp + f * 16 * ROW_BYTES + a_off(kk % 4) + (kk / 4) * 128);
     }
 
     // Warp-uniform, for the step of keys k0 .. k0 + SKEYS - 1: no key is visible
@@ -251,13 +252,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
             for (int e = 0; e < 4; ++e) a[f][e] = q_frag[f][kk][e];
           } else {
-            fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off[kk % 4] + (kk / 4) * 128);
+            fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off(kk % 4) + (kk / 4) * 128);
           }
         }
 #pragma unroll
         for (int jn = 0; jn < SKEYS / 16; ++jn) {
           uint32_t b[4];
-          fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off[kk % 4] + (kk / 4) * 128);
+          fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off(kk % 4) + (kk / 4) * 128);
 #pragma unroll
           for (int f = 0; f < FM; ++f) {
             fa2::mma_16816<T>(s[f][2 * jn], a[f], b[0], b[1]);
@@ -354,7 +355,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
         for (int dn = 0; dn < D / 16; ++dn) {
           uint32_t b[4];
-          fa2::ldmatrix_x4_trans(b, v_s + (kofs + kk * 16) * ROW_BYTES + a_off[dn % 4] + (dn / 4) * 128);
+          fa2::ldmatrix_x4_trans(b, v_s + (kofs + kk * 16) * ROW_BYTES + a_off(dn % 4) + (dn / 4) * 128);
 #pragma unroll
           for (int f = 0; f < FM; ++f) {
             fa2::mma_16816<T>(o[f][2 * dn], pa[f][kk], b[0], b[1]);

@@ -34,9 +34,7 @@ int ctas_per_sm(int threads, int smem_bytes) {
 
 // Launches an attention kernel over (work items x KV heads, single-request
 // splits) and, when it left partial states, the merge pass that writes o/lse.
-// x is item * num_kv_heads + head: the hardware launches x in order, so the
-// plan's longest-first item order holds across heads (with the head outermost,
-// a causal batch's last head started its longest tiles at the end of the grid).
+// x enumerates (work slot, KV head) pairs in the plan's bands (work.cuh).
 template <auto kKernel, class DTypeO, int kHeadDimVO, bool kLse>
 int launch_attention(const FlashjitAttentionParams& p, int threads, int smem_bytes, cudaStream_t stream) {
   cudaError_t err = ensure_smem_limit<kKernel>(smem_bytes);

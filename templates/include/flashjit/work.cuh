@@ -23,14 +23,23 @@ struct CtaWork {
   __device__ __forceinline__ int head_of(int row) const { return kv_head * group + row % group; }
 };
 
-// The grid's x walks (work item, KV head) pairs with the KV head fastest (see
-// launch_attention), so CTAs launch in the plan's longest-first order across
-// all heads, and the heads of one request read the same pages together.
+// The grid's x walks (work slot, KV head) pairs in bands: slots
+// [b * band_items, (b + 1) * band_items) for KV head 0, then the same slots for
+// head 1, ..., then band b + 1. The hardware starts CTAs in x order, so one band
+// (every slot) keeps the CTAs that share a KV head's keys together in L2,
+// while narrower bands keep the plan's longest-first order across heads: with
+// one band a causal batch's last head started its longest tiles at the end of
+// the grid. The host picks band_items (ops._plan).
 template <bool kPaged>
 __device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p, int rows_per_cta) {
   CtaWork w;
-  const int slot = blockIdx.x / p.num_kv_heads;
-  w.kv_head = blockIdx.x - slot * p.num_kv_heads;
+  const unsigned items = p.num_work, heads = p.num_kv_heads;
+  const unsigned per_band = p.band_items > 0 && unsigned(p.band_items) < items ? unsigned(p.band_items) : items;
+  const unsigned first = blockIdx.x / (per_band * heads) * per_band;
+  const unsigned in_band = min(per_band, items - first);
+  const unsigned r = blockIdx.x - first * heads;
+  w.kv_head = int(r / in_band);
+  const int slot = int(first + r % in_band);
   // Without a plan (one request), the last query tiles first: under a causal
   // mask they see the most keys.
   int request = 0, tile = p.num_work - 1 - slot, chunk = 0;
