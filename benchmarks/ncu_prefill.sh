@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Hardware counters of one d128 bf16 prefill call (4 x 4096 tokens, 16 heads, not
-# causal; benchmarks/profile_prefill.py) for flashjit's default tiling, each tiling
-# given as an argument (a Fa2Tiling(...) expression, with '@DIR' rendered from the
-# templates folder DIR), and FlashInfer fa2 when
-# importable. Reports (.ncu-rep, raw CSV, SASS with stall samples) go to $OUT; a
-# table of the throughput and stall metrics that locate a loop's limit is printed last.
+# Hardware counters of one d128 bf16 prefill call (benchmarks/profile_prefill.py:
+# 4 x 4096 tokens, 16 heads, not causal; $PROFILE_ARGS such as '--shape 16 1024
+# --causal' change it) for flashjit's default tiling, each tiling given as an
+# argument (a Fa2Tiling(...) expression, with '@DIR' rendered from the templates
+# folder DIR), and FlashInfer fa2 when importable. Reports (.ncu-rep, raw CSV,
+# SASS with stall samples) go to $OUT; a table of the throughput and stall
+# metrics that locate a loop's limit is printed last.
 #   bash benchmarks/ncu_prefill.sh ['Fa2Tiling(...)' ...]
 set -uo pipefail
 OUT=${OUT:-$PWD/ncu_out}
@@ -21,7 +22,7 @@ fi
 profile() {  # name, extra profile_prefill.py arguments...
   local name=$1; shift
   ncu --clock-control none --set full --import-source no -k 'regex:fa2_attention|BatchPrefill' -c 1 \
-    -f -o "$OUT/$name" python3 benchmarks/profile_prefill.py "$@" > "$OUT/$name.log" 2>&1 \
+    -f -o "$OUT/$name" python3 benchmarks/profile_prefill.py ${PROFILE_ARGS:-} "$@" > "$OUT/$name.log" 2>&1 \
     || { echo "$name: ncu failed"; tail -5 "$OUT/$name.log"; return; }
   ncu -i "$OUT/$name.ncu-rep" --page raw --csv > "$OUT/$name.raw.csv" 2>/dev/null
   ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name.sass.csv" 2>/dev/null
@@ -41,7 +42,7 @@ done
 if python3 -c "import flashinfer" 2>/dev/null; then
   # FlashInfer's plan/run are profiled in a process of their own; flashjit's kernel is skipped there.
   ncu --clock-control none --set full --import-source no -k 'regex:BatchPrefill' -c 1 -f -o "$OUT/flashinfer" \
-    python3 benchmarks/profile_prefill.py > "$OUT/flashinfer.log" 2>&1 || echo "flashinfer: ncu failed"
+    python3 benchmarks/profile_prefill.py ${PROFILE_ARGS:-} > "$OUT/flashinfer.log" 2>&1 || echo "flashinfer: ncu failed"
   ncu -i "$OUT/flashinfer.ncu-rep" --page raw --csv > "$OUT/flashinfer.raw.csv" 2>/dev/null
   ncu -i "$OUT/flashinfer.ncu-rep" --page source --csv --print-source sass > "$OUT/flashinfer.sass.csv" 2>/dev/null
 fi

@@ -16,6 +16,8 @@ METRICS = {
     "time": "gpu__time_duration.sum",
     "SM clock": "smsp__cycles_elapsed.avg.per_second",
     "registers": "launch__registers_per_thread",
+    "grid size": "launch__grid_size",
+    "SM active cycles %": "sm__cycles_active.avg.pct_of_peak_sustained_elapsed",
     "achieved warps / SM": "sm__warps_active.avg.per_cycle_active",
     "issue slots busy %": "smsp__issue_active.avg.pct_of_peak_sustained_active",
     "eligible warps / scheduler": "smsp__warps_eligible.avg.per_cycle_active",
