@@ -1,6 +1,7 @@
 """Compares decode tilings for head_dim 128 in one run: each variant is built
 into its own cache, checked against a float32 reference, then timed on paged
-decode rows (bf16, page 16, random page order) as benchmarks/decode.py does.
+decode rows (bf16, page 16, random page order) as benchmarks/decode.py does,
+beside FlashInfer's decode of the same cores when importable.
 
 Usage: python benchmarks/decode_tilings.py [--cores tensor|cuda] [--out FILE]
 """
@@ -14,19 +15,17 @@ import tempfile
 
 import torch
 from common import emit
-from decode import BF16, D, PAGE, check, paged_cache, reference, time_us
+from decode import BF16, D, PAGE, check, libraries, paged_cache, reference, time_us
 
 import flashjit
 from flashjit import jit, kernels
 from flashjit.kernels import CudaDecodeTiling, Fa2Tiling
 
 TENSOR_CORE_VARIANTS = {
-    "keys split over 4 warps, 64 keys x 2 stages, 2 CTAs/SM": Fa2Tiling(4, 64, 2, True, 2, split_keys=True),
-    "keys split over 4 warps, 64 keys x 2 stages, 3 CTAs/SM": Fa2Tiling(4, 64, 2, True, 3, split_keys=True),
-    "keys split over 4 warps, 64 keys x 2 stages, 3 CTAs/SM, Q smem": Fa2Tiling(4, 64, 2, False, 3,
-                                                                                split_keys=True),
-    "keys split over 2 warps, 32 keys x 2 stages": Fa2Tiling(2, 32, 2, True, 4, split_keys=True),
-    "rows split over 4 warps, 64 keys x 2 stages": Fa2Tiling(4, 64, 2, True, 2),
+    "keys split over 4 warps, 64 keys x 2 stages, 3 CTAs/SM (shipped)": Fa2Tiling(4, 64, 2, False, 3,
+                                                                                   split_keys=True),
+    "keys split over 4 warps, 64 keys x 3 stages, 2 CTAs/SM": Fa2Tiling(4, 64, 3, False, 2, split_keys=True),
+    "keys split over 4 warps, 64 keys x 2 stages, 2 CTAs/SM": Fa2Tiling(4, 64, 2, False, 2, split_keys=True),
 }
 CUDA_CORE_VARIANTS = {
     "4 warps, 4 keys per lane group x 3 stages, 4 CTAs/SM": CudaDecodeTiling(4, 4, 3, 4),
@@ -36,7 +35,8 @@ CUDA_CORE_VARIANTS = {
     "2 warps, 4 keys per lane group x 3 stages, 8 CTAs/SM": CudaDecodeTiling(2, 4, 3, 8),
 }
 ROWS = [("GQA 64x4k 32/8", 64, 4096, 32, 8), ("MHA 64x4k 32/32", 64, 4096, 32, 32),
-        ("MQA 64x4k 32/1", 64, 4096, 32, 1), ("split 1x128k 32/8", 1, 131072, 32, 8), ("8x32k 64/8", 8, 32768, 64, 8)]
+        ("MQA 64x4k 32/1", 64, 4096, 32, 1), ("MQA 64x4k 16/1", 64, 4096, 16, 1),
+        ("split 1x32k 32/8", 1, 32768, 32, 8), ("split 1x128k 32/8", 1, 131072, 32, 8), ("8x32k 64/8", 8, 32768, 64, 8)]
 
 
 def main() -> int:
@@ -79,6 +79,22 @@ def main() -> int:
             cells.append(f"failed: {type(exc).__name__}: {str(exc)[:120]}")
         spec = flashjit.KernelSpec.make("batch_decode_paged", "bfloat16", D, use_tensor_cores=tensor_cores)
         lines.append(f"| {name} | {tiling.smem_bytes(spec)} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    if "flashinfer" in libraries():
+        import flashinfer
+
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        cells = []
+        for label, nbytes, q, cache, indptr, indices, last, qo_heads, kv_heads, ref in cases:
+            try:
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
+                w.plan(indptr, indices, last, qo_heads, kv_heads, D, PAGE, q_data_type=BF16, kv_data_type=BF16)
+                ok, max_err, _ = check(w.run(q, cache), ref)
+                us = time_us(lambda w=w: w.run(q, cache), args.reps)[0] if ok else None
+                cells.append(f"{us:.1f} · {nbytes / us / 1e3:.0f}" if ok else f"FAIL max err {max_err:.3g}")
+            except Exception as exc:
+                cells.append(f"failed: {type(exc).__name__}: {str(exc)[:80]}")
+        lines.append("| FlashInfer (same run) | - | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     emit("\n".join(lines), args.out)
     return 0

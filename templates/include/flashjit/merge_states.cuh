@@ -5,6 +5,7 @@
 // A row whose every state is empty (lse -inf) gets output 0 and LSE -inf.
 #pragma once
 #include "attention_params.cuh"
+#include "grid_dependency.cuh"
 #include "numeric.cuh"
 
 namespace flashjit {
@@ -40,6 +41,7 @@ __device__ __forceinline__ void store_merged(const FlashjitAttentionParams& p, i
 // warp walking all of them serially costs microseconds of latency.
 template <class DTypeO, int kHeadDim>
 __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_constant__ FlashjitAttentionParams p) {
+  wait_for_primary_grid();  // partial states come from the attention grid (grid_dependency.cuh)
   static_assert(kHeadDim % 32 == 0, "one lane per 32 dims");
   constexpr int kWarps = 4, kDimsPerLane = kHeadDim / 32;
   __shared__ float s_max[kWarps], s_sum[kWarps], s_acc[kWarps][kHeadDim];
@@ -94,6 +96,7 @@ __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_co
 template <class DTypeO, int kHeadDim>
 __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __grid_constant__ FlashjitAttentionParams p,
                                                                      int rows) {
+  wait_for_primary_grid();  // partial states come from the attention grid (grid_dependency.cuh)
   constexpr int kDimsPerLane = kHeadDim / 32;
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * 4 + threadIdx.x / 32;
@@ -133,11 +136,10 @@ int launch_merge_split_states(const FlashjitAttentionParams& p, bool write_lse, 
   // Rows enough to fill the GPU four to a CTA: a warp per row. Else (a long
   // context cut into many chunks over few rows) a CTA per row.
   if (rows >= kWarpMergeRows) {
-    merge_split_states_warp_kernel<DTypeO, kHeadDim><<<(rows + 3) / 4, 128, 0, stream>>>(merged, rows);
-  } else {
-    merge_split_states_kernel<DTypeO, kHeadDim><<<rows, 128, 0, stream>>>(merged);
+    return launch_dependent(merge_split_states_warp_kernel<DTypeO, kHeadDim>, dim3((rows + 3) / 4), dim3(128), stream,
+                            merged, rows);
   }
-  return cudaGetLastError();
+  return launch_dependent(merge_split_states_kernel<DTypeO, kHeadDim>, dim3(rows), dim3(128), stream, merged);
 }
 
 // True when the attention launch leaves partial states for the merge pass.

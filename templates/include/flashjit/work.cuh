@@ -5,6 +5,7 @@
 // query heads that share a KV head share its tiles.
 #pragma once
 #include "attention_params.cuh"
+#include "grid_dependency.cuh"
 
 namespace flashjit {
 
@@ -32,6 +33,7 @@ struct CtaWork {
 // the grid. The host picks band_items (ops._plan).
 template <bool kPaged>
 __device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p, int rows_per_cta) {
+  allow_dependent_grids();  // every attention kernel starts here; see grid_dependency.cuh
   CtaWork w;
   const unsigned items = p.num_work, heads = p.num_kv_heads;
   const unsigned per_band = p.band_items > 0 && unsigned(p.band_items) < items ? unsigned(p.band_items) : items;
