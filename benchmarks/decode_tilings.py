@@ -22,10 +22,9 @@ from flashjit import jit, kernels
 from flashjit.kernels import CudaDecodeTiling, Fa2Tiling
 
 TENSOR_CORE_VARIANTS = {
-    "keys split over 4 warps, 64 keys x 2 stages, 3 CTAs/SM (shipped)": Fa2Tiling(4, 64, 2, False, 3,
+    "keys split over 4 warps, 64 keys x 2 stages, 2 CTAs/SM (shipped)": Fa2Tiling(4, 64, 2, False, 2,
                                                                                    split_keys=True),
-    "keys split over 4 warps, 64 keys x 3 stages, 2 CTAs/SM": Fa2Tiling(4, 64, 3, False, 2, split_keys=True),
-    "keys split over 4 warps, 64 keys x 2 stages, 2 CTAs/SM": Fa2Tiling(4, 64, 2, False, 2, split_keys=True),
+    "keys split over 4 warps, 64 keys x 2 stages, 3 CTAs/SM": Fa2Tiling(4, 64, 2, False, 3, split_keys=True),
 }
 CUDA_CORE_VARIANTS = {
     "4 warps, 4 keys per lane group x 3 stages, 4 CTAs/SM": CudaDecodeTiling(4, 4, 3, 4),

@@ -145,14 +145,17 @@ FA2_TILINGS = {
 # one KV head, so the four warps split each tile's keys (16 each), copy their
 # own rows (no CTA barrier in the loop) and merge their softmax states at the
 # end; with rows split, one warp did all the math while three waited at its
-# barriers. d128 caps registers at 168 so that three CTAs share an SM: on an
-# H200 that read 3712-3985 GB/s where two read 3273-3607 on the long rows
-# (benchmarks/results/2026-11-22-h200-decode-tilings.md). Its Q stays in shared
-# memory: in registers, the soft-cap variant spilled 8 bytes on sm_80 at that
-# cap, and the same run measured Q in shared memory 0-1% faster.
+# barriers. d128 runs two CTAs per SM: with the launch bands and the merge's
+# dependent launch, an H200 ran it 1-7% faster than three per SM (168 registers)
+# on five of seven decode rows, among them the 64 x 4k GQA row, unsplit (no
+# merge) in 1.94 waves instead of cut in three; three per SM stayed 2-6% faster
+# on MHA and 32/1 MQA, and both beat FlashInfer there
+# (2026-11-22-h200-decode-tilings-2.md; three had won before the split planner
+# and those changes, 2026-11-22-h200-decode-tilings.md). Its Q stays in shared
+# memory (0-1% faster than in registers).
 FA2_DECODE_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=4, q_in_regs=True, min_blocks_per_sm=2, split_keys=True),
-    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=3, split_keys=True),
+    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, split_keys=True),
     256: Fa2Tiling(warps=2, keys_per_tile=32, stages=2, q_in_regs=False, min_blocks_per_sm=2, split_keys=True),
 }
 
