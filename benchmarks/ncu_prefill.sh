@@ -10,6 +10,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/ncu_out}
 mkdir -p "$OUT"
+: > "$OUT/variants.txt"  # the archive below lists it even when no variant is given
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export FLASHJIT_CACHE_DIR=${FLASHJIT_CACHE_DIR:-/tmp/flashjit-cache} FLASHJIT_JOBS=${FLASHJIT_JOBS:-16}
 if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .whl/site ]; then
