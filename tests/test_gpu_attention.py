@@ -127,12 +127,16 @@ def test_batch_prefill_ragged(prewarmed, error_report, dtype, tensor_cores, head
 
 
 @pytest.mark.parametrize("band_items", [1, 3, 7])
+@pytest.mark.parametrize("heads", [(8, 4), (6, 2)], ids=lambda h: f"h{h[0]}kv{h[1]}")
 @pytest.mark.parametrize("dtype,tensor_cores", DTYPE_CORES, ids=[cores_id(p) for p in DTYPE_CORES])
-def test_launch_bands_change_only_the_order(prewarmed, error_report, monkeypatch, dtype, tensor_cores, band_items):
+def test_launch_bands_change_only_the_order(prewarmed, error_report, monkeypatch, dtype, tensor_cores, heads,
+                                            band_items):
     """Any launch band width (work.cuh) runs every (work slot, KV head) CTA
     exactly once, ragged last band included: batched and single-request outputs
-    match the one-band launch bit for bit, and the float64 reference."""
-    num_qo, num_kv, head_dim = 8, 4, 128
+    match the one-band launch bit for bit, and the float64 reference. A group of
+    three query heads per KV head takes the packed-row division's general path
+    (work.cuh's FastDivmod), two its power-of-two path."""
+    (num_qo, num_kv), head_dim = heads, 128
     qo_lens, kv_lens = [300, 77, 1000, 5], [300, 90, 1000, 5]
     qo_indptr = torch.tensor([0] + qo_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     kv_indptr = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)

@@ -100,15 +100,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // Stage this CTA's queries in fp32, pre-scaled so that logits come out in
   // log2 units (or in natural units when the soft-cap needs them).
   const float q_scale = Traits::kSoftCap ? p.sm_scale : p.sm_scale * kLog2e;
-  for (int idx = threadIdx.x; idx < Traits::kRowsPerCta * D_QK; idx += Traits::kThreads) {
-    int r = idx / D_QK, d = idx % D_QK, row = w.row_begin + r;
-    float val = 0.f;
-    if (row < rows_total) {
-      int token = w.token_of(row), head = w.head_of(row);
-      val = to_float(static_cast<const DTypeQ*>(p.q)[token * p.q_stride_n + head * p.q_stride_h + d]) *
-            q_scale;
+  {
+    const auto packed = w.packed_rows();
+    for (int idx = threadIdx.x; idx < Traits::kRowsPerCta * D_QK; idx += Traits::kThreads) {
+      int r = idx / D_QK, d = idx % D_QK, row = w.row_begin + r;
+      float val = 0.f;
+      if (row < rows_total) {
+        int token, head;
+        packed.locate(row, token, head);
+        val = to_float(static_cast<const DTypeQ*>(p.q)[token * p.q_stride_n + head * p.q_stride_h + d]) *
+              q_scale;
+      }
+      q_s[idx] = val;
     }
-    q_s[idx] = val;
   }
 
   const int warp_row0 = w.row_begin + row_warp * R;
@@ -213,12 +217,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
 #pragma unroll
   for (int r = 0; r < R; ++r) l[r] = warp_sum(l[r]);
+  const auto packed = w.packed_rows();
 
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int row = warp_row0 + r;
     if (row >= rows_total) break;
-    const int token = w.token_of(row), head = w.head_of(row);
+    int token, head;
+    packed.locate(row, token, head);
     // A row that sees no key (kv_len 0, or masked out entirely) outputs 0 and LSE -inf.
     const float inv_l = l[r] > 0.f ? 1.f / l[r] : 0.f;
     const float lse = l[r] > 0.f ? m[r] + log2f(l[r]) : -CUDART_INF_F;

@@ -153,13 +153,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // This lane's 8 dims of each row's query, pre-scaled so that logits come out
   // in log2 units (natural units when the soft-cap needs them).
   const float q_scale = Traits::kSoftCap ? p.sm_scale : p.sm_scale * kLog2e;
+  // One query token: packed row r is query head kv_head * group + r of it.
   float q[kRows][DPL];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int row = w.row_begin + r;
     const bool ok = row < rows_total;
-    const DType* src = static_cast<const DType*>(p.q) + int64_t(w.token_of(row)) * p.q_stride_n +
-                       int64_t(w.head_of(row)) * p.q_stride_h + dim0;
+    const DType* src = static_cast<const DType*>(p.q) + int64_t(w.qo_start) * p.q_stride_n +
+                       int64_t(w.kv_head * w.group + row) * p.q_stride_h + dim0;
 #pragma unroll
     for (int e = 0; e < DPL; ++e) q[r][e] = ok ? to_float(src[e]) * q_scale : 0.f;
   }
@@ -364,7 +365,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // A row that sees no key (kv_len 0, an empty window) outputs 0 and LSE -inf.
     o = l_all > 0.f ? o / l_all : 0.f;
     const float lse = l_all > 0.f ? m_all + log2f(l_all) : -CUDART_INF_F;
-    const int token = w.token_of(row), head = w.head_of(row);
+    const int token = w.qo_start, head = w.kv_head * w.group + row;
     if (w.split >= 0) {  // fp32 partial state; the merge pass rounds once to DType
       const int64_t prow = partial_row(p, token, w.split) * p.num_qo_heads + head;
       p.partial_o[prow * D + d] = o;

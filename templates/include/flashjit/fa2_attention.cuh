@@ -123,13 +123,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     {
       constexpr int kChunks = D / 8, kRowsPerPass = THREADS / kChunks;
       const int chunk = tid % kChunks, r0 = tid / kChunks;
+      const auto packed = w.packed_rows();
 #pragma unroll
       for (int i = 0; i < ROWS / kRowsPerPass; ++i) {
         const int r = r0 + i * kRowsPerPass, row = w.row_begin + r;
         const bool ok = row < rows_total;
         const T* src = q_base;  // mapped fallback address, nothing is read from it
         if (ok) {
-          const int token = w.token_of(row), head = w.head_of(row);
+          int token, head;
+          packed.locate(row, token, head);
           src = q_base + int64_t(token) * p.q_stride_n + int64_t(head) * p.q_stride_h + chunk * 8;
         }
         cp_async_16(q_smem + fa2::swizzled<ROW_BYTES>(r, chunk), src, ok);

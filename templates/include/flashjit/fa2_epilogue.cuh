@@ -91,6 +91,7 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
   const int g = lane / 4, tq = lane % 4;
   // Base-2 LSE of fragment f's row r, -inf for a row that saw no key.
   auto lse_of = [&](int f, int r) { return l[f][r] > 0.f ? m[f][r] * scale + log2f(l[f][r]) : kNegInf; };
+  const auto packed = w.packed_rows();
   float inv_l[FM][2];
 #pragma unroll
   for (int f = 0; f < FM; ++f)
@@ -110,7 +111,8 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
       for (int r = 0; r < 2; ++r) {
         const int row = warp_row0 + 16 * f + g + 8 * r;
         if (row >= rows_total) continue;
-        const int token = w.token_of(row), head = w.head_of(row);
+        int token, head;
+        packed.locate(row, token, head);
         const int64_t idx = partial_row(p, token, w.split) * p.num_qo_heads + head;
         float* dst = p.partial_o + idx * D + 2 * tq;
 #pragma unroll
@@ -142,7 +144,8 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
       const int idx = i * 32 + lane, rr = idx / kChunks, c = idx % kChunks;
       const int row = warp_row0 + rr;
       if (row < rows_total) {
-        const int token = w.token_of(row), head = w.head_of(row);
+        int token, head;
+        packed.locate(row, token, head);
         const uint4 val = *reinterpret_cast<const uint4*>(stage + swizzled<ROW_BYTES>(rr, c));
         *reinterpret_cast<uint4*>(o_base + int64_t(token) * p.o_stride_n + int64_t(head) * p.o_stride_h +
                                   c * 8) = val;
@@ -156,7 +159,8 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
       for (int r = 0; r < 2; ++r) {
         const int row = warp_row0 + 16 * f + g + 8 * r;
         if (row < rows_total) {
-          const int token = w.token_of(row), head = w.head_of(row);
+          int token, head;
+          packed.locate(row, token, head);
           p.lse[int64_t(token) * p.lse_stride_n + head] = lse_of(f, r);
         }
       }

@@ -9,6 +9,21 @@
 
 namespace flashjit {
 
+// Division by a runtime constant d >= 1 without a divide instruction, exact for
+// dividends below 2^31 (round-up multiplier, Granlund and Montgomery 1994):
+// q = (umulhi(n, m) + n) >> l with l = ceil(log2 d), m = 2^32 (2^l - d) / d + 1.
+struct FastDivmod {
+  uint32_t d, m, l;
+  FastDivmod() = default;
+  __device__ __forceinline__ explicit FastDivmod(int divisor) : d(divisor) {
+    l = d > 1 ? 32 - __clz(d - 1) : 0;
+    // A power of two (GQA groups, page sizes) needs no 64-bit division: m = 1.
+    m = (d & (d - 1)) == 0 ? 1u : static_cast<uint32_t>(((uint64_t(1) << 32) * ((uint64_t(1) << l) - d)) / d + 1);
+  }
+  __device__ __forceinline__ int div(int n) const { return (__umulhi(uint32_t(n), m) + uint32_t(n)) >> l; }
+  __device__ __forceinline__ int mod(int n, int q) const { return n - q * int(d); }
+};
+
 struct CtaWork {
   bool valid;            // false: an empty work slot, the CTA has nothing to do
   int qo_start, qo_len;  // token range of the request's queries
@@ -19,9 +34,22 @@ struct CtaWork {
   int kv_head;
   int group;             // query heads per KV head
 
-  // Packed row `row` of the request (token-major): its query token and query head.
-  __device__ __forceinline__ int token_of(int row) const { return qo_start + row / group; }
-  __device__ __forceinline__ int head_of(int row) const { return kv_head * group + row % group; }
+  // Packed rows -> query token and query head, dividing by the group with a
+  // multiply-high. Built once before a loop over rows and dropped after it (not
+  // kept in registers across the main loop): a divide instruction per row cost a
+  // 128-row CTA's prologue and epilogue hundreds of instructions per thread.
+  struct PackedRows {
+    int qo_start, head0;
+    FastDivmod by_group;
+    __device__ __forceinline__ void locate(int row, int& token, int& head) const {
+      const int q = by_group.div(row);
+      token = qo_start + q;
+      head = head0 + by_group.mod(row, q);
+    }
+  };
+  __device__ __forceinline__ PackedRows packed_rows() const {
+    return PackedRows{qo_start, kv_head * group, FastDivmod(group)};
+  }
 };
 
 // The grid's x walks (work slot, KV head) pairs in bands: slots
@@ -86,20 +114,6 @@ __device__ __forceinline__ int64_t partial_row(const FlashjitAttentionParams& p,
   return p.merge_indptr != nullptr ? int64_t(p.merge_indptr[token]) + split
                                    : int64_t(token) * p.num_splits + split;
 }
-
-// Division by a runtime constant d >= 1 without a divide instruction, exact for
-// dividends below 2^31 (round-up multiplier, Granlund and Montgomery 1994):
-// q = (umulhi(n, m) + n) >> l with l = ceil(log2 d), m = 2^32 (2^l - d) / d + 1.
-struct FastDivmod {
-  uint32_t d, m, l;
-  FastDivmod() = default;
-  __device__ __forceinline__ explicit FastDivmod(int divisor) : d(divisor) {
-    l = d > 1 ? 32 - __clz(d - 1) : 0;
-    m = static_cast<uint32_t>(((uint64_t(1) << 32) * ((uint64_t(1) << l) - d)) / d + 1);
-  }
-  __device__ __forceinline__ int div(int n) const { return (__umulhi(uint32_t(n), m) + uint32_t(n)) >> l; }
-  __device__ __forceinline__ int mod(int n, int q) const { return n - q * int(d); }
-};
 
 // Address of key `key` (0-based within its request) of one KV head: a strided
 // row of a ragged tensor, or a slot of one of the request's pages.
