@@ -23,8 +23,8 @@ import torch
 from common import emit
 from decode import BF16, D, PAGE, check, paged_cache, reference, time_us
 from fa2_tilings import check as check_prefill
-from fa2_tilings import tflops, wrapper
-from prefill import bench_ms, flashinfer_ragged
+from fa2_tilings import flashinfer_cells, restore_tilings, tflops, wrapper
+from prefill import bench_ms
 
 import flashjit
 from flashjit import jit, kernels
@@ -82,19 +82,11 @@ def prefill_table() -> list[str]:
             except Exception as exc:
                 lines.append(f"| {name} | {bands} | failed: {type(exc).__name__}: {str(exc)[:200]} |")
             print(lines[-1], flush=True)
-    kernels.FA2_TILINGS[d] = default
-    if wide is not None:
-        kernels.FA2_WIDE_TILINGS[d] = wide
+    restore_tilings(d, default, wide)
     use_bands("planner")
-    try:
-        cells = []
-        for b, s, causal in PREFILL_ROWS:
-            run = flashinfer_ragged("fa2")([s] * b, [s] * b, h, d, causal, BF16)
-            q, k, v = inputs[(b, s)]
-            cells.append(f"{tflops(b, h, s, d, causal, bench_ms(lambda: run(q, k, v))):.0f}")
+    cells = flashinfer_cells(PREFILL_ROWS, h, d, inputs)
+    if cells:
         lines.append("| FlashInfer fa2 (same run) | - | " + " | ".join(cells) + " |")
-    except Exception as exc:
-        print(f"flashinfer not available: {type(exc).__name__}: {exc}", file=sys.stderr)
     return lines
 
 

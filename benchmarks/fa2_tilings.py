@@ -80,6 +80,27 @@ def tflops(b: int, h: int, s: int, d: int, causal: bool, ms: float) -> float:
     return attention_flops(b, h, s, d, causal) / ms / 1e9
 
 
+def flashinfer_cells(rows, h: int, d: int, inputs) -> list[str] | None:
+    """FlashInfer fa2's TFLOP/s on `rows` ((batch, seqlen, causal), inputs by
+    (batch, seqlen)); None (with the reason on stderr) when it does not run here."""
+    try:
+        cells = []
+        for b, s, causal in rows:
+            run = flashinfer_ragged("fa2")([s] * b, [s] * b, h, d, causal, torch.bfloat16)
+            q, k, v = inputs[(b, s)]
+            cells.append(f"{tflops(b, h, s, d, causal, bench_ms(lambda: run(q, k, v))):.0f}")
+        return cells
+    except Exception as exc:
+        print(f"flashinfer not available: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
+def restore_tilings(d: int, default, wide) -> None:
+    kernels.FA2_TILINGS[d] = default
+    if wide is not None:
+        kernels.FA2_WIDE_TILINGS[d] = wide
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", type=int, default=128)
@@ -125,20 +146,11 @@ def main() -> int:
         except Exception as exc:
             lines.append(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:300]} |")
         print(lines[-1], flush=True)
-    kernels.FA2_TILINGS[d] = default
-    if wide is not None:
-        kernels.FA2_WIDE_TILINGS[d] = wide
+    restore_tilings(d, default, wide)
     use_templates(None)
-    if not args.no_flashinfer:
-        try:
-            cells = []
-            for b, s, causal in ROWS:
-                run = flashinfer_ragged("fa2")([s] * b, [s] * b, h, d, causal, torch.bfloat16)
-                q, k, v = inputs[(b, s)]
-                cells.append(f"{tflops(b, h, s, d, causal, bench_ms(lambda: run(q, k, v))):.0f}")
-            lines.append("| FlashInfer fa2 (same run) | - | - | " + " | ".join(cells) + " |")
-        except Exception as exc:
-            print(f"flashinfer not available: {type(exc).__name__}: {exc}", file=sys.stderr)
+    cells = None if args.no_flashinfer else flashinfer_cells(ROWS, h, d, inputs)
+    if cells:
+        lines.append("| FlashInfer fa2 (same run) | - | - | " + " | ".join(cells) + " |")
     emit("\n".join(lines), args.out)
     return 0
 
