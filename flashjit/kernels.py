@@ -103,6 +103,9 @@ class Fa2Tiling:
     # of the tile) instead of one for K there and one for V before P.V. Rows-split
     # mode only; ignored with split_keys.
     one_wait: bool = False
+    # Decode only (0: off): with one query head per KV head (MHA), a second
+    # instantiation of the kernel under this register cap runs instead.
+    mha_min_blocks_per_sm: int = 0
 
     @property
     def rows_per_cta(self) -> int:
@@ -149,13 +152,16 @@ FA2_TILINGS = {
 # dependent launch, an H200 ran it 1-7% faster than three per SM (168 registers)
 # on five of seven decode rows, among them the 64 x 4k GQA row, unsplit (no
 # merge) in 1.94 waves instead of cut in three; three per SM stayed 2-6% faster
-# on MHA and 32/1 MQA, and both beat FlashInfer there
-# (2026-11-22-h200-decode-tilings-2.md; three had won before the split planner
-# and those changes, 2026-11-22-h200-decode-tilings.md). Its Q stays in shared
+# on MHA and 32/1 MQA (2026-11-22-h200-decode-tilings-2.md; three had won before
+# the split planner and those changes, 2026-11-22-h200-decode-tilings.md). MHA,
+# where both libraries read at the memory limit and two per SM tied FlashInfer
+# (+2.4%, +0.3%, -0.4% in three runs), runs a second instantiation at three per
+# SM (168 registers), 2% ahead of FlashInfer in two runs. Its Q stays in shared
 # memory (0-1% faster than in registers).
 FA2_DECODE_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=4, q_in_regs=True, min_blocks_per_sm=2, split_keys=True),
-    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, split_keys=True),
+    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, split_keys=True,
+                   mha_min_blocks_per_sm=3),
     256: Fa2Tiling(warps=2, keys_per_tile=32, stages=2, q_in_regs=False, min_blocks_per_sm=2, split_keys=True),
 }
 

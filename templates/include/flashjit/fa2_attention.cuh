@@ -428,6 +428,15 @@ int launch_fa2_attention(const FlashjitAttentionParams& p, cudaStream_t stream) 
       p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream);
 }
 
+// Decode with one query head per KV head (MHA) launches MhaTraits instead: the
+// same kernel under a tighter register cap, so that more of its CTAs share an SM
+// (Fa2Tiling.mha_min_blocks_per_sm). The planner sizes waves by Traits.
+template <class Traits, class MhaTraits>
+int launch_fa2_attention_or_mha(const FlashjitAttentionParams& p, cudaStream_t stream) {
+  if (p.num_qo_heads == p.num_kv_heads) return launch_fa2_attention<MhaTraits>(p, stream);
+  return launch_fa2_attention<Traits>(p, stream);
+}
+
 template <class Traits>
 int fa2_ctas_per_sm() {
   return ctas_per_sm<fa2_attention_kernel<Traits>>(Traits::kThreads, static_cast<int>(Traits::kSmemBytes));

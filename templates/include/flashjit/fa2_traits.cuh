@@ -84,4 +84,17 @@ struct Fa2Traits {
                 "the warps' states must fit in the K/V stages to merge");
 };
 
+// The same kernel shape with another register cap (second __launch_bounds__ argument).
+template <class Traits, int kMinBlocksPerSm>
+struct WithMinBlocks;
+template <class DType, int kHeadDim, int kWarps, int kFragsM, int kKeysPerTile, int kSubTiles, int kStages,
+          bool kOneWait, bool kQInRegs, int kOldMinBlocks, bool kSplitKeys, bool kPaged, bool kCausal, bool kWindow,
+          bool kSoftCap, bool kLse, int kMinBlocksPerSm>
+struct WithMinBlocks<Fa2Traits<DType, kHeadDim, kWarps, kFragsM, kKeysPerTile, kSubTiles, kStages, kOneWait, kQInRegs,
+                               kOldMinBlocks, kSplitKeys, kPaged, kCausal, kWindow, kSoftCap, kLse>,
+                     kMinBlocksPerSm> {
+  using type = Fa2Traits<DType, kHeadDim, kWarps, kFragsM, kKeysPerTile, kSubTiles, kStages, kOneWait, kQInRegs,
+                         kMinBlocksPerSm, kSplitKeys, kPaged, kCausal, kWindow, kSoftCap, kLse>;
+};
+
 }  // namespace flashjit
