@@ -39,6 +39,11 @@ struct Fa2Traits {
   // Second __launch_bounds__ argument: caps registers at 64K / (kThreads * it)
   // so that this many CTAs fit on one SM (1: no cap beyond 255 per thread).
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+  // The same kernel shape under another register cap.
+  template <int kOtherMinBlocksPerSm>
+  using WithMinBlocks = Fa2Traits<DType_, kHeadDim_, kWarps_, kFragsM_, kKeysPerTile_, kSubTiles_, kStages_, kOneWait_,
+                                  kQInRegs_, kOtherMinBlocksPerSm, kSplitKeys_, kPaged_, kCausal_, kWindow_, kSoftCap_,
+                                  kLse_>;
   // Warps split each tile's keys instead of the rows (decode: the rows are
   // only one KV head's query heads, so one warp would do all the math while
   // the others wait at the barriers); their states merge at the end.
@@ -82,19 +87,6 @@ struct Fa2Traits {
   static constexpr int kMergeValues = kFragsM * (kHeadDim / 8) * 4 + kFragsM * 4;
   static_assert(!kSplitKeys || size_t(kWarps) * kMergeValues * 32 * 4 <= size_t(kStages) * kStageBytes,
                 "the warps' states must fit in the K/V stages to merge");
-};
-
-// The same kernel shape with another register cap (second __launch_bounds__ argument).
-template <class Traits, int kMinBlocksPerSm>
-struct WithMinBlocks;
-template <class DType, int kHeadDim, int kWarps, int kFragsM, int kKeysPerTile, int kSubTiles, int kStages,
-          bool kOneWait, bool kQInRegs, int kOldMinBlocks, bool kSplitKeys, bool kPaged, bool kCausal, bool kWindow,
-          bool kSoftCap, bool kLse, int kMinBlocksPerSm>
-struct WithMinBlocks<Fa2Traits<DType, kHeadDim, kWarps, kFragsM, kKeysPerTile, kSubTiles, kStages, kOneWait, kQInRegs,
-                               kOldMinBlocks, kSplitKeys, kPaged, kCausal, kWindow, kSoftCap, kLse>,
-                     kMinBlocksPerSm> {
-  using type = Fa2Traits<DType, kHeadDim, kWarps, kFragsM, kKeysPerTile, kSubTiles, kStages, kOneWait, kQInRegs,
-                         kMinBlocksPerSm, kSplitKeys, kPaged, kCausal, kWindow, kSoftCap, kLse>;
 };
 
 }  // namespace flashjit
