@@ -144,9 +144,10 @@ class Prepared:
             partial_lse = partial_o + 4 * rows * splits * dim
         else:
             partial_o = partial_lse = 0
+        # One row tile (every decode) launches in the same order whatever the bands.
         bands = single_request_band_items(qo_len, kv_len, group=self.group, rows_per_cta=self.module.rows_per_cta,
                                           num_kv_heads=self.num_kv_heads, resident_ctas=self.split_ctas,
-                                          causal=self.module.spec.causal)
+                                          causal=self.module.spec.causal) if num_work > 1 else 0
         params = PER_CALL.pack(qp, kp, vp, op, 0 if lse is None else lse.data_ptr(), *NO_BATCH, partial_o,
                                partial_lse, num_work, qo_len, kv_len, splits, chunk, bands) + self.tail
         run_on(self.module, params, self.device_index)
