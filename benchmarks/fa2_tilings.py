@@ -1,11 +1,13 @@
 """Compares fa2 tilings for one head_dim in one run: each variant is built into
 its own cache, checked against float64 on a ragged batch (within its profile),
 then timed on the prefill rows, beside FlashInfer fa2 when importable.
-`--baseline-templates DIR` (a copy of an older templates/ folder, e.g. from
-`git archive`) adds the current default tiling built from those sources, so
-that a kernel change is measured against the code before it in the same run.
+`--baseline-templates DIR [DIR ...]` (copies of other templates/ folders, e.g.
+from `git archive`) adds the current default tiling built from each of those
+sources, so that kernel changes are measured against the code before them in
+the same run; `--no-variants` leaves out the alternative tilings below.
 
-Usage: python benchmarks/fa2_tilings.py [--head-dim 128] [--baseline-templates DIR] [--no-flashinfer]
+Usage: python benchmarks/fa2_tilings.py [--head-dim 128] [--baseline-templates DIR ...] [--no-variants]
+       [--no-flashinfer]
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ def restore_tilings(d: int, default, wide) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--baseline-templates", type=Path)
+    parser.add_argument("--baseline-templates", type=Path, nargs="+", default=[])
+    parser.add_argument("--no-variants", action="store_true")
     parser.add_argument("--no-flashinfer", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -119,9 +122,9 @@ def main() -> int:
     # The defaults as shipped (with a wide tiling, the non-causal rows take it on
     # this GPU's arch when it fits); a variant replaces both for every row.
     runs = [(f"default {default}" + (f", where two CTAs of it fit every target: {wide}" if wide else ""), None, None)]
-    if args.baseline_templates:
-        runs.insert(0, ("default, baseline sources", None, args.baseline_templates.resolve()))
-    runs += [(name, tiling, None) for name, tiling in VARIANTS[d].items()]
+    runs[:0] = [(f"default, sources from {folder.name}", None, folder.resolve()) for folder in args.baseline_templates]
+    if not args.no_variants:
+        runs += [(name, tiling, None) for name, tiling in VARIANTS[d].items()]
     for name, tiling, templates in runs:
         kernels.FA2_TILINGS[d] = tiling or default
         if tiling is None and wide is not None:
@@ -141,7 +144,7 @@ def main() -> int:
                 run = wrapper([s] * b, h, d, causal).run
                 q, k, v = inputs[(b, s)]
                 cells.append(f"{tflops(b, h, s, d, causal, bench_ms(lambda: run(q, k, v))):.0f}")
-            smem = (tiling or default).smem_bytes(KernelSpec.make("single_prefill", "bfloat16", d))
+            smem = (tiling or wide or default).smem_bytes(KernelSpec.make("single_prefill", "bfloat16", d))
             lines.append(f"| {name} | {worst:.3f} | {smem} | " + " | ".join(cells) + " |")
         except Exception as exc:
             lines.append(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:300]} |")

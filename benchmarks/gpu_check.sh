@@ -5,8 +5,10 @@
 #   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare]
 # tests: GPU tests only; bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
 # compare: GPU tests, fa2_tilings.py for each of $HEAD_DIMS (default 128; with
-# --baseline-templates $BASELINE_TEMPLATES when set: a kernel change against the
-# sources before it, in the same run) and decode.py, each step under a time limit.
+# --baseline-templates $BASELINE_TEMPLATES when set, one or more folders: a kernel
+# change against the sources before it, in the same run; $TILINGS_ARGS is passed
+# on, e.g. --no-variants) and decode.py, each step under a time limit.
+# SKIP_TESTS=1 leaves out the GPU tests, SKIP_DECODE=1 decode.py.
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-$PWD/gpu_out}
@@ -26,7 +28,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee
 
 start=$(date +%s)
 test_rc=skipped
-if [ "$MODE" != bench ]; then
+if [ "$MODE" != bench ] && [ -z "${SKIP_TESTS:-}" ]; then
 python3 -m pytest -q --maxfail=30 --tb=short -m gpu tests -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 test_rc=${PIPESTATUS[0]}
 [ "$test_rc" = 0 ] || status=1
@@ -36,9 +38,9 @@ if [ "$MODE" = compare ]; then
   baseline=${BASELINE_TEMPLATES:+--baseline-templates $BASELINE_TEMPLATES}
   for d in ${HEAD_DIMS:-128}; do
     (cd benchmarks && timeout ${TILINGS_LIMIT:-240} python3 fa2_tilings.py --head-dim "$d" $baseline \
-      --out "$OUT/tilings_d$d.md" 2>"$OUT/tilings_d$d.err" | grep "|") || status=1
+      ${TILINGS_ARGS:-} --out "$OUT/tilings_d$d.md" 2>"$OUT/tilings_d$d.err" | grep "|") || status=1
   done
-  timeout ${DECODE_LIMIT:-240} python3 benchmarks/decode.py --out "$OUT/decode.md" --json "$OUT/decode.json" \
+  [ -n "${SKIP_DECODE:-}" ] || timeout ${DECODE_LIMIT:-240} python3 benchmarks/decode.py --out "$OUT/decode.md" --json "$OUT/decode.json" \
     2>"$OUT/decode.err" | tail -20 || status=1
 fi
 if [ "$MODE" = tests ] || [ "$MODE" = compare ]; then

@@ -164,10 +164,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     };
     // Issues tile `tile`'s K (or V) into its ring slot and commits one group;
     // past the last tile it commits an empty group so the counts stay uniform.
-    auto issue = [&](const Copy& copy, const T* fallback, int tile, uint32_t tile_off) {
+    // `slot` == tile % STAGES, a compile-time constant inside the unrolled main loop.
+    auto issue = [&](const Copy& copy, const T* fallback, int tile, int slot, uint32_t tile_off) {
       if (tile < num_tiles) {
         const int k0 = key_begin + tile * KEYS + warp_key0;
-        const uint32_t dst = kv_smem + (tile % STAGES) * Traits::kStageBytes + tile_off + load_off;
+        const uint32_t dst = kv_smem + slot * Traits::kStageBytes + tile_off + load_off;
         if constexpr (Traits::kPaged) {
           copy.issue(dst, pages, k0, min(LOAD_KEYS, w.kv_len - k0));
         } else {
@@ -176,8 +177,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
       cp_async_commit();
     };
-    auto issue_k = [&](int tile) { issue(k_copy, k_rows.base, tile, 0); };
-    auto issue_v = [&](int tile) { issue(v_copy, v_rows.base, tile, Traits::kKvTileBytes); };
+    auto issue_k = [&](int tile, int slot) { issue(k_copy, k_rows.base, tile, slot, 0); };
+    auto issue_v = [&](int tile, int slot) { issue(v_copy, v_rows.base, tile, slot, Traits::kKvTileBytes); };
     // The barrier that makes a landed tile visible to the threads that read it.
     auto tile_barrier = [] {
       if constexpr (Traits::kSplitKeys) {
@@ -189,8 +190,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       lookup(s);
-      issue_k(s);  // s == 0: this group also holds Q
-      issue_v(s);
+      issue_k(s, s);  // s == 0: this group also holds Q
+      issue_v(s, s);
     }
     lookup(STAGES - 1);
 
@@ -245,27 +246,37 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         for (int j = 0; j < NT_S; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[f][j][e] = 0.f;
+      // K B-fragments in a two-deep register ring: the ldmatrix of step i + 1
+      // is issued before the mma's of step i, so that its latency hides
+      // behind them (step i: k-step i / NJ, key block i % NJ).
+      constexpr int NJ = SKEYS / 16, NSTEPS = KSTEPS_QK * NJ;
+      auto load_k = [&](uint32_t (&b)[4], int i) {
+        const int kk = i / NJ, jn = i % NJ;
+        fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off(kk % 4) + (kk / 4) * 128);
+      };
+      uint32_t b[2][4];
+      load_k(b[0], 0);
+      uint32_t a[FM][4];
 #pragma unroll
-      for (int kk = 0; kk < KSTEPS_QK; ++kk) {
-        uint32_t a[FM][4];
-#pragma unroll
-        for (int f = 0; f < FM; ++f) {
-          if constexpr (kQInRegs) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) a[f][e] = q_frag[f][kk][e];
-          } else {
-            fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off(kk % 4) + (kk / 4) * 128);
-          }
-        }
-#pragma unroll
-        for (int jn = 0; jn < SKEYS / 16; ++jn) {
-          uint32_t b[4];
-          fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off(kk % 4) + (kk / 4) * 128);
+      for (int i = 0; i < NSTEPS; ++i) {
+        const int kk = i / NJ, jn = i % NJ;
+        if (jn == 0) {
 #pragma unroll
           for (int f = 0; f < FM; ++f) {
-            fa2::mma_16816<T>(s[f][2 * jn], a[f], b[0], b[1]);
-            fa2::mma_16816<T>(s[f][2 * jn + 1], a[f], b[2], b[3]);
+            if constexpr (kQInRegs) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) a[f][e] = q_frag[f][kk][e];
+            } else {
+              fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off(kk % 4) + (kk / 4) * 128);
+            }
           }
+        }
+        if (i + 1 < NSTEPS) load_k(b[(i + 1) % 2], i + 1);
+        const uint32_t (&bc)[4] = b[i % 2];
+#pragma unroll
+        for (int f = 0; f < FM; ++f) {
+          fa2::mma_16816<T>(s[f][2 * jn], a[f], bc[0], bc[1]);
+          fa2::mma_16816<T>(s[f][2 * jn + 1], a[f], bc[2], bc[3]);
         }
       }
     };
@@ -376,8 +387,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // groups). 2S-2 groups then follow V_t: wait_group(2S-2) before P.V. With
     // kOneWait, wait_group(2S-4) before that barrier completes V_t too, and P.V
     // needs no second wait or barrier.
-    for (int t = 0; t < num_tiles; ++t) {
-      const uint32_t k_s = kv_smem + (t % STAGES) * Traits::kStageBytes;
+    // Ragged prefill without a mask unrolls the loop by STAGES so that every
+    // ring-slot offset (the K / V ldmatrix addresses, the copy destinations) is
+    // an immediate: per-tile slot bases would otherwise hold registers through
+    // Q.K^T. An H200 ran non-causal d128 2-4% faster so, causal 1-2% slower
+    // (twice the masked code), 2026-11-22-h200-fa2-kring.md.
+    constexpr int UNROLL =
+        (Traits::kCausal || Traits::kWindow || Traits::kSplitKeys || Traits::kPaged) ? 1 : STAGES;
+    auto tile_step = [&](const int t, const int slot) {
+      const uint32_t k_s = kv_smem + slot * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
       const int t0 = key_begin + t * KEYS;
 
@@ -387,8 +405,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         cp_async_wait<kWaitK>();
       }
       tile_barrier();
-      issue_k(t + STAGES - 1);
-      issue_v(t + STAGES - 1);
+      issue_k(t + STAGES - 1, (slot + STAGES - 1) % STAGES);
+      issue_v(t + STAGES - 1, (slot + STAGES - 1) % STAGES);
       lookup(t + STAGES);
 
 #pragma unroll
@@ -411,6 +429,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         if constexpr (FM == 2 && Traits::kOneWait) __syncwarp();
         if (!step.skip) accumulate_pv(pa, v_s, kofs);
       }  // steps
+    };
+    for (int t = 0; t < num_tiles; t += UNROLL) {
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        if (u == 0 || t + u < num_tiles) tile_step(t + u, UNROLL == STAGES ? u : (t + u) % STAGES);
+      }
     }
     // Every group still pending is empty (tiles past num_tiles), and the warp's
     // own Q rows are only ever read by this warp: no CTA barrier needed below.
