@@ -47,6 +47,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr int NT_S = SKEYS / 8;        // n8 tiles of S
   constexpr int NT_O = D / 8;           // n8 tiles of O
   constexpr bool kQInRegs = Traits::kQInRegs;
+  // Two fragments with Q in shared memory (the d128 wide tiling): Q.K^T keeps a
+  // two-deep K ring and ragged prefill unrolls the loop (below). On an H200
+  // both gained 2-5% there and cost d256 15% and d64 0-2%
+  // (2026-11-22-h200-fa2-kring.md, -softmax-block.md).
+  constexpr bool kWideQk = FM == 2 && !kQInRegs;
   // Commit groups are [Q + K_0], [V_0], [K_1], [V_1], ...; see the main loop.
   // With kOneWait, wait_group(2S-4) at the top of tile t completes V_t as well.
   constexpr int kWaitK = 2 * STAGES - 3, kWaitV = 2 * STAGES - 2, kWaitKV = 2 * STAGES - 4;
@@ -246,21 +251,39 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         for (int j = 0; j < NT_S; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[f][j][e] = 0.f;
-      // K B-fragments in a two-deep register ring: the ldmatrix of step i + 1
-      // is issued before the mma's of step i, so that its latency hides
-      // behind them (step i: k-step i / NJ, key block i % NJ).
-      constexpr int NJ = SKEYS / 16, NSTEPS = KSTEPS_QK * NJ;
-      auto load_k = [&](uint32_t (&b)[4], int i) {
-        const int kk = i / NJ, jn = i % NJ;
-        fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off(kk % 4) + (kk / 4) * 128);
-      };
-      uint32_t b[2][4];
-      load_k(b[0], 0);
-      uint32_t a[FM][4];
+      if constexpr (kWideQk) {
+        // K B-fragments in a two-deep register ring: the ldmatrix of step i + 1
+        // is issued before the mma's of step i, so that its latency hides
+        // behind them (step i: k-step i / NJ, key block i % NJ). ptxas had kept
+        // one K fragment at the register cap, and each group of four mma's
+        // waited for its ldmatrix.
+        constexpr int NJ = SKEYS / 16, NSTEPS = KSTEPS_QK * NJ;
+        auto load_k = [&](uint32_t (&b)[4], int i) {
+          const int kk = i / NJ, jn = i % NJ;
+          fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off(kk % 4) + (kk / 4) * 128);
+        };
+        uint32_t b[2][4], a[FM][4];
+        load_k(b[0], 0);
 #pragma unroll
-      for (int i = 0; i < NSTEPS; ++i) {
-        const int kk = i / NJ, jn = i % NJ;
-        if (jn == 0) {
+        for (int i = 0; i < NSTEPS; ++i) {
+          const int kk = i / NJ, jn = i % NJ;
+          if (jn == 0) {
+#pragma unroll
+            for (int f = 0; f < FM; ++f)
+              fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off(kk % 4) + (kk / 4) * 128);
+          }
+          if (i + 1 < NSTEPS) load_k(b[(i + 1) % 2], i + 1);
+#pragma unroll
+          for (int f = 0; f < FM; ++f) {
+            fa2::mma_16816<T>(s[f][2 * jn], a[f], b[i % 2][0], b[i % 2][1]);
+            fa2::mma_16816<T>(s[f][2 * jn + 1], a[f], b[i % 2][2], b[i % 2][3]);
+          }
+        }
+      } else {
+        // Each K fragment loaded just before its mma's.
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS_QK; ++kk) {
+          uint32_t a[FM][4];
 #pragma unroll
           for (int f = 0; f < FM; ++f) {
             if constexpr (kQInRegs) {
@@ -270,13 +293,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
               fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off(kk % 4) + (kk / 4) * 128);
             }
           }
-        }
-        if (i + 1 < NSTEPS) load_k(b[(i + 1) % 2], i + 1);
-        const uint32_t (&bc)[4] = b[i % 2];
 #pragma unroll
-        for (int f = 0; f < FM; ++f) {
-          fa2::mma_16816<T>(s[f][2 * jn], a[f], bc[0], bc[1]);
-          fa2::mma_16816<T>(s[f][2 * jn + 1], a[f], bc[2], bc[3]);
+          for (int jn = 0; jn < SKEYS / 16; ++jn) {
+            uint32_t b[4];
+            fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off(kk % 4) + (kk / 4) * 128);
+#pragma unroll
+            for (int f = 0; f < FM; ++f) {
+              fa2::mma_16816<T>(s[f][2 * jn], a[f], b[0], b[1]);
+              fa2::mma_16816<T>(s[f][2 * jn + 1], a[f], b[2], b[3]);
+            }
+          }
         }
       }
     };
@@ -326,12 +352,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           rescale[r] = fa2::exp2_fast(m[f][r] * scale - m_scaled[r]);  // 0 when m = -inf
           m[f][r] = mx[r];
         }
-        // Once the running max settles, rescale is exactly 1 on most tiles: one
-        // warp vote for both rows skips the NT_O * 4 multiplies (x * 1 == x, so
-        // a row whose max did not move beside one whose did is unchanged). Voted
-        // before the exponentials, so that those, the rounding of P and P.V
-        // share one basic block that the scheduler can interleave.
-        if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
+        // Prefill rescales unconditionally: a warp vote that skipped these
+        // multiplies when the max did not move (rescale == 1) split the softmax
+        // into basic blocks, and the exponentials then ran back to back at the
+        // MUFU rate instead of interleaved with these multiplies and the
+        // rounding of P (H200: d128 +5%, d64 +1-6%, 2026-11-22-h200-fa2-softmax-
+        // block.md). Decode (split keys, memory-bound) keeps the vote it was
+        // tuned with (x * 1 == x, so skipping is exact).
+        if (!Traits::kSplitKeys || __any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
 #pragma unroll
           for (int n = 0; n < NT_O; ++n)
 #pragma unroll
@@ -393,7 +421,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // Q.K^T. An H200 ran non-causal d128 2-4% faster so, causal 1-2% slower
     // (twice the masked code), 2026-11-22-h200-fa2-kring.md.
     constexpr int UNROLL =
-        (Traits::kCausal || Traits::kWindow || Traits::kSplitKeys || Traits::kPaged) ? 1 : STAGES;
+        (kWideQk && !Traits::kCausal && !Traits::kWindow && !Traits::kSplitKeys && !Traits::kPaged) ? STAGES : 1;
     auto tile_step = [&](const int t, const int slot) {
       const uint32_t k_s = kv_smem + slot * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
