@@ -44,6 +44,9 @@ VARIANTS = {
     },
     256: {
         "two waits per tile (previous default)": Fa2Tiling(4, 32, 2, False, 2),
+        # One CTA per SM, past SMEM_BUDGET (sm_90a-class only): each K/V tile feeds 8 warps.
+        "8 warps (128 rows), 32-key tiles, 128 KB": Fa2Tiling(8, 32, 2, False, 1, one_wait=True),
+        "8 warps (128 rows), 64-key tiles, 192 KB": Fa2Tiling(8, 64, 2, False, 1, one_wait=True),
     },
 }
 ROWS = [(16, 1024, False), (16, 1024, True), (4, 4096, False), (4, 4096, True), (1, 16384, False),
@@ -125,7 +128,10 @@ def main() -> int:
     runs[:0] = [(f"default, sources from {folder.name}", None, folder.resolve()) for folder in args.baseline_templates]
     if not args.no_variants:
         runs += [(name, tiling, None) for name, tiling in VARIANTS[d].items()]
+    budget = kernels.SMEM_BUDGET
     for name, tiling, templates in runs:
+        # A variant may exceed the shipped budget (one CTA per SM on an sm_90a-class part).
+        kernels.SMEM_BUDGET = max(budget, (tiling or default).smem_bytes(KernelSpec.make("single_prefill", "bfloat16", d)))
         kernels.FA2_TILINGS[d] = tiling or default
         if tiling is None and wide is not None:
             kernels.FA2_WIDE_TILINGS[d] = wide
@@ -150,6 +156,7 @@ def main() -> int:
             lines.append(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:300]} |")
         print(lines[-1], flush=True)
     restore_tilings(d, default, wide)
+    kernels.SMEM_BUDGET = budget
     use_templates(None)
     cells = None if args.no_flashinfer else flashinfer_cells(ROWS, h, d, inputs)
     if cells:

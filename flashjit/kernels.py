@@ -175,8 +175,17 @@ FA2_DECODE_TILINGS = {
 # SM89 part, so a library built for those keeps FA2_TILINGS. Not for paged K/V
 # (the page ids of two tiles push it past 255 registers: 4-20 bytes of spills on
 # sm_90a) nor with soft-cap and window together (4 bytes without causal).
+#
+# d256: eight warps of one fragment (128-row CTAs) over 64-key tiles in 2 stages,
+# 192 KB, one CTA per SM: each K/V tile in shared memory feeds eight warps, and
+# the softmax runs once per 64 keys. An H200 ran it 9-12% faster than
+# FA2_TILINGS[256] on the non-causal rows and 4-10% on the causal ones
+# (2026-11-22-h200-fa2-tilings-d256.md). It rescales half as often as
+# FA2_TILINGS[256], whose count the tolerance profile takes: an upper bound.
 FA2_WIDE_TILINGS = {
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=2,
+                   one_wait=True),
+    256: Fa2Tiling(warps=8, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=1, frags_m=1,
                    one_wait=True),
 }
 # Shared memory per SM (bytes) and what the driver reserves per CTA, per arch.
@@ -185,17 +194,25 @@ SMEM_PER_SM = {"sm_80": 164 * 1024, "sm_86": 100 * 1024, "sm_89": 100 * 1024, "s
 SMEM_RESERVED_PER_CTA = 1024
 
 
+def _wide_spills(spec: KernelSpec) -> bool:
+    """Flag sets with which a FA2_WIDE_TILINGS kernel spills at the 255-register
+    cap on sm_90a (4-16 bytes); they keep FA2_TILINGS."""
+    return bool((spec.soft_cap and spec.sliding_window) or (spec.head_dim_qk == 256 and spec.soft_cap and spec.causal))
+
+
 def fa2_tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
     """The fa2 tiling of a spec; `arches` (the build's targets, None when
-    unknown) admits FA2_WIDE_TILINGS where all of them fit two of its CTAs per SM."""
+    unknown) admits FA2_WIDE_TILINGS where all of them fit min_blocks_per_sm of
+    its CTAs per SM."""
     table = FA2_DECODE_TILINGS if spec.op in DECODE_OPS else FA2_TILINGS
     tiling = table[spec.head_dim_qk]
-    wide = FA2_WIDE_TILINGS.get(spec.head_dim_qk)
-    if (wide is not None and arches and spec.op not in DECODE_OPS and spec.op not in PAGED_OPS
-            and not (spec.soft_cap and spec.sliding_window)
-            and all(2 * (wide.smem_bytes(spec) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM.get(a, 0) for a in arches)):
-        tiling = wide
     assert tiling.smem_bytes(spec) <= SMEM_BUDGET, spec.name
+    wide = FA2_WIDE_TILINGS.get(spec.head_dim_qk)
+    ctas = wide.min_blocks_per_sm if wide is not None else 0
+    if (wide is not None and arches and spec.op not in DECODE_OPS and spec.op not in PAGED_OPS
+            and not _wide_spills(spec)
+            and all(ctas * (wide.smem_bytes(spec) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM.get(a, 0) for a in arches)):
+        tiling = wide
     return tiling
 
 

@@ -126,25 +126,30 @@ def test_decode_has_its_own_kernel_and_prefill_splits_rows():
             assert template == "attention_cuda_core.cu.jinja" and t.row_warps > 1
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("op", ["single_prefill", "batch_prefill_ragged", "batch_prefill_paged"])
-def test_wide_fa2_tiling_only_where_every_target_fits_two_ctas(op, causal):
-    """d128 ragged prefill takes the two-fragment tiling when every target arch
-    holds two of its CTAs per SM; with an A100 or SM89 target, with no arch
-    known, or paged, the one-fragment tiling. Both rescale alike, so the
-    tolerance profile does not depend on the target."""
-    spec = KernelSpec.make(op, "bfloat16", 128, use_tensor_cores=True, causal=causal).validate()
+def test_wide_fa2_tiling_only_where_every_target_fits_it(op, causal, head_dim):
+    """d128 / d256 ragged prefill takes the wide tiling when every target arch
+    holds min_blocks_per_sm of its CTAs per SM; with an A100 or SM89 target,
+    with no arch known, or paged, FA2_TILINGS. The tolerance profile takes the
+    default's rescale count, which is at least the wide tiling's."""
+    spec = KernelSpec.make(op, "bfloat16", head_dim, use_tensor_cores=True, causal=causal).validate()
     default = kernels.tiling_for(spec)[1]
-    assert default == kernels.FA2_TILINGS[128]
+    assert default == kernels.FA2_TILINGS[head_dim]
     wide_here = op != "batch_prefill_paged"
     for arches, wide in [(("sm_90a",), wide_here), (("sm_80", "sm_90a"), False), (("sm_89",), False), (None, False)]:
         tiling = kernels.tiling_for(spec, arches)[1]
-        assert tiling == (kernels.FA2_WIDE_TILINGS[128] if wide else default), arches
-        assert tiling.rescales(spec) == default.rescales(spec)
+        assert tiling == (kernels.FA2_WIDE_TILINGS[head_dim] if wide else default), arches
+        assert tiling.rescales(spec)[0] >= default.rescales(spec)[0]
         text = render.render(spec, arches).text
+        assert re.findall(r"/\*kWarps=\*/\s*(\d+)", text) == [str(tiling.warps)]
         assert re.findall(r"/\*kFragsM=\*/\s*(\d+)", text) == [str(tiling.frags_m)]
-    both = spec.replace(soft_cap=True, sliding_window=True).validate()
-    assert kernels.tiling_for(both, ("sm_90a",))[1] == kernels.FA2_TILINGS[128]
+    spilling = spec.replace(soft_cap=True, sliding_window=True).validate()
+    assert kernels.tiling_for(spilling, ("sm_90a",))[1] == kernels.FA2_TILINGS[head_dim]
+    if head_dim == 256 and causal:
+        capped = spec.replace(soft_cap=True).validate()
+        assert kernels.tiling_for(capped, ("sm_90a",))[1] == kernels.FA2_TILINGS[head_dim]
 
 
 @pytest.mark.parametrize("missing", ["name", "dtype_q", "dtype_kv", "dtype_o", "head_dim_qk", "head_dim_vo",

@@ -251,57 +251,56 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         for (int j = 0; j < NT_S; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[f][j][e] = 0.f;
+      auto load_q = [&](uint32_t (&a)[FM][4], int kk) {
+#pragma unroll
+        for (int f = 0; f < FM; ++f) {
+          if constexpr (kQInRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[f][e] = q_frag[f][kk][e];
+          } else {
+            fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off(kk % 4) + (kk / 4) * 128);
+          }
+        }
+      };
+      // K rows kofs + 16jn .. + 15, head dims 16kk .. 16kk + 15.
+      auto load_k = [&](uint32_t (&b)[4], int kk, int jn) {
+        fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off(kk % 4) + (kk / 4) * 128);
+      };
+      // S n-tiles 2jn, 2jn + 1 of every fragment += A . B.
+      auto mma_keys = [&](int jn, const uint32_t (&a)[FM][4], const uint32_t (&b)[4]) {
+#pragma unroll
+        for (int f = 0; f < FM; ++f) {
+          fa2::mma_16816<T>(s[f][2 * jn], a[f], b[0], b[1]);
+          fa2::mma_16816<T>(s[f][2 * jn + 1], a[f], b[2], b[3]);
+        }
+      };
+      constexpr int NJ = SKEYS / 16;
       if constexpr (kWideQk) {
         // K B-fragments in a two-deep register ring: the ldmatrix of step i + 1
         // is issued before the mma's of step i, so that its latency hides
         // behind them (step i: k-step i / NJ, key block i % NJ). ptxas had kept
         // one K fragment at the register cap, and each group of four mma's
         // waited for its ldmatrix.
-        constexpr int NJ = SKEYS / 16, NSTEPS = KSTEPS_QK * NJ;
-        auto load_k = [&](uint32_t (&b)[4], int i) {
-          const int kk = i / NJ, jn = i % NJ;
-          fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off(kk % 4) + (kk / 4) * 128);
-        };
+        constexpr int NSTEPS = KSTEPS_QK * NJ;
         uint32_t b[2][4], a[FM][4];
-        load_k(b[0], 0);
+        load_k(b[0], 0, 0);
 #pragma unroll
         for (int i = 0; i < NSTEPS; ++i) {
-          const int kk = i / NJ, jn = i % NJ;
-          if (jn == 0) {
-#pragma unroll
-            for (int f = 0; f < FM; ++f)
-              fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off(kk % 4) + (kk / 4) * 128);
-          }
-          if (i + 1 < NSTEPS) load_k(b[(i + 1) % 2], i + 1);
-#pragma unroll
-          for (int f = 0; f < FM; ++f) {
-            fa2::mma_16816<T>(s[f][2 * jn], a[f], b[i % 2][0], b[i % 2][1]);
-            fa2::mma_16816<T>(s[f][2 * jn + 1], a[f], b[i % 2][2], b[i % 2][3]);
-          }
+          if (i % NJ == 0) load_q(a, i / NJ);
+          if (i + 1 < NSTEPS) load_k(b[(i + 1) % 2], (i + 1) / NJ, (i + 1) % NJ);
+          mma_keys(i % NJ, a, b[i % 2]);
         }
       } else {
         // Each K fragment loaded just before its mma's.
 #pragma unroll
         for (int kk = 0; kk < KSTEPS_QK; ++kk) {
           uint32_t a[FM][4];
+          load_q(a, kk);
 #pragma unroll
-          for (int f = 0; f < FM; ++f) {
-            if constexpr (kQInRegs) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) a[f][e] = q_frag[f][kk][e];
-            } else {
-              fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off(kk % 4) + (kk / 4) * 128);
-            }
-          }
-#pragma unroll
-          for (int jn = 0; jn < SKEYS / 16; ++jn) {
+          for (int jn = 0; jn < NJ; ++jn) {
             uint32_t b[4];
-            fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off(kk % 4) + (kk / 4) * 128);
-#pragma unroll
-            for (int f = 0; f < FM; ++f) {
-              fa2::mma_16816<T>(s[f][2 * jn], a[f], b[0], b[1]);
-              fa2::mma_16816<T>(s[f][2 * jn + 1], a[f], b[2], b[3]);
-            }
+            load_k(b, kk, jn);
+            mma_keys(jn, a, b);
           }
         }
       }
