@@ -414,11 +414,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // groups). 2S-2 groups then follow V_t: wait_group(2S-2) before P.V. With
     // kOneWait, wait_group(2S-4) before that barrier completes V_t too, and P.V
     // needs no second wait or barrier.
-    // Ragged prefill without a mask unrolls the loop by STAGES so that every
-    // ring-slot offset (the K / V ldmatrix addresses, the copy destinations) is
-    // an immediate: per-tile slot bases would otherwise hold registers through
-    // Q.K^T. An H200 ran non-causal d128 2-4% faster so, causal 1-2% slower
-    // (twice the masked code), 2026-11-22-h200-fa2-kring.md.
+    // Ragged prefill on the kWideQk tiling without a mask unrolls the loop by
+    // STAGES so that every ring-slot offset (the K / V ldmatrix addresses, the
+    // copy destinations) is an immediate: per-tile slot bases would otherwise
+    // hold registers through Q.K^T. An H200 ran non-causal d128 2-4% faster so,
+    // causal 1-2% slower (twice the masked code), 2026-11-22-h200-fa2-kring.md.
     constexpr int UNROLL =
         (kWideQk && !Traits::kCausal && !Traits::kWindow && !Traits::kSplitKeys && !Traits::kPaged) ? STAGES : 1;
     auto tile_step = [&](const int t, const int slot) {
