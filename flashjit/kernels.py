@@ -208,10 +208,10 @@ def fa2_tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
     tiling = table[spec.head_dim_qk]
     assert tiling.smem_bytes(spec) <= SMEM_BUDGET, spec.name
     wide = FA2_WIDE_TILINGS.get(spec.head_dim_qk)
-    ctas = wide.min_blocks_per_sm if wide is not None else 0
     if (wide is not None and arches and spec.op not in DECODE_OPS and spec.op not in PAGED_OPS
             and not _wide_spills(spec)
-            and all(ctas * (wide.smem_bytes(spec) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM.get(a, 0) for a in arches)):
+            and all(wide.min_blocks_per_sm * (wide.smem_bytes(spec) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM.get(a, 0)
+                    for a in arches)):
         tiling = wide
     return tiling
 

@@ -200,16 +200,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     }
     lookup(STAGES - 1);
 
-    // Per-lane ldmatrix offsets (see the header comment). A pattern: row
-    // lane % 16, chunk 2i + lane / 16. B pattern: row 8 * (lane / 16) + lane % 8,
-    // chunk 2i + (lane / 8) % 2. In both, row % 8 == lane % 8. The swizzle puts
-    // i only in bits 5-6 of the offset ((2i + c) ^ r == (c ^ r) ^ 2i for c < 2), so
-    // chunk pair i is offset(0) ^ (i << 5): one register per pattern, not four,
-    // which two fragments at the register cap need.
+    // Per-lane ldmatrix offsets of the 16 columns 16i .. 16i + 15 (chunk pair i;
+    // see the header comment). A pattern: row lane % 16, chunk 2i + lane / 16.
+    // B pattern: row 8 * (lane / 16) + lane % 8, chunk 2i + (lane / 8) % 2. In
+    // both, row % 8 == lane % 8. The swizzle puts i % 4 only in bits 5-6 of the
+    // offset ((2i + c) ^ r == (c ^ r) ^ 2i for c < 2) and i / 4 in whole 128-byte
+    // lines, so chunk pair i is (offset(0) ^ ((i % 4) << 5)) + (i / 4) * 128: one
+    // register per pattern, not four, which two fragments at the register cap need.
     const uint32_t a_off0 = (lane % 16) * ROW_BYTES + (((lane / 16) ^ (lane % 8)) << 4);
     const uint32_t b_off0 = (8 * (lane / 16) + lane % 8) * ROW_BYTES + ((((lane / 8) % 2) ^ (lane % 8)) << 4);
-    auto a_off = [a_off0](int i) { return a_off0 ^ (uint32_t(i) << 5); };
-    auto b_off = [b_off0](int i) { return b_off0 ^ (uint32_t(i) << 5); };
+    // Shared-memory address of chunk pair i of the 16-row block at `rows`.
+    auto a_at = [a_off0](uint32_t rows, int i) { return rows + (a_off0 ^ (uint32_t(i % 4) << 5)) + (i / 4) * 128; };
+    auto b_at = [b_off0](uint32_t rows, int i) { return rows + (b_off0 ^ (uint32_t(i % 4) << 5)) + (i / 4) * 128; };
     // Fragment f of this warp's Q rows at + f * 16 * ROW_BYTES.
     const uint32_t q_warp = q_smem + (Traits::kSplitKeys ? 0 : warp * WROWS * ROW_BYTES);
 
@@ -223,7 +225,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       for (int f = 0; f < FM; ++f)
 #pragma unroll
         for (int kk = 0; kk < KSTEPS_QK; ++kk)
-          fa2::ldmatrix_x4(q_frag[f][kk], q_warp + f * 16 * ROW_BYTES + a_off(kk % 4) + (kk / 4) * 128);
+          fa2::ldmatrix_x4(q_frag[f][kk], a_at(q_warp + f * 16 * ROW_BYTES, kk));
     }
 
     // Warp-uniform, for the step of keys k0 .. k0 + SKEYS - 1: no key is visible
@@ -258,13 +260,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
             for (int e = 0; e < 4; ++e) a[f][e] = q_frag[f][kk][e];
           } else {
-            fa2::ldmatrix_x4(a[f], q_warp + f * 16 * ROW_BYTES + a_off(kk % 4) + (kk / 4) * 128);
+            fa2::ldmatrix_x4(a[f], a_at(q_warp + f * 16 * ROW_BYTES, kk));
           }
         }
       };
       // K rows kofs + 16jn .. + 15, head dims 16kk .. 16kk + 15.
       auto load_k = [&](uint32_t (&b)[4], int kk, int jn) {
-        fa2::ldmatrix_x4(b, k_s + (kofs + jn * 16) * ROW_BYTES + b_off(kk % 4) + (kk / 4) * 128);
+        fa2::ldmatrix_x4(b, b_at(k_s + (kofs + jn * 16) * ROW_BYTES, kk));
       };
       // S n-tiles 2jn, 2jn + 1 of every fragment += A . B.
       auto mma_keys = [&](int jn, const uint32_t (&a)[FM][4], const uint32_t (&b)[4]) {
@@ -395,7 +397,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
         for (int dn = 0; dn < D / 16; ++dn) {
           uint32_t b[4];
-          fa2::ldmatrix_x4_trans(b, v_s + (kofs + kk * 16) * ROW_BYTES + a_off(dn % 4) + (dn / 4) * 128);
+          fa2::ldmatrix_x4_trans(b, a_at(v_s + (kofs + kk * 16) * ROW_BYTES, dn));
 #pragma unroll
           for (int f = 0; f < FM; ++f) {
             fa2::mma_16816<T>(o[f][2 * dn], pa[f][kk], b[0], b[1]);
