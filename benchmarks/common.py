@@ -22,3 +22,15 @@ def event_ms(fn, inner: int = 1) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
+
+
+def use_templates(folder) -> None:
+    """Renders kernels from `folder` (a copy of another templates/ folder, e.g.
+    from `git archive`), or from the package's own when None, so that a kernel
+    change is measured against the sources before it in the same run."""
+    from flashjit import render
+
+    if not hasattr(use_templates, "own"):
+        use_templates.own = render.templates_dir
+    render.templates_dir = (lambda: folder) if folder else use_templates.own
+    render.environment.cache_clear()

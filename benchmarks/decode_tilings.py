@@ -2,8 +2,13 @@
 into its own cache, checked against a float32 reference, then timed on paged
 decode rows (bf16, page 16, random page order) as benchmarks/decode.py does,
 beside FlashInfer's decode of the same cores when importable.
+`--baseline-templates DIR [DIR ...]` (copies of other templates/ folders) adds
+the shipped tiling built from each of those sources, so that a kernel change is
+measured against the code before it in the same run; `--no-variants` keeps the
+shipped tiling alone.
 
-Usage: python benchmarks/decode_tilings.py [--cores tensor|cuda] [--out FILE]
+Usage: python benchmarks/decode_tilings.py [--cores tensor|cuda] [--baseline-templates DIR ...] [--no-variants]
+       [--out FILE]
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ import argparse
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
-from common import emit
+from common import emit, use_templates
 from decode import BF16, D, PAGE, check, libraries, paged_cache, reference, time_us
 
 import flashjit
@@ -43,9 +49,18 @@ def main() -> int:
     parser.add_argument("--out")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--cores", choices=("tensor", "cuda"), default="tensor")
+    parser.add_argument("--baseline-templates", type=Path, nargs="+", default=[])
+    parser.add_argument("--no-variants", action="store_true")
     args = parser.parse_args()
     tensor_cores = args.cores == "tensor"
-    variants = TENSOR_CORE_VARIANTS if tensor_cores else CUDA_CORE_VARIANTS
+    shipped = kernels.FA2_DECODE_TILINGS[D] if tensor_cores else kernels.cuda_decode_tiling(
+        flashjit.KernelSpec.make("batch_decode_paged", "bfloat16", D))
+    runs = [(f"shipped, sources from {folder.name}", shipped, folder.resolve()) for folder in args.baseline_templates]
+    runs.append(("shipped", shipped, None))
+    if not args.no_variants:
+        variants = TENSOR_CORE_VARIANTS if tensor_cores else CUDA_CORE_VARIANTS
+        runs += [(name, tiling, None) for name, tiling in variants.items()]
+    cuda_decode_tiling = kernels.cuda_decode_tiling
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     cases = []
     for label, batch, kv_len, qo_heads, kv_heads in ROWS:
@@ -56,11 +71,12 @@ def main() -> int:
     lines = [f"device: {torch.cuda.get_device_name()}, bf16 paged decode, head_dim {D}, {args.cores} cores; "
              "cells: µs · GB/s of K+V read", "", "| variant | smem | " + " | ".join(r[0] for r in ROWS) + " |",
              "|---|---|" + "---|" * len(ROWS)]
-    for name, tiling in variants.items():
+    for name, tiling, templates in runs:
         if tensor_cores:
             kernels.FA2_DECODE_TILINGS[D] = tiling
         else:
             kernels.cuda_decode_tiling = lambda spec, tiling=tiling: tiling
+        use_templates(templates)
         jit._modules.clear()
         os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="decode-tiling-")
         cells = []
@@ -79,6 +95,10 @@ def main() -> int:
         spec = flashjit.KernelSpec.make("batch_decode_paged", "bfloat16", D, use_tensor_cores=tensor_cores)
         lines.append(f"| {name} | {tiling.smem_bytes(spec)} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
+    if tensor_cores:
+        kernels.FA2_DECODE_TILINGS[D] = shipped
+    kernels.cuda_decode_tiling = cuda_decode_tiling
+    use_templates(None)
     if "flashinfer" in libraries():
         import flashinfer
 

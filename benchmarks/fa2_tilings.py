@@ -20,11 +20,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import emit
+from common import emit, use_templates
 from prefill import attention_flops, bench_ms, flashinfer_ragged, indptr
 
 import flashjit
-from flashjit import jit, kernels, render
+from flashjit import jit, kernels
 from flashjit.kernels import Fa2Tiling
 from flashjit.reference import ragged_reference
 from flashjit.spec import KernelSpec
@@ -51,16 +51,6 @@ VARIANTS = {
 }
 ROWS = [(16, 1024, False), (16, 1024, True), (4, 4096, False), (4, 4096, True), (1, 16384, False),
         (1, 16384, True)]
-_TEMPLATES_DIR = render.templates_dir
-
-
-def use_templates(folder: Path | None) -> None:
-    """Renders from `folder` (an older templates/ copy), or from the package's own when None."""
-    render.templates_dir = (lambda: folder) if folder else _TEMPLATES_DIR
-    render.environment.cache_clear()
-    render.generator_digest.cache_clear()
-
-
 def wrapper(lens, h, d, causal):
     w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
     w.plan(indptr(lens), indptr(lens), h, h, d, causal=causal, q_data_type=torch.bfloat16)

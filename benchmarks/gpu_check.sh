@@ -7,7 +7,9 @@
 # compare: GPU tests, fa2_tilings.py for each of $HEAD_DIMS (default 128; with
 # --baseline-templates $BASELINE_TEMPLATES when set, one or more folders: a kernel
 # change against the sources before it, in the same run; $TILINGS_ARGS is passed
-# on, e.g. --no-variants) and decode.py, each step under a time limit.
+# on, e.g. --no-variants) and decode.py (with $BASELINE_TEMPLATES:
+# decode_tilings.py, the shipped decode tiling from each folder and from this
+# tree in one run), each step under a time limit.
 # SKIP_TESTS=1 leaves out the GPU tests, SKIP_DECODE=1 decode.py.
 set -uo pipefail
 MODE=${1:-full}
@@ -40,8 +42,15 @@ if [ "$MODE" = compare ]; then
     (cd benchmarks && timeout ${TILINGS_LIMIT:-240} python3 fa2_tilings.py --head-dim "$d" $baseline \
       ${TILINGS_ARGS:-} --out "$OUT/tilings_d$d.md" 2>"$OUT/tilings_d$d.err" | grep "|") || status=1
   done
-  [ -n "${SKIP_DECODE:-}" ] || timeout ${DECODE_LIMIT:-240} python3 benchmarks/decode.py --out "$OUT/decode.md" --json "$OUT/decode.json" \
-    2>"$OUT/decode.err" | tail -20 || status=1
+  if [ -n "${SKIP_DECODE:-}" ]; then
+    :
+  elif [ -n "${BASELINE_TEMPLATES:-}" ]; then
+    (cd benchmarks && timeout ${DECODE_LIMIT:-240} python3 decode_tilings.py $baseline --no-variants \
+      --out "$OUT/decode_tilings.md" 2>"$OUT/decode.err" | grep "|") || status=1
+  else
+    timeout ${DECODE_LIMIT:-240} python3 benchmarks/decode.py --out "$OUT/decode.md" --json "$OUT/decode.json" \
+      2>"$OUT/decode.err" | tail -20 || status=1
+  fi
 fi
 if [ "$MODE" = tests ] || [ "$MODE" = compare ]; then
   python3 benchmarks/error_summary.py "$OUT/error_report.json" --out "$OUT/error_summary.md" | tail -40 || status=1

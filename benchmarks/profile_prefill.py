@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from fa2_tilings import use_templates
+from common import use_templates
 
 import flashjit
 from flashjit import kernels

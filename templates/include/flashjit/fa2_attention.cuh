@@ -52,6 +52,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // both gained 2-5% there and cost d256 15% and d64 0-2%
   // (2026-11-22-h200-fa2-kring.md, -softmax-block.md).
   constexpr bool kWideQk = FM == 2 && !kQInRegs;
+  // Ragged prefill on that tiling without a causal or window mask: the main loop
+  // unrolls by its stages (below).
+  constexpr bool kPlainWide =
+      kWideQk && !Traits::kCausal && !Traits::kWindow && !Traits::kSplitKeys && !Traits::kPaged;
+  // The span of the Q, K and V copies (fa2::TileRows): a thread copies one
+  // 16-byte chunk of each 128-byte line of its rows, so that a row costs one
+  // 64-bit address (and one packed-row lookup for Q) and its lines sit at
+  // immediate offsets. On the d128 wide tiling only with a plain causal mask;
+  // the other flag sets there keep one chunk of whole rows: an H200 ran
+  // causal d128 3-5% faster with lines but non-causal 4-8% slower
+  // (2026-11-22-h200-fa2-copy-lines.md), and with soft-cap or a window the
+  // lines spill 4-8 bytes at the register cap.
+  constexpr bool kPlainCausal = Traits::kCausal && !Traits::kSoftCap && !Traits::kWindow;
+  constexpr int kCopySpan = (kWideQk && !kPlainCausal) ? ROW_BYTES : 128;
   // Commit groups are [Q + K_0], [V_0], [K_1], [V_1], ...; see the main loop.
   // With kOneWait, wait_group(2S-4) at the top of tile t completes V_t as well.
   constexpr int kWaitK = 2 * STAGES - 3, kWaitV = 2 * STAGES - 2, kWaitKV = 2 * STAGES - 4;
@@ -126,12 +140,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
     // ---- Q tile -> swizzled shared memory (first commit group, with K_0).
     {
-      constexpr int kChunks = D / 8, kRowsPerPass = THREADS / kChunks;
-      const int chunk = tid % kChunks, r0 = tid / kChunks;
+      using R = fa2::TileRows<ROWS, D, THREADS, kCopySpan>;
+      constexpr int kSpanElems = kCopySpan / int(sizeof(T));
+      const int chunk = tid % R::kChunks, r0 = tid / R::kChunks;
       const auto packed = w.packed_rows();
 #pragma unroll
-      for (int i = 0; i < ROWS / kRowsPerPass; ++i) {
-        const int r = r0 + i * kRowsPerPass, row = w.row_begin + r;
+      for (int i = 0; i < R::kPerThread; ++i) {
+        const int r = r0 + i * R::kRowsPerPass, row = w.row_begin + r;
         const bool ok = row < rows_total;
         const T* src = q_base;  // mapped fallback address, nothing is read from it
         if (ok) {
@@ -139,7 +154,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           packed.locate(row, token, head);
           src = q_base + int64_t(token) * p.q_stride_n + int64_t(head) * p.q_stride_h + chunk * 8;
         }
-        cp_async_16(q_smem + fa2::swizzled<ROW_BYTES>(r, chunk), src, ok);
+#pragma unroll
+        for (int j = 0; j < R::kSpans; ++j)
+          cp_async_16(q_smem + fa2::swizzled<ROW_BYTES>(r, chunk) + j * kCopySpan, src + (ok ? j * kSpanElems : 0), ok);
       }
     }
 
@@ -153,11 +170,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     const uint32_t load_off = warp_key0 * ROW_BYTES;
     // Pages of this thread's rows of the next tile to issue (K and V share
     // them), looked up one tile ahead of the copy.
-    constexpr int kPageRows = fa2::TileRows<LOAD_KEYS, D, LOAD_THREADS>::kPerThread;
+    constexpr int kPageRows = fa2::TileRows<LOAD_KEYS, D, LOAD_THREADS, kCopySpan>::kPerThread;
     int pages[kPageRows];
     // Per-thread copy addresses computed once (fa2::RaggedTileCopy, fa2::PagedTileCopy).
-    using Copy = std::conditional_t<Traits::kPaged, fa2::PagedTileCopy<T, LOAD_KEYS, D, LOAD_THREADS>,
-                                    fa2::RaggedTileCopy<T, LOAD_KEYS, D, LOAD_THREADS>>;
+    using Copy = std::conditional_t<Traits::kPaged, fa2::PagedTileCopy<T, LOAD_KEYS, D, LOAD_THREADS, kCopySpan>,
+                                    fa2::RaggedTileCopy<T, LOAD_KEYS, D, LOAD_THREADS, kCopySpan>>;
     const Copy k_copy(k_rows, load_tid), v_copy(v_rows, load_tid);
     auto lookup = [&](int tile) {
       if constexpr (Traits::kPaged) {
@@ -421,8 +438,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // copy destinations) is an immediate: per-tile slot bases would otherwise
     // hold registers through Q.K^T. An H200 ran non-causal d128 2-4% faster so,
     // causal 1-2% slower (twice the masked code), 2026-11-22-h200-fa2-kring.md.
-    constexpr int UNROLL =
-        (kWideQk && !Traits::kCausal && !Traits::kWindow && !Traits::kSplitKeys && !Traits::kPaged) ? STAGES : 1;
+    constexpr int UNROLL = kPlainWide ? STAGES : 1;
     auto tile_step = [&](const int t, const int slot) {
       const uint32_t k_s = kv_smem + slot * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;

@@ -133,19 +133,25 @@ __device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
   return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
 }
 
-// Rows of a kRows-key tile that thread `tid` copies: tid / kChunks + i *
-// (kThreads / kChunks), chunk tid % kChunks of each, so that consecutive
-// threads read consecutive 16 bytes of a row (coalesced).
-template <int kRows, int kDim, int kThreads>
+// Rows of a kRows-key tile that thread `tid` copies: row tid / kChunks + i *
+// kRowsPerPass, and of each row chunk tid % kChunks of every kSpanBytes-byte
+// span (kSpans of them), so that a warp's copies read whole spans (coalesced).
+// The spans of one row sit kSpanBytes apart in global and (the swizzle XORs
+// only the low three chunk bits, and a span is a multiple of 128 bytes) in
+// shared memory: one address per row, its spans at immediate offsets.
+template <int kRows, int kDim, int kThreads, int kSpanBytes>
 struct TileRows {
-  static constexpr int kChunks = kDim / 8;
+  static constexpr int kChunks = kSpanBytes / 16;  // 16-byte chunks of a span
+  static constexpr int kSpans = kDim * 2 / kSpanBytes;
   static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kPerThread = kRows / kRowsPerPass;
+  static_assert(kSpanBytes % 128 == 0 && kDim * 2 % kSpanBytes == 0 && kRows % kRowsPerPass == 0,
+                "whole 128-byte lines, spans and passes");
 };
 
-// Byte offset, in a swizzled tile, of the i-th row a thread copies (see
-// TileRows): compile-time steps from one per-thread base when a copy pass
-// covers a multiple of 8 rows (the swizzle repeats every 8 rows).
+// Byte offset, in a swizzled tile, of the first span of the i-th row a thread
+// copies (see TileRows): compile-time steps from one per-thread base when a
+// copy pass covers a multiple of 8 rows (the swizzle repeats every 8 rows).
 template <class R, int kRowBytes>
 __device__ __forceinline__ uint32_t tile_row_off(int row0, int chunk, int i) {
   if constexpr (R::kRowsPerPass % 8 == 0) {
@@ -165,10 +171,10 @@ __device__ __forceinline__ void cp_async_16_full(uint32_t dst, const void* src) 
 // address arithmetic done once per CTA instead of once per row and tile (a
 // 64-bit address rebuilt per row costs about 20 instructions per 16-byte
 // copy, which the main loop issues between the barrier and the first mma).
-// Here a tile costs one 64-bit multiply-add, then two adds per row.
-template <class T, int kRows, int kDim, int kThreads>
+// Here a tile costs one 64-bit multiply-add, then one 64-bit add per row.
+template <class T, int kRows, int kDim, int kThreads, int kSpanBytes>
 struct RaggedTileCopy {
-  using R = TileRows<kRows, kDim, kThreads>;
+  using R = TileRows<kRows, kDim, kThreads, kSpanBytes>;
   static constexpr int kRowBytes = kDim * 2;
   const T* src;      // this thread's row and chunk at key 0
   int64_t stride_n;  // between keys, in elements
@@ -190,14 +196,20 @@ struct RaggedTileCopy {
   __device__ __forceinline__ void issue(uint32_t dst, int first, int valid, const T* fallback) const {
     const T* s = src + int64_t(first) * stride_n;
     const int64_t step = int64_t(R::kRowsPerPass) * stride_n;
+    constexpr int kSpanElems = kSpanBytes / sizeof(T);
     if (valid >= kRows) {
 #pragma unroll
-      for (int i = 0; i < R::kPerThread; ++i) cp_async_16_full(dst + row_off(i), s + i * step);
+      for (int i = 0; i < R::kPerThread; ++i)
+#pragma unroll
+        for (int j = 0; j < R::kSpans; ++j)
+          cp_async_16_full(dst + row_off(i) + j * kSpanBytes, s + i * step + j * kSpanElems);
     } else {
 #pragma unroll
       for (int i = 0; i < R::kPerThread; ++i) {
         const bool ok = row0 + i * R::kRowsPerPass < valid;
-        cp_async_16(dst + row_off(i), ok ? s + i * step : fallback, ok);
+#pragma unroll
+        for (int j = 0; j < R::kSpans; ++j)
+          cp_async_16(dst + row_off(i) + j * kSpanBytes, ok ? s + i * step + j * kSpanElems : fallback, ok);
       }
     }
   }
@@ -207,9 +219,9 @@ struct RaggedTileCopy {
 // up a tile ahead (lookup), then its address costs a multiply-shift division
 // by the page size, one wide multiply-add and an add: byte strides are 32-bit
 // (the host keeps strides below 2 GiB and a page's tokens below 4 GiB).
-template <class T, int kRows, int kDim, int kThreads>
+template <class T, int kRows, int kDim, int kThreads, int kSpanBytes>
 struct PagedTileCopy {
-  using R = TileRows<kRows, kDim, kThreads>;
+  using R = TileRows<kRows, kDim, kThreads, kSpanBytes>;
   static constexpr int kRowBytes = kDim * 2;
   const char* base;     // the KV head and this thread's chunk applied
   uint32_t page_bytes;  // between pages
@@ -245,7 +257,10 @@ struct PagedTileCopy {
       const bool ok = row < valid;
       const uint32_t slot = uint32_t(page_div.mod(key, page_div.div(key)));
       const char* src = base + (uint64_t(uint32_t(page[i])) * page_bytes + slot * row_bytes);
-      cp_async_16(dst + tile_row_off<R, kRowBytes>(row0, chunk, i), ok ? src : base, ok);
+#pragma unroll
+      for (int j = 0; j < R::kSpans; ++j)
+        cp_async_16(dst + tile_row_off<R, kRowBytes>(row0, chunk, i) + j * kSpanBytes, ok ? src + j * kSpanBytes : base,
+                    ok);
     }
   }
 };

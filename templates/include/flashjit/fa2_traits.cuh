@@ -59,7 +59,9 @@ struct Fa2Traits {
   static constexpr int kRowsPerCta = kSplitKeys ? kRowsPerWarp : kRowsPerWarp * kWarps;
   static constexpr int kKeysPerWarp = kSplitKeys ? kKeysPerTile / kWarps : kKeysPerTile;
   static constexpr int kKeysPerStep = kKeysPerWarp / kSubTiles;  // keys of one math step of a warp
-  static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks of one row
+  // A copy pass: 8 threads per row, each one 16-byte chunk of every 128-byte
+  // line (fa2::TileRows).
+  static constexpr int kCopyRowsPerPass = kThreads / 8;
   static constexpr int kRowBytes = kHeadDim * 2;
 
   static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
@@ -72,9 +74,8 @@ struct Fa2Traits {
                 "math steps: a multiple of 16 keys; split keys take whole tiles");
   static_assert(kFragsM == 1 || kFragsM == 2, "m16 fragments per warp: 1 or 2");
   static_assert(kMinBlocksPerSm >= 1, "min blocks per SM: at least 1");
-  static_assert(kWarps >= 1 && kThreads % kChunksPerRow == 0, "threads must cover whole rows");
-  static_assert(kKeysPerTile % (kThreads / kChunksPerRow) == 0 &&
-                    kRowsPerCta % (kThreads / kChunksPerRow) == 0,
+  static_assert(kWarps >= 1, "at least one warp");
+  static_assert(kKeysPerTile % kCopyRowsPerPass == 0 && kRowsPerCta % kCopyRowsPerPass == 0,
                 "tile rows must be a multiple of the rows one copy pass covers");
 
   // Shared memory, in bytes: [Q | stage 0: K, V | stage 1: K, V | ...]; every
