@@ -56,16 +56,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // unrolls by its stages (below).
   constexpr bool kPlainWide =
       kWideQk && !Traits::kCausal && !Traits::kWindow && !Traits::kSplitKeys && !Traits::kPaged;
-  // The span of the Q, K and V copies (fa2::TileRows): a thread copies one
-  // 16-byte chunk of each 128-byte line of its rows, so that a row costs one
-  // 64-bit address (and one packed-row lookup for Q) and its lines sit at
-  // immediate offsets. On the d128 wide tiling only with a plain causal mask;
-  // the other flag sets there keep one chunk of whole rows: an H200 ran
-  // causal d128 3-5% faster with lines but non-causal 4-8% slower
-  // (2026-11-22-h200-fa2-copy-lines.md), and with soft-cap or a window the
-  // lines spill 4-8 bytes at the register cap.
+  // The span of the Q, K and V copies (fa2::TileRows): one 16-byte chunk of
+  // whole rows per thread, or, on the d128 wide tiling with a plain causal mask,
+  // one chunk of each 128-byte line of its rows, so that a row costs one 64-bit
+  // address (and one packed-row lookup for Q) and its lines sit at immediate
+  // offsets. On an H200 lines ran causal d128 3-7% faster, but non-causal d128
+  // 4-8% and paged decode 2-4% slower (HMMAs waited twice as long on their
+  // ldmatrix, the L2 hit rate fell from 92% to 86%), and they spill 4-8 bytes
+  // with soft-cap or a window (2026-11-22-h200-fa2-copy-lines.md).
   constexpr bool kPlainCausal = Traits::kCausal && !Traits::kSoftCap && !Traits::kWindow;
-  constexpr int kCopySpan = (kWideQk && !kPlainCausal) ? ROW_BYTES : 128;
+  constexpr int kCopySpan = (kWideQk && kPlainCausal) ? 128 : ROW_BYTES;
   // Commit groups are [Q + K_0], [V_0], [K_1], [V_1], ...; see the main loop.
   // With kOneWait, wait_group(2S-4) at the top of tile t completes V_t as well.
   constexpr int kWaitK = 2 * STAGES - 3, kWaitV = 2 * STAGES - 2, kWaitKV = 2 * STAGES - 4;
