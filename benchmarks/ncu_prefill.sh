@@ -5,7 +5,8 @@
 # argument (a Fa2Tiling(...) expression, with '@DIR' rendered from the templates
 # folder DIR), and FlashInfer fa2 when importable. Reports (.ncu-rep, raw CSV,
 # SASS with stall samples) go to $OUT; a table of the throughput and stall
-# metrics that locate a loop's limit is printed last.
+# metrics that locate a loop's limit is printed last (ncu_ops.md: stall samples per
+# opcode).
 #   bash benchmarks/ncu_prefill.sh ['Fa2Tiling(...)' ...]
 set -uo pipefail
 OUT=${OUT:-$PWD/ncu_out}
@@ -48,6 +49,7 @@ if python3 -c "import flashinfer" 2>/dev/null; then
   ncu -i "$OUT/flashinfer.ncu-rep" --page source --csv --print-source sass > "$OUT/flashinfer.sass.csv" 2>/dev/null
 fi
 python3 benchmarks/ncu_table.py "$OUT"/*.raw.csv | tee "$OUT/ncu_table.md"
+python3 benchmarks/ncu_ops.py "$OUT"/*.sass.csv > "$OUT/ncu_ops.md"  # stall samples per opcode
 # The device returns few files: one archive of the reports.
 (cd "$OUT" && tar czf ncu_reports.tar.gz ./*.ncu-rep ./*.csv ./*.log ./variants.txt 2>/dev/null \
   && rm -f ./*.ncu-rep ./*.csv ./*.log)
