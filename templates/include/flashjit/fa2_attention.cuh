@@ -48,14 +48,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr int NT_O = D / 8;           // n8 tiles of O
   constexpr bool kQInRegs = Traits::kQInRegs;
   // Two fragments with Q in shared memory (the d128 wide tiling): Q.K^T keeps a
-  // two-deep K ring and ragged prefill unrolls the loop (below). On an H200
-  // both gained 2-5% there and cost d256 15% and d64 0-2%
-  // (2026-11-22-h200-fa2-kring.md, -softmax-block.md).
+  // two-deep K ring (below). On an H200 it gained 2-5% there and cost d256 15%
+  // and d64 0-2% (2026-11-22-h200-fa2-kring.md).
   constexpr bool kWideQk = FM == 2 && !kQInRegs;
-  // Ragged prefill on that tiling without a causal or window mask: the main loop
-  // unrolls by its stages (below).
-  constexpr bool kPlainWide =
-      kWideQk && !Traits::kCausal && !Traits::kWindow && !Traits::kSplitKeys && !Traits::kPaged;
   // The span of the Q, K and V copies (fa2::TileRows): one 16-byte chunk of
   // whole rows per thread, or, on the d128 wide tiling with a plain causal mask,
   // one chunk of each 128-byte line of its rows, so that a row costs one 64-bit
@@ -186,7 +181,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     };
     // Issues tile `tile`'s K (or V) into its ring slot and commits one group;
     // past the last tile it commits an empty group so the counts stay uniform.
-    // `slot` == tile % STAGES, a compile-time constant inside the unrolled main loop.
+    // `slot` == tile % STAGES.
     auto issue = [&](const Copy& copy, const T* fallback, int tile, int slot, uint32_t tile_off) {
       if (tile < num_tiles) {
         const int k0 = key_begin + tile * KEYS + warp_key0;
@@ -433,13 +428,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // groups). 2S-2 groups then follow V_t: wait_group(2S-2) before P.V. With
     // kOneWait, wait_group(2S-4) before that barrier completes V_t too, and P.V
     // needs no second wait or barrier.
-    // Ragged prefill on the kWideQk tiling without a mask unrolls the loop by
-    // STAGES so that every ring-slot offset (the K / V ldmatrix addresses, the
-    // copy destinations) is an immediate: per-tile slot bases would otherwise
-    // hold registers through Q.K^T. An H200 ran non-causal d128 2-4% faster so,
-    // causal 1-2% slower (twice the masked code), 2026-11-22-h200-fa2-kring.md.
-    constexpr int UNROLL = kPlainWide ? STAGES : 1;
-    auto tile_step = [&](const int t, const int slot) {
+    // (Non-causal d128 once unrolled this loop by its stages, so that ring-slot
+    // offsets were immediates: since the softmax became one basic block it ran
+    // 0-2% slower so, 2026-11-22-h200-fa2-unroll.md.)
+    for (int t = 0; t < num_tiles; ++t) {
+      const int slot = t % STAGES;
       const uint32_t k_s = kv_smem + slot * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
       const int t0 = key_begin + t * KEYS;
@@ -474,12 +467,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         if constexpr (FM == 2 && Traits::kOneWait) __syncwarp();
         if (!step.skip) accumulate_pv(pa, v_s, kofs);
       }  // steps
-    };
-    for (int t = 0; t < num_tiles; t += UNROLL) {
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        if (u == 0 || t + u < num_tiles) tile_step(t + u, UNROLL == STAGES ? u : (t + u) % STAGES);
-      }
     }
     // Every group still pending is empty (tiles past num_tiles), and the warp's
     // own Q rows are only ever read by this warp: no CTA barrier needed below.
