@@ -55,10 +55,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // whole rows per thread, or, on the d128 wide tiling with a plain causal mask,
   // one chunk of each 128-byte line of its rows, so that a row costs one 64-bit
   // address (and one packed-row lookup for Q) and its lines sit at immediate
-  // offsets. On an H200 lines ran causal d128 3-7% faster, but non-causal d128
-  // 4-8% and paged decode 2-4% slower (HMMAs waited twice as long on their
-  // ldmatrix, the L2 hit rate fell from 92% to 86%), and they spill 4-8 bytes
-  // with soft-cap or a window (2026-11-22-h200-fa2-copy-lines.md).
+  // offsets. On an H200 lines ran causal d128 3-7% faster, paged decode 2-4%
+  // slower, non-causal d128 4-8% slower on its loop then unrolled (HMMAs waited
+  // twice as long on their ldmatrix, the L2 hit rate fell from 92% to 86%) and
+  // no faster on the plain loop; they spill 4-8 bytes with soft-cap or a window
+  // (2026-11-22-h200-fa2-copy-lines.md, -unroll.md).
   constexpr bool kPlainCausal = Traits::kCausal && !Traits::kSoftCap && !Traits::kWindow;
   constexpr int kCopySpan = (kWideQk && kPlainCausal) ? 128 : ROW_BYTES;
   // Commit groups are [Q + K_0], [V_0], [K_1], [V_1], ...; see the main loop.
