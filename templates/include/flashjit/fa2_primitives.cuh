@@ -145,7 +145,8 @@ struct TileRows {
   static constexpr int kSpans = kDim * 2 / kSpanBytes;
   static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kPerThread = kRows / kRowsPerPass;
-  static_assert(kSpanBytes % 128 == 0 && kDim * 2 % kSpanBytes == 0 && kRows % kRowsPerPass == 0,
+  static_assert(kSpanBytes % 128 == 0 && kDim * 2 % kSpanBytes == 0 && kThreads % kChunks == 0 &&
+                    kRows % kRowsPerPass == 0,
                 "whole 128-byte lines, spans and passes");
 };
 

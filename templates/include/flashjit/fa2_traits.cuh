@@ -59,8 +59,9 @@ struct Fa2Traits {
   static constexpr int kRowsPerCta = kSplitKeys ? kRowsPerWarp : kRowsPerWarp * kWarps;
   static constexpr int kKeysPerWarp = kSplitKeys ? kKeysPerTile / kWarps : kKeysPerTile;
   static constexpr int kKeysPerStep = kKeysPerWarp / kSubTiles;  // keys of one math step of a warp
-  // A copy pass: 8 threads per row, each one 16-byte chunk of every 128-byte
-  // line (fa2::TileRows).
+  // The most rows one copy pass covers: 8 threads per row when a thread copies
+  // a chunk of each 128-byte line (fa2::TileRows); a pass over whole rows
+  // covers a power-of-two fraction of them.
   static constexpr int kCopyRowsPerPass = kThreads / 8;
   static constexpr int kRowBytes = kHeadDim * 2;
 
