@@ -34,3 +34,4 @@ def use_templates(folder) -> None:
         use_templates.own = render.templates_dir
     render.templates_dir = (lambda: folder) if folder else use_templates.own
     render.environment.cache_clear()
+    render.generator_digest.cache_clear()

@@ -53,6 +53,8 @@ VARIANTS = {
 }
 ROWS = [(16, 1024, False), (16, 1024, True), (4, 4096, False), (4, 4096, True), (1, 16384, False),
         (1, 16384, True)]
+
+
 def wrapper(lens, h, d, causal):
     w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
     w.plan(indptr(lens), indptr(lens), h, h, d, causal=causal, q_data_type=torch.bfloat16)
