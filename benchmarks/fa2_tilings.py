@@ -32,9 +32,8 @@ from flashjit.spec import KernelSpec
 # Per head_dim: name -> tiling; the current default is always measured first.
 VARIANTS = {
     64: {
-        "128-key tiles in two 64-key steps": Fa2Tiling(4, 128, 2, True, 2, frags_m=2, sub_tiles=2),
-        "128-key tiles in two 64-key steps, one wait": Fa2Tiling(4, 128, 2, True, 2, frags_m=2, sub_tiles=2,
-                                                                 one_wait=True),
+        "64-key tiles, one wait per tile": Fa2Tiling(4, 64, 2, True, 2, frags_m=2, one_wait=True),
+        "64-key tiles x 3 stages, one wait per tile": Fa2Tiling(4, 64, 3, True, 2, frags_m=2, one_wait=True),
         "64-key tiles, 3 stages": Fa2Tiling(4, 64, 3, True, 2, frags_m=2),
     },
     128: {
