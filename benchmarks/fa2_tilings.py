@@ -34,7 +34,6 @@ VARIANTS = {
     64: {
         "64-key tiles, one wait per tile": Fa2Tiling(4, 64, 2, True, 2, frags_m=2, one_wait=True),
         "64-key tiles x 3 stages, one wait per tile": Fa2Tiling(4, 64, 3, True, 2, frags_m=2, one_wait=True),
-        "64-key tiles, 3 stages": Fa2Tiling(4, 64, 3, True, 2, frags_m=2),
     },
     128: {
         # One CTA per SM, past SMEM_BUDGET (sm_90a-class only): each K/V tile feeds 8 warps.
