@@ -114,9 +114,10 @@ def main() -> int:
     inputs = {(b, s): [torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
               for b, s, _ in ROWS}
     default, wide = kernels.FA2_TILINGS[d], kernels.FA2_WIDE_TILINGS.get(d)
-    # The defaults as shipped (with a wide tiling, the non-causal rows take it on
-    # this GPU's arch when it fits); a variant replaces both for every row.
-    runs = [(f"default {default}" + (f", where two CTAs of it fit every target: {wide}" if wide else ""), None, None)]
+    # The defaults as shipped (with a wide tiling, the rows take it on this GPU's
+    # arch when it fits); a variant replaces both for every row.
+    wide_note = f", where every target holds {wide.min_blocks_per_sm} per SM: {wide}" if wide else ""
+    runs = [(f"default {default}{wide_note}", None, None)]
     runs[:0] = [(f"default, sources from {folder.name}", None, folder.resolve()) for folder in args.baseline_templates]
     if not args.no_variants:
         runs += [(name, tiling, None) for name, tiling in VARIANTS[d].items()]

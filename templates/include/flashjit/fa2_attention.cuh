@@ -182,11 +182,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     };
     // Issues tile `tile`'s K (or V) into its ring slot and commits one group;
     // past the last tile it commits an empty group so the counts stay uniform.
-    // `slot` == tile % STAGES.
-    auto issue = [&](const Copy& copy, const T* fallback, int tile, int slot, uint32_t tile_off) {
+    auto issue = [&](const Copy& copy, const T* fallback, int tile, uint32_t tile_off) {
       if (tile < num_tiles) {
         const int k0 = key_begin + tile * KEYS + warp_key0;
-        const uint32_t dst = kv_smem + slot * Traits::kStageBytes + tile_off + load_off;
+        const uint32_t dst = kv_smem + (tile % STAGES) * Traits::kStageBytes + tile_off + load_off;
         if constexpr (Traits::kPaged) {
           copy.issue(dst, pages, k0, min(LOAD_KEYS, w.kv_len - k0));
         } else {
@@ -195,8 +194,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
       cp_async_commit();
     };
-    auto issue_k = [&](int tile, int slot) { issue(k_copy, k_rows.base, tile, slot, 0); };
-    auto issue_v = [&](int tile, int slot) { issue(v_copy, v_rows.base, tile, slot, Traits::kKvTileBytes); };
+    auto issue_k = [&](int tile) { issue(k_copy, k_rows.base, tile, 0); };
+    auto issue_v = [&](int tile) { issue(v_copy, v_rows.base, tile, Traits::kKvTileBytes); };
     // The barrier that makes a landed tile visible to the threads that read it.
     auto tile_barrier = [] {
       if constexpr (Traits::kSplitKeys) {
@@ -208,8 +207,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       lookup(s);
-      issue_k(s, s);  // s == 0: this group also holds Q
-      issue_v(s, s);
+      issue_k(s);  // s == 0: this group also holds Q
+      issue_v(s);
     }
     lookup(STAGES - 1);
 
@@ -433,8 +432,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // offsets were immediates: since the softmax became one basic block it ran
     // 0-2% slower so, 2026-11-22-h200-fa2-unroll.md.)
     for (int t = 0; t < num_tiles; ++t) {
-      const int slot = t % STAGES;
-      const uint32_t k_s = kv_smem + slot * Traits::kStageBytes;
+      const uint32_t k_s = kv_smem + (t % STAGES) * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
       const int t0 = key_begin + t * KEYS;
 
@@ -444,8 +442,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         cp_async_wait<kWaitK>();
       }
       tile_barrier();
-      issue_k(t + STAGES - 1, (slot + STAGES - 1) % STAGES);
-      issue_v(t + STAGES - 1, (slot + STAGES - 1) % STAGES);
+      issue_k(t + STAGES - 1);
+      issue_v(t + STAGES - 1);
       lookup(t + STAGES);
 
 #pragma unroll
