@@ -24,6 +24,7 @@
 #include "fa2_epilogue.cuh"
 #include "fa2_primitives.cuh"
 #include "fa2_traits.cuh"
+#include "fa2_turns.cuh"
 #include "kernel_config.cuh"
 #include "merge_states.cuh"
 #include "numeric.cuh"
@@ -32,12 +33,16 @@
 namespace flashjit {
 
 
-template <class Traits>
-__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
-    fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {
+// The work of one group of warps (all of the CTA's with one group). The group
+// is a template argument so that what it decodes from blockIdx stays in
+// uniform registers: as a runtime value it made the work item per-thread, and
+// at the 255-register cap the wide tiling spilled 84-100 bytes.
+template <class Traits, int kGroup>
+__device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParams& p) {
   using T = typename Traits::DType;
   constexpr int D = Traits::kHeadDim, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
-  constexpr int THREADS = Traits::kThreads, ROWS = Traits::kRowsPerCta;
+  constexpr int THREADS = Traits::kThreads, ROWS = Traits::kRowsPerCta;  // of one group
+  constexpr int GROUPS = Traits::kGroups;
   constexpr int FM = Traits::kFragsM, WROWS = Traits::kRowsPerWarp;  // m16 fragments, rows per warp
   constexpr int ROW_BYTES = Traits::kRowBytes;
   constexpr int KSTEPS_QK = D / 16;    // k-steps of S = Q.K^T (head dims)
@@ -68,15 +73,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr float kLog2e = 1.4426950408889634f;
   const float kNegInf = -CUDART_INF_F;
 
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem_cta[];
+  // This thread's index within its group, and the group's shared memory.
+  const int tid = int(threadIdx.x) - kGroup * THREADS, lane = tid % 32, warp = tid / 32;
+  unsigned char* const smem = smem_cta + kGroup * Traits::kGroupSmemBytes;
   const uint32_t q_smem = smem_addr(smem);
   const uint32_t kv_smem = q_smem + Traits::kQBytes;  // stage s: K at + s * kStageBytes, V after it
+  const fa2::Turns<GROUPS, kGroup, THREADS> turns;
 
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, tq = lane % 4;
-  const CtaWork w = decode_work<Traits::kPaged>(p, ROWS);
+  const CtaWork w = decode_work<Traits::kPaged, GROUPS>(p, ROWS, kGroup);
   const int rows_total = w.qo_len * w.group;
-  if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
+  const bool active = w.valid && w.row_begin < rows_total;
+  if constexpr (GROUPS == 1) {
+    if (!active) return;  // uniform across the CTA
+  }
   const int offset = w.kv_len - w.qo_len;
   // Clamped so that q + offset - window_left cannot overflow int; any window
   // of 2^30 keys or more already covers every key.
@@ -89,7 +100,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int cta_q_last = (min(w.row_begin + ROWS, rows_total) - 1) / w.group;
   const int key_begin = max((mask.key_begin(cta_q_first) / KEYS) * KEYS, w.kv_begin);
   const int key_end = min(mask.key_end(cta_q_last, w.kv_len), w.kv_end);
-  const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
+  const int num_tiles = active && key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
+  // Two groups take as many turns as the one with more tiles needs: one per
+  // tile, plus one for the last P.V (fa2_turns.cuh).
+  int* const turn_counts = reinterpret_cast<int*>(smem_cta + GROUPS * Traits::kGroupSmemBytes);
+  if constexpr (GROUPS > 1) {
+    if (tid == 0) turn_counts[kGroup] = num_tiles + 1;
+    turns.cta_barrier();
+    turns.start();
+  }
 
   // This warp's rows: warp_row0 .. warp_row0 + WROWS - 1 (fragment f: rows
   // 16f .. 16f + 15 of them); rows past the request are padding (zero Q,
@@ -197,11 +216,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     auto issue_k = [&](int tile) { issue(k_copy, k_rows.base, tile, 0); };
     auto issue_v = [&](int tile) { issue(v_copy, v_rows.base, tile, Traits::kKvTileBytes); };
     // The barrier that makes a landed tile visible to the threads that read it.
-    auto tile_barrier = [] {
+    auto tile_barrier = [&turns] {
       if constexpr (Traits::kSplitKeys) {
         __syncwarp();
       } else {
-        __syncthreads();
+        turns.group_barrier();
       }
     };
 #pragma unroll
@@ -230,7 +249,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     uint32_t q_frag[kQInRegs ? FM : 1][kQInRegs ? KSTEPS_QK : 1][4];
     if constexpr (kQInRegs || Traits::kSplitKeys) {
       cp_async_wait<kWaitK>();  // [Q + K_0] landed for this thread ...
-      __syncthreads();          // ... and for every thread (Q rows come from all of them)
+      turns.group_barrier();    // ... and for every thread (Q rows come from all of them)
     }
     if constexpr (kQInRegs) {
 #pragma unroll
@@ -431,6 +450,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // (Non-causal d128 once unrolled this loop by its stages, so that ring-slot
     // offsets were immediates: since the softmax became one basic block it ran
     // 0-2% slower so, 2026-11-22-h200-fa2-unroll.md.)
+    // With two groups, a turn is the top of a tile and its Q.K^T, or the P.V of
+    // a tile, the top of the next and its Q.K^T; the softmax runs between turns.
+    turns.begin();
     for (int t = 0; t < num_tiles; ++t) {
       const uint32_t k_s = kv_smem + (t % STAGES) * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
@@ -454,7 +476,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         if (!step.skip) {
           float s[FM][NT_S][4];
           compute_s(s, k_s, kofs);
+          turns.end();
           softmax_to_p(s, pa, t0 + kofs, step.mask);
+        } else {
+          turns.end();
         }
         if (!Traits::kOneWait && h == 0) {  // V of the whole tile, before the first step's P.V
           cp_async_wait<kWaitV>();
@@ -464,6 +489,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         // the second fragment's exponentials into P.V, which leaves registers
         // for one V fragment at a time, and each mma then waits for its ldmatrix.
         if constexpr (FM == 2 && Traits::kOneWait) __syncwarp();
+        turns.begin();
         if (!step.skip) accumulate_pv(pa, v_s, kofs);
       }  // steps
     }
@@ -471,16 +497,33 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // own Q rows are only ever read by this warp: no CTA barrier needed below.
   }
 
+  const int turns_begun = num_tiles > 0 ? num_tiles + 1 : 0;
+  const int turns_total = GROUPS > 1 ? max(turn_counts[0], turn_counts[GROUPS - 1]) : 0;
+  turns.end_own(turns_begun, turns_total);
+
   if constexpr (Traits::kSplitKeys) {
     if (!fa2::merge_warp_states<Traits>(o, m, l, smem, scale)) return;
   }
   fa2::store_rows<Traits>(p, w, o, m, l, smem, warp_row0, rows_total, scale);
+  turns.pad(turns_begun, turns_total);
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kCtaThreads, Traits::kMinBlocksPerSm)
+    fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {
+  if constexpr (Traits::kGroups == 1) {
+    fa2_attention_group<Traits, 0>(p);
+  } else if (threadIdx.x < Traits::kThreads) {
+    fa2_attention_group<Traits, 0>(p);
+  } else {
+    fa2_attention_group<Traits, 1>(p);
+  }
 }
 
 template <class Traits>
 int launch_fa2_attention(const FlashjitAttentionParams& p, cudaStream_t stream) {
   return launch_attention<fa2_attention_kernel<Traits>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
-      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream);
+      p, Traits::kCtaThreads, static_cast<int>(Traits::kSmemBytes), stream, Traits::kGroups);
 }
 
 // Decode with one query head per KV head (MHA) launches MhaTraits instead: the
@@ -494,7 +537,9 @@ int launch_fa2_attention_or_mha(const FlashjitAttentionParams& p, cudaStream_t s
 
 template <class Traits>
 int fa2_ctas_per_sm() {
-  return ctas_per_sm<fa2_attention_kernel<Traits>>(Traits::kThreads, static_cast<int>(Traits::kSmemBytes));
+  // Workers (groups) per SM: the planner's unit is one group's work item.
+  return Traits::kGroups *
+         ctas_per_sm<fa2_attention_kernel<Traits>>(Traits::kCtaThreads, static_cast<int>(Traits::kSmemBytes));
 }
 
 }  // namespace flashjit
