@@ -38,8 +38,12 @@ VARIANTS = {
     128: {
         # One CTA per SM, past SMEM_BUDGET (sm_90a-class only): two groups of the
         # wide tiling, each with its own work item, taking turns on the tensor cores.
-        "two groups of the wide tiling taking turns, 192 KB": Fa2Tiling(
-            4, 64, 2, False, 1, frags_m=2, one_wait=True, groups=2),
+        "two groups of the wide tiling, no order, 192 KB": Fa2Tiling(
+            4, 64, 2, False, 1, frags_m=2, one_wait=True, groups=2, turns=0),
+        "two groups of the wide tiling, softmax turns, 192 KB": Fa2Tiling(
+            4, 64, 2, False, 1, frags_m=2, one_wait=True, groups=2, turns=2),
+        "two groups of the wide tiling, mma turns, 192 KB": Fa2Tiling(
+            4, 64, 2, False, 1, frags_m=2, one_wait=True, groups=2, turns=1),
     },
     256: {
         "two waits per tile (previous default)": Fa2Tiling(4, 32, 2, False, 2),

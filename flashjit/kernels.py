@@ -110,6 +110,7 @@ class Fa2Tiling:
     # (rows_per_cta rows), Q tile and K/V ring; two take turns on the tensor
     # cores (templates/include/flashjit/fa2_turns.cuh). Rows-split prefill only.
     groups: int = 1
+    turns: int = 1
 
     @property
     def rows_per_cta(self) -> int:

@@ -79,7 +79,8 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
   unsigned char* const smem = smem_cta + kGroup * Traits::kGroupSmemBytes;
   const uint32_t q_smem = smem_addr(smem);
   const uint32_t kv_smem = q_smem + Traits::kQBytes;  // stage s: K at + s * kStageBytes, V after it
-  const fa2::Turns<GROUPS, kGroup, THREADS> turns;
+  const fa2::Turns<GROUPS, kGroup, THREADS, Traits::kTurns> turns;
+  constexpr int kTurnsPerTile = 1, kExtraTurn = Traits::kTurns == 1 ? 1 : 0;
 
   const int g = lane / 4, tq = lane % 4;
   const CtaWork w = decode_work<Traits::kPaged, GROUPS>(p, ROWS, kGroup);
@@ -105,7 +106,7 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
   // tile, plus one for the last P.V (fa2_turns.cuh).
   int* const turn_counts = reinterpret_cast<int*>(smem_cta + GROUPS * Traits::kGroupSmemBytes);
   if constexpr (GROUPS > 1) {
-    if (tid == 0) turn_counts[kGroup] = num_tiles + 1;
+    if (tid == 0) turn_counts[kGroup] = num_tiles * kTurnsPerTile + kExtraTurn;
     turns.cta_barrier();
     turns.start();
   }
@@ -452,7 +453,7 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
     // 0-2% slower so, 2026-11-22-h200-fa2-unroll.md.)
     // With two groups, a turn is the top of a tile and its Q.K^T, or the P.V of
     // a tile, the top of the next and its Q.K^T; the softmax runs between turns.
-    turns.begin();
+    turns.begin_gemm();
     for (int t = 0; t < num_tiles; ++t) {
       const uint32_t k_s = kv_smem + (t % STAGES) * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
@@ -476,10 +477,14 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
         if (!step.skip) {
           float s[FM][NT_S][4];
           compute_s(s, k_s, kofs);
-          turns.end();
+          turns.end_gemm();
+          turns.begin_softmax();
           softmax_to_p(s, pa, t0 + kofs, step.mask);
+          turns.end_softmax();
         } else {
-          turns.end();
+          turns.end_gemm();
+          turns.begin_softmax();
+          turns.end_softmax();
         }
         if (!Traits::kOneWait && h == 0) {  // V of the whole tile, before the first step's P.V
           cp_async_wait<kWaitV>();
@@ -489,7 +494,7 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
         // the second fragment's exponentials into P.V, which leaves registers
         // for one V fragment at a time, and each mma then waits for its ldmatrix.
         if constexpr (FM == 2 && Traits::kOneWait) __syncwarp();
-        turns.begin();
+        turns.begin_gemm();
         if (!step.skip) accumulate_pv(pa, v_s, kofs);
       }  // steps
     }
@@ -497,9 +502,9 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
     // own Q rows are only ever read by this warp: no CTA barrier needed below.
   }
 
-  const int turns_begun = num_tiles > 0 ? num_tiles + 1 : 0;
+  const int turns_begun = num_tiles > 0 ? num_tiles * kTurnsPerTile + kExtraTurn : 0;
   const int turns_total = GROUPS > 1 ? max(turn_counts[0], turn_counts[GROUPS - 1]) : 0;
-  turns.end_own(turns_begun, turns_total);
+  turns.end_own(turns_begun, num_tiles * kTurnsPerTile);
 
   if constexpr (Traits::kSplitKeys) {
     if (!fa2::merge_warp_states<Traits>(o, m, l, smem, scale)) return;

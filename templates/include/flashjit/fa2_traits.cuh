@@ -10,7 +10,7 @@
 namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
-          bool kOneWait_, bool kQInRegs_, int kMinBlocksPerSm_, int kGroups_, bool kSplitKeys_, bool kPaged_, bool kCausal_,
+          bool kOneWait_, bool kQInRegs_, int kMinBlocksPerSm_, int kGroups_, int kTurns_, bool kSplitKeys_, bool kPaged_, bool kCausal_,
           bool kWindow_, bool kSoftCap_, bool kLse_>
 struct Fa2Traits {
   using DType = DType_;
@@ -42,12 +42,13 @@ struct Fa2Traits {
   // The same kernel shape under another register cap.
   template <int kOtherMinBlocksPerSm>
   using WithMinBlocks = Fa2Traits<DType_, kHeadDim_, kWarps_, kFragsM_, kKeysPerTile_, kSubTiles_, kStages_, kOneWait_,
-                                  kQInRegs_, kOtherMinBlocksPerSm, kGroups_, kSplitKeys_, kPaged_, kCausal_, kWindow_,
+                                  kQInRegs_, kOtherMinBlocksPerSm, kGroups_, kTurns_, kSplitKeys_, kPaged_, kCausal_, kWindow_,
                                   kSoftCap_, kLse_>;
   // Groups of kWarps warps per CTA, each a worker with its own work item, Q
   // tile and K/V ring; two take turns on the tensor cores (fa2_turns.cuh).
   // Below, "CTA" sizes (kThreads, kRowsPerCta, kGroupSmemBytes) are a group's.
   static constexpr int kGroups = kGroups_;
+  static constexpr int kTurns = kTurns_;
   // Warps split each tile's keys instead of the rows (decode: the rows are
   // only one KV head's query heads, so one warp would do all the math while
   // the others wait at the barriers); their states merge at the end.

@@ -30,10 +30,13 @@ __device__ __forceinline__ void barrier_arrive() {
   asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
 }
 
-template <int kGroups, int kGroup, int kGroupThreads>
+// kOrder: 0 no order; 1 a turn is the group's mma's (P.V of a tile, the top of
+// the next and its Q.K^T); 2 a turn is its softmax.
+template <int kGroups, int kGroup, int kGroupThreads, int kOrder>
 struct Turns {
   static_assert(kGroups == 1 || (kGroups == 2 && kGroup < 2), "one group, or two that take turns");
   static constexpr int kPair = 2 * kGroupThreads;
+  static constexpr bool kOn = kGroups == 2 && kOrder != 0;
 
   // The barrier that makes a landed K/V tile visible to the group's threads.
   __device__ __forceinline__ void group_barrier() const {
@@ -48,33 +51,38 @@ struct Turns {
     if constexpr (kGroups == 2) barrier_sync<0, kPair>();
   }
   __device__ __forceinline__ void begin() const {
-    if constexpr (kGroups == 2) barrier_sync<3 + kGroup, kPair>();
+    if constexpr (kOn) barrier_sync<3 + kGroup, kPair>();
   }
   __device__ __forceinline__ void end() const {
-    if constexpr (kGroups == 2) barrier_arrive<4 - kGroup, kPair>();
+    if constexpr (kOn) barrier_arrive<4 - kGroup, kPair>();
   }
+  __device__ __forceinline__ void begin_gemm() const { if constexpr (kOrder == 1) begin(); }
+  __device__ __forceinline__ void end_gemm() const { if constexpr (kOrder == 1) end(); }
+  __device__ __forceinline__ void begin_softmax() const { if constexpr (kOrder == 2) begin(); }
+  __device__ __forceinline__ void end_softmax() const { if constexpr (kOrder == 2) end(); }
   // Group 1 opens group 0's first turn.
   __device__ __forceinline__ void start() const {
-    if constexpr (kGroups == 2) {
+    if constexpr (kOn) {
       if (kGroup == 1) end();
     }
   }
-  // After the group's own turns, of which `begun` began (0 without tiles) and
-  // all but the last ended: ends that one (before the epilogue, so that the
-  // other group's next turn does not wait for it) ...
-  __device__ __forceinline__ void end_own(int begun, int total) const {
-    if constexpr (kGroups == 2) {
-      if (begun > 0 && (kGroup == 0 || begun < total)) end();
+  // After the group's own turns, `begun` of them begun and `ended` ended:
+  // ends the open one (before the epilogue, so that the other group's next turn
+  // does not wait for it) ...
+  __device__ __forceinline__ void end_own(int begun, int ended) const {
+    if constexpr (kOn) {
+      if (begun > ended) end();
     }
   }
-  // ... and after it takes empty turns up to the CTA's count, `total`. Group 1
-  // leaves out its last arrival: group 0 has no turn left for it to open.
+  // ... and after it takes empty turns up to `total` (the CTA's count); group
+  // 0 then takes group 1's last arrival, which opens no turn.
   __device__ __forceinline__ void pad(int begun, int total) const {
-    if constexpr (kGroups == 2) {
+    if constexpr (kOn) {
       for (int i = begun + 1; i <= total; ++i) {
         begin();
-        if (kGroup == 0 || i < total) end();
+        end();
       }
+      if (kGroup == 0) begin();
     }
   }
 };
