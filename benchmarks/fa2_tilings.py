@@ -36,14 +36,11 @@ VARIANTS = {
         "64-key tiles x 3 stages, one wait per tile": Fa2Tiling(4, 64, 3, True, 2, frags_m=2, one_wait=True),
     },
     128: {
-        # One CTA per SM, past SMEM_BUDGET (sm_90a-class only): two groups of the
-        # wide tiling, each with its own work item, taking turns on the tensor cores.
-        "two groups of the wide tiling, no order, 192 KB": Fa2Tiling(
-            4, 64, 2, False, 1, frags_m=2, one_wait=True, groups=2, turns=0),
-        "two groups of the wide tiling, softmax turns, 192 KB": Fa2Tiling(
-            4, 64, 2, False, 1, frags_m=2, one_wait=True, groups=2, turns=2),
-        "two groups of the wide tiling, mma turns, 192 KB": Fa2Tiling(
-            4, 64, 2, False, 1, frags_m=2, one_wait=True, groups=2, turns=1),
+        # One CTA per SM, past SMEM_BUDGET (sm_90a-class only): each K/V tile feeds 8 warps.
+        "8 warps of two fragments (256 rows), 64-key tiles x 2 stages, 128 KB": Fa2Tiling(
+            8, 64, 2, False, 1, frags_m=2, one_wait=True),
+        "8 warps of two fragments (256 rows), 64-key tiles x 3 stages, 160 KB": Fa2Tiling(
+            8, 64, 3, False, 1, frags_m=2, one_wait=True),
     },
     256: {
         "two waits per tile (previous default)": Fa2Tiling(4, 32, 2, False, 2),

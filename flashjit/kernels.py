@@ -106,11 +106,6 @@ class Fa2Tiling:
     # Decode only (0: off): with one query head per KV head (MHA), a second
     # instantiation of the kernel under this register cap runs instead.
     mha_min_blocks_per_sm: int = 0
-    # Groups of `warps` warps per CTA, each a worker with its own work item
-    # (rows_per_cta rows), Q tile and K/V ring; two take turns on the tensor
-    # cores (templates/include/flashjit/fa2_turns.cuh). Rows-split prefill only.
-    groups: int = 1
-    turns: int = 1
 
     @property
     def rows_per_cta(self) -> int:
@@ -123,11 +118,9 @@ class Fa2Tiling:
         return self.keys_per_tile // self.sub_tiles, (1 if self.split_keys else 0)
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of Fa2Traits::kSmemBytes (fa2_traits.cuh): per group a Q tile and
-        the K/V stages, and with two groups their turn counts."""
+        """Mirror of Fa2Traits::kSmemBytes (fa2_attention.cuh): Q tile + K/V stages."""
         d = spec.head_dim_qk
-        group = 2 * self.rows_per_cta * d + self.stages * 2 * self.keys_per_tile * d * 2
-        return self.groups * group + (16 if self.groups > 1 else 0)
+        return 2 * self.rows_per_cta * d + self.stages * 2 * self.keys_per_tile * d * 2
 
 
 # Per head_dim: tiles that build without spills on sm_80/89/90a and fit

@@ -24,7 +24,6 @@
 #include "fa2_epilogue.cuh"
 #include "fa2_primitives.cuh"
 #include "fa2_traits.cuh"
-#include "fa2_turns.cuh"
 #include "kernel_config.cuh"
 #include "merge_states.cuh"
 #include "numeric.cuh"
@@ -33,16 +32,12 @@
 namespace flashjit {
 
 
-// The work of one group of warps (all of the CTA's with one group). The group
-// is a template argument so that what it decodes from blockIdx stays in
-// uniform registers: as a runtime value it made the work item per-thread, and
-// at the 255-register cap the wide tiling spilled 84-100 bytes.
-template <class Traits, int kGroup>
-__device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParams& p) {
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
+    fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {
   using T = typename Traits::DType;
   constexpr int D = Traits::kHeadDim, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
-  constexpr int THREADS = Traits::kThreads, ROWS = Traits::kRowsPerCta;  // of one group
-  constexpr int GROUPS = Traits::kGroups;
+  constexpr int THREADS = Traits::kThreads, ROWS = Traits::kRowsPerCta;
   constexpr int FM = Traits::kFragsM, WROWS = Traits::kRowsPerWarp;  // m16 fragments, rows per warp
   constexpr int ROW_BYTES = Traits::kRowBytes;
   constexpr int KSTEPS_QK = D / 16;    // k-steps of S = Q.K^T (head dims)
@@ -73,22 +68,15 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
   constexpr float kLog2e = 1.4426950408889634f;
   const float kNegInf = -CUDART_INF_F;
 
-  extern __shared__ __align__(128) unsigned char smem_cta[];
-  // This thread's index within its group, and the group's shared memory.
-  const int tid = int(threadIdx.x) - kGroup * THREADS, lane = tid % 32, warp = tid / 32;
-  unsigned char* const smem = smem_cta + kGroup * Traits::kGroupSmemBytes;
+  extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t q_smem = smem_addr(smem);
   const uint32_t kv_smem = q_smem + Traits::kQBytes;  // stage s: K at + s * kStageBytes, V after it
-  const fa2::Turns<GROUPS, kGroup, THREADS, Traits::kTurns> turns;
-  constexpr int kTurnsPerTile = 1, kExtraTurn = Traits::kTurns == 1 ? 1 : 0;
 
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, tq = lane % 4;
-  const CtaWork w = decode_work<Traits::kPaged, GROUPS>(p, ROWS, kGroup);
+  const CtaWork w = decode_work<Traits::kPaged>(p, ROWS);
   const int rows_total = w.qo_len * w.group;
-  const bool active = w.valid && w.row_begin < rows_total;
-  if constexpr (GROUPS == 1) {
-    if (!active) return;  // uniform across the CTA
-  }
+  if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
   const int offset = w.kv_len - w.qo_len;
   // Clamped so that q + offset - window_left cannot overflow int; any window
   // of 2^30 keys or more already covers every key.
@@ -101,15 +89,7 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
   const int cta_q_last = (min(w.row_begin + ROWS, rows_total) - 1) / w.group;
   const int key_begin = max((mask.key_begin(cta_q_first) / KEYS) * KEYS, w.kv_begin);
   const int key_end = min(mask.key_end(cta_q_last, w.kv_len), w.kv_end);
-  const int num_tiles = active && key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
-  // Two groups take as many turns as the one with more tiles needs: one per
-  // tile, plus one for the last P.V (fa2_turns.cuh).
-  int* const turn_counts = reinterpret_cast<int*>(smem_cta + GROUPS * Traits::kGroupSmemBytes);
-  if constexpr (GROUPS > 1) {
-    if (tid == 0) turn_counts[kGroup] = num_tiles * kTurnsPerTile + kExtraTurn;
-    turns.cta_barrier();
-    turns.start();
-  }
+  const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
 
   // This warp's rows: warp_row0 .. warp_row0 + WROWS - 1 (fragment f: rows
   // 16f .. 16f + 15 of them); rows past the request are padding (zero Q,
@@ -217,11 +197,11 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
     auto issue_k = [&](int tile) { issue(k_copy, k_rows.base, tile, 0); };
     auto issue_v = [&](int tile) { issue(v_copy, v_rows.base, tile, Traits::kKvTileBytes); };
     // The barrier that makes a landed tile visible to the threads that read it.
-    auto tile_barrier = [&turns] {
+    auto tile_barrier = [] {
       if constexpr (Traits::kSplitKeys) {
         __syncwarp();
       } else {
-        turns.group_barrier();
+        __syncthreads();
       }
     };
 #pragma unroll
@@ -250,7 +230,7 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
     uint32_t q_frag[kQInRegs ? FM : 1][kQInRegs ? KSTEPS_QK : 1][4];
     if constexpr (kQInRegs || Traits::kSplitKeys) {
       cp_async_wait<kWaitK>();  // [Q + K_0] landed for this thread ...
-      turns.group_barrier();    // ... and for every thread (Q rows come from all of them)
+      __syncthreads();          // ... and for every thread (Q rows come from all of them)
     }
     if constexpr (kQInRegs) {
 #pragma unroll
@@ -451,9 +431,6 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
     // (Non-causal d128 once unrolled this loop by its stages, so that ring-slot
     // offsets were immediates: since the softmax became one basic block it ran
     // 0-2% slower so, 2026-11-22-h200-fa2-unroll.md.)
-    // With two groups, a turn is the top of a tile and its Q.K^T, or the P.V of
-    // a tile, the top of the next and its Q.K^T; the softmax runs between turns.
-    turns.begin_gemm();
     for (int t = 0; t < num_tiles; ++t) {
       const uint32_t k_s = kv_smem + (t % STAGES) * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
@@ -477,14 +454,7 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
         if (!step.skip) {
           float s[FM][NT_S][4];
           compute_s(s, k_s, kofs);
-          turns.end_gemm();
-          turns.begin_softmax();
           softmax_to_p(s, pa, t0 + kofs, step.mask);
-          turns.end_softmax();
-        } else {
-          turns.end_gemm();
-          turns.begin_softmax();
-          turns.end_softmax();
         }
         if (!Traits::kOneWait && h == 0) {  // V of the whole tile, before the first step's P.V
           cp_async_wait<kWaitV>();
@@ -494,7 +464,6 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
         // the second fragment's exponentials into P.V, which leaves registers
         // for one V fragment at a time, and each mma then waits for its ldmatrix.
         if constexpr (FM == 2 && Traits::kOneWait) __syncwarp();
-        turns.begin_gemm();
         if (!step.skip) accumulate_pv(pa, v_s, kofs);
       }  // steps
     }
@@ -502,33 +471,16 @@ __device__ __forceinline__ void fa2_attention_group(const FlashjitAttentionParam
     // own Q rows are only ever read by this warp: no CTA barrier needed below.
   }
 
-  const int turns_begun = num_tiles > 0 ? num_tiles * kTurnsPerTile + kExtraTurn : 0;
-  const int turns_total = GROUPS > 1 ? max(turn_counts[0], turn_counts[GROUPS - 1]) : 0;
-  turns.end_own(turns_begun, num_tiles * kTurnsPerTile);
-
   if constexpr (Traits::kSplitKeys) {
     if (!fa2::merge_warp_states<Traits>(o, m, l, smem, scale)) return;
   }
   fa2::store_rows<Traits>(p, w, o, m, l, smem, warp_row0, rows_total, scale);
-  turns.pad(turns_begun, turns_total);
-}
-
-template <class Traits>
-__global__ void __launch_bounds__(Traits::kCtaThreads, Traits::kMinBlocksPerSm)
-    fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {
-  if constexpr (Traits::kGroups == 1) {
-    fa2_attention_group<Traits, 0>(p);
-  } else if (threadIdx.x < Traits::kThreads) {
-    fa2_attention_group<Traits, 0>(p);
-  } else {
-    fa2_attention_group<Traits, 1>(p);
-  }
 }
 
 template <class Traits>
 int launch_fa2_attention(const FlashjitAttentionParams& p, cudaStream_t stream) {
   return launch_attention<fa2_attention_kernel<Traits>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
-      p, Traits::kCtaThreads, static_cast<int>(Traits::kSmemBytes), stream, Traits::kGroups);
+      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream);
 }
 
 // Decode with one query head per KV head (MHA) launches MhaTraits instead: the
@@ -542,9 +494,7 @@ int launch_fa2_attention_or_mha(const FlashjitAttentionParams& p, cudaStream_t s
 
 template <class Traits>
 int fa2_ctas_per_sm() {
-  // Workers (groups) per SM: the planner's unit is one group's work item.
-  return Traits::kGroups *
-         ctas_per_sm<fa2_attention_kernel<Traits>>(Traits::kCtaThreads, static_cast<int>(Traits::kSmemBytes));
+  return ctas_per_sm<fa2_attention_kernel<Traits>>(Traits::kThreads, static_cast<int>(Traits::kSmemBytes));
 }
 
 }  // namespace flashjit

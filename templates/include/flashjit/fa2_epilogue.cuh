@@ -78,8 +78,7 @@ __device__ __forceinline__ bool merge_warp_states(WarpO<Traits>& o, WarpRows<Tra
 // Full row sums, normalise, then either the fp32 partial state of a split-KV
 // chunk, or O staged through this warp's own Q rows of shared memory (same
 // swizzle) and written in 16-byte vectors, and the LSE (m + log2(l), base 2).
-// Rows at or past rows_total are padding and write nothing. `smem` is the
-// group's shared memory.
+// Rows at or past rows_total are padding and write nothing.
 template <class Traits>
 __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, const CtaWork& w, WarpO<Traits>& o,
                                            WarpRows<Traits>& m, WarpRows<Traits>& l, unsigned char* smem,
@@ -88,9 +87,7 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
   constexpr int D = Traits::kHeadDim, FM = Traits::kFragsM, NT_O = D / 8;
   constexpr int WROWS = Traits::kRowsPerWarp, ROW_BYTES = Traits::kRowBytes;
   const float kNegInf = -CUDART_INF_F;
-  // The warp within its group (recomputed: not kept live across the main loop).
-  const int lane = threadIdx.x % 32;
-  const int warp = (Traits::kGroups > 1 ? threadIdx.x % Traits::kThreads : threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, tq = lane % 4;
   // Base-2 LSE of fragment f's row r, -inf for a row that saw no key.
   auto lse_of = [&](int f, int r) { return l[f][r] > 0.f ? m[f][r] * scale + log2f(l[f][r]) : kNegInf; };

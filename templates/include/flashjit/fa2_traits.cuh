@@ -10,8 +10,8 @@
 namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
-          bool kOneWait_, bool kQInRegs_, int kMinBlocksPerSm_, int kGroups_, int kTurns_, bool kSplitKeys_, bool kPaged_, bool kCausal_,
-          bool kWindow_, bool kSoftCap_, bool kLse_>
+          bool kOneWait_, bool kQInRegs_, int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_,
+          bool kSoftCap_, bool kLse_>
 struct Fa2Traits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -42,13 +42,8 @@ struct Fa2Traits {
   // The same kernel shape under another register cap.
   template <int kOtherMinBlocksPerSm>
   using WithMinBlocks = Fa2Traits<DType_, kHeadDim_, kWarps_, kFragsM_, kKeysPerTile_, kSubTiles_, kStages_, kOneWait_,
-                                  kQInRegs_, kOtherMinBlocksPerSm, kGroups_, kTurns_, kSplitKeys_, kPaged_, kCausal_, kWindow_,
-                                  kSoftCap_, kLse_>;
-  // Groups of kWarps warps per CTA, each a worker with its own work item, Q
-  // tile and K/V ring; two take turns on the tensor cores (fa2_turns.cuh).
-  // Below, "CTA" sizes (kThreads, kRowsPerCta, kGroupSmemBytes) are a group's.
-  static constexpr int kGroups = kGroups_;
-  static constexpr int kTurns = kTurns_;
+                                  kQInRegs_, kOtherMinBlocksPerSm, kSplitKeys_, kPaged_, kCausal_, kWindow_, kSoftCap_,
+                                  kLse_>;
   // Warps split each tile's keys instead of the rows (decode: the rows are
   // only one KV head's query heads, so one warp would do all the math while
   // the others wait at the barriers); their states merge at the end.
@@ -61,7 +56,6 @@ struct Fa2Traits {
 
   static constexpr int kRowsPerWarp = 16 * kFragsM;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kCtaThreads = kThreads * kGroups;
   static constexpr int kRowsPerCta = kSplitKeys ? kRowsPerWarp : kRowsPerWarp * kWarps;
   static constexpr int kKeysPerWarp = kSplitKeys ? kKeysPerTile / kWarps : kKeysPerTile;
   static constexpr int kKeysPerStep = kKeysPerWarp / kSubTiles;  // keys of one math step of a warp
@@ -82,20 +76,15 @@ struct Fa2Traits {
   static_assert(kFragsM == 1 || kFragsM == 2, "m16 fragments per warp: 1 or 2");
   static_assert(kMinBlocksPerSm >= 1, "min blocks per SM: at least 1");
   static_assert(kWarps >= 1, "at least one warp");
-  static_assert(kGroups == 1 || (kGroups == 2 && !kSplitKeys && kSubTiles == 1),
-                "two groups take turns by whole tiles of split rows");
   static_assert(kKeysPerTile % kCopyRowsPerPass == 0 && kRowsPerCta % kCopyRowsPerPass == 0,
                 "tile rows must be a multiple of the rows one copy pass covers");
 
-  // Shared memory of a group, in bytes: [Q | stage 0: K, V | stage 1: K, V |
-  // ...]; every offset is a multiple of 128 bytes. A CTA holds kGroups of
-  // these, and with two groups their turn counts after them.
+  // Shared memory, in bytes: [Q | stage 0: K, V | stage 1: K, V | ...]; every
+  // offset is a multiple of 128 bytes.
   static constexpr int kQBytes = kRowsPerCta * kRowBytes;
   static constexpr int kKvTileBytes = kKeysPerTile * kRowBytes;
   static constexpr int kStageBytes = 2 * kKvTileBytes;
-  static constexpr size_t kGroupSmemBytes = size_t(kQBytes) + size_t(kStages) * kStageBytes;
-  static constexpr size_t kTurnCountBytes = kGroups > 1 ? 16 : 0;
-  static constexpr size_t kSmemBytes = kGroups * kGroupSmemBytes + kTurnCountBytes;
+  static constexpr size_t kSmemBytes = size_t(kQBytes) + size_t(kStages) * kStageBytes;
   // Split keys: each lane's O, m and l per warp, exchanged through the stages.
   static constexpr int kMergeValues = kFragsM * (kHeadDim / 8) * 4 + kFragsM * 4;
   static_assert(!kSplitKeys || size_t(kWarps) * kMergeValues * 32 * 4 <= size_t(kStages) * kStageBytes,

@@ -59,24 +59,15 @@ struct CtaWork {
 // while narrower bands keep the plan's longest-first order across heads: with
 // one band a causal batch's last head started its longest tiles at the end of
 // the grid. The host picks band_items (ops._plan).
-// A CTA of kWorkers groups (fa2_turns.cuh) decodes the pairs blockIdx.x *
-// kWorkers + worker; past the last pair (the grid rounds up) a worker is empty.
-template <bool kPaged, int kWorkers = 1>
-__device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p, int rows_per_cta, int worker = 0) {
+template <bool kPaged>
+__device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p, int rows_per_cta) {
   allow_dependent_grids();  // every attention kernel starts here; see grid_dependency.cuh
   CtaWork w;
   const unsigned items = p.num_work, heads = p.num_kv_heads;
   const unsigned per_band = p.band_items > 0 && unsigned(p.band_items) < items ? unsigned(p.band_items) : items;
-  unsigned index = blockIdx.x;
-  bool past_end = false;
-  if constexpr (kWorkers > 1) {
-    index = blockIdx.x * kWorkers + worker;
-    past_end = index >= items * heads;
-    if (past_end) index = 0;
-  }
-  const unsigned first = index / (per_band * heads) * per_band;
+  const unsigned first = blockIdx.x / (per_band * heads) * per_band;
   const unsigned in_band = min(per_band, items - first);
-  const unsigned r = index - first * heads;
+  const unsigned r = blockIdx.x - first * heads;
   w.kv_head = int(r / in_band);
   const int slot = int(first + r % in_band);
   // Without a plan (one request), the last query tiles first: under a causal
@@ -93,7 +84,7 @@ __device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p,
     w.split = blockIdx.z;
     chunk = p.kv_chunk;
   }
-  w.valid = request >= 0 && !past_end;
+  w.valid = request >= 0;
   if (!w.valid) request = 0;
   if (p.qo_indptr != nullptr) {
     w.qo_start = p.qo_indptr[request];
@@ -111,9 +102,6 @@ __device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p,
     w.kv_start = 0;
     w.kv_len = p.kv_len;
   }
-  // An empty worker of a CTA that goes on (its other group has work) has no
-  // rows: it computes and stores nothing.
-  if (kWorkers > 1 && !w.valid) w.qo_len = 0;
   w.kv_begin = w.split >= 0 ? w.split * chunk : 0;
   w.kv_end = w.split >= 0 ? min(w.kv_begin + chunk, w.kv_len) : w.kv_len;
   w.row_begin = tile * rows_per_cta;
