@@ -1,15 +1,20 @@
 """Compares fa2 tilings for one head_dim in one run: each variant is built into
-its own cache, checked against float64 on a ragged batch (within its profile),
-then timed on the prefill rows, beside FlashInfer fa2 when importable.
+its own cache and checked against float64 on a ragged batch (within its
+profile); then every row is timed for all of them (and FlashInfer fa2 when
+importable) back to back, in `--rounds` rounds whose order alternates, and a
+cell is the mean of its rounds. Timing the sources one after another put the
+later ones 0-4% ahead on identical code (2026-11-22-h200-fa2-issue-after-qk.md);
+interleaved and alternated, drift during the run falls on all of them alike.
 `--baseline-templates DIR [DIR ...]` (copies of other templates/ folders, e.g.
 from `git archive`) adds the current default tiling built from each of those
 sources, so that kernel changes are measured against the code before them in
-the same run; `--no-variants` leaves out the alternative tilings below.
+the same run; `--no-variants` leaves out the alternative tilings below. The
+last line gives each source's largest difference between two rounds of one
+cell: the noise a difference between sources has to clear.
 
 Usage: python benchmarks/fa2_tilings.py [--head-dim 128] [--baseline-templates DIR ...] [--no-variants]
-       [--no-flashinfer]
+       [--no-flashinfer] [--rounds 2]
 """
-
 from __future__ import annotations
 
 import argparse
@@ -77,19 +82,28 @@ def tflops(b: int, h: int, s: int, d: int, causal: bool, ms: float) -> float:
     return attention_flops(b, h, s, d, causal) / ms / 1e9
 
 
-def flashinfer_cells(rows, h: int, d: int, inputs) -> list[str] | None:
-    """FlashInfer fa2's TFLOP/s on `rows` ((batch, seqlen, causal), inputs by
+def flashinfer_runs(rows, h: int, d: int, inputs) -> list | None:
+    """FlashInfer fa2's callables for `rows` ((batch, seqlen, causal), inputs by
     (batch, seqlen)); None (with the reason on stderr) when it does not run here."""
     try:
-        cells = []
+        runs = []
         for b, s, causal in rows:
             run = flashinfer_ragged("fa2")([s] * b, [s] * b, h, d, causal, torch.bfloat16)
             q, k, v = inputs[(b, s)]
-            cells.append(f"{tflops(b, h, s, d, causal, bench_ms(lambda: run(q, k, v))):.0f}")
-        return cells
+            run(q, k, v)
+            runs.append(lambda run=run, q=q, k=k, v=v: run(q, k, v))
+        return runs
     except Exception as exc:
         print(f"flashinfer not available: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
+
+
+def flashinfer_cells(rows, h: int, d: int, inputs) -> list[str] | None:
+    """FlashInfer fa2's TFLOP/s on `rows`, each timed once; None when it does not run here."""
+    runs = flashinfer_runs(rows, h, d, inputs)
+    if runs is None:
+        return None
+    return [f"{tflops(b, h, s, d, causal, bench_ms(run)):.0f}" for (b, s, causal), run in zip(rows, runs)]
 
 
 def restore_tilings(d: int, default, wide) -> None:
@@ -104,25 +118,30 @@ def main() -> int:
     parser.add_argument("--baseline-templates", type=Path, nargs="+", default=[])
     parser.add_argument("--no-variants", action="store_true")
     parser.add_argument("--no-flashinfer", action="store_true")
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out")
     args = parser.parse_args()
     d = args.head_dim
     h = 2048 // d
     header = " | ".join(f"{b}x{s}{' causal' if c else ''}" for b, s, c in ROWS)
-    lines = [f"device: {torch.cuda.get_device_name()}, bf16, head_dim {d}, TFLOP/s", "",
-             f"| variant | err/bound | smem | {header} |", "|---|---|---|" + "---|" * len(ROWS)]
+    lines = [f"device: {torch.cuda.get_device_name()}, bf16, head_dim {d}, TFLOP/s, mean of {args.rounds} "
+             "interleaved rounds", "", f"| variant | err/bound | smem | {header} |",
+             "|---|---|---|" + "---|" * len(ROWS)]
     inputs = {(b, s): [torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
               for b, s, _ in ROWS}
     default, wide = kernels.FA2_TILINGS[d], kernels.FA2_WIDE_TILINGS.get(d)
     # The defaults as shipped (with a wide tiling, the rows take it on this GPU's
     # arch when it fits); a variant replaces both for every row.
     wide_note = f", where every target holds {wide.min_blocks_per_sm} per SM: {wide}" if wide else ""
-    runs = [(f"default {default}{wide_note}", None, None)]
-    runs[:0] = [(f"default, sources from {folder.name}", None, folder.resolve()) for folder in args.baseline_templates]
+    sources = [(f"default {default}{wide_note}", None, None)]
+    sources[:0] = [(f"default, sources from {folder.name}", None, folder.resolve())
+                   for folder in args.baseline_templates]
     if not args.no_variants:
-        runs += [(name, tiling, None) for name, tiling in VARIANTS[d].items()]
+        sources += [(name, tiling, None) for name, tiling in VARIANTS[d].items()]
     budget = kernels.SMEM_BUDGET
-    for name, tiling, templates in runs:
+    # Build, check and plan every source; its wrappers keep their own modules.
+    timed = []  # (label, row callables)
+    for name, tiling, templates in sources:
         # A variant may exceed the shipped budget (one CTA per SM on an sm_90a-class part).
         kernels.SMEM_BUDGET = max(budget, (tiling or default).smem_bytes(KernelSpec.make("single_prefill", "bfloat16", d)))
         kernels.FA2_TILINGS[d] = tiling or default
@@ -138,22 +157,40 @@ def main() -> int:
             jit.build_many([KernelSpec.make("batch_prefill_ragged", "bfloat16", d, backend="fa2", use_tensor_cores=True,
                                             causal=c).validate() for c in (False, True)])
             worst = check(d)
-            cells = []
+            runs = []
             for b, s, causal in ROWS:
                 run = wrapper([s] * b, h, d, causal).run
                 q, k, v = inputs[(b, s)]
-                cells.append(f"{tflops(b, h, s, d, causal, bench_ms(lambda: run(q, k, v))):.0f}")
+                runs.append(lambda run=run, q=q, k=k, v=v: run(q, k, v))
             smem = (tiling or wide or default).smem_bytes(KernelSpec.make("single_prefill", "bfloat16", d))
-            lines.append(f"| {name} | {worst:.3f} | {smem} | " + " | ".join(cells) + " |")
+            timed.append((f"| {name} | {worst:.3f} | {smem} |", runs))
         except Exception as exc:
+            print(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:300]} |", flush=True)
             lines.append(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:300]} |")
-        print(lines[-1], flush=True)
     restore_tilings(d, default, wide)
     kernels.SMEM_BUDGET = budget
     use_templates(None)
-    cells = None if args.no_flashinfer else flashinfer_cells(ROWS, h, d, inputs)
-    if cells:
-        lines.append("| FlashInfer fa2 (same run) | - | - | " + " | ".join(cells) + " |")
+    fi_runs = None if args.no_flashinfer else flashinfer_runs(ROWS, h, d, inputs)
+    if fi_runs:
+        timed.append(("| FlashInfer fa2 (same run) | - | - |", fi_runs))
+
+    # rates[source][row]: TFLOP/s of each round.
+    rates = [[[] for _ in ROWS] for _ in timed]
+    for rnd in range(args.rounds):
+        order = list(range(len(timed)))
+        if rnd % 2:
+            order.reverse()
+        for r, (b, s, causal) in enumerate(ROWS):
+            for i in order:
+                rates[i][r].append(tflops(b, h, s, d, causal, bench_ms(timed[i][1][r])))
+    spreads = []
+    for (label, _), per_row in zip(timed, rates):
+        lines.append(label + " " + " | ".join(f"{sum(x) / len(x):.0f}" for x in per_row) + " |")
+        spreads.append(max((max(x) - min(x)) / min(x) for x in per_row) * 100)
+        print(lines[-1], flush=True)
+    if args.rounds > 1:
+        lines += ["", "Largest difference between two rounds of one cell, per source: "
+                  + ", ".join(f"{x:.1f}%" for x in spreads) + "."]
     emit("\n".join(lines), args.out)
     return 0
 

@@ -6,7 +6,13 @@ batch * seqlen = 16k tokens, heads * head_dim = 2048, bf16, TFLOP/s =
 (flashjit, FlashInfer) and SDPA's batched call. A skewed ragged batch (one long
 request among many short ones) and a long-context single decode close the table.
 
-Usage: python benchmarks/prefill.py [--quick] [--out results.md]
+Each row's implementations are timed in `--rounds` rounds, one after another
+within a round and in reverse order every other round; a cell is the mean of
+its rounds. Timed once each in a fixed order, identical kernels differed by 0-4%
+with their place in the order and single timings of one kernel by up to 9%
+(2026-11-22-h200-fa2-issue-after-qk.md, -prefill-order.md).
+
+Usage: python benchmarks/prefill.py [--quick] [--rounds 3] [--out results.md]
 """
 
 from __future__ import annotations
@@ -90,21 +96,27 @@ def implementations() -> dict:
     return impls
 
 
-def run_row(impls, qo_lens, kv_lens, h, d, causal, flops, reps) -> list[str]:
+def run_row(impls, qo_lens, kv_lens, h, d, causal, flops, reps, rounds) -> list[str]:
     dtype = torch.bfloat16
     q = torch.randn(sum(qo_lens), h, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(sum(kv_lens), h, d, device="cuda", dtype=dtype) for _ in range(2))
-    cells = []
+    fns, rates = {}, {}
     for name, make in impls.items():
         try:
-            fn = make(qo_lens, kv_lens, h, d, causal, dtype)
-            ms = bench_ms(lambda: fn(q, k, v), reps=reps)
-            cells.append(f"{flops / ms / 1e9:.0f}")
+            fns[name] = make(qo_lens, kv_lens, h, d, causal, dtype)
+            rates[name] = []
         except Exception as exc:
-            cells.append("n/a")
             print(f"{name} d={d} {len(qo_lens)}x{qo_lens[0]}: {type(exc).__name__}: {str(exc)[:200]}",
                   file=sys.stderr)
-    return cells
+    for rnd in range(rounds):
+        for name in (list(fns) if rnd % 2 == 0 else list(reversed(fns))):
+            try:
+                rates[name].append(flops / bench_ms(lambda: fns[name](q, k, v), reps=reps) / 1e9)
+            except Exception as exc:
+                del fns[name]
+                print(f"{name} d={d} {len(qo_lens)}x{qo_lens[0]}: {type(exc).__name__}: {str(exc)[:200]}",
+                      file=sys.stderr)
+    return [f"{sum(rates[name]) / len(rates[name]):.0f}" if name in fns else "n/a" for name in impls]
 
 
 def main() -> int:
@@ -112,17 +124,14 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="head_dim 128, S = 1k and 4k only")
     parser.add_argument("--head-dims", type=int, nargs="+", help="override the head dims")
     parser.add_argument("--seqlens", type=int, nargs="+", help="override the sequence lengths")
-    parser.add_argument("--again", action="store_true",
-                        help="time flashjit a second time at the end of each row (order effects: clocks, power)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per row (see above)")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
     head_dims = args.head_dims or ([128] if args.quick else [64, 128, 256])
     seqlens = args.seqlens or ([1024, 4096] if args.quick else [1024, 4096, 16384])
     impls = implementations()
-    if args.again:
-        impls["flashjit fa2 (again, last)"] = flashjit_ragged
-    lines = [f"device: {torch.cuda.get_device_name()}, bf16, TFLOP/s", "",
+    lines = [f"device: {torch.cuda.get_device_name()}, bf16, TFLOP/s, mean of {args.rounds} interleaved rounds", "",
              "| head_dim | batch x S | causal | " + " | ".join(impls) + " |", "|---|---|---|" + "---|" * len(impls)]
     for d in head_dims:
         h = 2048 // d
@@ -130,13 +139,14 @@ def main() -> int:
             b = 16384 // s
             for causal in (False, True):
                 flops = attention_flops(b, h, s, d, causal)
-                cells = run_row(impls, [s] * b, [s] * b, h, d, causal, flops, reps=15 if s == 16384 else 10)
+                cells = run_row(impls, [s] * b, [s] * b, h, d, causal, flops, reps=15 if s == 16384 else 10,
+                                rounds=args.rounds)
                 lines.append(f"| {d} | {b} x {s} | {causal} | " + " | ".join(cells) + " |")
                 print(lines[-1], flush=True)
     # Skewed: one 16k request among 64 of 100 tokens, causal, head_dim 128.
     qo_lens = [16384] + [100] * 64
     flops = sum(attention_flops(1, 16, n, 128, True) for n in qo_lens)
-    cells = run_row(impls, qo_lens, qo_lens, 16, 128, True, flops, reps=5)
+    cells = run_row(impls, qo_lens, qo_lens, 16, 128, True, flops, reps=5, rounds=args.rounds)
     lines.append("| 128 | skewed 1x16k + 64x100 | True | " + " | ".join(cells) + " |")
     # Long-context decode on CUDA cores (split-KV): 32 qo / 8 kv heads, head_dim 128, 32k keys.
     kv_len = 32768
