@@ -15,6 +15,7 @@ cell: the noise a difference between sources has to clear.
 Usage: python benchmarks/fa2_tilings.py [--head-dim 128] [--baseline-templates DIR ...] [--no-variants]
        [--no-flashinfer] [--rounds 2]
 """
+
 from __future__ import annotations
 
 import argparse

@@ -101,21 +101,23 @@ def run_row(impls, qo_lens, kv_lens, h, d, causal, flops, reps, rounds) -> list[
     q = torch.randn(sum(qo_lens), h, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(sum(kv_lens), h, d, device="cuda", dtype=dtype) for _ in range(2))
     fns, rates = {}, {}
+
+    def failed(name, exc):  # the cell reads n/a; the reason goes to stderr
+        fns.pop(name, None)
+        print(f"{name} d={d} {len(qo_lens)}x{qo_lens[0]}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+
     for name, make in impls.items():
         try:
             fns[name] = make(qo_lens, kv_lens, h, d, causal, dtype)
             rates[name] = []
         except Exception as exc:
-            print(f"{name} d={d} {len(qo_lens)}x{qo_lens[0]}: {type(exc).__name__}: {str(exc)[:200]}",
-                  file=sys.stderr)
+            failed(name, exc)
     for rnd in range(rounds):
         for name in (list(fns) if rnd % 2 == 0 else list(reversed(fns))):
             try:
                 rates[name].append(flops / bench_ms(lambda: fns[name](q, k, v), reps=reps) / 1e9)
             except Exception as exc:
-                del fns[name]
-                print(f"{name} d={d} {len(qo_lens)}x{qo_lens[0]}: {type(exc).__name__}: {str(exc)[:200]}",
-                      file=sys.stderr)
+                failed(name, exc)
     return [f"{sum(rates[name]) / len(rates[name]):.0f}" if name in fns else "n/a" for name in impls]
 
 

@@ -465,7 +465,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         // registers for one V fragment at a time, and each mma then waits for
         // its ldmatrix. Where there is room (two d64 fragments, Q in registers,
         // one wait per tile), that interleave is what keeps the tensor pipe
-        // busy: an H200 ran such a d64 tiling 2-8% faster than the shipped one
+        // busy: an H200 ran such a d64 tiling 1-8% faster than the shipped one
         // without the fence (2026-11-22-h200-fa2-d64-one-wait-no-fence.md).
         if constexpr (kWideQk && Traits::kOneWait) __syncwarp();
         if (!step.skip) accumulate_pv(pa, v_s, kofs);
