@@ -24,6 +24,16 @@ def event_ms(fn, inner: int = 1) -> float:
     return start.elapsed_time(end)
 
 
+def round_orders(items: list, rounds: int):
+    """The order in which to time `items` in each of `rounds` rounds: as given,
+    then reversed, alternately. Timed once each in a fixed order, identical
+    kernels differed by 0-4% with their place in it
+    (results/2026-11-22-h200-interleaved-timing.md); alternated, drift during a
+    run falls on every item alike."""
+    for rnd in range(rounds):
+        yield list(items) if rnd % 2 == 0 else list(reversed(items))
+
+
 def use_templates(folder) -> None:
     """Renders kernels from `folder` (a copy of another templates/ folder, e.g.
     from `git archive`), or from the package's own when None, so that a kernel

@@ -2,9 +2,7 @@
 its own cache and checked against float64 on a ragged batch (within its
 profile); then every row is timed for all of them (and FlashInfer fa2 when
 importable) back to back, in `--rounds` rounds whose order alternates, and a
-cell is the mean of its rounds. Timing the sources one after another put the
-later ones 0-4% ahead on identical code (2026-11-22-h200-fa2-issue-after-qk.md);
-interleaved and alternated, drift during the run falls on all of them alike.
+cell is the mean of its rounds (why: common.round_orders).
 `--baseline-templates DIR [DIR ...]` (copies of other templates/ folders, e.g.
 from `git archive`) adds the current default tiling built from each of those
 sources, so that kernel changes are measured against the code before them in
@@ -26,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import emit, use_templates
+from common import emit, round_orders, use_templates
 from prefill import attention_flops, bench_ms, flashinfer_ragged, indptr
 
 import flashjit
@@ -166,8 +164,8 @@ def main() -> int:
             smem = (tiling or wide or default).smem_bytes(KernelSpec.make("single_prefill", "bfloat16", d))
             timed.append((f"| {name} | {worst:.3f} | {smem} |", runs))
         except Exception as exc:
-            print(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:300]} |", flush=True)
             lines.append(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:300]} |")
+            print(lines[-1], flush=True)
     restore_tilings(d, default, wide)
     kernels.SMEM_BUDGET = budget
     use_templates(None)
@@ -177,10 +175,7 @@ def main() -> int:
 
     # rates[source][row]: TFLOP/s of each round.
     rates = [[[] for _ in ROWS] for _ in timed]
-    for rnd in range(args.rounds):
-        order = list(range(len(timed)))
-        if rnd % 2:
-            order.reverse()
+    for order in round_orders(list(range(len(timed))), args.rounds):
         for r, (b, s, causal) in enumerate(ROWS):
             for i in order:
                 rates[i][r].append(tflops(b, h, s, d, causal, bench_ms(timed[i][1][r])))

@@ -8,9 +8,8 @@ request among many short ones) and a long-context single decode close the table.
 
 Each row's implementations are timed in `--rounds` rounds, one after another
 within a round and in reverse order every other round; a cell is the mean of
-its rounds. Timed once each in a fixed order, identical kernels differed by 0-4%
-with their place in the order and single timings of one kernel by up to 9%
-(2026-11-22-h200-fa2-issue-after-qk.md, -prefill-order.md).
+its rounds (why: common.round_orders; single timings of one kernel differed by
+up to 9%, results/2026-11-22-h200-prefill-order.md).
 
 Usage: python benchmarks/prefill.py [--quick] [--rounds 3] [--out results.md]
 """
@@ -21,7 +20,7 @@ import argparse
 import sys
 
 import torch
-from common import emit, event_ms
+from common import emit, event_ms, round_orders
 
 import flashjit
 
@@ -112,8 +111,8 @@ def run_row(impls, qo_lens, kv_lens, h, d, causal, flops, reps, rounds) -> list[
             rates[name] = []
         except Exception as exc:
             failed(name, exc)
-    for rnd in range(rounds):
-        for name in (list(fns) if rnd % 2 == 0 else list(reversed(fns))):
+    for order in round_orders(list(fns), rounds):
+        for name in (n for n in order if n in fns):
             try:
                 rates[name].append(flops / bench_ms(lambda: fns[name](q, k, v), reps=reps) / 1e9)
             except Exception as exc:
