@@ -34,7 +34,7 @@ from flashjit.spec import KernelSpec
 
 TILINGS = {
     "one fragment": Fa2Tiling(4, 64, 2, True, 2, one_wait=True),
-    "two fragments": Fa2Tiling(4, 64, 2, False, 2, frags_m=2, one_wait=True),
+    "two fragments": Fa2Tiling(4, 64, 2, False, 2, frags_m=2, one_wait=True, fence_pv=True),
 }
 PREFILL_ROWS = [(16, 1024, True), (4, 4096, True), (1, 16384, True), (4, 4096, False)]
 DECODE_ROWS = [("GQA 64x4k 32/8", 64, 4096, 32, 8), ("MHA 64x4k 32/32", 64, 4096, 32, 32),

@@ -103,6 +103,10 @@ class Fa2Tiling:
     # of the tile) instead of one for K there and one for V before P.V. Rows-split
     # mode only; ignored with split_keys.
     one_wait: bool = False
+    # A warp fence between the softmax and P.V (fa2_traits.cuh kFencePv): keeps
+    # the exponentials out of the P.V mma stream where the tiling has no
+    # registers to spare for that interleave.
+    fence_pv: bool = False
     # Decode only (0: off): with one query head per KV head (MHA), a second
     # instantiation of the kernel under this register cap runs instead.
     mha_min_blocks_per_sm: int = 0
@@ -166,7 +170,18 @@ FA2_DECODE_TILINGS = {
 }
 
 
-# Prefill where every target arch holds two CTAs of a wider tiling per SM: d128
+# Prefill tilings for libraries whose every target is an sm_90a part (the arch
+# on which they were built without spills and measured) holding
+# min_blocks_per_sm of their CTAs per SM.
+#
+# d64: FA2_TILINGS[64] with one K/V wait per tile. With Q in registers it has
+# room to run the exponentials, row sums and P rounding inside the P.V mma
+# stream (no fence_pv), which an H200 ran 1-8% faster than FA2_TILINGS[64]
+# (2026-11-22-h200-fa2-d64-one-wait-no-fence.md). On sm_80 / sm_89 the same
+# source spills 12-108 bytes with causal or window masks, and on sm_90a 4-16
+# with soft-cap; paged K/V spills too.
+#
+# d128: two CTAs of a wider tiling per SM,
 # with two fragments per warp (128-row CTAs, half the ldmatrix traffic per mma).
 # On an H200 it ran 14-16% faster than FA2_TILINGS[128] on the non-causal rows
 # (2026-11-22-h200-fa2-prefill-2frag.md), and on the causal ones 3-8% faster once
@@ -183,8 +198,9 @@ FA2_DECODE_TILINGS = {
 # (2026-11-22-h200-fa2-tilings-d256.md). It rescales half as often as
 # FA2_TILINGS[256], whose count the tolerance profile takes: an upper bound.
 FA2_WIDE_TILINGS = {
+    64: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2, one_wait=True),
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=2,
-                   one_wait=True),
+                   one_wait=True, fence_pv=True),
     256: Fa2Tiling(warps=8, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=1, frags_m=1,
                    one_wait=True),
 }
@@ -194,16 +210,22 @@ SMEM_PER_SM = {"sm_80": 164 * 1024, "sm_86": 100 * 1024, "sm_89": 100 * 1024, "s
 SMEM_RESERVED_PER_CTA = 1024
 
 
+# The arches on which every FA2_WIDE_TILINGS kernel was built without spills.
+WIDE_TILING_ARCHES = frozenset({"sm_90a"})
+
+
 def _wide_spills(spec: KernelSpec) -> bool:
     """Flag sets with which a FA2_WIDE_TILINGS kernel spills at the 255-register
     cap on sm_90a (4-16 bytes); they keep FA2_TILINGS."""
+    if spec.head_dim_qk == 64:
+        return spec.soft_cap
     return bool((spec.soft_cap and spec.sliding_window) or (spec.head_dim_qk == 256 and spec.soft_cap and spec.causal))
 
 
 def fa2_tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
     """The fa2 tiling of a spec; `arches` (the build's targets, None when
-    unknown) admits FA2_WIDE_TILINGS where all of them fit min_blocks_per_sm of
-    its CTAs per SM."""
+    unknown) admits FA2_WIDE_TILINGS where all of them are WIDE_TILING_ARCHES
+    and fit min_blocks_per_sm of its CTAs per SM."""
     table = FA2_DECODE_TILINGS if spec.op in DECODE_OPS else FA2_TILINGS
     tiling = table[spec.head_dim_qk]
     assert tiling.smem_bytes(spec) <= SMEM_BUDGET, spec.name
@@ -211,7 +233,7 @@ def fa2_tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
     if (wide is not None and arches and spec.op not in DECODE_OPS and spec.op not in PAGED_OPS
             and not _wide_spills(spec)
             and all(wide.min_blocks_per_sm * (wide.smem_bytes(spec) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM.get(a, 0)
-                    for a in arches)):
+                    and a in WIDE_TILING_ARCHES for a in arches)):
         tiling = wide
     return tiling
 

@@ -126,28 +126,31 @@ def test_decode_has_its_own_kernel_and_prefill_splits_rows():
             assert template == "attention_cuda_core.cu.jinja" and t.row_warps > 1
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("op", ["single_prefill", "batch_prefill_ragged", "batch_prefill_paged"])
 def test_wide_fa2_tiling_only_where_every_target_fits_it(op, causal, head_dim):
-    """d128 / d256 ragged prefill takes the wide tiling when every target arch
-    holds min_blocks_per_sm of its CTAs per SM; with an A100 or SM89 target,
-    with no arch known, or paged, FA2_TILINGS. The tolerance profile takes the
-    default's rescale count, which is at least the wide tiling's."""
+    """Ragged prefill takes the wide tiling when every target arch is one it was
+    checked on (sm_90a) and holds min_blocks_per_sm of its CTAs per SM; with an
+    A100, SM89 or unchecked target, with no arch known, paged, or with the flags
+    that spill, FA2_TILINGS. The tolerance profile takes the default's rescale
+    count, which is at least the wide tiling's."""
     spec = KernelSpec.make(op, "bfloat16", head_dim, use_tensor_cores=True, causal=causal).validate()
     default = kernels.tiling_for(spec)[1]
     assert default == kernels.FA2_TILINGS[head_dim]
     wide_here = op != "batch_prefill_paged"
-    for arches, wide in [(("sm_90a",), wide_here), (("sm_80", "sm_90a"), False), (("sm_89",), False), (None, False)]:
+    for arches, wide in [(("sm_90a",), wide_here), (("sm_80", "sm_90a"), False), (("sm_89",), False),
+                         (("sm_100a",), False), (None, False)]:
         tiling = kernels.tiling_for(spec, arches)[1]
         assert tiling == (kernels.FA2_WIDE_TILINGS[head_dim] if wide else default), arches
         assert tiling.rescales(spec)[0] >= default.rescales(spec)[0]
         text = render.render(spec, arches).text
-        assert re.findall(r"/\*kWarps=\*/\s*(\d+)", text) == [str(tiling.warps)]
-        assert re.findall(r"/\*kFragsM=\*/\s*(\d+)", text) == [str(tiling.frags_m)]
+        for field, value in [("kWarps", tiling.warps), ("kFragsM", tiling.frags_m),
+                             ("kOneWait", str(tiling.one_wait).lower()), ("kFencePv", str(tiling.fence_pv).lower())]:
+            assert re.findall(rf"/\*{field}=\*/\s*(\w+)", text) == [str(value)], (arches, field)
     spilling = spec.replace(soft_cap=True, sliding_window=True).validate()
     assert kernels.tiling_for(spilling, ("sm_90a",))[1] == kernels.FA2_TILINGS[head_dim]
-    if head_dim == 256 and causal:
+    if head_dim == 64 or (head_dim == 256 and causal):
         capped = spec.replace(soft_cap=True).validate()
         assert kernels.tiling_for(capped, ("sm_90a",))[1] == kernels.FA2_TILINGS[head_dim]
 

@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         // one wait per tile), that interleave is what keeps the tensor pipe
         // busy: an H200 ran such a d64 tiling 1-8% faster than the shipped one
         // without the fence (2026-11-22-h200-fa2-d64-one-wait-no-fence.md).
-        if constexpr (kWideQk && Traits::kOneWait) __syncwarp();
+        if constexpr (Traits::kFencePv) __syncwarp();
         if (!step.skip) accumulate_pv(pa, v_s, kofs);
       }  // steps
     }

@@ -10,7 +10,7 @@
 namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
-          bool kOneWait_, bool kQInRegs_, int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_,
+          bool kOneWait_, bool kFencePv_, bool kQInRegs_, int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_,
           bool kSoftCap_, bool kLse_>
 struct Fa2Traits {
   using DType = DType_;
@@ -32,6 +32,10 @@ struct Fa2Traits {
   // V_t must then land by the top of tile t, not by the end of its softmax.
   // Rows-split mode only (split keys synchronise with __syncwarp).
   static constexpr bool kOneWait = kOneWait_ && !kSplitKeys_;
+  // A __syncwarp() between the softmax and P.V, so that ptxas keeps the
+  // exponentials out of the P.V mma stream: needed where the tiling sits at the
+  // register cap and would otherwise spill or hold one V fragment at a time.
+  static constexpr bool kFencePv = kFencePv_;
   // Q fragments held in registers for the whole KV loop (D/4 registers per
   // thread); else re-read from shared memory with ldmatrix every tile, which
   // D = 256 needs to stay clear of spills next to its 128 O registers.
@@ -42,7 +46,7 @@ struct Fa2Traits {
   // The same kernel shape under another register cap.
   template <int kOtherMinBlocksPerSm>
   using WithMinBlocks = Fa2Traits<DType_, kHeadDim_, kWarps_, kFragsM_, kKeysPerTile_, kSubTiles_, kStages_, kOneWait_,
-                                  kQInRegs_, kOtherMinBlocksPerSm, kSplitKeys_, kPaged_, kCausal_, kWindow_, kSoftCap_,
+                                  kFencePv_, kQInRegs_, kOtherMinBlocksPerSm, kSplitKeys_, kPaged_, kCausal_, kWindow_, kSoftCap_,
                                   kLse_>;
   // Warps split each tile's keys instead of the rows (decode: the rows are
   // only one KV head's query heads, so one warp would do all the math while
