@@ -10,7 +10,8 @@
 # on, e.g. --no-variants) and decode.py (with $BASELINE_TEMPLATES:
 # decode_tilings.py, the shipped decode tiling from each folder and from this
 # tree in one run), each step under a time limit.
-# SKIP_TESTS=1 leaves out the GPU tests, SKIP_DECODE=1 decode.py.
+# SKIP_TESTS=1 leaves out the GPU tests, SKIP_DECODE=1 decode.py. FlashInfer comes
+# from .whl/site.txz (benchmarks/pack_flashinfer.sh) or wheels in .whl/.
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-$PWD/gpu_out}
@@ -18,7 +19,9 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export FLASHJIT_CACHE_DIR=${FLASHJIT_CACHE_DIR:-/tmp/flashjit-cache} FLASHJIT_JOBS=${FLASHJIT_JOBS:-16}
 export FLASHJIT_ERROR_REPORT=$OUT/error_report.json
-if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .whl/site ]; then
+if [ -f .whl/site.txz ] && [ ! -d .whl/site ]; then
+  tar -C .whl -xJf .whl/site.txz  # benchmarks/pack_flashinfer.sh
+elif ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .whl/site ]; then
   pip install -q --no-deps --target .whl/site .whl/*.whl > "$OUT/flashinfer_install.log" 2>&1 || true
 fi
 if [ -d .whl/site ]; then
@@ -39,7 +42,9 @@ fi
 if [ "$MODE" = compare ]; then
   baseline=${BASELINE_TEMPLATES:+--baseline-templates $BASELINE_TEMPLATES}
   for d in ${HEAD_DIMS:-128}; do
-    (cd benchmarks && timeout ${TILINGS_LIMIT:-240} python3 fa2_tilings.py --head-dim "$d" $baseline \
+    variants=--no-variants  # the alternative tilings only for $VARIANT_HEAD_DIMS (default: all)
+    case " ${VARIANT_HEAD_DIMS-${HEAD_DIMS:-128}} " in *" $d "*) variants= ;; esac
+    (cd benchmarks && timeout ${TILINGS_LIMIT:-240} python3 fa2_tilings.py --head-dim "$d" $baseline $variants \
       ${TILINGS_ARGS:-} --out "$OUT/tilings_d$d.md" 2>"$OUT/tilings_d$d.err" | grep "|") || status=1
   done
   if [ -n "${SKIP_DECODE:-}" ]; then

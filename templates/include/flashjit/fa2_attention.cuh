@@ -322,7 +322,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
     // Soft-cap, mask (keys from k0) and online softmax of S in place; P rounded to
     // T in pa; O and l rescaled.
+    //
+    // Rows-split prefill keeps a lazy max: m moves only on a step where some row
+    // of the warp has grown past it by more than kLazyLog2 (log2 units), and the
+    // exponentials are taken against the stale m otherwise. P then stays below
+    // 2^kLazyLog2, O and l carry the same factor (the result is the same
+    // function; rounding P to T is relative, so its error does not change), and
+    // O's 4 * FM * NT_O rescale multiplies run on those steps alone: for random
+    // logits about the first step of each row. Split keys (decode) keep the exact
+    // running max: a warp vote skips the multiplies when no row's max moved.
+    constexpr bool kLazyMax = !Traits::kSplitKeys;
+    constexpr float kLazyLog2 = 8.f;
     auto softmax_to_p = [&](float (&s)[FM][NT_S][4], uint32_t (&pa)[FM][KSTEPS_PV][4], int k0, bool need_mask) {
+      float mx[FM][2];  // the step's new running max per row
 #pragma unroll
       for (int f = 0; f < FM; ++f) {
         if constexpr (Traits::kSoftCap) {
@@ -346,48 +358,75 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
                 s[f][j][e] = kNegInf;
             }
         }
+        // Row maxima across the 4 lanes of the quad; the two rows' chains are
+        // interleaved so that their latencies overlap.
+#pragma unroll
+        for (int r = 0; r < 2; ++r) mx[f][r] = fmaxf(m[f][r], fa2::row_max<NT_S>(s[f], r));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) mx[f][r] = fmaxf(mx[f][r], __shfl_xor_sync(0xffffffffu, mx[f][r], 1));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) mx[f][r] = fmaxf(mx[f][r], __shfl_xor_sync(0xffffffffu, mx[f][r], 2));
+      }
 
-        // Online softmax, rows 16f + g + 8r, across the 4 lanes of the quad. The
-        // two rows' chains (max, shuffles, exp2) are interleaved so that their
-        // latencies overlap.
-        float mx[2], m_scaled[2], rescale[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) mx[r] = fmaxf(m[f][r], fa2::row_max<NT_S>(s[f], r));
-#pragma unroll
-        for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-#pragma unroll
-        for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      // m[f] := mx[f], with O and l rescaled to it. A row that has seen no key
+      // keeps m = -inf and a 0 reference, so exp2(-inf - (-inf)) never makes a
+      // NaN; everything is 0 then.
+      // m_ref: the exponent reference m * scale (0 while m = -inf). The exact
+      // path leaves l's factor in l_scale, for one FFMA with the sum.
+      float m_ref[FM][2], l_scale[FM][2];
+      auto move_max = [&](int f) {
+        float rescale[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          // A row that has seen no key yet keeps mx = -inf: subtract 0 instead
-          // so that exp2(-inf - (-inf)) never makes a NaN; everything is 0 then.
-          m_scaled[r] = mx[r] == kNegInf ? 0.f : mx[r] * scale;
-          rescale[r] = fa2::exp2_fast(m[f][r] * scale - m_scaled[r]);  // 0 when m = -inf
-          m[f][r] = mx[r];
+          m_ref[f][r] = mx[f][r] == kNegInf ? 0.f : mx[f][r] * scale;
+          rescale[r] = fa2::exp2_fast(m[f][r] * scale - m_ref[f][r]);
+          m[f][r] = mx[f][r];
+          if constexpr (kLazyMax) {
+            l[f][r] *= rescale[r];
+          } else {
+            l_scale[f][r] = rescale[r];
+          }
         }
-        // Prefill rescales unconditionally: a warp vote that skipped these
-        // multiplies when the max did not move (rescale == 1) split the softmax
-        // into basic blocks, and the exponentials then ran back to back at the
-        // MUFU rate instead of interleaved with these multiplies and the
-        // rounding of P (H200: d128 +5%, d64 +1-6%, 2026-11-22-h200-fa2-softmax-
-        // block.md). Decode (split keys, memory-bound) keeps the vote it was
-        // tuned with (x * 1 == x, so skipping is exact).
-        if (!Traits::kSplitKeys || __any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
+        if (kLazyMax || __any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
 #pragma unroll
           for (int n = 0; n < NT_O; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[f][n][e] *= rescale[e >> 1];
         }
+      };
+      if constexpr (kLazyMax) {
+        // (-inf) - (-inf) is NaN, which compares false: a row that still sees
+        // no key never asks for a move; a first visible key always does.
+        bool grow = false;
+#pragma unroll
+        for (int f = 0; f < FM; ++f)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) grow |= (mx[f][r] - m[f][r]) * scale > kLazyLog2;
+        if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+          for (int f = 0; f < FM; ++f) move_max(f);
+        }
+#pragma unroll
+        for (int f = 0; f < FM; ++f)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) m_ref[f][r] = m[f][r] == kNegInf ? 0.f : m[f][r] * scale;
+      } else {
+#pragma unroll
+        for (int f = 0; f < FM; ++f) move_max(f);
+      }
+
+#pragma unroll
+      for (int f = 0; f < FM; ++f) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           float sum = 0.f;
 #pragma unroll
           for (int j = 0; j < NT_S; ++j) {
-            s[f][j][2 * r] = fa2::exp2_fast(fmaf(s[f][j][2 * r], scale, -m_scaled[r]));
-            s[f][j][2 * r + 1] = fa2::exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_scaled[r]));
+            s[f][j][2 * r] = fa2::exp2_fast(fmaf(s[f][j][2 * r], scale, -m_ref[f][r]));
+            s[f][j][2 * r + 1] = fa2::exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_ref[f][r]));
             sum += s[f][j][2 * r] + s[f][j][2 * r + 1];  // unrounded fp32 P
           }
-          l[f][r] = l[f][r] * rescale[r] + sum;
+          l[f][r] = kLazyMax ? l[f][r] + sum : fmaf(l[f][r], l_scale[f][r], sum);
         }
         // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
 #pragma unroll
