@@ -38,7 +38,7 @@ VARIANTS = {
     64: {
         # FA2_TILINGS[64]: what a library with an sm_80 / sm_89 target takes.
         "two waits per tile, P.V after the softmax (FA2_TILINGS)": Fa2Tiling(4, 64, 2, True, 2, frags_m=2),
-        "64-key tiles x 3 stages, one wait per tile": Fa2Tiling(4, 64, 3, True, 2, frags_m=2, one_wait=True),
+        "64-key tiles x 2 stages, one wait per tile": Fa2Tiling(4, 64, 2, True, 2, frags_m=2, one_wait=True),
     },
     128: {
         # One CTA per SM, past SMEM_BUDGET (sm_90a-class only): each K/V tile feeds 8 warps.

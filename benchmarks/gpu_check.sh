@@ -2,8 +2,9 @@
 # One full device session: info, GPU tests (prewarm + numerical sweep), JIT
 # benchmarks, prefill/decode benchmarks. Logs and reports go to $OUT (or
 # ./gpu_out); a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare]
-# tests: GPU tests only; bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
+#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill]
+# tests: GPU tests only; prefill: GPU tests and prefill.py --rounds 3;
+# bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
 # compare: GPU tests, fa2_tilings.py for each of $HEAD_DIMS (default 128; with
 # --baseline-templates $BASELINE_TEMPLATES when set, one or more folders: a kernel
 # change against the sources before it, in the same run; $TILINGS_ARGS is passed
@@ -57,7 +58,10 @@ if [ "$MODE" = compare ]; then
       2>"$OUT/decode.err" | tail -20 || status=1
   fi
 fi
-if [ "$MODE" = tests ] || [ "$MODE" = compare ]; then
+if [ "$MODE" = prefill ]; then
+  python3 benchmarks/prefill.py --rounds 3 --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | grep "|" || status=1
+fi
+if [ "$MODE" = tests ] || [ "$MODE" = compare ] || [ "$MODE" = prefill ]; then
   python3 benchmarks/error_summary.py "$OUT/error_report.json" --out "$OUT/error_summary.md" | tail -40 || status=1
   echo "== summary: gpu tests rc=$test_rc, overall status=$status"
   exit $status

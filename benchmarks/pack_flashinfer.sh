@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Packs FlashInfer (the peer in the benchmarks) for a GPU machine with no
 # package registry: downloads its wheels into .whl/ (git-ignored), unpacks them,
-# drops the sources of kernels the benchmarks never build (MoE, GEMM, sampling,
-# experimental; ~300 MB) and writes .whl/site.txz (~14 MB), which fits the
+# drops the data/csrc sources of kernels the benchmarks never build (MoE, GEMM,
+# sampling; ~250 MB) and writes .whl/site.txz (~16 MB), which fits the
 # device tool's 64 MiB carry limit where the two wheels (65 MB) do not.
 # gpu_check.sh unpacks it into .whl/site. Carry: [".whl/site.txz"].
 set -euo pipefail
@@ -16,6 +16,5 @@ for w in .whl/*.whl; do (cd .whl/site && unzip -q -o "../$(basename "$w")"); don
 for d in .whl/site/flashinfer/data/csrc/*/; do
   case "$(basename "$d")" in nv_internal|generated) ;; *) rm -rf "$d" ;; esac
 done
-rm -rf .whl/site/flashinfer/experimental
 tar -C .whl -cJf .whl/site.txz site
 ls -la .whl/site.txz

@@ -174,12 +174,13 @@ FA2_DECODE_TILINGS = {
 # on which they were built without spills and measured) holding
 # min_blocks_per_sm of their CTAs per SM.
 #
-# d64: FA2_TILINGS[64] with one K/V wait per tile. With Q in registers it has
-# room to run the exponentials, row sums and P rounding inside the P.V mma
-# stream (no fence_pv), which an H200 ran 1-8% faster than FA2_TILINGS[64]
-# (2026-11-22-h200-fa2-d64-one-wait-no-fence.md). On sm_80 / sm_89 the same
-# source spills 12-108 bytes with causal or window masks, and on sm_90a 4-16
-# with soft-cap; paged K/V spills too.
+# d64: FA2_TILINGS[64] with one K/V wait per tile, three stages (64 KB). With Q
+# in registers it has room to run the exponentials, row sums and P rounding
+# inside the P.V mma stream (no fence_pv), which an H200 ran 1-8% faster than
+# FA2_TILINGS[64] (2026-11-22-h200-fa2-d64-one-wait-no-fence.md); three stages
+# ran 0-2% ahead of two on 5 of 6 rows in two runs (and 2026-11-23-h200-lazy-
+# max.md). On sm_80 / sm_89 the same source spills 12-108 bytes with causal or
+# window masks, and on sm_90a 4-16 with soft-cap; paged K/V spills too.
 #
 # d128: two CTAs of a wider tiling per SM,
 # with two fragments per warp (128-row CTAs, half the ldmatrix traffic per mma).
@@ -198,7 +199,7 @@ FA2_DECODE_TILINGS = {
 # (2026-11-22-h200-fa2-tilings-d256.md). It rescales half as often as
 # FA2_TILINGS[256], whose count the tolerance profile takes: an upper bound.
 FA2_WIDE_TILINGS = {
-    64: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2, one_wait=True),
+    64: Fa2Tiling(warps=4, keys_per_tile=64, stages=3, q_in_regs=True, min_blocks_per_sm=2, frags_m=2, one_wait=True),
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=2,
                    one_wait=True, fence_pv=True),
     256: Fa2Tiling(warps=8, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=1, frags_m=1,
