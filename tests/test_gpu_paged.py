@@ -34,12 +34,12 @@ class PagedBatch:
     """Requests' keys/values packed NHD (for the reference) and the same values
     scattered over the pages of a cache in random order, the other pages random."""
 
-    def __init__(self, kv_lens, page_size, num_kv, head_dim, dtype, layout="NHD", form="5d", spare_pages=3):
+    def __init__(self, kv_lens, page_size, num_kv, head_dim, dtype, layout="NHD", form="5d", spare_pages=3, k=None):
         self.kv_lens, self.page_size, self.layout = list(kv_lens), page_size, layout
         self.kv_indptr = indptr_of(self.kv_lens)
         pages = [math.ceil(n / page_size) for n in self.kv_lens]
         self.num_pages = sum(pages) + spare_pages
-        self.k = randn(self.kv_indptr[-1], num_kv, head_dim, dtype=dtype)
+        self.k = randn(self.kv_indptr[-1], num_kv, head_dim, dtype=dtype) if k is None else k
         self.v = randn(self.kv_indptr[-1], num_kv, head_dim, dtype=dtype)
         cache = randn(self.num_pages, 2, page_size, num_kv, head_dim, dtype=dtype)  # NHD
         order = torch.randperm(self.num_pages, device="cuda")[:sum(pages)].to(torch.int32)
@@ -120,6 +120,42 @@ def test_batch_prefill_paged(prewarmed, error_report, dtype, tensor_cores, head_
     spec = spec_for("batch_prefill_paged", dtype, head_dim, causal, tensor_cores=tensor_cores)
     check(spec, out, ref, q, batch.k, batch.v, max(PREFILL_KV), 1 / math.sqrt(head_dim), error_report,
           "batch_prefill_paged", lse=lse, ref_lse=ref_lse, shape="mixed", heads=heads)
+
+
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_and_ragged_prefill_identical_after_late_spikes(prewarmed, error_report, head_dim, causal):
+    """Keys aimed at single queries, late in their requests, make those rows' max
+    jump far past the lazy-max threshold mid-sequence. Paged prefill (FA2_TILINGS)
+    and ragged prefill (on sm_90a a wide tiling: other rows share a warp) take the
+    same 64-key tiles, so they agree bit for bit, and both stay within the
+    profile. (d256 differs in rounding: its two tilings take 32- and 64-key tiles.)"""
+    dtype, (num_qo, num_kv), lens = torch.bfloat16, (8, 2), [600, 900]
+    starts = indptr_of(lens)
+    q = randn(starts[-1], num_qo, head_dim, dtype=dtype)
+    k = randn(starts[-1], num_kv, head_dim, dtype=dtype)
+    gen = torch.Generator().manual_seed(head_dim + causal)
+    for start, n in zip(starts, lens):
+        for _ in range(4):  # key j points along query i (head h): its logit is ~17 in log2 units, others' ~4
+            i = int(torch.randint(n // 2, n, (1,), generator=gen))
+            j = int(torch.randint(256, i + 1, (1,), generator=gen))
+            h = int(torch.randint(num_qo, (1,), generator=gen))
+            row = q[start + i, h].float()
+            k[start + j, h // (num_qo // num_kv)] = (row * (12 / row.norm())).to(dtype)
+    batch = PagedBatch(lens, 16, num_kv, head_dim, dtype, k=k)
+    paged = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace())
+    paged.plan(torch.tensor(starts, dtype=torch.int32), batch.indptr, batch.indices, batch.last, num_qo, num_kv,
+               head_dim, 16, causal=causal, q_data_type=dtype, use_tensor_cores=True)
+    ragged = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace())
+    ragged.plan(torch.tensor(starts), torch.tensor(starts), num_qo, num_kv, head_dim, causal=causal, q_data_type=dtype,
+                use_tensor_cores=True)
+    poison_allocator()
+    out_paged, out_ragged = paged.run(q, batch.cache), ragged.run(q, batch.k, batch.v)
+    ref, _ = ragged_reference(q, batch.k, batch.v, starts, starts, causal=causal)
+    for op, out in [("batch_prefill_paged", out_paged), ("batch_prefill_ragged", out_ragged)]:
+        check(spec_for(op, dtype, head_dim, causal, tensor_cores=True), out, ref, q, batch.k, batch.v, max(lens), 1 / math.sqrt(head_dim),
+              error_report, f"{op}_late_spikes")
+    assert torch.equal(out_paged, out_ragged), float((out_paged.float() - out_ragged.float()).abs().max())
 
 
 @pytest.mark.parametrize("form", ["5d", "tuple"])

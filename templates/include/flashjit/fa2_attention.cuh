@@ -323,14 +323,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // Soft-cap, mask (keys from k0) and online softmax of S in place; P rounded to
     // T in pa; O and l rescaled.
     //
-    // Rows-split prefill keeps a lazy max: m moves only on a step where some row
-    // of the warp has grown past it by more than kLazyLog2 (log2 units), and the
+    // Rows-split prefill keeps a lazy max: a row's m moves only on a step where
+    // the row has grown past it by more than kLazyLog2 (log2 units), and its
     // exponentials are taken against the stale m otherwise. P then stays below
     // 2^kLazyLog2, O and l carry the same factor (the result is the same
     // function; rounding P to T is relative, so its error does not change), and
-    // O's 4 * FM * NT_O rescale multiplies run on those steps alone: for random
-    // logits about the first step of each row. Split keys (decode) keep the exact
-    // running max: a warp vote skips the multiplies when no row's max moved.
+    // O's 4 * FM * NT_O rescale multiplies run only on steps where some row of
+    // the warp moves: for random logits about the first step of each row. Split
+    // keys (decode) keep the exact running max: a warp vote skips the multiplies
+    // when no row's max moved.
     constexpr bool kLazyMax = !Traits::kSplitKeys;
     constexpr float kLazyLog2 = 8.f;
     auto softmax_to_p = [&](float (&s)[FM][NT_S][4], uint32_t (&pa)[FM][KSTEPS_PV][4], int k0, bool need_mask) {
@@ -374,13 +375,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       // m_ref: the exponent reference m * scale (0 while m = -inf). The exact
       // path leaves l's factor in l_scale, for one FFMA with the sum.
       float m_ref[FM][2], l_scale[FM][2];
-      auto move_max = [&](int f) {
+      // Row r of fragment f takes mx[f][r] as its max where moves[r], and keeps
+      // m (a factor of exactly 1) elsewhere. A row that has seen no key keeps
+      // m = -inf and a 0 reference, so exp2(-inf - (-inf)) never makes a NaN.
+      auto move_max = [&](int f, const bool (&moves)[2]) {
         float rescale[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           m_ref[f][r] = mx[f][r] == kNegInf ? 0.f : mx[f][r] * scale;
-          rescale[r] = fa2::exp2_fast(m[f][r] * scale - m_ref[f][r]);
-          m[f][r] = mx[f][r];
+          rescale[r] = moves[r] ? fa2::exp2_fast(m[f][r] * scale - m_ref[f][r]) : 1.f;
+          if (moves[r]) m[f][r] = mx[f][r];
           if constexpr (kLazyMax) {
             l[f][r] *= rescale[r];
           } else {
@@ -395,24 +399,32 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
       };
       if constexpr (kLazyMax) {
-        // (-inf) - (-inf) is NaN, which compares false: a row that still sees
-        // no key never asks for a move; a first visible key always does.
-        bool grow = false;
+        // Each row decides from its own logits alone, so that its result does
+        // not depend on which rows share its warp (paged and ragged prefill,
+        // with other tilings, stay identical bit for bit); the warp only skips
+        // the multiplies when no row moves. (-inf) - (-inf) is NaN, which
+        // compares false: a row that still sees no key never moves; a first
+        // visible key always does.
+        bool moves[FM][2], any = false;
 #pragma unroll
         for (int f = 0; f < FM; ++f)
 #pragma unroll
-          for (int r = 0; r < 2; ++r) grow |= (mx[f][r] - m[f][r]) * scale > kLazyLog2;
-        if (__any_sync(0xffffffffu, grow)) {
+          for (int r = 0; r < 2; ++r) {
+            moves[f][r] = (mx[f][r] - m[f][r]) * scale > kLazyLog2;
+            any |= moves[f][r];
+          }
+        if (__any_sync(0xffffffffu, any)) {
 #pragma unroll
-          for (int f = 0; f < FM; ++f) move_max(f);
+          for (int f = 0; f < FM; ++f) move_max(f, moves[f]);
         }
 #pragma unroll
         for (int f = 0; f < FM; ++f)
 #pragma unroll
           for (int r = 0; r < 2; ++r) m_ref[f][r] = m[f][r] == kNegInf ? 0.f : m[f][r] * scale;
       } else {
+        constexpr bool kAlways[2] = {true, true};
 #pragma unroll
-        for (int f = 0; f < FM; ++f) move_max(f);
+        for (int f = 0; f < FM; ++f) move_max(f, kAlways);
       }
 
 #pragma unroll
