@@ -1,0 +1,126 @@
+"""Where a prefill kernel's time goes, per CTA: builds the shipped fa2 kernel
+from a copy of templates/ with timestamps added (thread 0 of each CTA reads
+%globaltimer at entry, after its first K/V tile landed, after its last tile and
+after its stores, and %smid), runs one ragged batch, and reports the kernel
+span, the mean CTA phases, and how full the SMs' CTA slots were
+(sum of CTA durations / (slots x span)).
+
+Non-split plans only: the timestamps go to the partial-LSE pointer, which such
+a plan leaves unused. The instrumented copy lives in a temporary folder; the
+shipped templates are not touched.
+
+Usage: python benchmarks/cta_timing.py [--head-dim 128] [--batch 16] [--qo-len 1024] [--kv-len 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from common import use_templates
+from prefill import indptr
+
+import flashjit
+from flashjit import jit, render
+
+HEADER = "include/flashjit/fa2_attention.cuh"
+# (anchor in the kernel source, code inserted after it)
+PROBES = [
+    ("    fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {\n",
+     "  unsigned long long fj_t[4] = {0, 0, 0, 0};\n"
+     "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[0]));\n"),
+    ("      tile_barrier();\n      issue_k(t + STAGES - 1);\n",
+     "      if (t == 0) asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[1]));\n"),
+    ("  fa2::store_rows<Traits>(p, w, o, m, l, smem, warp_row0, rows_total, scale);\n",
+     "  __syncthreads();\n"
+     "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[3]));\n"
+     "  if (threadIdx.x == 0 && w.split < 0 && p.partial_lse != nullptr) {\n"
+     "    unsigned smid;\n"
+     "    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
+     "    auto* out = reinterpret_cast<unsigned long long*>(p.partial_lse) + 5 * size_t(blockIdx.x);\n"
+     "    out[0] = fj_t[0]; out[1] = fj_t[1]; out[2] = fj_t[2]; out[3] = fj_t[3]; out[4] = smid;\n"
+     "  }\n"),
+]
+# Before the stores: the end of the main loop.
+BEFORE_STORES = ("  fa2::store_rows<Traits>(p, w, o, m, l, smem, warp_row0, rows_total, scale);\n",
+                 "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[2]));\n")
+
+
+def instrumented_templates() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="cta-timing-")) / "templates"
+    shutil.copytree(render.templates_dir(), folder)
+    path = folder / HEADER
+    text = path.read_text()
+    anchor, code = BEFORE_STORES
+    assert text.count(anchor) == 1, anchor
+    text = text.replace(anchor, code + anchor)
+    for anchor, code in PROBES:
+        assert text.count(anchor) == 1, anchor
+        text = text.replace(anchor, anchor + code)
+    path.write_text(text)
+    return folder
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--qo-len", type=int, default=1024)
+    parser.add_argument("--kv-len", type=int, default=1024)
+    parser.add_argument("--causal", action="store_true")
+    args = parser.parse_args()
+    d, b = args.head_dim, args.batch
+    h = 2048 // d
+    use_templates(instrumented_templates())
+    jit._modules.clear()
+    q = torch.randn(b * args.qo_len, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b * args.kv_len, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    w.plan(indptr([args.qo_len] * b), indptr([args.kv_len] * b), h, h, d, causal=args.causal,
+           q_data_type=torch.bfloat16)
+    plan = w._plan
+    if plan.merge_tokens:
+        print("the plan splits keys: no timestamps", file=sys.stderr)
+        return 1
+    ctas = plan.num_work * h
+    stamps = torch.zeros(ctas * 5, dtype=torch.int64, device="cuda")
+    w._plan = dataclasses.replace(plan, partials=(0, stamps.data_ptr()))
+    for _ in range(3):
+        w.run(q, k, v)
+    torch.cuda.synchronize()
+    t = stamps.view(ctas, 5).cpu().double()
+    start, first, last, end, sm = t[:, 0], t[:, 1], t[:, 2], t[:, 3], t[:, 4].long()
+    span = (end.max() - start.min()) / 1e3
+    dur = (end - start) / 1e3
+    slots = len(sm.unique()) * 2 if d != 256 else len(sm.unique())
+    print(f"{torch.cuda.get_device_name()}, bf16 d{d}, {b} x {args.qo_len} queries, {args.kv_len} keys, "
+          f"causal={args.causal}: {ctas} CTAs on {len(sm.unique())} SMs")
+    print(f"kernel span (first CTA start to last CTA end): {span:.1f} us")
+    print(f"CTA mean: {dur.mean():.2f} us (min {dur.min():.2f}, max {dur.max():.2f}); entry to first tile "
+          f"{((first - start) / 1e3).mean():.2f} us, tiles {((last - first) / 1e3).mean():.2f} us, stores "
+          f"{((end - last) / 1e3).mean():.2f} us")
+    print(f"slot use: sum of CTA durations / ({slots} slots x span) = {dur.sum() / (slots * span):.3f}")
+    # Idle time between a CTA's end and the next start on the same SM (either slot).
+    gaps = []
+    for s in sm.unique():
+        on = (sm == s).nonzero().flatten()
+        order = start[on].argsort()
+        st, en = start[on][order], end[on][order]
+        for i in range(2, len(st)):  # the i-th CTA took the slot the earliest-ending earlier one freed
+            freed = torch.sort(en[:i]).values[i - 2]
+            gaps.append(float(st[i] - freed) / 1e3)
+    if gaps:
+        g = torch.tensor(gaps)
+        print(f"slot refill gap (CTA start - slot freed): mean {g.mean():.2f} us, median {g.median():.2f} us")
+    starts = ((start - start.min()) / 1e3)
+    print("CTA starts per 10% of the span:", torch.histc(starts, bins=10, min=0, max=float(span)).long().tolist())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
