@@ -1,7 +1,8 @@
 """Where a prefill kernel's time goes, per CTA: builds the shipped fa2 kernel
 from a copy of templates/ with timestamps added (thread 0 of each CTA reads
 %globaltimer at entry, after its first K/V tile landed, after its last tile and
-after its stores, and %smid), runs one ragged batch, and reports the kernel
+after its stores, and %smid; also after decoding its work and after issuing Q
+and the first K/V tiles), runs one ragged batch, and reports the kernel
 span, the mean CTA phases, and how full the SMs' CTA slots were
 (sum of CTA durations / (slots x span)).
 
@@ -10,6 +11,7 @@ a plan leaves unused. The instrumented copy lives in a temporary folder; the
 shipped templates are not touched.
 
 Usage: python benchmarks/cta_timing.py [--head-dim 128] [--batch 16] [--qo-len 1024] [--kv-len 1024]
+       [--causal] [--templates DIR] [--stagger-ns NS [--stagger-which CONDITION]]
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ HEADER = "include/flashjit/fa2_attention.cuh"
 # (anchor in the kernel source, code inserted after it)
 PROBES = [
     ("    fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {\n",
-     "  unsigned long long fj_t[4] = {0, 0, 0, 0};\n"
+     "  unsigned long long fj_t[6] = {0, 0, 0, 0, 0, 0};\n"
      "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[0]));\n"),
+    ("  const CtaWork w = decode_work<Traits::kPaged>(p, ROWS);\n",
+     "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[4]));\n"),
+    ("    lookup(STAGES - 1);\n",
+     "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[5]));\n"),
     ("      tile_barrier();\n      issue_k(t + STAGES - 1);\n",
      "      if (t == 0) asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[1]));\n"),
     ("  fa2::store_rows<Traits>(p, w, o, m, l, smem, warp_row0, rows_total, scale);\n",
@@ -42,8 +48,9 @@ PROBES = [
      "  if (threadIdx.x == 0 && w.split < 0 && p.partial_lse != nullptr) {\n"
      "    unsigned smid;\n"
      "    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
-     "    auto* out = reinterpret_cast<unsigned long long*>(p.partial_lse) + 5 * size_t(blockIdx.x);\n"
-     "    out[0] = fj_t[0]; out[1] = fj_t[1]; out[2] = fj_t[2]; out[3] = fj_t[3]; out[4] = smid;\n"
+     "    auto* out = reinterpret_cast<unsigned long long*>(p.partial_lse) + 7 * size_t(blockIdx.x);\n"
+     "    for (int i = 0; i < 6; ++i) out[i] = fj_t[i];\n"
+     "    out[6] = smid;\n"
      "  }\n"),
 ]
 # Before the stores: the end of the main loop.
@@ -51,11 +58,33 @@ BEFORE_STORES = ("  fa2::store_rows<Traits>(p, w, o, m, l, smem, warp_row0, rows
                  "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[2]));\n")
 
 
-def instrumented_templates() -> Path:
+def stagger_probe(ns: int, second: str) -> tuple:
+    """Code that holds back the first wave's CTAs that `second` selects, `ns`
+    nanoseconds at entry: a test of whether CTAs running in lockstep cost time."""
+    return ("  const CtaWork w = decode_work<Traits::kPaged>(p, ROWS);\n",
+            "  {\n"
+            "    unsigned nsm;\n"
+            "    asm(\"mov.u32 %0, %%nsmid;\" : \"=r\"(nsm));\n"
+            f"    if (blockIdx.x < 2 * nsm && ({second})) {{\n"
+            "      unsigned long long t0, t;\n"
+            "      asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t0));\n"
+            "      do {\n"
+            "        __nanosleep(200);\n"
+            "        asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t));\n"
+            f"      }} while (t - t0 < {ns}ull);\n"
+            "    }\n"
+            "  }\n")
+
+
+def instrumented_templates(source: Path | None = None, stagger: tuple | None = None) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="cta-timing-")) / "templates"
-    shutil.copytree(render.templates_dir(), folder)
+    shutil.copytree(source or render.templates_dir(), folder)
     path = folder / HEADER
     text = path.read_text()
+    if stagger:
+        anchor, code = stagger
+        assert text.count(anchor) == 1, anchor
+        text = text.replace(anchor, anchor + code)
     anchor, code = BEFORE_STORES
     assert text.count(anchor) == 1, anchor
     text = text.replace(anchor, code + anchor)
@@ -73,10 +102,16 @@ def main() -> int:
     parser.add_argument("--qo-len", type=int, default=1024)
     parser.add_argument("--kv-len", type=int, default=1024)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--templates", type=Path, help="instrument this templates/ folder (default: the package's)")
+    parser.add_argument("--stagger-ns", type=int, default=0,
+                        help="hold back the first wave's CTAs chosen by --stagger-which this long at entry")
+    parser.add_argument("--stagger-which", default="blockIdx.x % 2 == 1",
+                        help="CUDA condition on blockIdx.x / nsm choosing the held-back CTAs")
     args = parser.parse_args()
     d, b = args.head_dim, args.batch
     h = 2048 // d
-    use_templates(instrumented_templates())
+    stagger = stagger_probe(args.stagger_ns, args.stagger_which) if args.stagger_ns else None
+    use_templates(instrumented_templates(args.templates, stagger))
     jit._modules.clear()
     q = torch.randn(b * args.qo_len, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b * args.kv_len, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -88,13 +123,13 @@ def main() -> int:
         print("the plan splits keys: no timestamps", file=sys.stderr)
         return 1
     ctas = plan.num_work * h
-    stamps = torch.zeros(ctas * 5, dtype=torch.int64, device="cuda")
+    stamps = torch.zeros(ctas * 7, dtype=torch.int64, device="cuda")
     w._plan = dataclasses.replace(plan, partials=(0, stamps.data_ptr()))
     for _ in range(3):
         w.run(q, k, v)
     torch.cuda.synchronize()
-    t = stamps.view(ctas, 5).cpu().double()
-    start, first, last, end, sm = t[:, 0], t[:, 1], t[:, 2], t[:, 3], t[:, 4].long()
+    t = stamps.view(ctas, 7).cpu().double()
+    start, first, last, end, decoded, issued, sm = t[:, 0], t[:, 1], t[:, 2], t[:, 3], t[:, 4], t[:, 5], t[:, 6].long()
     span = (end.max() - start.min()) / 1e3
     dur = (end - start) / 1e3
     slots = len(sm.unique()) * 2 if d != 256 else len(sm.unique())
@@ -104,6 +139,8 @@ def main() -> int:
     print(f"CTA mean: {dur.mean():.2f} us (min {dur.min():.2f}, max {dur.max():.2f}); entry to first tile "
           f"{((first - start) / 1e3).mean():.2f} us, tiles {((last - first) / 1e3).mean():.2f} us, stores "
           f"{((end - last) / 1e3).mean():.2f} us")
+    print(f"  of the entry: work decoded {((decoded - start) / 1e3).mean():.2f} us, Q and first K/V issued "
+          f"{((issued - decoded) / 1e3).mean():.2f} us, waiting for them {((first - issued) / 1e3).mean():.2f} us")
     print(f"slot use: sum of CTA durations / ({slots} slots x span) = {dur.sum() / (slots * span):.3f}")
     # Idle time between a CTA's end and the next start on the same SM (either slot).
     gaps = []
@@ -118,6 +155,8 @@ def main() -> int:
         g = torch.tensor(gaps)
         print(f"slot refill gap (CTA start - slot freed): mean {g.mean():.2f} us, median {g.median():.2f} us")
     starts = ((start - start.min()) / 1e3)
+    first_sm = [int(c) for c in (sm[: min(ctas, slots)] == sm[0]).nonzero().flatten()]
+    print(f"first wave: CTAs {first_sm} share SM {int(sm[0])}")
     print("CTA starts per 10% of the span:", torch.histc(starts, bins=10, min=0, max=float(span)).long().tolist())
     return 0
 
