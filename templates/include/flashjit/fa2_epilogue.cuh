@@ -125,25 +125,6 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
   }
   unsigned char* stage = smem + warp * WROWS * ROW_BYTES;
   __syncwarp();  // all lanes' last reads of the warp's Q rows are done
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // stmatrix: n-tiles n, n + 1 of rows 16f .. 16f + 15 in one instruction
-  // (matrices: rows 0-7 and 8-15 of n, then of n + 1), a quarter of the
-  // 4-byte stores. Lane i addresses row i % 8 (+ 8 for odd i / 8) of chunk
-  // n + i / 16, swizzled as the loads are.
-  {
-    const int row = ((lane / 8) % 2) * 8 + lane % 8, half = lane / 16;
-    const uint32_t base = smem_addr(stage) + row * ROW_BYTES;
-#pragma unroll
-    for (int f = 0; f < FM; ++f)
-#pragma unroll
-      for (int n = 0; n < NT_O; n += 2)
-        stmatrix_x4(base + 16 * f * ROW_BYTES + (((n + half) ^ (row % 8)) << 4),
-                    pack2<T>(o[f][n][0] * inv_l[f][0], o[f][n][1] * inv_l[f][0]),
-                    pack2<T>(o[f][n][2] * inv_l[f][1], o[f][n][3] * inv_l[f][1]),
-                    pack2<T>(o[f][n + 1][0] * inv_l[f][0], o[f][n + 1][1] * inv_l[f][0]),
-                    pack2<T>(o[f][n + 1][2] * inv_l[f][1], o[f][n + 1][3] * inv_l[f][1]));
-  }
-#else
 #pragma unroll
   for (int f = 0; f < FM; ++f)
 #pragma unroll
@@ -154,7 +135,6 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
       *reinterpret_cast<uint32_t*>(stage + at + 8 * ROW_BYTES) =
           pack2<T>(o[f][n][2] * inv_l[f][1], o[f][n][3] * inv_l[f][1]);
     }
-#endif
   __syncwarp();
   {
     constexpr int kChunks = D / 8;

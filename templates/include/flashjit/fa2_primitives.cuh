@@ -98,15 +98,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
 }
 
 // d += a.b, m16n8k16, fp32 accumulation.
-// Stores four 8x8 16-bit matrices, one register of each per lane in the mma
-// accumulator layout (row lane / 4, columns 2 * (lane % 4) and + 1); lane i
-// gives the shared-memory address of row i % 8 of matrix i / 8. sm_90+.
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
-               "r"(r2), "r"(r3)
-               : "memory");
-}
-
 template <class T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   if constexpr (std::is_same<T, __half>::value) {
