@@ -11,13 +11,14 @@ a plan leaves unused. The instrumented copy lives in a temporary folder; the
 shipped templates are not touched.
 
 Usage: python benchmarks/cta_timing.py [--head-dim 128] [--batch 16] [--qo-len 1024] [--kv-len 1024]
-       [--causal] [--templates DIR] [--stagger-ns NS [--stagger-which CONDITION]]
+       [--causal] [--templates DIR] [--stagger-ns NS [--stagger-which CONDITION]] [--flashinfer-site DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import sys
 import tempfile
@@ -98,6 +99,75 @@ def instrumented_templates(source: Path | None = None, stagger: tuple | None = N
     return folder
 
 
+# FlashInfer's ragged prefill kernel, instrumented the same way in a private copy
+# of its package (its JIT builds from the copy's headers into a private cache).
+# The stamps go over the first 56 bytes of each CTA's first output row (group
+# size 1, no split), written after the CTA's own stores.
+FI_STAMP = "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[{}]));\n"
+FI_PROBES = [
+    ("    auto block = cg::this_thread_block();\n", "  unsigned long long fj_t[6] = {0, 0, 0, 0, 0, 0};\n" + FI_STAMP.format(0)),
+    ("    const uint32_t kv_abs_base = kv_indptr[request_idx] + chunk_start;\n", FI_STAMP.format(4)),
+    ("#pragma unroll 1\n      for (uint32_t iter = 0; iter < num_iterations; ++iter) {\n", None),
+    ("          cp_async::wait_group<1>();\n        }\n        block.sync();\n",
+     "  if (iter == 0) " + FI_STAMP.format(1).lstrip()),
+    ("      cp_async::wait_group<0>();\n      block.sync();\n\n      finalize_m<KTraits>(variant, m);\n", None),
+    ("      block.sync();\n    }  // d_tile (split-D over VO) loop\n",
+     FI_STAMP.format(3) +
+     "    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0 && !partition_kv) {\n"
+     "      unsigned smid;\n"
+     "      asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
+     "      auto* out = reinterpret_cast<unsigned long long*>(\n"
+     "          o + (o_indptr[request_idx] + qo_tile_idx * CTA_TILE_Q) * o_stride_n + kv_head_idx * o_stride_h);\n"
+     "      for (int i = 0; i < 6; ++i) out[i] = fj_t[i];\n"
+     "      out[6] = smid;\n"
+     "    }\n"),
+]
+
+
+def instrumented_flashinfer(site: Path) -> Path:
+    """A copy of the flashinfer package from `site` with FI_PROBES in its ragged
+    prefill kernel; returns the folder to put first on sys.path."""
+    root = Path(tempfile.mkdtemp(prefix="cta-timing-fi-"))
+    shutil.copytree(site / "flashinfer", root / "flashinfer", symlinks=True)
+    path = root / "flashinfer/data/include/flashinfer/attention/prefill.cuh"
+    text = path.read_text()
+    begin = text.index("void BatchPrefillWithRaggedKVCacheKernel(")
+    end = text.index("\ntemplate", begin)
+    kernel = text[begin:end]
+    for anchor, code in FI_PROBES:
+        assert anchor in kernel, anchor
+        if code is None:  # the issue stamp goes before the loop, the loop-end stamp after the barrier
+            code = FI_STAMP.format(5) if "for (uint32_t iter" in anchor else FI_STAMP.format(2)
+            kernel = kernel.replace(anchor, code + anchor, 1) if "for (uint32_t iter" in anchor \
+                else kernel.replace(anchor, anchor + code, 1)
+        else:
+            kernel = kernel.replace(anchor, anchor + code, 1)
+    path.write_text(text[:begin] + kernel + text[end:])
+    return root
+
+
+def report(label: str, t: torch.Tensor, slots_per_sm: int) -> None:
+    """t: [CTAs, 7] stamps (entry, first tile, loop end, end, work decoded, copies issued, smid)."""
+    t = t.double()
+    start, first, last, end, decoded, issued, sm = t[:, 0], t[:, 1], t[:, 2], t[:, 3], t[:, 4], t[:, 5], t[:, 6].long()
+    ctas = t.shape[0]
+    span = (end.max() - start.min()) / 1e3
+    dur = (end - start) / 1e3
+    slots = len(sm.unique()) * slots_per_sm
+    us = lambda x: f"{(x / 1e3).mean():.2f} us"  # noqa: E731
+    print(f"{label}: {ctas} CTAs on {len(sm.unique())} SMs")
+    print(f"kernel span (first CTA start to last CTA end): {span:.1f} us")
+    print(f"CTA mean: {dur.mean():.2f} us (min {dur.min():.2f}, max {dur.max():.2f}); entry to first tile "
+          f"{us(first - start)}, tiles {us(last - first)}, stores {us(end - last)}")
+    print(f"  of the entry: work decoded {us(decoded - start)}, Q and first K/V issued {us(issued - decoded)}, "
+          f"waiting for them {us(first - issued)}")
+    print(f"slot use: sum of CTA durations / ({slots} slots x span) = {dur.sum() / (slots * span):.3f}")
+    first_sm = [int(c) for c in (sm[: min(ctas, slots)] == sm[0]).nonzero().flatten()]
+    print(f"first wave: CTAs {first_sm} share SM {int(sm[0])}")
+    starts = (start - start.min()) / 1e3
+    print("CTA starts per 10% of the span:", torch.histc(starts, bins=10, min=0, max=float(span)).long().tolist())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", type=int, default=128)
@@ -110,6 +180,9 @@ def main() -> int:
                         help="hold back the first wave's CTAs chosen by --stagger-which this long at entry")
     parser.add_argument("--stagger-which", default="blockIdx.x % 2 == 1",
                         help="CUDA condition on blockIdx.x / nsm choosing the held-back CTAs")
+    parser.add_argument("--flashinfer-site", type=Path,
+                        help="also time FlashInfer fa2's kernel, instrumented in a copy of the flashinfer package "
+                             "found in this site-packages folder")
     args = parser.parse_args()
     d, b = args.head_dim, args.batch
     h = 2048 // d
@@ -131,36 +204,26 @@ def main() -> int:
     for _ in range(3):
         w.run(q, k, v)
     torch.cuda.synchronize()
-    t = stamps.view(ctas, 7).cpu().double()
-    start, first, last, end, decoded, issued, sm = t[:, 0], t[:, 1], t[:, 2], t[:, 3], t[:, 4], t[:, 5], t[:, 6].long()
-    span = (end.max() - start.min()) / 1e3
-    dur = (end - start) / 1e3
-    slots = len(sm.unique()) * 2 if d != 256 else len(sm.unique())
-    print(f"{torch.cuda.get_device_name()}, bf16 d{d}, {b} x {args.qo_len} queries, {args.kv_len} keys, "
-          f"causal={args.causal}: {ctas} CTAs on {len(sm.unique())} SMs")
-    print(f"kernel span (first CTA start to last CTA end): {span:.1f} us")
-    print(f"CTA mean: {dur.mean():.2f} us (min {dur.min():.2f}, max {dur.max():.2f}); entry to first tile "
-          f"{((first - start) / 1e3).mean():.2f} us, tiles {((last - first) / 1e3).mean():.2f} us, stores "
-          f"{((end - last) / 1e3).mean():.2f} us")
-    print(f"  of the entry: work decoded {((decoded - start) / 1e3).mean():.2f} us, Q and first K/V issued "
-          f"{((issued - decoded) / 1e3).mean():.2f} us, waiting for them {((first - issued) / 1e3).mean():.2f} us")
-    print(f"slot use: sum of CTA durations / ({slots} slots x span) = {dur.sum() / (slots * span):.3f}")
-    # Idle time between a CTA's end and the next start on the same SM (either slot).
-    gaps = []
-    for s in sm.unique():
-        on = (sm == s).nonzero().flatten()
-        order = start[on].argsort()
-        st, en = start[on][order], end[on][order]
-        for i in range(2, len(st)):  # the i-th CTA took the slot the earliest-ending earlier one freed
-            freed = torch.sort(en[:i]).values[i - 2]
-            gaps.append(float(st[i] - freed) / 1e3)
-    if gaps:
-        g = torch.tensor(gaps)
-        print(f"slot refill gap (CTA start - slot freed): mean {g.mean():.2f} us, median {g.median():.2f} us")
-    starts = ((start - start.min()) / 1e3)
-    first_sm = [int(c) for c in (sm[: min(ctas, slots)] == sm[0]).nonzero().flatten()]
-    print(f"first wave: CTAs {first_sm} share SM {int(sm[0])}")
-    print("CTA starts per 10% of the span:", torch.histc(starts, bins=10, min=0, max=float(span)).long().tolist())
+    shape = f"bf16 d{d}, {b} x {args.qo_len} queries, {args.kv_len} keys, causal={args.causal}"
+    report(f"{torch.cuda.get_device_name()}, flashjit fa2, {shape}", stamps.view(ctas, 7).cpu(),
+           1 if d == 256 else 2)
+    if args.flashinfer_site:
+        os.environ["FLASHINFER_WORKSPACE_BASE"] = tempfile.mkdtemp(prefix="cta-timing-fi-jit-")
+        sys.path.insert(0, str(instrumented_flashinfer(args.flashinfer_site.resolve())))
+        import flashinfer
+
+        assert Path(flashinfer.__file__).resolve().is_relative_to(Path(sys.path[0]).resolve()), flashinfer.__file__
+        fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+            torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD", backend="fa2")
+        fw.plan(indptr([args.qo_len] * b).cuda(), indptr([args.kv_len] * b).cuda(), h, h, d, causal=args.causal,
+                q_data_type=torch.bfloat16)
+        for _ in range(3):
+            out = fw.run(q, k, v)
+        torch.cuda.synchronize()
+        tiles = -(-args.qo_len // 128)
+        rows = torch.tensor([r * args.qo_len + t * 128 for r in range(b) for t in range(tiles)])
+        fi = out.contiguous().view(torch.int64)[rows][:, :, :7].reshape(-1, 7).cpu()
+        report(f"FlashInfer fa2 (CTA tile 128 assumed), {shape}", fi, 1 if d == 256 else 2)
     return 0
 
 
