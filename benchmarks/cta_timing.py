@@ -12,6 +12,7 @@ shipped templates are not touched.
 
 Usage: python benchmarks/cta_timing.py [--head-dim 128] [--batch 16] [--qo-len 1024] [--kv-len 1024]
        [--causal] [--templates DIR] [--stagger-ns NS [--stagger-which CONDITION]] [--flashinfer-site DIR]
+       [--tiling 'Fa2Tiling(...)']
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from common import use_templates
 from prefill import indptr
 
 import flashjit
-from flashjit import jit, render
+from flashjit import jit, kernels, render
 
 HEADER = "include/flashjit/fa2_attention.cuh"
 # (anchor in the kernel source, code inserted after it)
@@ -180,12 +181,15 @@ def main() -> int:
                         help="hold back the first wave's CTAs chosen by --stagger-which this long at entry")
     parser.add_argument("--stagger-which", default="blockIdx.x % 2 == 1",
                         help="CUDA condition on blockIdx.x / nsm choosing the held-back CTAs")
+    parser.add_argument("--tiling", help="a Fa2Tiling(...) expression in place of the head_dim's prefill tilings")
     parser.add_argument("--flashinfer-site", type=Path,
                         help="also time FlashInfer fa2's kernel, instrumented in a copy of the flashinfer package "
                              "found in this site-packages folder")
     args = parser.parse_args()
     d, b = args.head_dim, args.batch
     h = 2048 // d
+    if args.tiling:
+        kernels.FA2_TILINGS[d] = kernels.FA2_WIDE_TILINGS[d] = eval(args.tiling, {"Fa2Tiling": kernels.Fa2Tiling})
     stagger = stagger_probe(args.stagger_ns, args.stagger_which) if args.stagger_ns else None
     use_templates(instrumented_templates(args.templates, stagger))
     jit._modules.clear()

@@ -41,11 +41,8 @@ VARIANTS = {
         "64-key tiles x 2 stages, one wait per tile": Fa2Tiling(4, 64, 2, True, 2, frags_m=2, one_wait=True),
     },
     128: {
-        # One CTA per SM, past SMEM_BUDGET (sm_90a-class only): each K/V tile feeds 8 warps.
-        "8 warps of two fragments (256 rows), 64-key tiles x 2 stages, 128 KB": Fa2Tiling(
-            8, 64, 2, False, 1, frags_m=2, one_wait=True, fence_pv=True),
-        "8 warps of two fragments (256 rows), 64-key tiles x 3 stages, 160 KB": Fa2Tiling(
-            8, 64, 3, False, 1, frags_m=2, one_wait=True, fence_pv=True),
+        # The wide tiling waiting for K at the top of a tile and for V before P.V.
+        "two fragments, two waits per tile": Fa2Tiling(4, 64, 2, False, 2, frags_m=2, fence_pv=True),
     },
     256: {
         "two waits per tile (previous default)": Fa2Tiling(4, 32, 2, False, 2),
