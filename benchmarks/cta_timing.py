@@ -192,6 +192,9 @@ def main() -> int:
         kernels.FA2_TILINGS[d] = kernels.FA2_WIDE_TILINGS[d] = eval(args.tiling, {"Fa2Tiling": kernels.Fa2Tiling})
     stagger = stagger_probe(args.stagger_ns, args.stagger_which) if args.stagger_ns else None
     use_templates(instrumented_templates(args.templates, stagger))
+    # A cached library is found by the spec and the generator's files, not a
+    # tiling replaced at run time: a private cache builds what is asked for.
+    os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="cta-timing-cache-")
     jit._modules.clear()
     q = torch.randn(b * args.qo_len, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b * args.kv_len, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
