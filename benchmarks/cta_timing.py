@@ -36,12 +36,14 @@ HEADER = "include/flashjit/fa2_attention.cuh"
 # (anchor in the kernel source, code inserted after it)
 PROBES = [
     ("    fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {\n",
-     "  unsigned long long fj_t[6] = {0, 0, 0, 0, 0, 0};\n"
+     "  unsigned long long fj_t[7] = {0, 0, 0, 0, 0, 0, 0};\n"
      "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[0]));\n"),
     ("  const CtaWork w = decode_work<Traits::kPaged>(p, ROWS);\n",
      "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[4]));\n"),
     ("    lookup(STAGES - 1);\n",
      "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[5]));\n"),
+    ("    // Who copies which K/V rows",  # (inserted before the anchor: see instrumented_templates)
+     "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[6]));\n"),
     ("      tile_barrier();\n      issue_k(t + STAGES - 1);\n",
      "      if (t == 0) asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[1]));\n"),
     ("  fa2::store_rows<Traits>(p, w, o, m, l, smem, warp_row0, rows_total, scale);\n",
@@ -50,9 +52,10 @@ PROBES = [
      "  if (threadIdx.x == 0 && w.split < 0 && p.partial_lse != nullptr) {\n"
      "    unsigned smid;\n"
      "    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
-     "    auto* out = reinterpret_cast<unsigned long long*>(p.partial_lse) + 7 * size_t(blockIdx.x);\n"
+     "    auto* out = reinterpret_cast<unsigned long long*>(p.partial_lse) + 8 * size_t(blockIdx.x);\n"
      "    for (int i = 0; i < 6; ++i) out[i] = fj_t[i];\n"
      "    out[6] = smid;\n"
+     "    out[7] = fj_t[6];\n"
      "  }\n"),
 ]
 # Before the stores: the end of the main loop, once every warp is there (a
@@ -95,7 +98,8 @@ def instrumented_templates(source: Path | None = None, stagger: tuple | None = N
     text = text.replace(anchor, code + anchor)
     for anchor, code in PROBES:
         assert text.count(anchor) == 1, anchor
-        text = text.replace(anchor, anchor + code)
+        # An anchor that is not a whole line starts a comment: the probe goes before it.
+        text = text.replace(anchor, anchor + code if anchor.endswith("\n") else code + anchor)
     path.write_text(text)
     return folder
 
@@ -206,14 +210,16 @@ def main() -> int:
         print("the plan splits keys: no timestamps", file=sys.stderr)
         return 1
     ctas = plan.num_work * h
-    stamps = torch.zeros(ctas * 7, dtype=torch.int64, device="cuda")
+    stamps = torch.zeros(ctas * 8, dtype=torch.int64, device="cuda")
     w._plan = dataclasses.replace(plan, partials=(0, stamps.data_ptr()))
     for _ in range(3):
         w.run(q, k, v)
     torch.cuda.synchronize()
     shape = f"bf16 d{d}, {b} x {args.qo_len} queries, {args.kv_len} keys, causal={args.causal}"
-    report(f"{torch.cuda.get_device_name()}, flashjit fa2, {shape}", stamps.view(ctas, 7).cpu(),
-           1 if d == 256 else 2)
+    t = stamps.view(ctas, 8).cpu()
+    report(f"{torch.cuda.get_device_name()}, flashjit fa2, {shape}", t[:, :7], 1 if d == 256 else 2)
+    print(f"  of the copies issued: Q {((t[:, 7] - t[:, 4]).double() / 1e3).mean():.2f} us, "
+          f"first K/V {((t[:, 5] - t[:, 7]).double() / 1e3).mean():.2f} us")
     if args.flashinfer_site:
         os.environ["FLASHINFER_WORKSPACE_BASE"] = tempfile.mkdtemp(prefix="cta-timing-fi-jit-")
         sys.path.insert(0, str(instrumented_flashinfer(args.flashinfer_site.resolve())))
