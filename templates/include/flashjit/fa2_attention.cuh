@@ -139,20 +139,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       using R = fa2::TileRows<ROWS, D, THREADS, kCopySpan>;
       constexpr int kSpanElems = kCopySpan / int(sizeof(T));
       const int chunk = tid % R::kChunks, r0 = tid / R::kChunks;
-      const auto packed = w.packed_rows();
+      auto rows = w.packed_rows().walk<R::kRowsPerPass>(w.row_begin + r0, p.q_stride_n, p.q_stride_h);
 #pragma unroll
       for (int i = 0; i < R::kPerThread; ++i) {
-        const int r = r0 + i * R::kRowsPerPass, row = w.row_begin + r;
-        const bool ok = row < rows_total;
-        const T* src = q_base;  // mapped fallback address, nothing is read from it
-        if (ok) {
-          int token, head;
-          packed.locate(row, token, head);
-          src = q_base + int64_t(token) * p.q_stride_n + int64_t(head) * p.q_stride_h + chunk * 8;
-        }
+        const int r = r0 + i * R::kRowsPerPass;
+        const bool ok = w.row_begin + r < rows_total;
+        // Past the request: a mapped fallback address, nothing is read from it.
+        const T* src = ok ? q_base + rows.offset + chunk * 8 : q_base;
 #pragma unroll
         for (int j = 0; j < R::kSpans; ++j)
           cp_async_16(q_smem + fa2::swizzled<ROW_BYTES>(r, chunk) + j * kCopySpan, src + (ok ? j * kSpanElems : 0), ok);
+        rows.next();
       }
     }
 

@@ -137,19 +137,20 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
     }
   __syncwarp();
   {
-    constexpr int kChunks = D / 8;
+    // Lane l stores chunk l % kChunks of rows l / kChunks + kRowStep * i.
+    constexpr int kChunks = D / 8, kRowStep = 32 / kChunks;
+    static_assert(32 % kChunks == 0, "a warp covers whole rows of the output");
     T* o_base = static_cast<T*>(p.o);
+    const int rr0 = lane / kChunks, c = lane % kChunks;
+    auto rows = packed.template walk<kRowStep>(warp_row0 + rr0, p.o_stride_n, p.o_stride_h);
 #pragma unroll
-    for (int i = 0; i < WROWS * kChunks / 32; ++i) {
-      const int idx = i * 32 + lane, rr = idx / kChunks, c = idx % kChunks;
-      const int row = warp_row0 + rr;
-      if (row < rows_total) {
-        int token, head;
-        packed.locate(row, token, head);
+    for (int i = 0; i < WROWS / kRowStep; ++i) {
+      const int rr = rr0 + i * kRowStep;
+      if (warp_row0 + rr < rows_total) {
         const uint4 val = *reinterpret_cast<const uint4*>(stage + swizzled<ROW_BYTES>(rr, c));
-        *reinterpret_cast<uint4*>(o_base + int64_t(token) * p.o_stride_n + int64_t(head) * p.o_stride_h +
-                                  c * 8) = val;
+        *reinterpret_cast<uint4*>(o_base + rows.offset + c * 8) = val;
       }
+      rows.next();
     }
   }
   if (Traits::kLse && p.lse != nullptr && tq == 0) {

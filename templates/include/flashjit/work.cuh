@@ -46,6 +46,42 @@ struct CtaWork {
       token = qo_start + q;
       head = head0 + by_group.mod(row, q);
     }
+
+    // The element offsets (token * stride_n + head * stride_h) of rows first,
+    // first + kStep, first + 2 kStep, ...: one division for the first row, then
+    // an add per row (kStep % group heads on, and a token on where they wrap).
+    // A CTA's Q copies and output stores walk 8-16 rows per thread; a division
+    // and two 64-bit products per row had made the Q copies take 1.3 of the 3.5
+    // microseconds before a d128 CTA's first tile (benchmarks/cta_timing.py).
+    template <int kStep>
+    struct Walk {
+      int64_t offset;       // of the current row
+      int head_in_group;    // its row % group
+      int group, head_step;
+      int64_t step_offset;  // kStep / group tokens and kStep % group heads on
+      int64_t wrap_offset;  // one token on, group heads back
+      __device__ __forceinline__ void next() {
+        offset += step_offset;
+        head_in_group += head_step;
+        if (head_in_group >= group) {
+          head_in_group -= group;
+          offset += wrap_offset;
+        }
+      }
+    };
+    template <int kStep>
+    __device__ __forceinline__ Walk<kStep> walk(int first, int64_t stride_n, int64_t stride_h) const {
+      Walk<kStep> w;
+      const int q = by_group.div(first);
+      w.head_in_group = by_group.mod(first, q);
+      w.group = int(by_group.d);
+      w.offset = int64_t(qo_start + q) * stride_n + int64_t(head0 + w.head_in_group) * stride_h;
+      const int q_step = by_group.div(kStep);
+      w.head_step = by_group.mod(kStep, q_step);
+      w.step_offset = int64_t(q_step) * stride_n + int64_t(w.head_step) * stride_h;
+      w.wrap_offset = stride_n - int64_t(w.group) * stride_h;
+      return w;
+    }
   };
   __device__ __forceinline__ PackedRows packed_rows() const {
     return PackedRows{qo_start, kv_head * group, FastDivmod(group)};
