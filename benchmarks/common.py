@@ -24,6 +24,25 @@ def event_ms(fn, inner: int = 1) -> float:
     return start.elapsed_time(end)
 
 
+def kernel_times(fn, calls: int = 20) -> dict[str, float]:
+    """Mean µs per call of each CUDA kernel that fn launches (torch.profiler)."""
+    from collections import defaultdict
+
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            times[event.key] += event.device_time_total / calls
+    return dict(times)
+
+
 def round_orders(items: list, rounds: int):
     """The order in which to time `items` in each of `rounds` rounds: as given,
     then reversed, alternately. Timed once each in a fixed order, identical

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
-
 import torch
-from common import emit
+from common import emit, kernel_times
 from decode import BF16, D, PAGE, paged_cache
 
 import flashjit
@@ -20,21 +18,6 @@ ROWS = [("GQA 64x4k 32/8", 64, 4096, 32, 8), ("MHA 64x4k 32/32", 64, 4096, 32, 3
         ("split 1x32k 32/8", 1, 32768, 32, 8),
         ("split 1x128k 32/8", 1, 131072, 32, 8)]
 CALLS = 20
-
-
-def kernel_times(fn) -> dict[str, float]:
-    """Mean µs per call of each CUDA kernel that fn launches."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-    times = defaultdict(float)
-    for event in prof.key_averages():
-        if event.device_time_total > 0:
-            times[event.key] += event.device_time_total / CALLS
-    return dict(times)
 
 
 def short_name(kernel: str) -> str:
@@ -64,7 +47,7 @@ def main() -> int:
             w.plan(indptr, indices, last, qo_heads, kv_heads, D, PAGE, q_data_type=BF16, disable_split_kv=no_split)
             chunk = w._plan.work.kv_chunk or "none"  # the plan's split, for the table
             chunk = f"{chunk} (split disabled)" if no_split else chunk
-            for kernel, us in sorted(kernel_times(lambda: w.run(q, cache)).items(), key=lambda kv: -kv[1]):
+            for kernel, us in sorted(kernel_times(lambda: w.run(q, cache), CALLS).items(), key=lambda kv: -kv[1]):
                 lines.append(f"| {label} | {'tensor' if tensor_cores else 'CUDA'} | {chunk} | "
                              f"{short_name(kernel)} | {us:.1f} |")
                 print(lines[-1], flush=True)

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 import torch
-from common import emit, round_orders
+from common import emit, kernel_times, round_orders
 from prefill import bench_ms, flashinfer_ragged, flashjit_ragged
 
 KV_LENS = [256, 512, 1024, 2048, 4096]
@@ -72,20 +72,12 @@ def main() -> int:
     if args.profile:
         lines += ["", "Kernel time per call from torch.profiler (device time of every kernel a call launches), "
                   "against the event-timed call above: the difference is time between kernels.", "",
-                  "| keys per request | implementation | kernels per call | kernel µs per call | event µs per call |",
+                  "| keys per request | implementation | kernels | kernel µs per call | event µs per call |",
                   "|---|---|---|---|---|"]
         for kv in KV_LENS:
             for n in names:
-                calls, run = 20, runs[(n, kv)]
-                run()
-                torch.cuda.synchronize()
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    for _ in range(calls):
-                        run()
-                    torch.cuda.synchronize()
-                events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-                device_us = sum(e.device_time for e in events) / calls
-                lines.append(f"| {kv} | {n} | {len(events) / calls:.1f} | {device_us:.1f} | {mean[(n, kv)]:.1f} |")
+                times = kernel_times(runs[(n, kv)])
+                lines.append(f"| {kv} | {n} | {len(times)} | {sum(times.values()):.1f} | {mean[(n, kv)]:.1f} |")
     emit("\n".join(lines), args.out)
     return 0
 
