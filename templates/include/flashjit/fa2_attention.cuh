@@ -366,15 +366,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         for (int r = 0; r < 2; ++r) mx[f][r] = fmaxf(mx[f][r], __shfl_xor_sync(0xffffffffu, mx[f][r], 2));
       }
 
-      // m[f] := mx[f], with O and l rescaled to it. A row that has seen no key
-      // keeps m = -inf and a 0 reference, so exp2(-inf - (-inf)) never makes a
-      // NaN; everything is 0 then.
-      // m_ref: the exponent reference m * scale (0 while m = -inf). The exact
-      // path leaves l's factor in l_scale, for one FFMA with the sum.
+      // m_ref: the exponent reference m * scale, 0 while m = -inf, so that
+      // exp2(-inf - (-inf)) never makes a NaN (a row that has seen no key gets 0
+      // everywhere). The exact path leaves l's factor in l_scale, for one FFMA
+      // with the sum.
       float m_ref[FM][2], l_scale[FM][2];
-      // Row r of fragment f takes mx[f][r] as its max where moves[r], and keeps
-      // m (a factor of exactly 1) elsewhere. A row that has seen no key keeps
-      // m = -inf and a 0 reference, so exp2(-inf - (-inf)) never makes a NaN.
+      // Row r of fragment f takes mx[f][r] as its max where moves[r], with O and
+      // l rescaled to it, and keeps m (a factor of exactly 1) elsewhere.
       auto move_max = [&](int f, const bool (&moves)[2]) {
         float rescale[2];
 #pragma unroll
