@@ -33,22 +33,28 @@ import flashjit
 from flashjit import jit, kernels, render
 
 HEADER = "include/flashjit/fa2_attention.cuh"
-# (anchor in the kernel source, code inserted after it)
+
+
+def stamp(i: int, indent: str = "  ") -> str:
+    """CUDA that reads %globaltimer into fj_t[i]."""
+    return f"{indent}asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[{i}]));\n"
+
+
+# (anchor in the kernel source, code, "before" or "after" the anchor). fj_t:
+# entry, first tile landed, loop end, end, work decoded, copies issued, Q issued.
+STORES = "  fa2::store_rows<Traits>(p, w, o, m, l, smem, warp_row0, rows_total, scale);\n"
 PROBES = [
     ("    fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {\n",
-     "  unsigned long long fj_t[7] = {0, 0, 0, 0, 0, 0, 0};\n"
-     "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[0]));\n"),
-    ("  const CtaWork w = decode_work<Traits::kPaged>(p, ROWS);\n",
-     "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[4]));\n"),
-    ("    lookup(STAGES - 1);\n",
-     "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[5]));\n"),
-    ("    // Who copies which K/V rows",  # (inserted before the anchor: see instrumented_templates)
-     "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[6]));\n"),
-    ("      tile_barrier();\n      issue_k(t + STAGES - 1);\n",
-     "      if (t == 0) asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[1]));\n"),
-    ("  fa2::store_rows<Traits>(p, w, o, m, l, smem, warp_row0, rows_total, scale);\n",
-     "  __syncthreads();\n"
-     "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[3]));\n"
+     "  unsigned long long fj_t[7] = {0, 0, 0, 0, 0, 0, 0};\n" + stamp(0), "after"),
+    ("  const CtaWork w = decode_work<Traits::kPaged>(p, ROWS);\n", stamp(4), "after"),
+    ("    // Who copies which K/V rows", stamp(6, "    "), "before"),
+    ("    lookup(STAGES - 1);\n", stamp(5, "    "), "after"),
+    ("      tile_barrier();\n      issue_k(t + STAGES - 1);\n", "      if (t == 0) " + stamp(1, ""), "after"),
+    # The loop's end once every warp is there (a barrier the shipped kernel does
+    # not have), so that the stores' time holds no warp's lag behind thread 0.
+    (STORES, "  __syncthreads();\n" + stamp(2), "before"),
+    (STORES,
+     "  __syncthreads();\n" + stamp(3) +
      "  if (threadIdx.x == 0 && w.split < 0 && p.partial_lse != nullptr) {\n"
      "    unsigned smid;\n"
      "    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
@@ -56,14 +62,16 @@ PROBES = [
      "    for (int i = 0; i < 6; ++i) out[i] = fj_t[i];\n"
      "    out[6] = smid;\n"
      "    out[7] = fj_t[6];\n"
-     "  }\n"),
+     "  }\n", "after"),
 ]
-# Before the stores: the end of the main loop, once every warp is there (a
-# barrier the shipped kernel does not have), so that the stores' time holds no
-# warp's lag behind thread 0.
-BEFORE_STORES = ("  fa2::store_rows<Traits>(p, w, o, m, l, smem, warp_row0, rows_total, scale);\n",
-                 "  __syncthreads();\n"
-                 "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[2]));\n")
+
+
+def insert_probes(text: str, probes) -> str:
+    """`text` with each probe's code put before or after the first occurrence of its anchor."""
+    for anchor, code, where in probes:
+        assert anchor in text, anchor
+        text = text.replace(anchor, code + anchor if where == "before" else anchor + code, 1)
+    return text
 
 
 def stagger_probe(ns: int, second: str) -> tuple:
@@ -81,26 +89,14 @@ def stagger_probe(ns: int, second: str) -> tuple:
             "        asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t));\n"
             f"      }} while (t - t0 < {ns}ull);\n"
             "    }\n"
-            "  }\n")
+            "  }\n", "after")
 
 
 def instrumented_templates(source: Path | None = None, stagger: tuple | None = None) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="cta-timing-")) / "templates"
     shutil.copytree(source or render.templates_dir(), folder)
     path = folder / HEADER
-    text = path.read_text()
-    if stagger:
-        anchor, code = stagger
-        assert text.count(anchor) == 1, anchor
-        text = text.replace(anchor, anchor + code)
-    anchor, code = BEFORE_STORES
-    assert text.count(anchor) == 1, anchor
-    text = text.replace(anchor, code + anchor)
-    for anchor, code in PROBES:
-        assert text.count(anchor) == 1, anchor
-        # An anchor that is not a whole line starts a comment: the probe goes before it.
-        text = text.replace(anchor, anchor + code if anchor.endswith("\n") else code + anchor)
-    path.write_text(text)
+    path.write_text(insert_probes(path.read_text(), ([stagger] if stagger else []) + PROBES))
     return folder
 
 
@@ -108,16 +104,17 @@ def instrumented_templates(source: Path | None = None, stagger: tuple | None = N
 # of its package (its JIT builds from the copy's headers into a private cache).
 # The stamps go over the first 56 bytes of each CTA's first output row (group
 # size 1, no split), written after the CTA's own stores.
-FI_STAMP = "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_t[{}]));\n"
 FI_PROBES = [
-    ("    auto block = cg::this_thread_block();\n", "  unsigned long long fj_t[6] = {0, 0, 0, 0, 0, 0};\n" + FI_STAMP.format(0)),
-    ("    const uint32_t kv_abs_base = kv_indptr[request_idx] + chunk_start;\n", FI_STAMP.format(4)),
-    ("#pragma unroll 1\n      for (uint32_t iter = 0; iter < num_iterations; ++iter) {\n", None),
-    ("          cp_async::wait_group<1>();\n        }\n        block.sync();\n",
-     "  if (iter == 0) " + FI_STAMP.format(1).lstrip()),
-    ("      cp_async::wait_group<0>();\n      block.sync();\n\n      finalize_m<KTraits>(variant, m);\n", None),
+    ("    auto block = cg::this_thread_block();\n",
+     "  unsigned long long fj_t[6] = {0, 0, 0, 0, 0, 0};\n" + stamp(0), "after"),
+    ("    const uint32_t kv_abs_base = kv_indptr[request_idx] + chunk_start;\n", stamp(4), "after"),
+    ("#pragma unroll 1\n      for (uint32_t iter = 0; iter < num_iterations; ++iter) {\n", stamp(5), "before"),
+    ("          cp_async::wait_group<1>();\n        }\n        block.sync();\n",  # the first: K's wait
+     "  if (iter == 0) " + stamp(1, ""), "after"),
+    ("      cp_async::wait_group<0>();\n      block.sync();\n\n      finalize_m<KTraits>(variant, m);\n",
+     stamp(2), "after"),
     ("      block.sync();\n    }  // d_tile (split-D over VO) loop\n",
-     FI_STAMP.format(3) +
+     stamp(3) +
      "    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0 && !partition_kv) {\n"
      "      unsigned smid;\n"
      "      asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
@@ -125,7 +122,7 @@ FI_PROBES = [
      "          o + (o_indptr[request_idx] + qo_tile_idx * CTA_TILE_Q) * o_stride_n + kv_head_idx * o_stride_h);\n"
      "      for (int i = 0; i < 6; ++i) out[i] = fj_t[i];\n"
      "      out[6] = smid;\n"
-     "    }\n"),
+     "    }\n", "after"),
 ]
 
 
@@ -138,16 +135,7 @@ def instrumented_flashinfer(site: Path) -> Path:
     text = path.read_text()
     begin = text.index("void BatchPrefillWithRaggedKVCacheKernel(")
     end = text.index("\ntemplate", begin)
-    kernel = text[begin:end]
-    for anchor, code in FI_PROBES:
-        assert anchor in kernel, anchor
-        if code is None:  # the issue stamp goes before the loop, the loop-end stamp after the barrier
-            code = FI_STAMP.format(5) if "for (uint32_t iter" in anchor else FI_STAMP.format(2)
-            kernel = kernel.replace(anchor, code + anchor, 1) if "for (uint32_t iter" in anchor \
-                else kernel.replace(anchor, anchor + code, 1)
-        else:
-            kernel = kernel.replace(anchor, anchor + code, 1)
-    path.write_text(text[:begin] + kernel + text[end:])
+    path.write_text(text[:begin] + insert_probes(text[begin:end], FI_PROBES) + text[end:])
     return root
 
 

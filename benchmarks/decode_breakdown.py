@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+
 import torch
 from common import emit, kernel_times
 from decode import BF16, D, PAGE, paged_cache

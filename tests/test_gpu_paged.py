@@ -153,8 +153,8 @@ def test_paged_and_ragged_prefill_identical_after_late_spikes(prewarmed, error_r
     out_paged, out_ragged = paged.run(q, batch.cache), ragged.run(q, batch.k, batch.v)
     ref, _ = ragged_reference(q, batch.k, batch.v, starts, starts, causal=causal)
     for op, out in [("batch_prefill_paged", out_paged), ("batch_prefill_ragged", out_ragged)]:
-        check(spec_for(op, dtype, head_dim, causal, tensor_cores=True), out, ref, q, batch.k, batch.v, max(lens), 1 / math.sqrt(head_dim),
-              error_report, f"{op}_late_spikes")
+        check(spec_for(op, dtype, head_dim, causal, tensor_cores=True), out, ref, q, batch.k, batch.v, max(lens),
+              1 / math.sqrt(head_dim), error_report, f"{op}_late_spikes")
     assert torch.equal(out_paged, out_ragged), float((out_paged.float() - out_ragged.float()).abs().max())
 
 
