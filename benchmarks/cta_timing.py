@@ -10,9 +10,15 @@ Non-split plans only: the timestamps go to the partial-LSE pointer, which such
 a plan leaves unused. The instrumented copy lives in a temporary folder; the
 shipped templates are not touched.
 
+With --tiles, thread 0 also stamps the first TILES tiles of its CTA: at the
+top of the tile, once the tile's K/V landed (wait and barrier), once the next
+copies are issued (FlashInfer: its Q.K^T and softmax done) and before P.V
+(FlashInfer: its V landed); the report gives the mean of each part per tile.
+
 Usage: python benchmarks/cta_timing.py [--head-dim 128] [--batch 16] [--qo-len 1024] [--kv-len 1024]
        [--causal] [--templates DIR] [--stagger-ns NS [--stagger-which CONDITION]] [--flashinfer-site DIR]
-       [--tiling 'Fa2Tiling(...)']
+       [--tiling 'Fa2Tiling(...)'] [--tiles]
+$CTA_TIMING_CACHE: a folder where runs share their builds.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import flashjit
 from flashjit import jit, kernels, render
 
 HEADER = "include/flashjit/fa2_attention.cuh"
+TILES, TILE_STAMPS = 16, 4  # --tiles: stamps per tile, for the first TILES tiles of a CTA
+STRIDE = 8 + TILES * TILE_STAMPS  # int64 slots per CTA: the phase stamps, then the tiles'
 
 
 def stamp(i: int, indent: str = "  ") -> str:
@@ -58,11 +66,29 @@ PROBES = [
      "  if (threadIdx.x == 0 && w.split < 0 && p.partial_lse != nullptr) {\n"
      "    unsigned smid;\n"
      "    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
-     "    auto* out = reinterpret_cast<unsigned long long*>(p.partial_lse) + 8 * size_t(blockIdx.x);\n"
+     f"    auto* out = reinterpret_cast<unsigned long long*>(p.partial_lse) + {STRIDE} * size_t(blockIdx.x);\n"
      "    for (int i = 0; i < 6; ++i) out[i] = fj_t[i];\n"
      "    out[6] = smid;\n"
      "    out[7] = fj_t[6];\n"
      "  }\n", "after"),
+]
+
+
+def tile_stamp(slot: int, dst: str, t: str = "t") -> str:
+    """CUDA by which thread 0 stamps `slot` of tile `t` (of the first TILES) into dst[4t + slot]."""
+    return (f"      if (threadIdx.x + threadIdx.y + threadIdx.z == 0 && {t} < {TILES}) {{\n"
+            "        unsigned long long fj_now;\n"
+            "        asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_now));\n"
+            f"        {dst}[{TILE_STAMPS} * {t} + {slot}] = fj_now;\n"
+            "      }\n")
+
+
+FJ_TILES = f"(reinterpret_cast<unsigned long long*>(p.partial_lse) + {STRIDE} * size_t(blockIdx.x) + 8)"
+TILE_PROBES = [  # our kernel: top, K/V landed, next copies issued, before P.V
+    ("      const int t0 = key_begin + t * KEYS;\n", tile_stamp(0, FJ_TILES), "after"),
+    ("      issue_k(t + STAGES - 1);\n", tile_stamp(1, FJ_TILES), "before"),
+    ("      lookup(t + STAGES);\n", tile_stamp(2, FJ_TILES), "after"),
+    ("        if constexpr (Traits::kFencePv) __syncwarp();\n", "  " + tile_stamp(3, FJ_TILES), "before"),
 ]
 
 
@@ -92,11 +118,12 @@ def stagger_probe(ns: int, second: str) -> tuple:
             "  }\n", "after")
 
 
-def instrumented_templates(source: Path | None = None, stagger: tuple | None = None) -> Path:
+def instrumented_templates(source: Path | None = None, stagger: tuple | None = None, tiles: bool = False) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="cta-timing-")) / "templates"
     shutil.copytree(source or render.templates_dir(), folder)
     path = folder / HEADER
-    path.write_text(insert_probes(path.read_text(), ([stagger] if stagger else []) + PROBES))
+    probes = ([stagger] if stagger else []) + PROBES + (TILE_PROBES if tiles else [])
+    path.write_text(insert_probes(path.read_text(), probes))
     return folder
 
 
@@ -126,7 +153,28 @@ FI_PROBES = [
 ]
 
 
-def instrumented_flashinfer(site: Path) -> Path:
+# With --tiles, FlashInfer's tiles are stamped into a device array (its
+# kernel has no spare output) that thread 0 copies after its stores into the
+# CTA's output rows 1, 2, ... (after the phase stamps of row 0).
+FI_TILES_ARRAY = "static __device__ unsigned long long fj_tiles[1 << 20];\n"
+FI_TILES = (f"(fj_tiles + {TILES * TILE_STAMPS} * size_t(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * "
+            "blockIdx.z)))")
+FI_TILE_PROBES = [  # top, K landed, Q.K^T and softmax done, V landed
+    ("        // Shared K/V serializes loads (no K/V prefetch overlap) -> drain fully.\n",
+     tile_stamp(0, FI_TILES, "iter"), "before"),
+    ("          cp_async::wait_group<1>();\n        }\n        block.sync();\n",
+     tile_stamp(1, FI_TILES, "iter"), "after"),
+    ("          update_mdo_states<KTraits>(variant, s_frag, o_frag, m, d);\n        }\n",
+     tile_stamp(2, FI_TILES, "iter"), "after"),
+    ("          cp_async::commit_group();\n          cp_async::wait_group<1>();\n        }\n        block.sync();\n",
+     tile_stamp(3, FI_TILES, "iter"), "after"),
+    ("      for (int i = 0; i < 6; ++i) out[i] = fj_t[i];\n",
+     f"      for (int i = 0; i < {TILES * TILE_STAMPS}; ++i)\n"
+     f"        out[(1 + i / {{per_row}}) * (o_stride_n / 4) + i % {{per_row}}] = {FI_TILES}[i];\n", "after"),
+]
+
+
+def instrumented_flashinfer(site: Path, tiles: bool = False, head_dim: int = 128) -> Path:
     """A copy of the flashinfer package from `site` with FI_PROBES in its ragged
     prefill kernel; returns the folder to put first on sys.path."""
     root = Path(tempfile.mkdtemp(prefix="cta-timing-fi-"))
@@ -134,8 +182,13 @@ def instrumented_flashinfer(site: Path) -> Path:
     path = root / "flashinfer/data/include/flashinfer/attention/prefill.cuh"
     text = path.read_text()
     begin = text.index("void BatchPrefillWithRaggedKVCacheKernel(")
-    end = text.index("\ntemplate", begin)
-    path.write_text(text[:begin] + insert_probes(text[begin:end], FI_PROBES) + text[end:])
+    begin = text.rindex("\ntemplate", 0, begin)  # the kernel's template line
+    end = text.index("\ntemplate", begin + 1)
+    probes = FI_PROBES
+    if tiles:  # a bf16 output row of one head holds head_dim / 4 int64 slots
+        probes = FI_PROBES + [(a, c.replace("{per_row}", str(head_dim // 4)), w) for a, c, w in FI_TILE_PROBES]
+    kernel = insert_probes(text[begin:end], probes)
+    path.write_text(text[:begin] + (FI_TILES_ARRAY if tiles else "") + kernel + text[end:])
     return root
 
 
@@ -161,6 +214,25 @@ def report(label: str, t: torch.Tensor, slots_per_sm: int) -> None:
     print("CTA starts per 10% of the span:", torch.histc(starts, bins=10, min=0, max=float(span)).long().tolist())
 
 
+def report_tiles(tiles: torch.Tensor, loop_end: torch.Tensor, parts: list[str]) -> None:
+    """tiles: [CTAs, TILES * TILE_STAMPS] per-tile stamps (0 where a CTA had fewer
+    tiles); loop_end: [CTAs]. Mean µs of each part of each tile over the CTAs that
+    have it; a tile ends where the next one starts (the last one at loop_end)."""
+    tiles = tiles.double().view(tiles.shape[0], TILES, TILE_STAMPS)
+    tops = torch.cat([tiles[:, 1:, 0], loop_end.double()[:, None]], dim=1)
+    ends = torch.where(tops > 0, tops, loop_end.double()[:, None])  # past a CTA's last tile: its loop end
+    bounds = torch.cat([tiles, ends[:, :, None]], dim=2)  # [CTAs, TILES, TILE_STAMPS + 1]
+    print("| tile | " + " | ".join(parts) + " | tile |")
+    print("|---" * (len(parts) + 2) + "|")
+    for i in range(TILES):
+        have = tiles[:, i, 0] > 0
+        if not bool(have.any()):
+            break
+        b = bounds[have, i] / 1e3
+        cells = [f"{(b[:, k + 1] - b[:, k]).mean():.3f}" for k in range(TILE_STAMPS)]
+        print(f"| {i} | " + " | ".join(cells) + f" | {(b[:, -1] - b[:, 0]).mean():.3f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", type=int, default=128)
@@ -177,16 +249,21 @@ def main() -> int:
     parser.add_argument("--flashinfer-site", type=Path,
                         help="also time FlashInfer fa2's kernel, instrumented in a copy of the flashinfer package "
                              "found in this site-packages folder")
+    parser.add_argument("--tiles", action="store_true", help=f"also time each of the first {TILES} tiles in parts")
     args = parser.parse_args()
     d, b = args.head_dim, args.batch
     h = 2048 // d
     if args.tiling:
         kernels.FA2_TILINGS[d] = kernels.FA2_WIDE_TILINGS[d] = eval(args.tiling, {"Fa2Tiling": kernels.Fa2Tiling})
     stagger = stagger_probe(args.stagger_ns, args.stagger_which) if args.stagger_ns else None
-    use_templates(instrumented_templates(args.templates, stagger))
+    use_templates(instrumented_templates(args.templates, stagger, args.tiles))
     # A cached library is found by the spec and the generator's files, not a
     # tiling replaced at run time: a private cache builds what is asked for.
-    os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="cta-timing-cache-")
+    # $CTA_TIMING_CACHE keeps the builds for the next run where nothing replaced at
+    # run time decides what is built (the instrumented sources are in the key).
+    shared = os.environ.get("CTA_TIMING_CACHE")
+    os.environ["FLASHJIT_CACHE_DIR"] = (f"{shared}/flashjit" if shared and not args.tiling
+                                        else tempfile.mkdtemp(prefix="cta-timing-cache-"))
     jit._modules.clear()
     q = torch.randn(b * args.qo_len, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b * args.kv_len, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -198,19 +275,24 @@ def main() -> int:
         print("the plan splits keys: no timestamps", file=sys.stderr)
         return 1
     ctas = plan.num_work * h
-    stamps = torch.zeros(ctas * 8, dtype=torch.int64, device="cuda")
+    stamps = torch.zeros(ctas * STRIDE, dtype=torch.int64, device="cuda")
     w._plan = dataclasses.replace(plan, partials=(0, stamps.data_ptr()))
     for _ in range(3):
         w.run(q, k, v)
     torch.cuda.synchronize()
     shape = f"bf16 d{d}, {b} x {args.qo_len} queries, {args.kv_len} keys, causal={args.causal}"
-    t = stamps.view(ctas, 8).cpu()
+    t = stamps.view(ctas, STRIDE).cpu()
     report(f"{torch.cuda.get_device_name()}, flashjit fa2, {shape}", t[:, :7], 1 if d == 256 else 2)
     print(f"  of the copies issued: Q {((t[:, 7] - t[:, 4]).double() / 1e3).mean():.2f} us, "
           f"first K/V {((t[:, 5] - t[:, 7]).double() / 1e3).mean():.2f} us")
+    if args.tiles:
+        report_tiles(t[:, 8:], t[:, 2], ["K/V wait", "copies issued", "Q.K^T, softmax", "P.V"])
     if args.flashinfer_site:
-        os.environ["FLASHINFER_WORKSPACE_BASE"] = tempfile.mkdtemp(prefix="cta-timing-fi-jit-")
-        sys.path.insert(0, str(instrumented_flashinfer(args.flashinfer_site.resolve())))
+        # FlashInfer's JIT finds a module by name, not by its sources: one
+        # workspace per instrumentation.
+        os.environ["FLASHINFER_WORKSPACE_BASE"] = (f"{shared}/flashinfer-tiles{int(args.tiles)}" if shared
+                                                   else tempfile.mkdtemp(prefix="cta-timing-fi-jit-"))
+        sys.path.insert(0, str(instrumented_flashinfer(args.flashinfer_site.resolve(), args.tiles, d)))
         import flashinfer
 
         assert Path(flashinfer.__file__).resolve().is_relative_to(Path(sys.path[0]).resolve()), flashinfer.__file__
@@ -223,8 +305,14 @@ def main() -> int:
         torch.cuda.synchronize()
         tiles = -(-args.qo_len // 128)
         rows = torch.tensor([r * args.qo_len + t * 128 for r in range(b) for t in range(tiles)])
-        fi = out.contiguous().view(torch.int64)[rows][:, :, :7].reshape(-1, 7).cpu()
+        words = out.contiguous().view(torch.int64)  # [tokens, heads, d / 4]
+        fi = words[rows][:, :, :7].reshape(-1, 7).cpu()
         report(f"FlashInfer fa2 (CTA tile 128 assumed), {shape}", fi, 1 if d == 256 else 2)
+        if args.tiles:  # rows 1, 2, ... of each CTA, row after row
+            per_row = d // 4
+            stamp_rows = [words[rows + 1 + i] for i in range(-(-TILES * TILE_STAMPS // per_row))]
+            fi_tiles = torch.cat(stamp_rows, dim=-1)[:, :, : TILES * TILE_STAMPS].reshape(-1, TILES * TILE_STAMPS)
+            report_tiles(fi_tiles.cpu(), fi[:, 2], ["K wait", "Q.K^T, softmax", "K issued, V wait", "P.V, V issued"])
     return 0
 
 

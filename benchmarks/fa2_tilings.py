@@ -6,12 +6,13 @@ cell is the mean of its rounds (why: common.round_orders).
 `--baseline-templates DIR [DIR ...]` (copies of other templates/ folders, e.g.
 from `git archive`) adds the current default tiling built from each of those
 sources, so that kernel changes are measured against the code before them in
-the same run; `--no-variants` leaves out the alternative tilings below. The
+the same run; `--no-variants` leaves out the alternative tilings below, and
+`--variant 'Fa2Tiling(...)'` (repeatable) adds one. The
 last line gives each source's largest difference between two rounds of one
 cell: the noise a difference between sources has to clear.
 
 Usage: python benchmarks/fa2_tilings.py [--head-dim 128] [--baseline-templates DIR ...] [--no-variants]
-       [--no-flashinfer] [--rounds 2]
+       [--variant 'Fa2Tiling(...)' ...] [--no-flashinfer] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--baseline-templates", type=Path, nargs="+", default=[])
     parser.add_argument("--no-variants", action="store_true")
+    parser.add_argument("--variant", action="append", default=[], help="a Fa2Tiling(...) expression to time too")
     parser.add_argument("--no-flashinfer", action="store_true")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out")
@@ -135,6 +137,7 @@ def main() -> int:
                    for folder in args.baseline_templates]
     if not args.no_variants:
         sources += [(name, tiling, None) for name, tiling in VARIANTS[d].items()]
+    sources += [(text, eval(text, {"Fa2Tiling": Fa2Tiling}), None) for text in args.variant]
     budget = kernels.SMEM_BUDGET
     # Build, check and plan every source; its wrappers keep their own modules.
     timed = []  # (label, row callables)

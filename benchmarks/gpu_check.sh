@@ -29,6 +29,10 @@ if [ -d .whl/site ]; then
   export PYTHONPATH=$PYTHONPATH:$PWD/.whl/site FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
 fi
 status=0
+summarize_errors() {  # the GPU tests write the report: without them (bench, SKIP_TESTS) there is none
+  [ -f "$OUT/error_report.json" ] || return 0
+  python3 benchmarks/error_summary.py "$OUT/error_report.json" --out "$OUT/error_summary.md" | tail -40
+}
 python3 -m flashjit info 2>&1 | tee "$OUT/info.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee -a "$OUT/info.txt"
 
@@ -62,7 +66,7 @@ if [ "$MODE" = prefill ]; then
   python3 benchmarks/prefill.py --rounds 3 --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | grep "|" || status=1
 fi
 if [ "$MODE" = tests ] || [ "$MODE" = compare ] || [ "$MODE" = prefill ]; then
-  python3 benchmarks/error_summary.py "$OUT/error_report.json" --out "$OUT/error_summary.md" | tail -40 || status=1
+  summarize_errors || status=1
   echo "== summary: gpu tests rc=$test_rc, overall status=$status"
   exit $status
 fi
@@ -80,6 +84,6 @@ if [ "$MODE" = quick ]; then
 else
   python3 benchmarks/decode.py --out "$OUT/decode.md" --json "$OUT/decode.json" 2>"$OUT/decode.err" | tail -20 || status=1
 fi
-python3 benchmarks/error_summary.py "$OUT/error_report.json" --out "$OUT/error_summary.md" | tail -40 || status=1
+summarize_errors || status=1
 echo "== summary: gpu tests rc=$test_rc, overall status=$status"
 exit $status

@@ -331,7 +331,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // when no row's max moved.
     constexpr bool kLazyMax = !Traits::kSplitKeys;
     constexpr float kLazyLog2 = 8.f;
-    auto softmax_to_p = [&](float (&s)[FM][NT_S][4], uint32_t (&pa)[FM][KSTEPS_PV][4], int k0, bool need_mask) {
+    // o_zero: this warp's O and l are still 0 (its first step), so the
+    // rescale can leave them alone.
+    auto softmax_to_p = [&](float (&s)[FM][NT_S][4], uint32_t (&pa)[FM][KSTEPS_PV][4], int k0, bool need_mask,
+                            bool o_zero) {
       float mx[FM][2];  // the step's new running max per row
 #pragma unroll
       for (int f = 0; f < FM; ++f) {
@@ -386,7 +389,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
             l_scale[f][r] = rescale[r];
           }
         }
-        if (kLazyMax || __any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
+        if (!o_zero && (kLazyMax || __any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f))) {
 #pragma unroll
           for (int n = 0; n < NT_O; ++n)
 #pragma unroll
@@ -426,13 +429,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       for (int f = 0; f < FM; ++f) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          float sum = 0.f;
 #pragma unroll
           for (int j = 0; j < NT_S; ++j) {
             s[f][j][2 * r] = fa2::exp2_fast(fmaf(s[f][j][2 * r], scale, -m_ref[f][r]));
             s[f][j][2 * r + 1] = fa2::exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_ref[f][r]));
-            sum += s[f][j][2 * r] + s[f][j][2 * r + 1];  // unrounded fp32 P
           }
+          const float sum = fa2::row_sum<NT_S>(s[f], r);  // unrounded fp32 P
           l[f][r] = kLazyMax ? l[f][r] + sum : fmaf(l[f][r], l_scale[f][r], sum);
         }
         // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
@@ -500,7 +502,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         if (!step.skip) {
           float s[FM][NT_S][4];
           compute_s(s, k_s, kofs);
-          softmax_to_p(s, pa, t0 + kofs, step.mask);
+          softmax_to_p(s, pa, t0 + kofs, step.mask, t == 0 && h == 0);
         }
         if (!Traits::kOneWait && h == 0) {  // V of the whole tile, before the first step's P.V
           cp_async_wait<kWaitV>();

@@ -71,19 +71,33 @@ __device__ __forceinline__ float exp2_fast(float x) {
   return y;
 }
 
-// Max of s[j][2r] and s[j][2r + 1] over the NT n8 tiles: a pairwise tree (depth
-// log2(2 NT) instead of a chain of 2 NT dependent FMNMX); max is exact, so the
-// order does not change the result.
-template <int NT>
-__device__ __forceinline__ float row_max(const float (&s)[NT][4], int r) {
+// op over s[j][2r] and s[j][2r + 1] of the NT n8 tiles (one row of a lane's
+// S fragment): a pairwise tree, depth log2(2 NT) instead of a chain of 2 NT
+// dependent operations.
+template <int NT, class Op>
+__device__ __forceinline__ float row_reduce(const float (&s)[NT][4], int r, Op op) {
   float v[NT];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) v[j] = fmaxf(s[j][2 * r], s[j][2 * r + 1]);
+  for (int j = 0; j < NT; ++j) v[j] = op(s[j][2 * r], s[j][2 * r + 1]);
 #pragma unroll
   for (int width = 1; width < NT; width *= 2)
 #pragma unroll
-    for (int j = 0; j + width < NT; j += 2 * width) v[j] = fmaxf(v[j], v[j + width]);
+    for (int j = 0; j + width < NT; j += 2 * width) v[j] = op(v[j], v[j + width]);
   return v[0];
+}
+
+// The max is exact, so the order does not change it.
+template <int NT>
+__device__ __forceinline__ float row_max(const float (&s)[NT][4], int r) {
+  return row_reduce(s, r, [](float a, float b) { return fmaxf(a, b); });
+}
+
+// fp32 sum in a pairwise order: the error model's accumulation term holds for
+// any order, and the shallow tree keeps the softmax's exponentials from waiting
+// on a chain of dependent adds.
+template <int NT>
+__device__ __forceinline__ float row_sum(const float (&s)[NT][4], int r) {
+  return row_reduce(s, r, [](float a, float b) { return a + b; });
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
