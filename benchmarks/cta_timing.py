@@ -217,7 +217,8 @@ def report(label: str, t: torch.Tensor, slots_per_sm: int) -> None:
 def report_tiles(tiles: torch.Tensor, loop_end: torch.Tensor, parts: list[str]) -> None:
     """tiles: [CTAs, TILES * TILE_STAMPS] per-tile stamps (0 where a CTA had fewer
     tiles); loop_end: [CTAs]. Mean µs of each part of each tile over the CTAs that
-    have it; a tile ends where the next one starts (the last one at loop_end)."""
+    have it; a tile ends where the next one starts, the last stamped one at loop_end
+    (so in a CTA of more than TILES tiles its last part holds the rest of the loop)."""
     tiles = tiles.double().view(tiles.shape[0], TILES, TILE_STAMPS)
     tops = torch.cat([tiles[:, 1:, 0], loop_end.double()[:, None]], dim=1)
     ends = torch.where(tops > 0, tops, loop_end.double()[:, None])  # past a CTA's last tile: its loop end
