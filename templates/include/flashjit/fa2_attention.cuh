@@ -331,10 +331,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // when no row's max moved.
     constexpr bool kLazyMax = !Traits::kSplitKeys;
     constexpr float kLazyLog2 = 8.f;
+    // m_ref: the exponent reference m * scale, 0 while m = -inf, so that
+    // exp2(-inf - (-inf)) never makes a NaN (a row that has seen no key gets 0
+    // everywhere). The exact path leaves l's factor in l_scale, for one FFMA
+    // with the sum.
+    float m_ref[FM][2], l_scale[FM][2];
+    // Soft-cap, mask and the rows' new max; m_ref set, O and l rescaled.
     // o_zero: this warp's O and l are still 0 (its first step), so the
     // rescale can leave them alone.
-    auto softmax_to_p = [&](float (&s)[FM][NT_S][4], uint32_t (&pa)[FM][KSTEPS_PV][4], int k0, bool need_mask,
-                            bool o_zero) {
+    auto softmax_max = [&](float (&s)[FM][NT_S][4], int k0, bool need_mask, bool o_zero) {
       float mx[FM][2];  // the step's new running max per row
 #pragma unroll
       for (int f = 0; f < FM; ++f) {
@@ -369,11 +374,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         for (int r = 0; r < 2; ++r) mx[f][r] = fmaxf(mx[f][r], __shfl_xor_sync(0xffffffffu, mx[f][r], 2));
       }
 
-      // m_ref: the exponent reference m * scale, 0 while m = -inf, so that
-      // exp2(-inf - (-inf)) never makes a NaN (a row that has seen no key gets 0
-      // everywhere). The exact path leaves l's factor in l_scale, for one FFMA
-      // with the sum.
-      float m_ref[FM][2], l_scale[FM][2];
       // Row r of fragment f takes mx[f][r] as its max where moves[r], with O and
       // l rescaled to it, and keeps m (a factor of exactly 1) elsewhere.
       auto move_max = [&](int f, const bool (&moves)[2]) {
@@ -424,27 +424,27 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
         for (int f = 0; f < FM; ++f) move_max(f, kAlways);
       }
-
+    };
+    // Exponentials of fragment f's S against m_ref, their sums into l, and P
+    // rounded to T in pa[f].
+    auto exp_to_p = [&](float (&s)[FM][NT_S][4], uint32_t (&pa)[FM][KSTEPS_PV][4], int f) {
 #pragma unroll
-      for (int f = 0; f < FM; ++f) {
+      for (int r = 0; r < 2; ++r) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-#pragma unroll
-          for (int j = 0; j < NT_S; ++j) {
-            s[f][j][2 * r] = fa2::exp2_fast(fmaf(s[f][j][2 * r], scale, -m_ref[f][r]));
-            s[f][j][2 * r + 1] = fa2::exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_ref[f][r]));
-          }
-          const float sum = fa2::row_sum<NT_S>(s[f], r);  // unrounded fp32 P
-          l[f][r] = kLazyMax ? l[f][r] + sum : fmaf(l[f][r], l_scale[f][r], sum);
+        for (int j = 0; j < NT_S; ++j) {
+          s[f][j][2 * r] = fa2::exp2_fast(fmaf(s[f][j][2 * r], scale, -m_ref[f][r]));
+          s[f][j][2 * r + 1] = fa2::exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_ref[f][r]));
         }
-        // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
+        const float sum = fa2::row_sum<NT_S>(s[f], r);  // unrounded fp32 P
+        l[f][r] = kLazyMax ? l[f][r] + sum : fmaf(l[f][r], l_scale[f][r], sum);
+      }
+      // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
 #pragma unroll
-        for (int kk = 0; kk < KSTEPS_PV; ++kk) {
-          pa[f][kk][0] = fa2::pack2<T>(s[f][2 * kk][0], s[f][2 * kk][1]);
-          pa[f][kk][1] = fa2::pack2<T>(s[f][2 * kk][2], s[f][2 * kk][3]);
-          pa[f][kk][2] = fa2::pack2<T>(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
-          pa[f][kk][3] = fa2::pack2<T>(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
-        }
+      for (int kk = 0; kk < KSTEPS_PV; ++kk) {
+        pa[f][kk][0] = fa2::pack2<T>(s[f][2 * kk][0], s[f][2 * kk][1]);
+        pa[f][kk][1] = fa2::pack2<T>(s[f][2 * kk][2], s[f][2 * kk][3]);
+        pa[f][kk][2] = fa2::pack2<T>(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
+        pa[f][kk][3] = fa2::pack2<T>(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
       }
     };
 
@@ -499,10 +499,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         const int kofs = warp_key0 + h * SKEYS;  // this step's first key within the tile
         const StepFlags step = step_flags(t0 + kofs);
         uint32_t pa[FM][KSTEPS_PV][4];  // P in T, A-operand layout, per m16 fragment
+        float s[FM][NT_S][4];
         if (!step.skip) {
-          float s[FM][NT_S][4];
           compute_s(s, k_s, kofs);
-          softmax_to_p(s, pa, t0 + kofs, step.mask, t == 0 && h == 0);
+          softmax_max(s, t0 + kofs, step.mask, t == 0 && h == 0);
+#pragma unroll
+          for (int f = 0; f < FM; ++f) exp_to_p(s, pa, f);
         }
         if (!Traits::kOneWait && h == 0) {  // V of the whole tile, before the first step's P.V
           cp_async_wait<kWaitV>();

@@ -191,7 +191,15 @@ template <class T, int kRows, int kDim, int kThreads, int kSpanBytes>
 struct RaggedTileCopy {
   using R = TileRows<kRows, kDim, kThreads, kSpanBytes>;
   static constexpr int kRowBytes = kDim * 2;
-  const T* src;      // this thread's row and chunk at key 0
+  // src: with whole rows per pass, the request's key 0 (the same for the whole
+  // CTA, which the compiler can keep in uniform registers), the thread's row and
+  // chunk added per tile; with one chunk of each 128-byte line, this thread's
+  // row and chunk at key 0. On the d128 wide tiling, at the register cap, the
+  // first form ran non-causal prefill 1-3% faster on an H200 (two registers
+  // fewer, 2026-11-23-h200-fa2-tiles-ncu.md) and the second keeps plain causal
+  // prefill, which copies lines, from spilling.
+  static constexpr bool kCtaBase = R::kSpans == 1;
+  const T* src;
   int64_t stride_n;  // between keys, in elements
   int chunk;         // this thread's 16-byte chunk of each row
   int row0;          // this thread's first row of a tile
@@ -201,7 +209,7 @@ struct RaggedTileCopy {
     chunk = tid % R::kChunks;
     row0 = tid / R::kChunks;
     stride_n = rows.stride_n;
-    src = rows.base + int64_t(row0) * stride_n + chunk * 8;
+    src = kCtaBase ? rows.base : rows.base + int64_t(row0) * stride_n + chunk * 8;
   }
 
   __device__ __forceinline__ uint32_t row_off(int i) const { return tile_row_off<R, kRowBytes>(row0, chunk, i); }
@@ -209,7 +217,7 @@ struct RaggedTileCopy {
   // Copies keys first .. first + kRows - 1 into the tile at `dst`; rows at or
   // past `valid` are zero-filled, reading nothing (`fallback`: a mapped address).
   __device__ __forceinline__ void issue(uint32_t dst, int first, int valid, const T* fallback) const {
-    const T* s = src + int64_t(first) * stride_n;
+    const T* s = kCtaBase ? src + int64_t(first + row0) * stride_n + chunk * 8 : src + int64_t(first) * stride_n;
     const int64_t step = int64_t(R::kRowsPerPass) * stride_n;
     constexpr int kSpanElems = kSpanBytes / sizeof(T);
     if (valid >= kRows) {
