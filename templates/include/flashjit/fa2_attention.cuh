@@ -380,8 +380,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         float rescale[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          m_ref[f][r] = mx[f][r] == kNegInf ? 0.f : mx[f][r] * scale;
-          rescale[r] = moves[r] ? fa2::exp2_fast(m[f][r] * scale - m_ref[f][r]) : 1.f;
+          const float ref = mx[f][r] == kNegInf ? 0.f : mx[f][r] * scale;
+          rescale[r] = moves[r] ? fa2::exp2_fast(m[f][r] * scale - ref) : 1.f;
           if (moves[r]) m[f][r] = mx[f][r];
           if constexpr (kLazyMax) {
             l[f][r] *= rescale[r];
@@ -415,15 +415,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
           for (int f = 0; f < FM; ++f) move_max(f, moves[f]);
         }
-#pragma unroll
-        for (int f = 0; f < FM; ++f)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) m_ref[f][r] = m[f][r] == kNegInf ? 0.f : m[f][r] * scale;
       } else {
         constexpr bool kAlways[2] = {true, true};
 #pragma unroll
         for (int f = 0; f < FM; ++f) move_max(f, kAlways);
       }
+#pragma unroll
+      for (int f = 0; f < FM; ++f)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) m_ref[f][r] = m[f][r] == kNegInf ? 0.f : m[f][r] * scale;
     };
     // Exponentials of fragment f's S against m_ref, their sums into l, and P
     // rounded to T in pa[f].
