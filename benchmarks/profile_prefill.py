@@ -30,6 +30,9 @@ if args.templates:
 if args.tiling:
     kernels.FA2_TILINGS[128] = eval(args.tiling)
     kernels.FA2_WIDE_TILINGS.pop(128, None)
+    # A variant may exceed the shipped budget (one sm_90a-class part), as in fa2_tilings.py.
+    kernels.SMEM_BUDGET = max(kernels.SMEM_BUDGET,
+                              kernels.FA2_TILINGS[128].smem_bytes(flashjit.KernelSpec.make("single_prefill", "bfloat16", 128)))
 if args.templates or args.tiling:
     # The cache key hashes kernels.py's file, not a tiling replaced at run time: a
     # fresh cache keeps a variant from loading the default's library.

@@ -107,6 +107,10 @@ class Fa2Tiling:
     # the exponentials out of the P.V mma stream where the tiling has no
     # registers to spare for that interleave.
     fence_pv: bool = False
+    # sm_90a only: K/V tiles loaded by the TMA unit (one thread issues a tile, an
+    # mbarrier per stage) instead of every thread's cp.async; ragged K/V in
+    # rows-split mode only (fa2_traits.cuh kTmaKv).
+    tma_kv: bool = False
     # Decode only (0: off): with one query head per KV head (MHA), a second
     # instantiation of the kernel under this register cap runs instead.
     mha_min_blocks_per_sm: int = 0
@@ -122,9 +126,12 @@ class Fa2Tiling:
         return self.keys_per_tile // self.sub_tiles, (1 if self.split_keys else 0)
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of Fa2Traits::kSmemBytes (fa2_attention.cuh): Q tile + K/V stages."""
+        """Mirror of Fa2Traits::kSmemBytes (fa2_traits.cuh): Q tile + K/V stages."""
         d = spec.head_dim_qk
-        return 2 * self.rows_per_cta * d + self.stages * 2 * self.keys_per_tile * d * 2
+        size = 2 * self.rows_per_cta * d + self.stages * 2 * self.keys_per_tile * d * 2
+        if self.tma_kv and spec.op not in PAGED_OPS and not self.split_keys:
+            size += 1024 - 128 + 8 * self.stages  # the stages' 1024-byte alignment, their mbarriers
+        return size
 
 
 # Per head_dim: tiles that build without spills on sm_80/89/90a and fit

@@ -27,6 +27,7 @@
 #include "kernel_config.cuh"
 #include "merge_states.cuh"
 #include "numeric.cuh"
+#include "tma.cuh"
 #include "work.cuh"
 
 namespace flashjit {
@@ -34,12 +35,17 @@ namespace flashjit {
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
-    fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {
+    fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p,
+                         const __grid_constant__ KvMapsArg<Traits::kTmaKv> tma_arg) {
   using T = typename Traits::DType;
   constexpr int D = Traits::kHeadDim, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
   constexpr int THREADS = Traits::kThreads, ROWS = Traits::kRowsPerCta;
   constexpr int FM = Traits::kFragsM, WROWS = Traits::kRowsPerWarp;  // m16 fragments, rows per warp
   constexpr int ROW_BYTES = Traits::kRowBytes;
+  constexpr bool kTma = Traits::kTmaKv;
+  using QLayout = typename Traits::QLayout;
+  using KvLayout = typename Traits::KvLayout;
+  constexpr int KV_PITCH = KvLayout::kPitch;  // between rows of a K or V tile
   constexpr int KSTEPS_QK = D / 16;    // k-steps of S = Q.K^T (head dims)
   constexpr int WKEYS = Traits::kKeysPerWarp;  // keys of each tile this warp computes
   constexpr int SKEYS = Traits::kKeysPerStep, SUB = Traits::kSubTiles;  // ... in SUB steps of SKEYS keys
@@ -70,7 +76,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t q_smem = smem_addr(smem);
-  const uint32_t kv_smem = q_smem + Traits::kQBytes;  // stage s: K at + s * kStageBytes, V after it
+  // Stage s: K at kv_smem + s * kStageBytes, V after it; with TMA, the stages'
+  // mbarriers after the last.
+  const uint32_t kv_smem = kTma ? (q_smem + Traits::kQBytes + Traits::kKvAlign - 1) & ~uint32_t(Traits::kKvAlign - 1)
+                                : q_smem + Traits::kQBytes;
+  const uint32_t kv_bars = kv_smem + STAGES * Traits::kStageBytes;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, tq = lane % 4;
@@ -148,7 +158,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         const T* src = ok ? q_base + rows.offset + chunk * 8 : q_base;
 #pragma unroll
         for (int j = 0; j < R::kSpans; ++j)
-          cp_async_16(q_smem + fa2::swizzled<ROW_BYTES>(r, chunk) + j * kCopySpan, src + (ok ? j * kSpanElems : 0), ok);
+          cp_async_16(q_smem + QLayout::at(r, chunk) + R::template span_off<QLayout>(j), src + (ok ? j * kSpanElems : 0),
+                      ok);
         rows.next();
       }
     }
@@ -160,14 +171,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     constexpr int LOAD_KEYS = Traits::kSplitKeys ? WKEYS : KEYS;
     constexpr int LOAD_THREADS = Traits::kSplitKeys ? 32 : THREADS;
     const int load_tid = Traits::kSplitKeys ? lane : tid;
-    const uint32_t load_off = warp_key0 * ROW_BYTES;
+    const uint32_t load_off = warp_key0 * KV_PITCH;
     // Pages of this thread's rows of the next tile to issue (K and V share
     // them), looked up one tile ahead of the copy.
     constexpr int kPageRows = fa2::TileRows<LOAD_KEYS, D, LOAD_THREADS, kCopySpan>::kPerThread;
     int pages[kPageRows];
     // Per-thread copy addresses computed once (fa2::RaggedTileCopy, fa2::PagedTileCopy).
-    using Copy = std::conditional_t<Traits::kPaged, fa2::PagedTileCopy<T, LOAD_KEYS, D, LOAD_THREADS, kCopySpan>,
-                                    fa2::RaggedTileCopy<T, LOAD_KEYS, D, LOAD_THREADS, kCopySpan>>;
+    using Copy = std::conditional_t<Traits::kPaged, fa2::PagedTileCopy<T, KvLayout, LOAD_KEYS, D, LOAD_THREADS, kCopySpan>,
+                                    fa2::RaggedTileCopy<T, KvLayout, LOAD_KEYS, D, LOAD_THREADS, kCopySpan>>;
     const Copy k_copy(k_rows, load_tid), v_copy(v_rows, load_tid);
     auto lookup = [&](int tile) {
       if constexpr (Traits::kPaged) {
@@ -193,6 +204,39 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     };
     auto issue_k = [&](int tile) { issue(k_copy, k_rows.base, tile, 0); };
     auto issue_v = [&](int tile) { issue(v_copy, v_rows.base, tile, Traits::kKvTileBytes); };
+    // TMA: a tile of whole rows of the request is loaded by thread 0, its bytes
+    // counted on its ring slot's mbarrier; a partial last tile (rows past the
+    // request, which the TMA unit would read from the next request instead of
+    // zero-filling) is copied by every thread with cp.async, and thread 0's plain
+    // arrival completes the slot's phase. Either way each tile completes one
+    // phase of its slot's barrier.
+    auto tile_full = [&](int tile) { return w.kv_len - (key_begin + tile * KEYS) >= KEYS; };
+    auto issue_tma = [&](int tile) {
+      if (tile >= num_tiles) return;
+      const int k0 = key_begin + tile * KEYS;
+      const uint32_t k_dst = kv_smem + (tile % STAGES) * Traits::kStageBytes, v_dst = k_dst + Traits::kKvTileBytes;
+      const uint32_t bar = kv_bars + 8 * (tile % STAGES);
+      if (tile_full(tile)) {
+        if (tid == 0) {
+          if constexpr (kTma) {
+            const KvTensorMaps& maps = tma_arg.maps;
+            tma::mbar_arrive_expect_tx(bar, 2 * Traits::kKvTileBytes);
+#pragma unroll
+            for (int b = 0; b < ROW_BYTES / 128; ++b) {
+              tma::load_kv_block(k_dst + KvLayout::block(b), &maps.k, maps.heads_outer_k, b, w.kv_head, w.kv_start + k0, bar);
+              tma::load_kv_block(v_dst + KvLayout::block(b), &maps.v, maps.heads_outer_v, b, w.kv_head, w.kv_start + k0, bar);
+            }
+          }
+        }
+      } else {
+        if constexpr (!Traits::kPaged) {
+          k_copy.issue(k_dst, k0, w.kv_len - k0, k_rows.base);
+          v_copy.issue(v_dst, k0, w.kv_len - k0, v_rows.base);
+        }
+        cp_async_commit();
+        if (tid == 0) tma::mbar_arrive(bar);
+      }
+    };
     // The barrier that makes a landed tile visible to the threads that read it.
     auto tile_barrier = [] {
       if constexpr (Traits::kSplitKeys) {
@@ -201,13 +245,25 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         __syncthreads();
       }
     };
+    if constexpr (kTma) {
+      cp_async_commit();  // Q alone
+      if (tid == 0) {
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      lookup(s);
-      issue_k(s);  // s == 0: this group also holds Q
-      issue_v(s);
+        for (int s = 0; s < STAGES; ++s) tma::mbar_init(kv_bars + 8 * s, 1);
+        tma::fence_mbar_init();
+      }
+      __syncthreads();  // the barriers are initialised before anyone waits on them
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s) issue_tma(s);
+    } else {
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s) {
+        lookup(s);
+        issue_k(s);  // s == 0: this group also holds Q
+        issue_v(s);
+      }
+      lookup(STAGES - 1);
     }
-    lookup(STAGES - 1);
 
     // Per-lane ldmatrix offsets of the 16 columns 16i .. 16i + 15 (chunk pair i;
     // see the header comment). A pattern: row lane % 16, chunk 2i + lane / 16.
@@ -216,17 +272,24 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // offset ((2i + c) ^ r == (c ^ r) ^ 2i for c < 2) and i / 4 in whole 128-byte
     // lines, so chunk pair i is (offset(0) ^ ((i % 4) << 5)) + (i / 4) * 128: one
     // register per pattern, not four, which two fragments at the register cap need.
-    const uint32_t a_off0 = (lane % 16) * ROW_BYTES + (((lane / 16) ^ (lane % 8)) << 4);
-    const uint32_t b_off0 = (8 * (lane / 16) + lane % 8) * ROW_BYTES + ((((lane / 8) % 2) ^ (lane % 8)) << 4);
+    // Q (row-major) and V (KvLayout) take the A pattern, K the B pattern.
+    const uint32_t a_off0 = QLayout::at(lane % 16, lane / 16, lane % 8);
+    const uint32_t v_off0 = KvLayout::at(lane % 16, lane / 16, lane % 8);
+    const uint32_t b_off0 = KvLayout::at(8 * (lane / 16) + lane % 8, (lane / 8) % 2, lane % 8);
     // Shared-memory address of chunk pair i of the 16-row block at `rows`.
-    auto a_at = [a_off0](uint32_t rows, int i) { return rows + (a_off0 ^ (uint32_t(i % 4) << 5)) + (i / 4) * 128; };
-    auto b_at = [b_off0](uint32_t rows, int i) { return rows + (b_off0 ^ (uint32_t(i % 4) << 5)) + (i / 4) * 128; };
+    auto a_at = [a_off0](uint32_t rows, int i) { return rows + QLayout::pair(a_off0, i); };
+    auto v_at = [v_off0](uint32_t rows, int i) { return rows + KvLayout::pair(v_off0, i); };
+    auto b_at = [b_off0](uint32_t rows, int i) { return rows + KvLayout::pair(b_off0, i); };
     // Fragment f of this warp's Q rows at + f * 16 * ROW_BYTES.
     const uint32_t q_warp = q_smem + (Traits::kSplitKeys ? 0 : warp * WROWS * ROW_BYTES);
 
     uint32_t q_frag[kQInRegs ? FM : 1][kQInRegs ? KSTEPS_QK : 1][4];
     if constexpr (kQInRegs || Traits::kSplitKeys) {
-      cp_async_wait<kWaitK>();  // [Q + K_0] landed for this thread ...
+      if constexpr (kTma) {
+        cp_async_wait<0>();  // Q landed for this thread ...
+      } else {
+        cp_async_wait<kWaitK>();  // [Q + K_0] landed for this thread ...
+      }
       __syncthreads();          // ... and for every thread (Q rows come from all of them)
     }
     if constexpr (kQInRegs) {
@@ -275,7 +338,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       };
       // K rows kofs + 16jn .. + 15, head dims 16kk .. 16kk + 15.
       auto load_k = [&](uint32_t (&b)[4], int kk, int jn) {
-        fa2::ldmatrix_x4(b, b_at(k_s + (kofs + jn * 16) * ROW_BYTES, kk));
+        fa2::ldmatrix_x4(b, b_at(k_s + (kofs + jn * 16) * KV_PITCH, kk));
       };
       // S n-tiles 2jn, 2jn + 1 of every fragment += A . B.
       auto mma_keys = [&](int jn, const uint32_t (&a)[FM][4], const uint32_t (&b)[4]) {
@@ -457,7 +520,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
         for (int dn = 0; dn < D / 16; ++dn) {
           uint32_t b[4];
-          fa2::ldmatrix_x4_trans(b, a_at(v_s + (kofs + kk * 16) * ROW_BYTES, dn));
+          fa2::ldmatrix_x4_trans(b, v_at(v_s + (kofs + kk * 16) * KV_PITCH, dn));
 #pragma unroll
           for (int f = 0; f < FM; ++f) {
             fa2::mma_16816<T>(o[f][2 * dn], pa[f][kk], b[0], b[1]);
@@ -484,15 +547,22 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
       const int t0 = key_begin + t * KEYS;
 
-      if constexpr (Traits::kOneWait) {
-        cp_async_wait<kWaitKV>();
+      if constexpr (kTma) {
+        tma::mbar_wait(kv_bars + 8 * (t % STAGES), (t / STAGES) & 1);
+        if (t == 0 || !tile_full(t)) cp_async_wait<0>();  // Q, or this thread's rows of a partial tile
+        tile_barrier();
+        issue_tma(t + STAGES - 1);
       } else {
-        cp_async_wait<kWaitK>();
+        if constexpr (Traits::kOneWait) {
+          cp_async_wait<kWaitKV>();
+        } else {
+          cp_async_wait<kWaitK>();
+        }
+        tile_barrier();
+        issue_k(t + STAGES - 1);
+        issue_v(t + STAGES - 1);
+        lookup(t + STAGES);
       }
-      tile_barrier();
-      issue_k(t + STAGES - 1);
-      issue_v(t + STAGES - 1);
-      lookup(t + STAGES);
 
 #pragma unroll
       for (int h = 0; h < SUB; ++h) {
@@ -506,7 +576,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
           for (int f = 0; f < FM; ++f) exp_to_p(s, pa, f);
         }
-        if (!Traits::kOneWait && h == 0) {  // V of the whole tile, before the first step's P.V
+        if (!Traits::kOneWait && !kTma && h == 0) {  // V of the whole tile, before the first step's P.V
           cp_async_wait<kWaitV>();
           tile_barrier();
         }
@@ -533,8 +603,23 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
 template <class Traits>
 int launch_fa2_attention(const FlashjitAttentionParams& p, cudaStream_t stream) {
+  KvMapsArg<Traits::kTmaKv> tma_arg;
+  if constexpr (Traits::kTmaKv) {
+    if (p.num_work > 0 && p.num_kv_heads > 0) {
+      constexpr CUtensorMapDataType kType = std::is_same<typename Traits::DType, __half>::value
+                                                ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+      KvTensorMaps& maps = tma_arg.maps;
+      int err = tma::encode_kv_map<Traits::kKeysPerTile>(&maps.k, &maps.heads_outer_k, p.k, kType, Traits::kHeadDim,
+                                                         p.num_kv_heads, p.k_stride_n, p.k_stride_h);
+      if (err == cudaSuccess)
+        err = tma::encode_kv_map<Traits::kKeysPerTile>(&maps.v, &maps.heads_outer_v, p.v, kType, Traits::kHeadDim,
+                                                       p.num_kv_heads, p.v_stride_n, p.v_stride_h);
+      if (err != cudaSuccess) return err;
+    }
+  }
   return launch_attention<fa2_attention_kernel<Traits>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
-      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream);
+      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream, tma_arg);
 }
 
 // Decode with one query head per KV head (MHA) launches MhaTraits instead: the

@@ -147,7 +147,7 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
     for (int i = 0; i < WROWS / kRowStep; ++i) {
       const int rr = rr0 + i * kRowStep;
       if (warp_row0 + rr < rows_total) {
-        const uint4 val = *reinterpret_cast<const uint4*>(stage + swizzled<ROW_BYTES>(rr, c));
+        const uint4 val = *reinterpret_cast<const uint4*>(stage + Traits::QLayout::at(rr, c));
         *reinterpret_cast<uint4*>(o_base + rows.offset + c * 8) = val;
       }
       rows.next();

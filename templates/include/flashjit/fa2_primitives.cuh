@@ -37,17 +37,28 @@
 // 2kk) and 2t+8, 2t+9 (tile 2kk+1) of k-step kk, so
 //   pa[kk] = { pack(S[2kk][0..1]), pack(S[2kk][2..3]), pack(S[2kk+1][0..1]), pack(S[2kk+1][2..3]) }.
 //
-// Shared memory swizzle: every tile is row-major, D elements (D/8 16-byte
-// chunks, at least 8) per row; logical chunk c of row r lives at physical chunk
-// c ^ (r % 8). The row pitch is a multiple of 128 bytes, so the 8 rows one
-// 8x8 ldmatrix phase reads (8 consecutive rows, one logical chunk) fall on 8
+// Shared memory swizzle (SwizzledTile): every tile is D elements (D/8 16-byte
+// chunks, at least 8) per row, stored as 128-byte column blocks (chunks 8b ..
+// 8b + 7 of a row, block b); within a block, logical chunk c of row r lives at
+// physical chunk c ^ (r % 8). Two arrangements of the blocks:
+//   * row-major (RowMajorTile): a row's blocks are adjacent, the row pitch is
+//     D * 2 bytes;
+//   * blocked (BlockedTile): block b of every row of the tile, then block b + 1,
+//     each a [rows][128 B] array; this is what a TMA load with the 128-byte
+//     swizzle writes (one load per block, the tile at a 1024-byte boundary).
+// The row pitch is a multiple of 128 bytes either way, so the 8 rows one 8x8
+// ldmatrix phase reads (8 consecutive rows, one logical chunk) fall on 8
 // distinct chunks of a 128-byte line = all 32 banks, conflict-free. cp.async
 // stores (8 consecutive chunks of a row per 8 lanes) and the epilogue's 4-byte
 // stores (row g, chunk j ^ g, word t) are conflict-free too.
 // Since the XOR only touches the low 3 bits of the chunk index and the lanes'
 // chunk offset is 0 or 1 added to an even 2*kk, chunk (2kk + b) of a row with
-// r % 8 = r7 sits at byte 128*(kk/4) + 16*((2*(kk%4) + b) ^ r7): a per-lane
-// table of four offsets plus a compile-time immediate.
+// r % 8 = r7 sits at block kk / 4, byte 16*((2*(kk%4) + b) ^ r7) of it: a
+// per-lane offset plus a compile-time XOR and immediate (SwizzledTile::pair).
+// (A padded layout, pitch D * 2 + 16 and no XOR, needs one register per pattern
+// instead of four but made cp.async split every 128-byte line it stored: 1.5x
+// the L1 sectors and 3x the L2 requests, d128 10% slower on an H200;
+// 2026-11-23-h200-fa2-tma.md.)
 // ---------------------------------------------------------------------------
 #pragma once
 #include <cuda_bf16.h>
@@ -140,18 +151,42 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-// Byte offset of logical chunk `chunk` of row `row` in a swizzled tile.
+// Where 16-byte chunk `chunk` of row `row` of a swizzled tile lives (see the
+// header comment): kPitch bytes between rows, kBlockBytes between the 128-byte
+// column blocks of a row.
+template <int kPitch_, int kBlockBytes_>
+struct SwizzledTile {
+  static constexpr int kPitch = kPitch_;
+  static constexpr int kBlockBytes = kBlockBytes_;
+
+  __device__ __forceinline__ static uint32_t at(int row, int chunk) { return at(row, chunk, row & 7); }
+  // The same, given row % 8 where the caller has it in a simpler form.
+  __device__ __forceinline__ static uint32_t at(int row, int chunk, int row_mod8) {
+    if constexpr (kBlockBytes == 128) {  // the XOR leaves the block bits of `chunk` alone
+      return static_cast<uint32_t>(row * kPitch + ((chunk ^ row_mod8) << 4));
+    } else {
+      return static_cast<uint32_t>(row * kPitch + (chunk / 8) * kBlockBytes + (((chunk % 8) ^ row_mod8) << 4));
+    }
+  }
+  // Chunk pair i (chunks 2i + b) of a row, from the offset of its chunk b (b < 2).
+  __device__ __forceinline__ static uint32_t pair(uint32_t off0, int i) {
+    return (off0 ^ (uint32_t(i % 4) << 5)) + (i / 4) * kBlockBytes;
+  }
+  // Offset of 128-byte block b of a row from block 0 (a multiple of 128 bytes).
+  __host__ __device__ static constexpr int block(int b) { return b * kBlockBytes; }
+};
 template <int kRowBytes>
-__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
-  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
-}
+using RowMajorTile = SwizzledTile<kRowBytes, 128>;
+template <int kRows>
+using BlockedTile = SwizzledTile<128, kRows * 128>;
 
 // Rows of a kRows-key tile that thread `tid` copies: row tid / kChunks + i *
 // kRowsPerPass, and of each row chunk tid % kChunks of every kSpanBytes-byte
 // span (kSpans of them), so that a warp's copies read whole spans (coalesced).
-// The spans of one row sit kSpanBytes apart in global and (the swizzle XORs
-// only the low three chunk bits, and a span is a multiple of 128 bytes) in
-// shared memory: one address per row, its spans at immediate offsets.
+// The spans of one row sit kSpanBytes apart in global and, in shared memory,
+// kSpanBytes / 128 blocks apart (the swizzle XORs only the low three chunk
+// bits, and a span is a whole number of blocks): one address per row, its
+// spans at immediate offsets (span_off).
 template <int kRows, int kDim, int kThreads, int kSpanBytes>
 struct TileRows {
   static constexpr int kChunks = kSpanBytes / 16;  // 16-byte chunks of a span
@@ -161,17 +196,22 @@ struct TileRows {
   static_assert(kSpanBytes % 128 == 0 && kDim * 2 % kSpanBytes == 0 && kThreads % kChunks == 0 &&
                     kRows % kRowsPerPass == 0,
                 "whole 128-byte lines, spans and passes");
+  // Shared-memory offset of span j of a row from span 0, in a tile of layout L.
+  template <class L>
+  __host__ __device__ static constexpr int span_off(int j) {
+    return L::block(j * kSpanBytes / 128);
+  }
 };
 
-// Byte offset, in a swizzled tile, of the first span of the i-th row a thread
-// copies (see TileRows): compile-time steps from one per-thread base when a
-// copy pass covers a multiple of 8 rows (the swizzle repeats every 8 rows).
-template <class R, int kRowBytes>
+// Byte offset, in a tile of layout L, of the first span of the i-th row a
+// thread copies (see TileRows): compile-time steps from one per-thread base when
+// a copy pass covers a multiple of 8 rows (the swizzle repeats every 8 rows).
+template <class R, class L>
 __device__ __forceinline__ uint32_t tile_row_off(int row0, int chunk, int i) {
   if constexpr (R::kRowsPerPass % 8 == 0) {
-    return swizzled<kRowBytes>(row0, chunk) + i * R::kRowsPerPass * kRowBytes;
+    return L::at(row0, chunk) + i * R::kRowsPerPass * L::kPitch;
   } else {
-    return swizzled<kRowBytes>(row0 + i * R::kRowsPerPass, chunk);
+    return L::at(row0 + i * R::kRowsPerPass, chunk);
   }
 }
 
@@ -186,10 +226,9 @@ __device__ __forceinline__ void cp_async_16_full(uint32_t dst, const void* src) 
 // 64-bit address rebuilt per row costs about 20 instructions per 16-byte
 // copy, which the main loop issues between the barrier and the first mma).
 // Here a tile costs one 64-bit multiply-add, then one 64-bit add per row.
-template <class T, int kRows, int kDim, int kThreads, int kSpanBytes>
+template <class T, class L, int kRows, int kDim, int kThreads, int kSpanBytes>
 struct RaggedTileCopy {
   using R = TileRows<kRows, kDim, kThreads, kSpanBytes>;
-  static constexpr int kRowBytes = kDim * 2;
   // src: with whole rows per pass, the request's key 0 (the same for the whole
   // CTA, which the compiler can keep in uniform registers), the thread's row and
   // chunk added per tile; with one chunk of each 128-byte line, this thread's
@@ -211,7 +250,7 @@ struct RaggedTileCopy {
     src = kCtaBase ? rows.base : rows.base + int64_t(row0) * stride_n + chunk * 8;
   }
 
-  __device__ __forceinline__ uint32_t row_off(int i) const { return tile_row_off<R, kRowBytes>(row0, chunk, i); }
+  __device__ __forceinline__ uint32_t row_off(int i) const { return tile_row_off<R, L>(row0, chunk, i); }
 
   // Copies keys first .. first + kRows - 1 into the tile at `dst`; rows at or
   // past `valid` are zero-filled, reading nothing (`fallback`: a mapped address).
@@ -224,14 +263,14 @@ struct RaggedTileCopy {
       for (int i = 0; i < R::kPerThread; ++i)
 #pragma unroll
         for (int j = 0; j < R::kSpans; ++j)
-          cp_async_16_full(dst + row_off(i) + j * kSpanBytes, s + i * step + j * kSpanElems);
+          cp_async_16_full(dst + row_off(i) + R::template span_off<L>(j), s + i * step + j * kSpanElems);
     } else {
 #pragma unroll
       for (int i = 0; i < R::kPerThread; ++i) {
         const bool ok = row0 + i * R::kRowsPerPass < valid;
 #pragma unroll
         for (int j = 0; j < R::kSpans; ++j)
-          cp_async_16(dst + row_off(i) + j * kSpanBytes, ok ? s + i * step + j * kSpanElems : fallback, ok);
+          cp_async_16(dst + row_off(i) + R::template span_off<L>(j), ok ? s + i * step + j * kSpanElems : fallback, ok);
       }
     }
   }
@@ -241,10 +280,9 @@ struct RaggedTileCopy {
 // up a tile ahead (lookup), then its address costs a multiply-shift division
 // by the page size, one wide multiply-add and an add: byte strides are 32-bit
 // (the host keeps strides below 2 GiB and a page's tokens below 4 GiB).
-template <class T, int kRows, int kDim, int kThreads, int kSpanBytes>
+template <class T, class L, int kRows, int kDim, int kThreads, int kSpanBytes>
 struct PagedTileCopy {
   using R = TileRows<kRows, kDim, kThreads, kSpanBytes>;
-  static constexpr int kRowBytes = kDim * 2;
   const char* base;     // the KV head and this thread's chunk applied
   uint32_t page_bytes;  // between pages
   uint32_t row_bytes;   // between tokens within a page
@@ -281,7 +319,7 @@ struct PagedTileCopy {
       const char* src = base + (uint64_t(uint32_t(page[i])) * page_bytes + slot * row_bytes);
 #pragma unroll
       for (int j = 0; j < R::kSpans; ++j)
-        cp_async_16(dst + tile_row_off<R, kRowBytes>(row0, chunk, i) + j * kSpanBytes, ok ? src + j * kSpanBytes : base,
+        cp_async_16(dst + tile_row_off<R, L>(row0, chunk, i) + R::template span_off<L>(j), ok ? src + j * kSpanBytes : base,
                     ok);
     }
   }

@@ -6,11 +6,12 @@
 #include <cuda_fp16.h>
 #include <stddef.h>
 #include <type_traits>
+#include "fa2_primitives.cuh"
 
 namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
-          bool kOneWait_, bool kFencePv_, bool kQInRegs_, int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_,
+          bool kOneWait_, bool kFencePv_, bool kTmaKv_, bool kQInRegs_, int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_,
           bool kSoftCap_, bool kLse_>
 struct Fa2Traits {
   using DType = DType_;
@@ -36,6 +37,10 @@ struct Fa2Traits {
   // exponentials out of the P.V mma stream: needed where the tiling sits at the
   // register cap and would otherwise spill or hold one V fragment at a time.
   static constexpr bool kFencePv = kFencePv_;
+  // K/V tiles loaded by the TMA unit (sm_90a; tma.cuh) instead of every
+  // thread's cp.async, into the blocked layout its 128-byte swizzle writes.
+  // Ragged rows only (pages would need one load per row) and rows-split mode.
+  static constexpr bool kTmaKv = kTmaKv_ && !kPaged_ && !kSplitKeys_;
   // Q fragments held in registers for the whole KV loop (D/4 registers per
   // thread); else re-read from shared memory with ldmatrix every tile, which
   // D = 256 needs to stay clear of spills next to its 128 O registers.
@@ -46,7 +51,7 @@ struct Fa2Traits {
   // The same kernel shape under another register cap.
   template <int kOtherMinBlocksPerSm>
   using WithMinBlocks = Fa2Traits<DType_, kHeadDim_, kWarps_, kFragsM_, kKeysPerTile_, kSubTiles_, kStages_, kOneWait_,
-                                  kFencePv_, kQInRegs_, kOtherMinBlocksPerSm, kSplitKeys_, kPaged_, kCausal_, kWindow_, kSoftCap_,
+                                  kFencePv_, kTmaKv_, kQInRegs_, kOtherMinBlocksPerSm, kSplitKeys_, kPaged_, kCausal_, kWindow_, kSoftCap_,
                                   kLse_>;
   // Warps split each tile's keys instead of the rows (decode: the rows are
   // only one KV head's query heads, so one warp would do all the math while
@@ -68,6 +73,10 @@ struct Fa2Traits {
   // covers a power-of-two fraction of them.
   static constexpr int kCopyRowsPerPass = kThreads / 8;
   static constexpr int kRowBytes = kHeadDim * 2;
+  // Shared-memory layouts (fa2_primitives.cuh): Q row-major; K and V blocked
+  // where the TMA unit writes them.
+  using QLayout = fa2::RowMajorTile<kRowBytes>;
+  using KvLayout = std::conditional_t<kTmaKv, fa2::BlockedTile<kKeysPerTile_>, fa2::RowMajorTile<kRowBytes>>;
 
   static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
                 "fa2 tensor-core attention takes __half or __nv_bfloat16");
@@ -88,7 +97,11 @@ struct Fa2Traits {
   static constexpr int kQBytes = kRowsPerCta * kRowBytes;
   static constexpr int kKvTileBytes = kKeysPerTile * kRowBytes;
   static constexpr int kStageBytes = 2 * kKvTileBytes;
-  static constexpr size_t kSmemBytes = size_t(kQBytes) + size_t(kStages) * kStageBytes;
+  // With TMA the K/V stages start at a 1024-byte boundary (the swizzle's
+  // period), and one 8-byte mbarrier per stage follows them.
+  static constexpr int kKvAlign = kTmaKv ? 1024 : 128;
+  static constexpr size_t kSmemBytes =
+      size_t(kQBytes) + size_t(kStages) * kStageBytes + (kTmaKv ? kKvAlign - 128 + 8 * kStages : 0);
   // Split keys: each lane's O, m and l per warp, exchanged through the stages.
   static constexpr int kMergeValues = kFragsM * (kHeadDim / 8) * 4 + kFragsM * 4;
   static_assert(!kSplitKeys || size_t(kWarps) * kMergeValues * 32 * 4 <= size_t(kStages) * kStageBytes,

@@ -35,8 +35,10 @@ int ctas_per_sm(int threads, int smem_bytes) {
 // Launches an attention kernel over (work items x KV heads, single-request
 // splits) and, when it left partial states, the merge pass that writes o/lse.
 // x enumerates (work slot, KV head) pairs in the plan's bands (work.cuh).
-template <auto kKernel, class DTypeO, int kHeadDimVO, bool kLse>
-int launch_attention(const FlashjitAttentionParams& p, int threads, int smem_bytes, cudaStream_t stream) {
+// `extra`: kernel arguments after p.
+template <auto kKernel, class DTypeO, int kHeadDimVO, bool kLse, class... Extra>
+int launch_attention(const FlashjitAttentionParams& p, int threads, int smem_bytes, cudaStream_t stream,
+                     const Extra&... extra) {
   cudaError_t err = ensure_smem_limit<kKernel>(smem_bytes);
   if (err != cudaSuccess) return err;
   if (p.num_work == 0 || p.num_kv_heads == 0) return cudaSuccess;
@@ -44,7 +46,7 @@ int launch_attention(const FlashjitAttentionParams& p, int threads, int smem_byt
   if (ctas > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
   const int splits = p.work == nullptr && p.num_splits > 1 ? p.num_splits : 1;
   dim3 grid(static_cast<unsigned>(ctas), 1, splits);
-  kKernel<<<grid, threads, smem_bytes, stream>>>(p);
+  kKernel<<<grid, threads, smem_bytes, stream>>>(p, extra...);
   err = cudaGetLastError();
   if (err != cudaSuccess || !has_partial_states(p)) return err;
   return launch_merge_split_states<DTypeO, kHeadDimVO>(p, kLse, stream);

@@ -1,0 +1,145 @@
+// Tensor-memory-accelerator (TMA) loads of K/V tiles on sm_90a, and the
+// mbarriers that tell the CTA they have landed.
+//
+// One thread issues a tile's loads; the TMA unit writes them into shared memory
+// with the 128-byte swizzle (one [rows][128 B] block per load: the BlockedTile
+// layout of fa2_primitives.cuh) and counts the bytes it wrote against the
+// stage's mbarrier; every thread waits on the barrier's phase. This takes the
+// per-thread address arithmetic and the 16-byte cp.async of every row off the
+// warps (on an H200 they were 0.35 of a d128 tile's 2.73 us,
+// benchmarks/results/2026-11-23-h200-fa2-tiles-ncu.md).
+//
+// The host describes K and V of one launch to the TMA unit as tensor maps
+// (KvTensorMaps, encoded per call from the launch parameters) that travel with
+// the kernel's parameters.
+#pragma once
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include "attention_params.cuh"
+
+namespace flashjit {
+
+// K and V of one launch as 3-D tensors (head dims, KV heads, tokens), in
+// whichever order of the two outer dimensions has the smaller stride first.
+struct KvTensorMaps {
+  CUtensorMap k, v;
+  int32_t heads_outer_k, heads_outer_v;  // 1: dimension 1 is tokens, 2 is heads
+};
+
+// Empty stand-in for kernels that copy K/V with cp.async.
+template <bool kTma>
+struct KvMapsArg {};
+template <>
+struct KvMapsArg<true> {
+  KvTensorMaps maps;
+};
+
+namespace tma {
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+}
+
+// Makes initialised mbarriers visible to the TMA unit (the async proxy); a CTA
+// barrier must follow before other threads use them.
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Arrives on `bar` (this thread's one arrival of the phase) and adds `bytes`
+// that loads must still deliver before the phase completes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred done;\n mbarrier.try_wait.parity.shared::cta.b64 done, [%1], %2;\n selp.u32 %0, 1, 0, done;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// Waits until the phase of `bar` with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+// Loads the box at (c0, c1, c2) of `map` into shared memory at `dst`; the bytes
+// complete on `bar`.
+__device__ __forceinline__ void load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                        uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// Loads block `block` (head dims 64 * block .. + 63 for 16-bit types) of keys
+// token .. token + box rows - 1 of KV head `head`.
+__device__ __forceinline__ void load_kv_block(uint32_t dst, const CUtensorMap* map, int heads_outer, int block,
+                                              int head, int token, uint32_t bar) {
+  if (heads_outer) {
+    load_3d(dst, map, 64 * block, token, head, bar);
+  } else {
+    load_3d(dst, map, 64 * block, head, token, bar);
+  }
+}
+
+// ---- Host side ----
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled, looked up once through the runtime (the
+// library links no libcuda); null when the driver lacks it.
+inline EncodeTiledFn encode_tiled_fn() {
+  static EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      ptr = nullptr;
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+// Tensor map of a ragged K or V tensor ([tokens, heads, head_dim], element
+// strides stride_n, stride_h) with boxes of 64 head dims x 1 head x kBoxRows
+// tokens. The token count is left unbounded (2^31 - 1): the kernel loads only
+// whole tiles of a request's keys and copies a partial last tile itself.
+// Returns a cudaError_t value.
+template <int kBoxRows>
+int encode_kv_map(CUtensorMap* map, int32_t* heads_outer, const void* data, CUtensorMapDataType dtype, int head_dim,
+                  int heads, int64_t stride_n, int64_t stride_h) {
+  const EncodeTiledFn encode = encode_tiled_fn();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  constexpr cuuint64_t kTokens = 0x7fffffff;
+  *heads_outer = stride_h > stride_n;  // the smaller stride first
+  const cuuint64_t dims[3] = {cuuint64_t(head_dim), *heads_outer ? kTokens : cuuint64_t(heads),
+                              *heads_outer ? cuuint64_t(heads) : kTokens};
+  const cuuint64_t strides[2] = {cuuint64_t(*heads_outer ? stride_n : stride_h) * 2,
+                                 cuuint64_t(*heads_outer ? stride_h : stride_n) * 2};
+  const cuuint32_t box[3] = {64, *heads_outer ? cuuint32_t(kBoxRows) : 1u, *heads_outer ? 1u : cuuint32_t(kBoxRows)};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult res = encode(map, dtype, 3, const_cast<void*>(data), dims, strides, box, element_strides,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+}  // namespace tma
+}  // namespace flashjit
