@@ -208,9 +208,9 @@ FA2_DECODE_TILINGS = {
 FA2_WIDE_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=3, q_in_regs=True, min_blocks_per_sm=2, frags_m=2, one_wait=True),
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=2,
-                   one_wait=True, fence_pv=True),
+                   one_wait=True, fence_pv=True, tma_kv=True),
     256: Fa2Tiling(warps=8, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=1, frags_m=1,
-                   one_wait=True),
+                   one_wait=True, tma_kv=True),
 }
 # Shared memory per SM (bytes) and what the driver reserves per CTA, per arch.
 SMEM_PER_SM = {"sm_80": 164 * 1024, "sm_86": 100 * 1024, "sm_89": 100 * 1024, "sm_90a": 228 * 1024,

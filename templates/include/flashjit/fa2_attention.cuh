@@ -27,7 +27,7 @@
 #include "kernel_config.cuh"
 #include "merge_states.cuh"
 #include "numeric.cuh"
-#include "tma.cuh"
+#include "fa2_kv_tma.cuh"
 #include "work.cuh"
 
 namespace flashjit {
@@ -84,6 +84,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, tq = lane % 4;
+  if constexpr (kTma) {
+    if (tid == 0) {  // the descriptors travel to the TMA unit while the work is decoded
+      tma::prefetch_map(&tma_arg.maps.k);
+      tma::prefetch_map(&tma_arg.maps.v);
+    }
+  }
   const CtaWork w = decode_work<Traits::kPaged>(p, ROWS);
   const int rows_total = w.qo_len * w.group;
   if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
@@ -140,6 +146,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
 
   if (num_tiles > 0) {
+    // With TMA (fa2_kv_tma.cuh), thread 0 sets up the ring's barriers and
+    // starts loading the first tiles before the Q copies.
+    struct NoRing {};
+    std::conditional_t<kTma, fa2::TmaKvRing<Traits>, NoRing> ring;
+    if constexpr (kTma) {
+      ring = {kv_smem, kv_bars, key_begin, num_tiles};
+      if (tid == 0) {
+        ring.init();
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s)
+          if (s < num_tiles && ring.full(w, s)) ring.load(tma_arg.maps, w, s);
+      }
+    }
     const T* q_base = static_cast<const T*>(p.q);
     const auto k_rows = kv_rows<T, Traits::kPaged>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page);
     const auto v_rows = kv_rows<T, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page);
@@ -204,39 +223,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     };
     auto issue_k = [&](int tile) { issue(k_copy, k_rows.base, tile, 0); };
     auto issue_v = [&](int tile) { issue(v_copy, v_rows.base, tile, Traits::kKvTileBytes); };
-    // TMA: a tile of whole rows of the request is loaded by thread 0, its bytes
-    // counted on its ring slot's mbarrier; a partial last tile (rows past the
-    // request, which the TMA unit would read from the next request instead of
-    // zero-filling) is copied by every thread with cp.async, and thread 0's plain
-    // arrival completes the slot's phase. Either way each tile completes one
-    // phase of its slot's barrier.
-    auto tile_full = [&](int tile) { return w.kv_len - (key_begin + tile * KEYS) >= KEYS; };
-    auto issue_tma = [&](int tile) {
-      if (tile >= num_tiles) return;
-      const int k0 = key_begin + tile * KEYS;
-      const uint32_t k_dst = kv_smem + (tile % STAGES) * Traits::kStageBytes, v_dst = k_dst + Traits::kKvTileBytes;
-      const uint32_t bar = kv_bars + 8 * (tile % STAGES);
-      if (tile_full(tile)) {
-        if (tid == 0) {
-          if constexpr (kTma) {
-            const KvTensorMaps& maps = tma_arg.maps;
-            tma::mbar_arrive_expect_tx(bar, 2 * Traits::kKvTileBytes);
-#pragma unroll
-            for (int b = 0; b < ROW_BYTES / 128; ++b) {
-              tma::load_kv_block(k_dst + KvLayout::block(b), &maps.k, maps.heads_outer_k, b, w.kv_head, w.kv_start + k0, bar);
-              tma::load_kv_block(v_dst + KvLayout::block(b), &maps.v, maps.heads_outer_v, b, w.kv_head, w.kv_start + k0, bar);
-            }
-          }
-        }
-      } else {
-        if constexpr (!Traits::kPaged) {
-          k_copy.issue(k_dst, k0, w.kv_len - k0, k_rows.base);
-          v_copy.issue(v_dst, k0, w.kv_len - k0, v_rows.base);
-        }
-        cp_async_commit();
-        if (tid == 0) tma::mbar_arrive(bar);
-      }
-    };
     // The barrier that makes a landed tile visible to the threads that read it.
     auto tile_barrier = [] {
       if constexpr (Traits::kSplitKeys) {
@@ -247,14 +233,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     };
     if constexpr (kTma) {
       cp_async_commit();  // Q alone
-      if (tid == 0) {
 #pragma unroll
-        for (int s = 0; s < STAGES; ++s) tma::mbar_init(kv_bars + 8 * s, 1);
-        tma::fence_mbar_init();
-      }
-      __syncthreads();  // the barriers are initialised before anyone waits on them
-#pragma unroll
-      for (int s = 0; s < STAGES - 1; ++s) issue_tma(s);
+      for (int s = 0; s < STAGES - 1; ++s)
+        if (s < num_tiles && !ring.full(w, s)) ring.template copy_partial<kCopySpan>(p, w, s);
+      __syncthreads();  // thread 0 initialised the barriers before anyone waits on them
     } else {
 #pragma unroll
       for (int s = 0; s < STAGES - 1; ++s) {
@@ -548,10 +530,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       const int t0 = key_begin + t * KEYS;
 
       if constexpr (kTma) {
-        tma::mbar_wait(kv_bars + 8 * (t % STAGES), (t / STAGES) & 1);
-        if (t == 0 || !tile_full(t)) cp_async_wait<0>();  // Q, or this thread's rows of a partial tile
+        ring.wait(w, t);
+        if (t == 0) cp_async_wait<0>();  // Q
         tile_barrier();
-        issue_tma(t + STAGES - 1);
+        ring.template issue<kCopySpan>(p, tma_arg.maps, w, t + STAGES - 1);
       } else {
         if constexpr (Traits::kOneWait) {
           cp_async_wait<kWaitKV>();
