@@ -205,6 +205,11 @@ FA2_DECODE_TILINGS = {
 # FA2_TILINGS[256] on the non-causal rows and 4-10% on the causal ones
 # (2026-11-22-h200-fa2-tilings-d256.md). It rescales half as often as
 # FA2_TILINGS[256], whose count the tolerance profile takes: an upper bound.
+#
+# d128 and d256 load their K/V tiles by TMA (tma_kv): thread 0 issues a tile
+# where every thread had issued 16-32 cp.async with their address arithmetic;
+# an H200 ran d128 2-5% and d256 4-7% faster on every row in one call; d64 gained
+# nothing and keeps cp.async (2026-11-23-h200-fa2-tma.md).
 FA2_WIDE_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=3, q_in_regs=True, min_blocks_per_sm=2, frags_m=2, one_wait=True),
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=2,

@@ -133,7 +133,8 @@ int encode_kv_map(CUtensorMap* map, int32_t* heads_outer, const void* data, CUte
   const EncodeTiledFn encode = encode_tiled_fn();
   if (encode == nullptr) return cudaErrorNotSupported;
   constexpr cuuint64_t kTokens = 0x7fffffff;
-  *heads_outer = stride_h > stride_n;  // the smaller stride first
+  if (heads == 1) stride_h = stride_n;  // never stepped; whatever a view left there (even 0) must not reach the map
+  *heads_outer = stride_h > stride_n;   // the smaller stride first
   const cuuint64_t dims[3] = {cuuint64_t(head_dim), *heads_outer ? kTokens : cuuint64_t(heads),
                               *heads_outer ? cuuint64_t(heads) : kTokens};
   const cuuint64_t strides[2] = {cuuint64_t(*heads_outer ? stride_n : stride_h) * 2,
