@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     const auto k_rows = kv_rows<T, Traits::kPaged>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page);
     const auto v_rows = kv_rows<T, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page);
 
-    // ---- Q tile -> swizzled shared memory (first commit group, with K_0).
+    // ---- Q tile -> swizzled shared memory (first commit group: with K_0, or alone with TMA).
     {
       using R = fa2::TileRows<ROWS, D, THREADS, kCopySpan>;
       constexpr int kSpanElems = kCopySpan / int(sizeof(T));
@@ -248,13 +248,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     }
 
     // Per-lane ldmatrix offsets of the 16 columns 16i .. 16i + 15 (chunk pair i;
-    // see the header comment). A pattern: row lane % 16, chunk 2i + lane / 16.
+    // see fa2_primitives.cuh). A pattern: row lane % 16, chunk 2i + lane / 16.
     // B pattern: row 8 * (lane / 16) + lane % 8, chunk 2i + (lane / 8) % 2. In
     // both, row % 8 == lane % 8. The swizzle puts i % 4 only in bits 5-6 of the
     // offset ((2i + c) ^ r == (c ^ r) ^ 2i for c < 2) and i / 4 in whole 128-byte
-    // lines, so chunk pair i is (offset(0) ^ ((i % 4) << 5)) + (i / 4) * 128: one
-    // register per pattern, not four, which two fragments at the register cap need.
-    // Q (row-major) and V (KvLayout) take the A pattern, K the B pattern.
+    // blocks, so chunk pair i is the pair-0 offset with an XOR and an immediate
+    // (SwizzledTile::pair): one register per pattern and layout, not four, which
+    // two fragments at the register cap need. Q (row-major) and V (KvLayout)
+    // take the A pattern, K the B pattern.
     const uint32_t a_off0 = QLayout::at(lane % 16, lane / 16, lane % 8);
     const uint32_t v_off0 = KvLayout::at(lane % 16, lane / 16, lane % 8);
     const uint32_t b_off0 = KvLayout::at(8 * (lane / 16) + lane % 8, (lane / 8) % 2, lane % 8);
