@@ -43,6 +43,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr int FM = Traits::kFragsM, WROWS = Traits::kRowsPerWarp;  // m16 fragments, rows per warp
   constexpr int ROW_BYTES = Traits::kRowBytes;
   constexpr bool kTma = Traits::kTmaKv;
+  // On the TMA kernels, whose loop sits at the register cap, the warp index is
+  // known warp-uniform, a masked step reads its lane again, and the K/V
+  // ldmatrix addresses are formed per tile (below): with the registers this
+  // frees, an H200 ran d128 3-7% faster (docs/fa2_notes.md, session 12). The
+  // other kernels keep the plain forms and their SASS.
   using QLayout = typename Traits::QLayout;
   using KvLayout = typename Traits::KvLayout;
   constexpr int KV_PITCH = KvLayout::kPitch;  // between rows of a K or V tile
@@ -82,7 +87,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
                                 : q_smem + Traits::kQBytes;
   const uint32_t kv_bars = kv_smem + STAGES * Traits::kStageBytes;
 
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x, lane = tid % 32, warp = kTma ? fa2::warp_uniform(tid / 32) : tid / 32;
   const int g = lane / 4, tq = lane % 4;
   if constexpr (kTma) {
     if (tid == 0) {  // the descriptors travel to the TMA unit while the work is decoded
@@ -263,6 +268,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     auto a_at = [a_off0](uint32_t rows, int i) { return rows + QLayout::pair(a_off0, i); };
     auto v_at = [v_off0](uint32_t rows, int i) { return rows + KvLayout::pair(v_off0, i); };
     auto b_at = [b_off0](uint32_t rows, int i) { return rows + KvLayout::pair(b_off0, i); };
+    // With TMA, the lane's K (V) address in a ring slot is formed once per tile,
+    // k_lane = slot + b_off0, and chunk pair i taken from it by an XOR and an
+    // immediate: the slots are 128-byte aligned, so the XOR still meets only
+    // b_off0's bits. Otherwise ptxas keeps pair(b_off0, i) for i % 4 = 0..3 in
+    // four registers across the loop.
+    static_assert(Traits::kStageBytes % 128 == 0 && Traits::kKvTileBytes % 128 == 0 && KV_PITCH % 128 == 0,
+                  "128-byte aligned slots and tile rows");
     // Fragment f of this warp's Q rows at + f * 16 * ROW_BYTES.
     const uint32_t q_warp = q_smem + (Traits::kSplitKeys ? 0 : warp * WROWS * ROW_BYTES);
 
@@ -301,7 +313,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // S = Q.K^T for the step at row kofs of the K tile at k_s: fragment f, n-tile
     // j covers rows 16f .. 16f + 15, keys kofs + 8j .. + 7. Each K B-fragment is
     // loaded once and feeds FM mma's.
-    auto compute_s = [&](float (&s)[FM][NT_S][4], uint32_t k_s, int kofs) {
+    auto compute_s = [&](float (&s)[FM][NT_S][4], uint32_t k_s, uint32_t k_lane, int kofs) {
 #pragma unroll
       for (int f = 0; f < FM; ++f)
 #pragma unroll
@@ -321,7 +333,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       };
       // K rows kofs + 16jn .. + 15, head dims 16kk .. 16kk + 15.
       auto load_k = [&](uint32_t (&b)[4], int kk, int jn) {
-        fa2::ldmatrix_x4(b, b_at(k_s + (kofs + jn * 16) * KV_PITCH, kk));
+        const uint32_t row_off = (kofs + jn * 16) * KV_PITCH;
+        fa2::ldmatrix_x4(b, kTma ? KvLayout::pair(k_lane, kk) + row_off : b_at(k_s + row_off, kk));
       };
       // S n-tiles 2jn, 2jn + 1 of every fragment += A . B.
       auto mma_keys = [&](int jn, const uint32_t (&a)[FM][4], const uint32_t (&b)[4]) {
@@ -397,14 +410,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
         // s[f][j][e] is row 16f + g + 8 * (e / 2), key k0 + 8j + 2 * tq + e % 2.
         if (need_mask) {
+          const int mask_lane = kTma ? fa2::lane_id() : lane;
+          const int mg = mask_lane / 4, mtq = mask_lane % 4;  // g and tq
           int q_off[2];
 #pragma unroll
-          for (int r = 0; r < 2; ++r) q_off[r] = min(warp_row0 + 16 * f + g + 8 * r, rows_total - 1) / w.group + offset;
+          for (int r = 0; r < 2; ++r) q_off[r] = min(warp_row0 + 16 * f + mg + 8 * r, rows_total - 1) / w.group + offset;
 #pragma unroll
           for (int j = 0; j < NT_S; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const int key = k0 + 8 * j + 2 * tq + (e & 1);
+              const int key = k0 + 8 * j + 2 * mtq + (e & 1);
               const int qo = q_off[e >> 1];
               if (key >= w.kv_len || (Traits::kCausal && key > qo) || (Traits::kWindow && key < qo - window_left))
                 s[f][j][e] = kNegInf;
@@ -497,13 +512,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // O += P.V for the step at row kofs of the V tile at v_s: n-tiles 2dn, 2dn+1
     // cover head dims 16dn .. 16dn+15; each V B-fragment is loaded once and feeds
     // FM mma's.
-    auto accumulate_pv = [&](const uint32_t (&pa)[FM][KSTEPS_PV][4], uint32_t v_s, int kofs) {
+    auto accumulate_pv = [&](const uint32_t (&pa)[FM][KSTEPS_PV][4], uint32_t v_s, uint32_t v_lane, int kofs) {
 #pragma unroll
       for (int kk = 0; kk < KSTEPS_PV; ++kk) {
 #pragma unroll
         for (int dn = 0; dn < D / 16; ++dn) {
           uint32_t b[4];
-          fa2::ldmatrix_x4_trans(b, v_at(v_s + (kofs + kk * 16) * KV_PITCH, dn));
+          const uint32_t row_off = (kofs + kk * 16) * KV_PITCH;
+          fa2::ldmatrix_x4_trans(b, kTma ? KvLayout::pair(v_lane, dn) + row_off : v_at(v_s + row_off, dn));
 #pragma unroll
           for (int f = 0; f < FM; ++f) {
             fa2::mma_16816<T>(o[f][2 * dn], pa[f][kk], b[0], b[1]);
@@ -528,6 +544,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     for (int t = 0; t < num_tiles; ++t) {
       const uint32_t k_s = kv_smem + (t % STAGES) * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
+      const uint32_t k_lane = kTma ? fa2::opaque(k_s + b_off0) : 0, v_lane = kTma ? fa2::opaque(v_s + v_off0) : 0;
       const int t0 = key_begin + t * KEYS;
 
       if constexpr (kTma) {
@@ -554,7 +571,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         uint32_t pa[FM][KSTEPS_PV][4];  // P in T, A-operand layout, per m16 fragment
         float s[FM][NT_S][4];
         if (!step.skip) {
-          compute_s(s, k_s, kofs);
+          compute_s(s, k_s, k_lane, kofs);
           softmax_max(s, t0 + kofs, step.mask, t == 0 && h == 0);
 #pragma unroll
           for (int f = 0; f < FM; ++f) exp_to_p(s, pa, f);
@@ -571,7 +588,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         // busy: an H200 ran such a d64 tiling 1-8% faster than the shipped one
         // without the fence (2026-11-22-h200-fa2-d64-one-wait-no-fence.md).
         if constexpr (Traits::kFencePv) __syncwarp();
-        if (!step.skip) accumulate_pv(pa, v_s, kofs);
+        if (!step.skip) accumulate_pv(pa, v_s, v_lane, kofs);
       }  // steps
     }
     // Every group still pending is empty (tiles past num_tiles), and the warp's

@@ -110,6 +110,26 @@ __device__ __forceinline__ float row_sum(const float (&s)[NT][4], int r) {
   return row_reduce(s, r, [](float a, float b) { return a + b; });
 }
 
+// Register-pressure aids for kernels at the 255-register cap. ptxas keeps a
+// loop-invariant value in a register across a loop; these change what it can
+// prove, so that it keeps less there.
+// The lane's index, read from %laneid where it is used (a masked step), rather
+// than one derived from threadIdx at the top and held across the loop.
+__device__ __forceinline__ int lane_id() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane;
+}
+// x from lane 0: ptxas then treats x as warp-uniform and keeps what derives
+// from it (a warp's rows, their key bounds) in uniform registers.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+// x, hidden from the compiler's algebra: an address formed from it per tile
+// stays per tile instead of being rewritten into hoisted variants.
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm("" : "+r"(x));
+  return x;
+}
+
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
