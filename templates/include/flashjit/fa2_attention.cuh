@@ -43,11 +43,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr int FM = Traits::kFragsM, WROWS = Traits::kRowsPerWarp;  // m16 fragments, rows per warp
   constexpr int ROW_BYTES = Traits::kRowBytes;
   constexpr bool kTma = Traits::kTmaKv;
-  // On the TMA kernels, whose loop sits at the register cap, the warp index is
-  // known warp-uniform, a masked step reads its lane again, and the K/V
-  // ldmatrix addresses are formed per tile (below): with the registers this
-  // frees, an H200 ran d128 3-7% faster (docs/fa2_notes.md, session 12). The
-  // other kernels keep the plain forms and their SASS.
   using QLayout = typename Traits::QLayout;
   using KvLayout = typename Traits::KvLayout;
   constexpr int KV_PITCH = KvLayout::kPitch;  // between rows of a K or V tile
@@ -62,6 +57,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // two-deep K ring (below). On an H200 it gained 2-5% there and cost d256 15%
   // and d64 0-2% (2026-11-22-h200-fa2-kring.md).
   constexpr bool kWideQk = FM == 2 && !kQInRegs;
+  // The d128 wide TMA kernel, whose loop sits at the register cap: its warp
+  // index is known warp-uniform, a masked step reads its lane again, and its
+  // K/V ldmatrix addresses are formed per tile (below). With the registers this
+  // frees, an H200 ran it 2-11% faster; d256 (8 warps of one fragment, not at
+  // the cap) ran within noise of its old form and keeps it, as do the others
+  // (docs/fa2_notes.md, session 12).
+  constexpr bool kLeanLoop = kTma && kWideQk;
   // The span of the Q, K and V copies (fa2::TileRows): one 16-byte chunk of
   // whole rows per thread, or, on the d128 wide tiling with a plain causal mask,
   // one chunk of each 128-byte line of its rows, so that a row costs one 64-bit
@@ -87,7 +89,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
                                 : q_smem + Traits::kQBytes;
   const uint32_t kv_bars = kv_smem + STAGES * Traits::kStageBytes;
 
-  const int tid = threadIdx.x, lane = tid % 32, warp = kTma ? fa2::warp_uniform(tid / 32) : tid / 32;
+  const int tid = threadIdx.x, lane = tid % 32, warp = kLeanLoop ? fa2::warp_uniform(tid / 32) : tid / 32;
   const int g = lane / 4, tq = lane % 4;
   if constexpr (kTma) {
     if (tid == 0) {  // the descriptors travel to the TMA unit while the work is decoded
@@ -268,7 +270,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     auto a_at = [a_off0](uint32_t rows, int i) { return rows + QLayout::pair(a_off0, i); };
     auto v_at = [v_off0](uint32_t rows, int i) { return rows + KvLayout::pair(v_off0, i); };
     auto b_at = [b_off0](uint32_t rows, int i) { return rows + KvLayout::pair(b_off0, i); };
-    // With TMA, the lane's K (V) address in a ring slot is formed once per tile,
+    // kLeanLoop: the lane's K (V) address in a ring slot is formed once per tile,
     // k_lane = slot + b_off0, and chunk pair i taken from it by an XOR and an
     // immediate: the slots are 128-byte aligned, so the XOR still meets only
     // b_off0's bits. Otherwise ptxas keeps pair(b_off0, i) for i % 4 = 0..3 in
@@ -334,7 +336,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       // K rows kofs + 16jn .. + 15, head dims 16kk .. 16kk + 15.
       auto load_k = [&](uint32_t (&b)[4], int kk, int jn) {
         const uint32_t row_off = (kofs + jn * 16) * KV_PITCH;
-        fa2::ldmatrix_x4(b, kTma ? KvLayout::pair(k_lane, kk) + row_off : b_at(k_s + row_off, kk));
+        fa2::ldmatrix_x4(b, kLeanLoop ? KvLayout::pair(k_lane, kk) + row_off : b_at(k_s + row_off, kk));
       };
       // S n-tiles 2jn, 2jn + 1 of every fragment += A . B.
       auto mma_keys = [&](int jn, const uint32_t (&a)[FM][4], const uint32_t (&b)[4]) {
@@ -410,7 +412,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
         // s[f][j][e] is row 16f + g + 8 * (e / 2), key k0 + 8j + 2 * tq + e % 2.
         if (need_mask) {
-          const int mask_lane = kTma ? fa2::lane_id() : lane;
+          const int mask_lane = kLeanLoop ? fa2::lane_id() : lane;
           const int mg = mask_lane / 4, mtq = mask_lane % 4;  // g and tq
           int q_off[2];
 #pragma unroll
@@ -519,7 +521,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         for (int dn = 0; dn < D / 16; ++dn) {
           uint32_t b[4];
           const uint32_t row_off = (kofs + kk * 16) * KV_PITCH;
-          fa2::ldmatrix_x4_trans(b, kTma ? KvLayout::pair(v_lane, dn) + row_off : v_at(v_s + row_off, dn));
+          fa2::ldmatrix_x4_trans(b, kLeanLoop ? KvLayout::pair(v_lane, dn) + row_off : v_at(v_s + row_off, dn));
 #pragma unroll
           for (int f = 0; f < FM; ++f) {
             fa2::mma_16816<T>(o[f][2 * dn], pa[f][kk], b[0], b[1]);
@@ -544,7 +546,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     for (int t = 0; t < num_tiles; ++t) {
       const uint32_t k_s = kv_smem + (t % STAGES) * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
-      const uint32_t k_lane = kTma ? fa2::opaque(k_s + b_off0) : 0, v_lane = kTma ? fa2::opaque(v_s + v_off0) : 0;
+      const uint32_t k_lane = kLeanLoop ? fa2::opaque(k_s + b_off0) : 0, v_lane = kLeanLoop ? fa2::opaque(v_s + v_off0) : 0;
       const int t0 = key_begin + t * KEYS;
 
       if constexpr (kTma) {
