@@ -60,9 +60,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // The d128 wide TMA kernel, whose loop sits at the register cap: its warp
   // index is known warp-uniform, a masked step reads its lane again, and its
   // K/V ldmatrix addresses are formed per tile (below). With the registers this
-  // frees, an H200 ran it 2-11% faster; d256 (8 warps of one fragment, not at
-  // the cap) ran within noise of its old form and keeps it, as do the others
-  // (docs/fa2_notes.md, session 12).
+  // frees, an H200 ran it 4-11% faster in a same-run comparison; d256 (8 warps
+  // of one fragment, not at the cap) ran within noise of its old form and keeps
+  // it, as do the others (docs/fa2_notes.md, session 12).
   constexpr bool kLeanLoop = kTma && kWideQk;
   // The span of the Q, K and V copies (fa2::TileRows): one 16-byte chunk of
   // whole rows per thread, or, on the d128 wide tiling with a plain causal mask,
