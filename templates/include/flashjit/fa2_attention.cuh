@@ -23,6 +23,7 @@
 #include "async_copy.cuh"
 #include "fa2_epilogue.cuh"
 #include "fa2_primitives.cuh"
+#include "fa2_softmax.cuh"
 #include "fa2_traits.cuh"
 #include "kernel_config.cuh"
 #include "merge_states.cuh"
@@ -129,22 +130,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // element mask instead of being kept in registers across the loop: kFragsM = 2
   // sits at the 255-register cap and would otherwise spill on sm_80 / sm_89.
 
-  // Logits leave the Q.K^T mma in natural units without the scale. Without
-  // soft-cap, s_log2 = s * scale is folded into the exponent (FFMA); with it,
-  // s is replaced by cap * log2e * tanh(s * sm_scale / cap) (already log2 units).
-  const float scale = Traits::kSoftCap ? 1.f : p.sm_scale * kLog2e;
-  const float cap_in = Traits::kSoftCap ? p.sm_scale / p.logits_soft_cap : 0.f;
-  const float cap_out = Traits::kSoftCap ? p.logits_soft_cap * kLog2e : 0.f;
-
+  // Logits leave the Q.K^T mma in natural units without sm_scale; the softmax
+  // applies it, or the soft-cap cap * tanh(s * sm_scale / cap) in log2 units
+  // (fa2_softmax.cuh).
   float o[FM][NT_O][4];
-  float m[FM][2];  // running max, in the units of s (before `scale`)
-  float l[FM][2];  // this lane's partial row sums; quad-reduced at the end
+  fa2::WarpSoftmax<Traits> softmax;
+  softmax.scale = Traits::kSoftCap ? 1.f : p.sm_scale * kLog2e;
+  softmax.cap_in = Traits::kSoftCap ? p.sm_scale / p.logits_soft_cap : 0.f;
+  softmax.cap_out = Traits::kSoftCap ? p.logits_soft_cap * kLog2e : 0.f;
 #pragma unroll
   for (int f = 0; f < FM; ++f) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      m[f][r] = kNegInf;
-      l[f][r] = 0.f;
+      softmax.m[f][r] = kNegInf;
+      softmax.l[f][r] = 0.f;
     }
 #pragma unroll
     for (int n = 0; n < NT_O; ++n)
@@ -378,137 +377,23 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
     };
 
-    // Soft-cap, mask (keys from k0) and online softmax of S in place; P rounded to
-    // T in pa; O and l rescaled.
-    //
-    // Rows-split prefill keeps a lazy max: a row's m moves only on a step where
-    // the row has grown past it by more than kLazyLog2 (log2 units), and its
-    // exponentials are taken against the stale m otherwise. P then stays below
-    // 2^kLazyLog2, O and l carry the same factor (the result is the same
-    // function; rounding P to T is relative, so its error does not change), and
-    // O's 4 * FM * NT_O rescale multiplies run only on steps where some row of
-    // the warp moves: for random logits about the first step of each row. Split
-    // keys (decode) keep the exact running max: a warp vote skips the multiplies
-    // when no row's max moved.
-    constexpr bool kLazyMax = !Traits::kSplitKeys;
-    constexpr float kLazyLog2 = 8.f;
-    // m_ref: the exponent reference m * scale, 0 while m = -inf, so that
-    // exp2(-inf - (-inf)) never makes a NaN (a row that has seen no key gets 0
-    // everywhere). The exact path leaves l's factor in l_scale, for one FFMA
-    // with the sum.
-    float m_ref[FM][2], l_scale[FM][2];
-    // Soft-cap, mask and the rows' new max; m_ref set, O and l rescaled.
-    // o_zero: this warp's O and l are still 0 (its first step), so the
-    // rescale can leave them alone.
-    auto softmax_max = [&](float (&s)[FM][NT_S][4], int k0, bool need_mask, bool o_zero) {
-      float mx[FM][2];  // the step's new running max per row
+    // Element mask of fragment f's S for the step of keys from k0: s[j][e] is
+    // row 16f + g + 8 * (e / 2), key k0 + 8j + 2 * tq + e % 2.
+    auto mask_fragment = [&](float (&sf)[NT_S][4], int f, int k0) {
+      const int mask_lane = kLeanLoop ? fa2::lane_id() : lane;
+      const int mg = mask_lane / 4, mtq = mask_lane % 4;  // g and tq
+      int q_off[2];
 #pragma unroll
-      for (int f = 0; f < FM; ++f) {
-        if constexpr (Traits::kSoftCap) {
+      for (int r = 0; r < 2; ++r) q_off[r] = min(warp_row0 + 16 * f + mg + 8 * r, rows_total - 1) / w.group + offset;
 #pragma unroll
-          for (int j = 0; j < NT_S; ++j)
+      for (int j = 0; j < NT_S; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[f][j][e] = cap_out * tanhf(s[f][j][e] * cap_in);
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + 8 * j + 2 * mtq + (e & 1);
+          const int qo = q_off[e >> 1];
+          if (key >= w.kv_len || (Traits::kCausal && key > qo) || (Traits::kWindow && key < qo - window_left))
+            sf[j][e] = kNegInf;
         }
-        // s[f][j][e] is row 16f + g + 8 * (e / 2), key k0 + 8j + 2 * tq + e % 2.
-        if (need_mask) {
-          const int mask_lane = kLeanLoop ? fa2::lane_id() : lane;
-          const int mg = mask_lane / 4, mtq = mask_lane % 4;  // g and tq
-          int q_off[2];
-#pragma unroll
-          for (int r = 0; r < 2; ++r) q_off[r] = min(warp_row0 + 16 * f + mg + 8 * r, rows_total - 1) / w.group + offset;
-#pragma unroll
-          for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int key = k0 + 8 * j + 2 * mtq + (e & 1);
-              const int qo = q_off[e >> 1];
-              if (key >= w.kv_len || (Traits::kCausal && key > qo) || (Traits::kWindow && key < qo - window_left))
-                s[f][j][e] = kNegInf;
-            }
-        }
-        // Row maxima across the 4 lanes of the quad; the two rows' chains are
-        // interleaved so that their latencies overlap.
-#pragma unroll
-        for (int r = 0; r < 2; ++r) mx[f][r] = fmaxf(m[f][r], fa2::row_max<NT_S>(s[f], r));
-#pragma unroll
-        for (int r = 0; r < 2; ++r) mx[f][r] = fmaxf(mx[f][r], __shfl_xor_sync(0xffffffffu, mx[f][r], 1));
-#pragma unroll
-        for (int r = 0; r < 2; ++r) mx[f][r] = fmaxf(mx[f][r], __shfl_xor_sync(0xffffffffu, mx[f][r], 2));
-      }
-
-      // Row r of fragment f takes mx[f][r] as its max where moves[r], with O and
-      // l rescaled to it, and keeps m (a factor of exactly 1) elsewhere.
-      auto move_max = [&](int f, const bool (&moves)[2]) {
-        float rescale[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float ref = mx[f][r] == kNegInf ? 0.f : mx[f][r] * scale;
-          rescale[r] = moves[r] ? fa2::exp2_fast(m[f][r] * scale - ref) : 1.f;
-          if (moves[r]) m[f][r] = mx[f][r];
-          if constexpr (kLazyMax) {
-            l[f][r] *= rescale[r];
-          } else {
-            l_scale[f][r] = rescale[r];
-          }
-        }
-        if (!o_zero && (kLazyMax || __any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f))) {
-#pragma unroll
-          for (int n = 0; n < NT_O; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[f][n][e] *= rescale[e >> 1];
-        }
-      };
-      if constexpr (kLazyMax) {
-        // Each row decides from its own logits alone, so that its result does
-        // not depend on which rows share its warp (paged and ragged prefill,
-        // with other tilings, stay identical bit for bit); the warp only skips
-        // the multiplies when no row moves. (-inf) - (-inf) is NaN, which
-        // compares false: a row that still sees no key never moves; a first
-        // visible key always does.
-        bool moves[FM][2], any = false;
-#pragma unroll
-        for (int f = 0; f < FM; ++f)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            moves[f][r] = (mx[f][r] - m[f][r]) * scale > kLazyLog2;
-            any |= moves[f][r];
-          }
-        if (__any_sync(0xffffffffu, any)) {
-#pragma unroll
-          for (int f = 0; f < FM; ++f) move_max(f, moves[f]);
-        }
-      } else {
-        constexpr bool kAlways[2] = {true, true};
-#pragma unroll
-        for (int f = 0; f < FM; ++f) move_max(f, kAlways);
-      }
-#pragma unroll
-      for (int f = 0; f < FM; ++f)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) m_ref[f][r] = m[f][r] == kNegInf ? 0.f : m[f][r] * scale;
-    };
-    // Exponentials of fragment f's S against m_ref, their sums into l, and P
-    // rounded to T in pa[f].
-    auto exp_to_p = [&](float (&s)[FM][NT_S][4], uint32_t (&pa)[FM][KSTEPS_PV][4], int f) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int j = 0; j < NT_S; ++j) {
-          s[f][j][2 * r] = fa2::exp2_fast(fmaf(s[f][j][2 * r], scale, -m_ref[f][r]));
-          s[f][j][2 * r + 1] = fa2::exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_ref[f][r]));
-        }
-        const float sum = fa2::row_sum<NT_S>(s[f], r);  // unrounded fp32 P
-        l[f][r] = kLazyMax ? l[f][r] + sum : fmaf(l[f][r], l_scale[f][r], sum);
-      }
-      // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
-#pragma unroll
-      for (int kk = 0; kk < KSTEPS_PV; ++kk) {
-        pa[f][kk][0] = fa2::pack2<T>(s[f][2 * kk][0], s[f][2 * kk][1]);
-        pa[f][kk][1] = fa2::pack2<T>(s[f][2 * kk][2], s[f][2 * kk][3]);
-        pa[f][kk][2] = fa2::pack2<T>(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
-        pa[f][kk][3] = fa2::pack2<T>(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
-      }
     };
 
     // O += P.V for the step at row kofs of the V tile at v_s: n-tiles 2dn, 2dn+1
@@ -574,9 +459,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         float s[FM][NT_S][4];
         if (!step.skip) {
           compute_s(s, k_s, k_lane, kofs);
-          softmax_max(s, t0 + kofs, step.mask, t == 0 && h == 0);
+          softmax.update_max(s, o, t0 + kofs, step.mask, t == 0 && h == 0, mask_fragment);
 #pragma unroll
-          for (int f = 0; f < FM; ++f) exp_to_p(s, pa, f);
+          for (int f = 0; f < FM; ++f) softmax.exp_to_p(s, pa, f);
         }
         if (!Traits::kOneWait && !kTma && h == 0) {  // V of the whole tile, before the first step's P.V
           cp_async_wait<kWaitV>();
@@ -598,9 +483,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
 
   if constexpr (Traits::kSplitKeys) {
-    if (!fa2::merge_warp_states<Traits>(o, m, l, smem, scale)) return;
+    if (!fa2::merge_warp_states<Traits>(o, softmax.m, softmax.l, smem, softmax.scale)) return;
   }
-  fa2::store_rows<Traits>(p, w, o, m, l, smem, warp_row0, rows_total, scale);
+  fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem, warp_row0, rows_total, softmax.scale);
 }
 
 template <class Traits>
