@@ -50,14 +50,18 @@ def stamp(i: int, indent: str = "  ") -> str:
 
 # (anchor in the kernel source, code, "before" or "after" the anchor). fj_t:
 # entry, first tile landed, loop end, end, work decoded, copies issued, Q issued.
-STORES = "  fa2::store_rows<Traits>(p, w, o, m, l, smem, warp_row0, rows_total, scale);\n"
+STORES = "  fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem, warp_row0, rows_total, softmax.scale);\n"
+# The next tile's copies: thread 0's TMA loads (kTmaKv), or every thread's cp.async.
+ISSUE_TMA = "        ring.template issue<kCopySpan>(p, tma_arg.maps, w, t + STAGES - 1);\n"
+ISSUE_CP_ASYNC = "        issue_k(t + STAGES - 1);\n"
 PROBES = [
-    ("    fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {\n",
+    ("                         const __grid_constant__ KvMapsArg<Traits::kTmaKv> tma_arg) {\n",
      "  unsigned long long fj_t[7] = {0, 0, 0, 0, 0, 0, 0};\n" + stamp(0), "after"),
     ("  const CtaWork w = decode_work<Traits::kPaged>(p, ROWS);\n", stamp(4), "after"),
     ("    // Who copies which K/V rows", stamp(6, "    "), "before"),
-    ("    lookup(STAGES - 1);\n", stamp(5, "    "), "after"),
-    ("      tile_barrier();\n      issue_k(t + STAGES - 1);\n", "      if (t == 0) " + stamp(1, ""), "after"),
+    ("    // Per-lane ldmatrix offsets", stamp(5, "    "), "before"),
+    (ISSUE_TMA, "        if (t == 0) " + stamp(1, ""), "before"),
+    (ISSUE_CP_ASYNC, "        if (t == 0) " + stamp(1, ""), "before"),
     # The loop's end once every warp is there (a barrier the shipped kernel does
     # not have), so that the stores' time holds no warp's lag behind thread 0.
     (STORES, "  __syncthreads();\n" + stamp(2), "before"),
@@ -86,8 +90,10 @@ def tile_stamp(slot: int, dst: str, t: str = "t") -> str:
 FJ_TILES = f"(reinterpret_cast<unsigned long long*>(p.partial_lse) + {STRIDE} * size_t(blockIdx.x) + 8)"
 TILE_PROBES = [  # our kernel: top, K/V landed, next copies issued, before P.V
     ("      const int t0 = key_begin + t * KEYS;\n", tile_stamp(0, FJ_TILES), "after"),
-    ("      issue_k(t + STAGES - 1);\n", tile_stamp(1, FJ_TILES), "before"),
-    ("      lookup(t + STAGES);\n", tile_stamp(2, FJ_TILES), "after"),
+    (ISSUE_TMA, tile_stamp(1, FJ_TILES), "before"),
+    (ISSUE_CP_ASYNC, tile_stamp(1, FJ_TILES), "before"),
+    (ISSUE_TMA, tile_stamp(2, FJ_TILES), "after"),
+    ("        lookup(t + STAGES);\n", tile_stamp(2, FJ_TILES), "after"),
     ("        if constexpr (Traits::kFencePv) __syncwarp();\n", "  " + tile_stamp(3, FJ_TILES), "before"),
 ]
 

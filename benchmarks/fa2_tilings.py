@@ -40,6 +40,8 @@ VARIANTS = {
         # FA2_TILINGS[64]: what a library with an sm_80 / sm_89 target takes.
         "two waits per tile, P.V after the softmax (FA2_TILINGS)": Fa2Tiling(4, 64, 2, True, 2, frags_m=2),
         "64-key tiles x 2 stages, one wait per tile": Fa2Tiling(4, 64, 2, True, 2, frags_m=2, one_wait=True),
+        # FA2_WIDE_TILINGS[64] until 2026-11-23: cp.async, no TMA.
+        "64-key tiles x 3 stages, one wait per tile": Fa2Tiling(4, 64, 3, True, 2, frags_m=2, one_wait=True),
     },
     128: {
         # The wide tiling waiting for K at the top of a tile and for V before P.V.

@@ -181,13 +181,16 @@ FA2_DECODE_TILINGS = {
 # on which they were built without spills and measured) holding
 # min_blocks_per_sm of their CTAs per SM.
 #
-# d64: FA2_TILINGS[64] with one K/V wait per tile, three stages (64 KB). With Q
-# in registers it has room to run the exponentials, row sums and P rounding
+# d64: FA2_TILINGS[64] with one K/V wait per tile, over 128-key tiles loaded by
+# TMA in two stages (80 KB), each walked in two 64-key steps. With Q in
+# registers it has room to run the exponentials, row sums and P rounding
 # inside the P.V mma stream (no fence_pv), which an H200 ran 1-8% faster than
-# FA2_TILINGS[64] (2026-11-22-h200-fa2-d64-one-wait-no-fence.md); three stages
-# ran 0-2% ahead of two on 5 of 6 rows in two runs (and 2026-11-23-h200-lazy-
-# max.md). On sm_80 / sm_89 the same source spills 12-108 bytes with causal or
-# window masks, and on sm_90a 4-16 with soft-cap; paged K/V spills too.
+# FA2_TILINGS[64] (2026-11-22-h200-fa2-d64-one-wait-no-fence.md). 128-key TMA
+# tiles (one wait, barrier and load per 128 keys) ran 3-9% faster than 64-key
+# cp.async tiles in three stages on every row, and 128-key cp.async tiles half
+# of that (2026-11-23-h200-fa2-d64-tiles.md). On sm_80 / sm_89 the source
+# spills 12-108 bytes with causal or window masks; paged K/V spills too. On
+# sm_90a it builds without spills with every flag set.
 #
 # d128: two CTAs of a wider tiling per SM,
 # with two fragments per warp (128-row CTAs, half the ldmatrix traffic per mma).
@@ -206,12 +209,13 @@ FA2_DECODE_TILINGS = {
 # (2026-11-22-h200-fa2-tilings-d256.md). It rescales half as often as
 # FA2_TILINGS[256], whose count the tolerance profile takes: an upper bound.
 #
-# d128 and d256 load their K/V tiles by TMA (tma_kv): thread 0 issues a tile
-# where every thread had issued 16-32 cp.async with their address arithmetic;
-# an H200 ran d128 2-5% and d256 4-7% faster on every row in one call; d64 gained
-# nothing and keeps cp.async (2026-11-23-h200-fa2-tma.md).
+# All three load their K/V tiles by TMA (tma_kv): thread 0 issues a tile where
+# every thread had issued 16-32 cp.async with their address arithmetic; an H200
+# ran d128 2-5% and d256 4-7% faster on every row in one call
+# (2026-11-23-h200-fa2-tma.md); d64 gained nothing from it on 64-key tiles.
 FA2_WIDE_TILINGS = {
-    64: Fa2Tiling(warps=4, keys_per_tile=64, stages=3, q_in_regs=True, min_blocks_per_sm=2, frags_m=2, one_wait=True),
+    64: Fa2Tiling(warps=4, keys_per_tile=128, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2,
+                  sub_tiles=2, one_wait=True, tma_kv=True),
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=2,
                    one_wait=True, fence_pv=True, tma_kv=True),
     256: Fa2Tiling(warps=8, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=1, frags_m=1,
@@ -229,9 +233,9 @@ WIDE_TILING_ARCHES = frozenset({"sm_90a"})
 
 def _wide_spills(spec: KernelSpec) -> bool:
     """Flag sets with which a FA2_WIDE_TILINGS kernel spills at the 255-register
-    cap on sm_90a (4-16 bytes); they keep FA2_TILINGS."""
+    cap on sm_90a (4-16 bytes); they keep FA2_TILINGS. d64 has none."""
     if spec.head_dim_qk == 64:
-        return spec.soft_cap
+        return False
     return bool((spec.soft_cap and spec.sliding_window) or (spec.head_dim_qk == 256 and spec.soft_cap and spec.causal))
 
 

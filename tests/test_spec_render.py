@@ -146,13 +146,16 @@ def test_wide_fa2_tiling_only_where_every_target_fits_it(op, causal, head_dim):
         assert tiling.rescales(spec)[0] >= default.rescales(spec)[0]
         text = render.render(spec, arches).text
         for field, value in [("kWarps", tiling.warps), ("kFragsM", tiling.frags_m),
-                             ("kOneWait", str(tiling.one_wait).lower()), ("kFencePv", str(tiling.fence_pv).lower())]:
+                             ("kKeysPerTile", tiling.keys_per_tile), ("kSubTiles", tiling.sub_tiles),
+                             ("kOneWait", str(tiling.one_wait).lower()), ("kFencePv", str(tiling.fence_pv).lower()),
+                             ("kTmaKv", str(tiling.tma_kv).lower())]:
             assert re.findall(rf"/\*{field}=\*/\s*(\w+)", text) == [str(value)], (arches, field)
-    spilling = spec.replace(soft_cap=True, sliding_window=True).validate()
-    assert kernels.tiling_for(spilling, ("sm_90a",))[1] == kernels.FA2_TILINGS[head_dim]
-    if head_dim == 64 or (head_dim == 256 and causal):
-        capped = spec.replace(soft_cap=True).validate()
-        assert kernels.tiling_for(capped, ("sm_90a",))[1] == kernels.FA2_TILINGS[head_dim]
+    # The flag sets whose wide kernels spill on sm_90a (none for d64) keep the default.
+    every_flag = spec.replace(soft_cap=True, sliding_window=True, return_lse=True).validate()
+    capped = spec.replace(soft_cap=True).validate()
+    for flagged, spills in [(every_flag, head_dim != 64), (capped, head_dim == 256 and causal)]:
+        wide = kernels.FA2_WIDE_TILINGS[head_dim] if wide_here and not spills else kernels.FA2_TILINGS[head_dim]
+        assert kernels.tiling_for(flagged, ("sm_90a",))[1] == wide, flagged.name
 
 
 @pytest.mark.parametrize("missing", ["name", "dtype_q", "dtype_kv", "dtype_o", "head_dim_qk", "head_dim_vo",

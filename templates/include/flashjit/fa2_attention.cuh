@@ -91,7 +91,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const uint32_t kv_bars = kv_smem + STAGES * Traits::kStageBytes;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = kLeanLoop ? fa2::warp_uniform(tid / 32) : tid / 32;
-  const int g = lane / 4, tq = lane % 4;
   if constexpr (kTma) {
     if (tid == 0) {  // the descriptors travel to the TMA unit while the work is decoded
       tma::prefetch_map(&tma_arg.maps.k);
@@ -378,18 +377,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     };
 
     // Element mask of fragment f's S for the step of keys from k0: s[j][e] is
-    // row 16f + g + 8 * (e / 2), key k0 + 8j + 2 * tq + e % 2.
+    // row 16f + g + 8 * (e / 2), key k0 + 8j + 2 * tq + e % 2 (g = lane / 4,
+    // tq = lane % 4).
     auto mask_fragment = [&](float (&sf)[NT_S][4], int f, int k0) {
       const int mask_lane = kLeanLoop ? fa2::lane_id() : lane;
-      const int mg = mask_lane / 4, mtq = mask_lane % 4;  // g and tq
+      const int g = mask_lane / 4, tq = mask_lane % 4;
       int q_off[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) q_off[r] = min(warp_row0 + 16 * f + mg + 8 * r, rows_total - 1) / w.group + offset;
+      for (int r = 0; r < 2; ++r) q_off[r] = min(warp_row0 + 16 * f + g + 8 * r, rows_total - 1) / w.group + offset;
 #pragma unroll
       for (int j = 0; j < NT_S; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = k0 + 8 * j + 2 * mtq + (e & 1);
+          const int key = k0 + 8 * j + 2 * tq + (e & 1);
           const int qo = q_off[e >> 1];
           if (key >= w.kv_len || (Traits::kCausal && key > qo) || (Traits::kWindow && key < qo - window_left))
             sf[j][e] = kNegInf;
