@@ -127,9 +127,10 @@ def test_batch_prefill_paged(prewarmed, error_report, dtype, tensor_cores, head_
 def test_paged_and_ragged_prefill_identical_after_late_spikes(prewarmed, error_report, head_dim, causal):
     """Keys aimed at single queries, late in their requests, make those rows' max
     jump far past the lazy-max threshold mid-sequence. Paged prefill (FA2_TILINGS)
-    and ragged prefill (on sm_90a a wide tiling: other rows share a warp) take the
-    same 64-key tiles, so they agree bit for bit, and both stay within the
-    profile. (d256 differs in rounding: its two tilings take 32- and 64-key tiles.)"""
+    and ragged prefill (on sm_90a a wide tiling: other rows share a warp; d64's
+    walks 128-key tiles in two steps) take the same 64-key steps, so they agree
+    bit for bit, and both stay within the profile. (d256 differs in rounding:
+    its two tilings take 32- and 64-key steps.)"""
     dtype, (num_qo, num_kv), lens = torch.bfloat16, (8, 2), [600, 900]
     starts = indptr_of(lens)
     q = randn(starts[-1], num_qo, head_dim, dtype=dtype)
