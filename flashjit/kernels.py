@@ -111,6 +111,10 @@ class Fa2Tiling:
     # mbarrier per stage) instead of every thread's cp.async; ragged K/V in
     # rows-split mode only (fa2_traits.cuh kTmaKv).
     tma_kv: bool = False
+    # With tma_kv: warps hand each ring slot back through a per-stage mbarrier,
+    # which the slot's next load waits on, instead of a CTA barrier per tile
+    # (fa2_traits.cuh kSlotRelease).
+    slot_release: bool = False
     # Decode only (0: off): with one query head per KV head (MHA), a second
     # instantiation of the kernel under this register cap runs instead.
     mha_min_blocks_per_sm: int = 0
@@ -130,7 +134,8 @@ class Fa2Tiling:
         d = spec.head_dim_qk
         size = 2 * self.rows_per_cta * d + self.stages * 2 * self.keys_per_tile * d * 2
         if self.tma_kv and spec.op not in PAGED_OPS and not self.split_keys:
-            size += 1024 - 128 + 8 * self.stages  # the stages' 1024-byte alignment, their mbarriers
+            # The stages' 1024-byte alignment, and their mbarriers (two each with slot_release).
+            size += 1024 - 128 + 8 * (2 if self.slot_release else 1) * self.stages
         return size
 
 
@@ -208,6 +213,10 @@ FA2_DECODE_TILINGS = {
 # FA2_TILINGS[256] on the non-causal rows and 4-10% on the causal ones
 # (2026-11-22-h200-fa2-tilings-d256.md). It rescales half as often as
 # FA2_TILINGS[256], whose count the tolerance profile takes: an upper bound.
+# Its warps hand ring slots back through mbarriers instead of meeting at a CTA
+# barrier per tile (slot_release): 6-10% faster on every row in one H200 call,
+# where d128 lost 2-6% and d64 stayed within noise
+# (2026-11-23-h200-fa2-slot-release.md).
 #
 # All three load their K/V tiles by TMA (tma_kv): thread 0 issues a tile where
 # every thread had issued 16-32 cp.async with their address arithmetic; an H200
@@ -219,7 +228,7 @@ FA2_WIDE_TILINGS = {
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=2,
                    one_wait=True, fence_pv=True, tma_kv=True),
     256: Fa2Tiling(warps=8, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=1, frags_m=1,
-                   one_wait=True, tma_kv=True),
+                   one_wait=True, tma_kv=True, slot_release=True),
 }
 # Shared memory per SM (bytes) and what the driver reserves per CTA, per arch.
 SMEM_PER_SM = {"sm_80": 164 * 1024, "sm_86": 100 * 1024, "sm_89": 100 * 1024, "sm_90a": 228 * 1024,

@@ -148,7 +148,7 @@ def test_wide_fa2_tiling_only_where_every_target_fits_it(op, causal, head_dim):
         for field, value in [("kWarps", tiling.warps), ("kFragsM", tiling.frags_m),
                              ("kKeysPerTile", tiling.keys_per_tile), ("kSubTiles", tiling.sub_tiles),
                              ("kOneWait", str(tiling.one_wait).lower()), ("kFencePv", str(tiling.fence_pv).lower()),
-                             ("kTmaKv", str(tiling.tma_kv).lower())]:
+                             ("kTmaKv", str(tiling.tma_kv).lower()), ("kSlotRelease", str(tiling.slot_release).lower())]:
             assert re.findall(rf"/\*{field}=\*/\s*(\w+)", text) == [str(value)], (arches, field)
     # The flag sets whose wide kernels spill on sm_90a (none for d64) keep the default.
     every_flag = spec.replace(soft_cap=True, sliding_window=True, return_lse=True).validate()

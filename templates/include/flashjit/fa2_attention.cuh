@@ -437,7 +437,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       if constexpr (kTma) {
         ring.wait(w, t);
         if (t == 0) cp_async_wait<0>();  // Q
-        tile_barrier();
+        if constexpr (Traits::kSlotRelease) {
+          // Warps release slots through mbarriers (fa2_kv_tma.cuh): only Q's
+          // rows (tile 0) and a partial tile's rows need a CTA barrier.
+          if (t == 0 || !ring.full(w, t)) __syncthreads();
+        } else {
+          tile_barrier();
+        }
         ring.template issue<kCopySpan>(p, tma_arg.maps, w, t + STAGES - 1);
       } else {
         if constexpr (Traits::kOneWait) {
@@ -477,6 +483,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         if constexpr (Traits::kFencePv) __syncwarp();
         if (!step.skip) accumulate_pv(pa, v_s, v_lane, kofs);
       }  // steps
+      if constexpr (Traits::kSlotRelease) ring.release(t);
     }
     // Every group still pending is empty (tiles past num_tiles), and the warp's
     // own Q rows are only ever read by this warp: no CTA barrier needed below.

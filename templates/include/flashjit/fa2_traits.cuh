@@ -11,7 +11,7 @@
 namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
-          bool kOneWait_, bool kFencePv_, bool kTmaKv_, bool kQInRegs_, int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_,
+          bool kOneWait_, bool kFencePv_, bool kTmaKv_, bool kSlotRelease_, bool kQInRegs_, int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_,
           bool kSoftCap_, bool kLse_>
 struct Fa2Traits {
   using DType = DType_;
@@ -41,6 +41,12 @@ struct Fa2Traits {
   // thread's cp.async, into the blocked layout its 128-byte swizzle writes.
   // Ragged rows only (pages would need one load per row) and rows-split mode.
   static constexpr bool kTmaKv = kTmaKv_ && !kPaged_ && !kSplitKeys_;
+  // With TMA: each warp hands a ring slot back through the slot's "empty"
+  // mbarrier once done with it, and the slot's next load waits on that, where
+  // a CTA barrier per tile made every warp wait for every other one
+  // (fa2_kv_tma.cuh). Eight warps of one CTA per SM (d256) gained 6-10% on an
+  // H200; the d128 wide kernel, at the register cap, lost 2-6%.
+  static constexpr bool kSlotRelease = kSlotRelease_ && kTmaKv;
   // Q fragments held in registers for the whole KV loop (D/4 registers per
   // thread); else re-read from shared memory with ldmatrix every tile, which
   // D = 256 needs to stay clear of spills next to its 128 O registers.
@@ -51,7 +57,7 @@ struct Fa2Traits {
   // The same kernel shape under another register cap.
   template <int kOtherMinBlocksPerSm>
   using WithMinBlocks = Fa2Traits<DType_, kHeadDim_, kWarps_, kFragsM_, kKeysPerTile_, kSubTiles_, kStages_, kOneWait_,
-                                  kFencePv_, kTmaKv_, kQInRegs_, kOtherMinBlocksPerSm, kSplitKeys_, kPaged_, kCausal_, kWindow_, kSoftCap_,
+                                  kFencePv_, kTmaKv_, kSlotRelease_, kQInRegs_, kOtherMinBlocksPerSm, kSplitKeys_, kPaged_, kCausal_, kWindow_, kSoftCap_,
                                   kLse_>;
   // Warps split each tile's keys instead of the rows (decode: the rows are
   // only one KV head's query heads, so one warp would do all the math while
@@ -98,10 +104,12 @@ struct Fa2Traits {
   static constexpr int kKvTileBytes = kKeysPerTile * kRowBytes;
   static constexpr int kStageBytes = 2 * kKvTileBytes;
   // With TMA the K/V stages start at a 1024-byte boundary (the swizzle's
-  // period), and one 8-byte mbarrier per stage follows them.
+  // period), and 8-byte mbarriers follow them: per stage, its tile landed,
+  // and with kSlotRelease every warp is done with it.
   static constexpr int kKvAlign = kTmaKv ? 1024 : 128;
-  static constexpr size_t kSmemBytes =
-      size_t(kQBytes) + size_t(kStages) * kStageBytes + (kTmaKv ? kKvAlign - 128 + 8 * kStages : 0);
+  static constexpr int kStageBarriers = kTmaKv ? (kSlotRelease ? 2 : 1) : 0;
+  static constexpr size_t kSmemBytes = size_t(kQBytes) + size_t(kStages) * kStageBytes +
+                                       (kTmaKv ? kKvAlign - 128 + 8 * kStageBarriers * kStages : 0);
   // Split keys: each lane's O, m and l per warp, exchanged through the stages.
   static constexpr int kMergeValues = kFragsM * (kHeadDim / 8) * 4 + kFragsM * 4;
   static_assert(!kSplitKeys || size_t(kWarps) * kMergeValues * 32 * 4 <= size_t(kStages) * kStageBytes,
