@@ -4,11 +4,14 @@
 // query head pairs of one KV head, token-major) of one request, grid
 // (num_work, num_kv_heads).
 // Fragment layouts and the swizzle: fa2_primitives.cuh; the compile-time shape:
-// fa2_traits.cuh; the end of a CTA (state merge, stores): fa2_epilogue.cuh.
+// fa2_traits.cuh; the online softmax: fa2_softmax.cuh; the K/V ring when the
+// TMA unit loads it: fa2_kv_tma.cuh; the end of a CTA (state merge, stores):
+// fa2_epilogue.cuh; the host launch: fa2_launch.cuh.
 //
 // Structure of one CTA (kWarps warps, 16 * kFragsM rows per warp):
 //   * Q (kRowsPerCta x D) and K/V tiles (kKeysPerTile x D) live in XOR-swizzled
-//     shared memory; K/V tiles stream through a kStages-deep cp.async ring.
+//     shared memory; K/V tiles stream through a kStages-deep ring, copied by
+//     every thread's cp.async or, on the sm_90a wide tilings, loaded by TMA.
 //   * Each warp computes S = Q.K^T for its kFragsM m16 fragments of rows with
 //     mma.sync.m16n8k16 (each K / V B-fragment loaded once feeds kFragsM mma's)
 //     (fp32 accumulation), runs the online softmax on S in registers (fp32,
@@ -493,41 +496,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     if (!fa2::merge_warp_states<Traits>(o, softmax.m, softmax.l, smem, softmax.scale)) return;
   }
   fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem, warp_row0, rows_total, softmax.scale);
-}
-
-template <class Traits>
-int launch_fa2_attention(const FlashjitAttentionParams& p, cudaStream_t stream) {
-  KvMapsArg<Traits::kTmaKv> tma_arg;
-  if constexpr (Traits::kTmaKv) {
-    if (p.num_work > 0 && p.num_kv_heads > 0) {
-      constexpr CUtensorMapDataType kType = std::is_same<typename Traits::DType, __half>::value
-                                                ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-      KvTensorMaps& maps = tma_arg.maps;
-      int err = tma::encode_kv_map<Traits::kKeysPerTile>(&maps.k, &maps.heads_outer_k, p.k, kType, Traits::kHeadDim,
-                                                         p.num_kv_heads, p.k_stride_n, p.k_stride_h);
-      if (err == cudaSuccess)
-        err = tma::encode_kv_map<Traits::kKeysPerTile>(&maps.v, &maps.heads_outer_v, p.v, kType, Traits::kHeadDim,
-                                                       p.num_kv_heads, p.v_stride_n, p.v_stride_h);
-      if (err != cudaSuccess) return err;
-    }
-  }
-  return launch_attention<fa2_attention_kernel<Traits>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
-      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream, tma_arg);
-}
-
-// Decode with one query head per KV head (MHA) launches MhaTraits instead: the
-// same kernel under a tighter register cap, so that more of its CTAs share an SM
-// (Fa2Tiling.mha_min_blocks_per_sm). The planner sizes waves by Traits.
-template <class Traits, class MhaTraits>
-int launch_fa2_attention_or_mha(const FlashjitAttentionParams& p, cudaStream_t stream) {
-  if (p.num_qo_heads == p.num_kv_heads) return launch_fa2_attention<MhaTraits>(p, stream);
-  return launch_fa2_attention<Traits>(p, stream);
-}
-
-template <class Traits>
-int fa2_ctas_per_sm() {
-  return ctas_per_sm<fa2_attention_kernel<Traits>>(Traits::kThreads, static_cast<int>(Traits::kSmemBytes));
 }
 
 }  // namespace flashjit
