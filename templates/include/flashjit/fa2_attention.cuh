@@ -172,24 +172,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     const auto v_rows = kv_rows<T, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page);
 
     // ---- Q tile -> swizzled shared memory (first commit group: with K_0, or alone with TMA).
-    {
-      using R = fa2::TileRows<ROWS, D, THREADS, kCopySpan>;
-      constexpr int kSpanElems = kCopySpan / int(sizeof(T));
-      const int chunk = tid % R::kChunks, r0 = tid / R::kChunks;
-      auto rows = w.packed_rows().walk<R::kRowsPerPass>(w.row_begin + r0, p.q_stride_n, p.q_stride_h);
-#pragma unroll
-      for (int i = 0; i < R::kPerThread; ++i) {
-        const int r = r0 + i * R::kRowsPerPass;
-        const bool ok = w.row_begin + r < rows_total;
-        // Past the request: a mapped fallback address, nothing is read from it.
-        const T* src = ok ? q_base + rows.offset + chunk * 8 : q_base;
-#pragma unroll
-        for (int j = 0; j < R::kSpans; ++j)
-          cp_async_16(q_smem + QLayout::at(r, chunk) + R::template span_off<QLayout>(j), src + (ok ? j * kSpanElems : 0),
-                      ok);
-        rows.next();
-      }
-    }
+    fa2::copy_q_tile<QLayout, ROWS, D, THREADS, kCopySpan>(p, w, q_base, q_smem, rows_total, tid);
 
     // Who copies which K/V rows: all threads the whole tile, or, when warps
     // split the keys, each warp its own WKEYS rows. Then no warp reads rows

@@ -223,6 +223,29 @@ struct TileRows {
   }
 };
 
+// Every thread's cp.async of the CTA's Q tile (kRows packed rows of q_base
+// from w.row_begin, layout L at q_smem): a span of kCopySpan bytes of a row
+// per chunk, rows walked by adds (CtaWork::PackedRows::walk). Rows past the
+// request (rows_total) are zero-filled, their address a mapped fallback.
+template <class L, int kRows, int kDim, int kThreads, int kCopySpan, class T>
+__device__ __forceinline__ void copy_q_tile(const FlashjitAttentionParams& p, const CtaWork& w, const T* q_base,
+                                            uint32_t q_smem, int rows_total, int tid) {
+  using R = TileRows<kRows, kDim, kThreads, kCopySpan>;
+  constexpr int kSpanElems = kCopySpan / int(sizeof(T));
+  const int chunk = tid % R::kChunks, r0 = tid / R::kChunks;
+  auto rows = w.packed_rows().walk<R::kRowsPerPass>(w.row_begin + r0, p.q_stride_n, p.q_stride_h);
+#pragma unroll
+  for (int i = 0; i < R::kPerThread; ++i) {
+    const int r = r0 + i * R::kRowsPerPass;
+    const bool ok = w.row_begin + r < rows_total;
+    const T* src = ok ? q_base + rows.offset + chunk * 8 : q_base;
+#pragma unroll
+    for (int j = 0; j < R::kSpans; ++j)
+      cp_async_16(q_smem + L::at(r, chunk) + R::template span_off<L>(j), src + (ok ? j * kSpanElems : 0), ok);
+    rows.next();
+  }
+}
+
 // Byte offset, in a tile of layout L, of the first span of the i-th row a
 // thread copies (see TileRows): compile-time steps from one per-thread base when
 // a copy pass covers a multiple of 8 rows (the swizzle repeats every 8 rows).
