@@ -52,6 +52,8 @@ VARIANTS = {
         # One CTA per SM, past SMEM_BUDGET (sm_90a-class only): each K/V tile feeds 8 warps.
         "8 warps (128 rows), 32-key tiles, 128 KB": Fa2Tiling(8, 32, 2, False, 1, one_wait=True),
         "8 warps (128 rows), 64-key tiles, 192 KB": Fa2Tiling(8, 64, 2, False, 1, one_wait=True),
+        # FA2_WIDE_TILINGS[256] until 2026-11-23: a CTA barrier per tile instead of slot release.
+        "8 warps, 64-key TMA tiles, a CTA barrier per tile": Fa2Tiling(8, 64, 2, False, 1, one_wait=True, tma_kv=True),
     },
 }
 ROWS = [(16, 1024, False), (16, 1024, True), (4, 4096, False), (4, 4096, True), (1, 16384, False),
