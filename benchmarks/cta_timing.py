@@ -51,7 +51,7 @@ def stamp(i: int, indent: str = "  ") -> str:
 # (anchor in the kernel source, code, "before" or "after" the anchor). fj_t:
 # entry, first tile landed, loop end, end, work decoded, copies issued, Q issued.
 STORES = "  fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem, warp_row0, rows_total, softmax.scale);\n"
-# The next tile's copies: thread 0's TMA loads (kTmaKv), or every thread's cp.async.
+# The next tile's copies: one thread's TMA loads (kTmaKv), or every thread's cp.async.
 ISSUE_TMA = "        ring.template issue<kCopySpan>(p, tma_arg.maps, w, t + STAGES - 1);\n"
 ISSUE_CP_ASYNC = "        issue_k(t + STAGES - 1);\n"
 PROBES = [

@@ -218,7 +218,7 @@ FA2_DECODE_TILINGS = {
 # where d128 lost 2-6% and d64 stayed within noise
 # (2026-11-23-h200-fa2-slot-release.md).
 #
-# All three load their K/V tiles by TMA (tma_kv): thread 0 issues a tile where
+# All three load their K/V tiles by TMA (tma_kv): one thread issues a tile where
 # every thread had issued 16-32 cp.async with their address arithmetic; an H200
 # ran d128 2-5% and d256 4-7% faster on every row in one call
 # (2026-11-23-h200-fa2-tma.md); d64 gained nothing from it on 64-key tiles.

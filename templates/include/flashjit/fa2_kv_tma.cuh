@@ -109,6 +109,7 @@ struct TmaKvRing {
 
   // Every warp, after its last read of tile `tile`'s slot (kSlotRelease).
   __device__ __forceinline__ void release(int tile) const {
+    static_assert(Traits::kSlotRelease, "only kSlotRelease rings have (initialised) empty barriers");
     __syncwarp();
     if (threadIdx.x % 32 == 0) tma::mbar_arrive(empty_bar(tile));
   }
