@@ -28,7 +28,7 @@ from prefill import bench_ms
 
 import flashjit
 from flashjit import jit, kernels
-from flashjit.kernels import Fa2Tiling
+from flashjit.kernels.fa2 import Fa2Tiling
 from flashjit.ops import _plan
 from flashjit.spec import KernelSpec
 
@@ -60,9 +60,9 @@ def prefill_table() -> list[str]:
              "|---|---|" + "---|" * len(PREFILL_ROWS)]
     inputs = {(b, s): [torch.randn(b * s, h, d, device="cuda", dtype=BF16) for _ in range(3)]
               for b, s, _ in PREFILL_ROWS}
-    default, wide = kernels.FA2_TILINGS[d], kernels.FA2_WIDE_TILINGS.pop(d, None)
+    default, wide = kernels.fa2.FA2_TILINGS[d], kernels.fa2.FA2_WIDE_TILINGS.pop(d, None)
     for name, tiling in TILINGS.items():
-        kernels.FA2_TILINGS[d] = tiling
+        kernels.fa2.FA2_TILINGS[d] = tiling
         jit._modules.clear()
         os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="cta-order-")
         jit.build_many([KernelSpec.make("batch_prefill_ragged", "bfloat16", d, backend="fa2", use_tensor_cores=True,

@@ -261,7 +261,7 @@ def main() -> int:
     d, b = args.head_dim, args.batch
     h = 2048 // d
     if args.tiling:
-        kernels.FA2_TILINGS[d] = kernels.FA2_WIDE_TILINGS[d] = eval(args.tiling, {"Fa2Tiling": kernels.Fa2Tiling})
+        kernels.fa2.FA2_TILINGS[d] = kernels.fa2.FA2_WIDE_TILINGS[d] = eval(args.tiling, {"Fa2Tiling": kernels.fa2.Fa2Tiling})
     stagger = stagger_probe(args.stagger_ns, args.stagger_which) if args.stagger_ns else None
     use_templates(instrumented_templates(args.templates, stagger, args.tiles))
     # A cached library is found by the spec and the generator's files, not a

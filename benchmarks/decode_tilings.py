@@ -25,7 +25,8 @@ from decode import BF16, D, PAGE, check, libraries, paged_cache, reference, time
 
 import flashjit
 from flashjit import jit, kernels
-from flashjit.kernels import CudaDecodeTiling, Fa2Tiling
+from flashjit.kernels.cuda_core import CudaDecodeTiling
+from flashjit.kernels.fa2 import Fa2Tiling
 
 TENSOR_CORE_VARIANTS = {
     "keys split over 4 warps, 64 keys x 2 stages, 2 CTAs/SM (shipped)": Fa2Tiling(4, 64, 2, False, 2,
@@ -53,14 +54,14 @@ def main() -> int:
     parser.add_argument("--no-variants", action="store_true")
     args = parser.parse_args()
     tensor_cores = args.cores == "tensor"
-    shipped = kernels.FA2_DECODE_TILINGS[D] if tensor_cores else kernels.cuda_decode_tiling(
+    shipped = kernels.fa2.FA2_DECODE_TILINGS[D] if tensor_cores else kernels.cuda_core.cuda_decode_tiling(
         flashjit.KernelSpec.make("batch_decode_paged", "bfloat16", D))
     runs = [(f"shipped, sources from {folder.name}", shipped, folder.resolve()) for folder in args.baseline_templates]
     runs.append(("shipped", shipped, None))
     if not args.no_variants:
         variants = TENSOR_CORE_VARIANTS if tensor_cores else CUDA_CORE_VARIANTS
         runs += [(name, tiling, None) for name, tiling in variants.items()]
-    cuda_decode_tiling = kernels.cuda_decode_tiling
+    cuda_decode_tiling = kernels.cuda_core.cuda_decode_tiling
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     cases = []
     for label, batch, kv_len, qo_heads, kv_heads in ROWS:
@@ -73,9 +74,9 @@ def main() -> int:
              "|---|---|" + "---|" * len(ROWS)]
     for name, tiling, templates in runs:
         if tensor_cores:
-            kernels.FA2_DECODE_TILINGS[D] = tiling
+            kernels.fa2.FA2_DECODE_TILINGS[D] = tiling
         else:
-            kernels.cuda_decode_tiling = lambda spec, tiling=tiling: tiling
+            kernels.cuda_core.cuda_decode_tiling = lambda spec, tiling=tiling: tiling
         use_templates(templates)
         jit._modules.clear()
         os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="decode-tiling-")
@@ -96,8 +97,8 @@ def main() -> int:
         lines.append(f"| {name} | {tiling.smem_bytes(spec)} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     if tensor_cores:
-        kernels.FA2_DECODE_TILINGS[D] = shipped
-    kernels.cuda_decode_tiling = cuda_decode_tiling
+        kernels.fa2.FA2_DECODE_TILINGS[D] = shipped
+    kernels.cuda_core.cuda_decode_tiling = cuda_decode_tiling
     use_templates(None)
     if "flashinfer" in libraries():
         import flashinfer

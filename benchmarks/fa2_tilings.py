@@ -30,7 +30,7 @@ from prefill import attention_flops, bench_ms, flashinfer_ragged, indptr
 
 import flashjit
 from flashjit import jit, kernels
-from flashjit.kernels import Fa2Tiling
+from flashjit.kernels.fa2 import Fa2Tiling
 from flashjit.reference import ragged_reference
 from flashjit.spec import KernelSpec
 
@@ -109,9 +109,9 @@ def flashinfer_cells(rows, h: int, d: int, inputs) -> list[str] | None:
 
 
 def restore_tilings(d: int, default, wide) -> None:
-    kernels.FA2_TILINGS[d] = default
+    kernels.fa2.FA2_TILINGS[d] = default
     if wide is not None:
-        kernels.FA2_WIDE_TILINGS[d] = wide
+        kernels.fa2.FA2_WIDE_TILINGS[d] = wide
 
 
 def main() -> int:
@@ -132,7 +132,7 @@ def main() -> int:
              "|---|---|---|" + "---|" * len(ROWS)]
     inputs = {(b, s): [torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
               for b, s, _ in ROWS}
-    default, wide = kernels.FA2_TILINGS[d], kernels.FA2_WIDE_TILINGS.get(d)
+    default, wide = kernels.fa2.FA2_TILINGS[d], kernels.fa2.FA2_WIDE_TILINGS.get(d)
     # The defaults as shipped (with a wide tiling, the rows take it on this GPU's
     # arch when it fits); a variant replaces both for every row.
     wide_note = f", where every target holds {wide.min_blocks_per_sm} per SM: {wide}" if wide else ""
@@ -142,17 +142,17 @@ def main() -> int:
     if not args.no_variants:
         sources += [(name, tiling, None) for name, tiling in VARIANTS[d].items()]
     sources += [(text, eval(text, {"Fa2Tiling": Fa2Tiling}), None) for text in args.variant]
-    budget = kernels.SMEM_BUDGET
+    budget = kernels.common.SMEM_BUDGET
     # Build, check and plan every source; its wrappers keep their own modules.
     timed = []  # (label, row callables)
     for name, tiling, templates in sources:
         # A variant may exceed the shipped budget (one CTA per SM on an sm_90a-class part).
-        kernels.SMEM_BUDGET = max(budget, (tiling or default).smem_bytes(KernelSpec.make("single_prefill", "bfloat16", d)))
-        kernels.FA2_TILINGS[d] = tiling or default
+        kernels.common.SMEM_BUDGET = max(budget, (tiling or default).smem_bytes(KernelSpec.make("single_prefill", "bfloat16", d)))
+        kernels.fa2.FA2_TILINGS[d] = tiling or default
         if tiling is None and wide is not None:
-            kernels.FA2_WIDE_TILINGS[d] = wide
+            kernels.fa2.FA2_WIDE_TILINGS[d] = wide
         else:
-            kernels.FA2_WIDE_TILINGS.pop(d, None)
+            kernels.fa2.FA2_WIDE_TILINGS.pop(d, None)
         use_templates(templates)
         jit._modules.clear()
         os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fa2-tiling-")
@@ -172,7 +172,7 @@ def main() -> int:
             lines.append(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:300]} |")
             print(lines[-1], flush=True)
     restore_tilings(d, default, wide)
-    kernels.SMEM_BUDGET = budget
+    kernels.common.SMEM_BUDGET = budget
     use_templates(None)
     fi_runs = None if args.no_flashinfer else flashinfer_runs(ROWS, h, d, inputs)
     if fi_runs:

@@ -42,13 +42,13 @@ def specs() -> list[KernelSpec]:
 
 
 # Tilings a library takes only when all its targets are sm_90a-class
-# (kernels.FA2_WIDE_TILINGS), built for sm_90a alone, with their heaviest flags.
+# (kernels.fa2.FA2_WIDE_TILINGS), built for sm_90a alone, with their heaviest flags.
 WIDE_ARCHES = ("sm_90a",)
 
 
 def wide_specs() -> list[KernelSpec]:
     return [KernelSpec.make("batch_prefill_ragged", dtype, head_dim, use_tensor_cores=True, **flags)
-            for head_dim in sorted(kernels.FA2_WIDE_TILINGS) for dtype in ("float16", "bfloat16")
+            for head_dim in sorted(kernels.fa2.FA2_WIDE_TILINGS) for dtype in ("float16", "bfloat16")
             for flags in ({"soft_cap": True, "return_lse": True}, {"sliding_window": True, "return_lse": True},
                           {"causal": True, "soft_cap": True, "return_lse": True},
                           {"causal": True, "sliding_window": True, "return_lse": True})]
@@ -82,8 +82,8 @@ def main() -> int:
                              f"{row['spill_stores']}/{row['spill_loads']} | {row['stack']} | {smem} |")
     lines.append("")
     lines.append(f"{len(results) - len(wide)} configurations x {len(ARCHES)} arches, and "
-                 f"{len(wide)} sm_90a-only ones (kernels.FA2_WIDE_TILINGS, "
-                 f"{' and '.join(f'd{d}' for d in sorted(kernels.FA2_WIDE_TILINGS))}); total spilled bytes: {spills}")
+                 f"{len(wide)} sm_90a-only ones (kernels.fa2.FA2_WIDE_TILINGS, "
+                 f"{' and '.join(f'd{d}' for d in sorted(kernels.fa2.FA2_WIDE_TILINGS))}); total spilled bytes: {spills}")
     text = "\n".join(lines)
     print(text)
     if args.out:

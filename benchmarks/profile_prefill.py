@@ -16,7 +16,7 @@ from common import use_templates
 
 import flashjit
 from flashjit import kernels
-from flashjit.kernels import Fa2Tiling  # noqa: F401  (for --tiling)
+from flashjit.kernels.fa2 import Fa2Tiling  # noqa: F401  (for --tiling)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--templates", type=Path)
@@ -28,13 +28,13 @@ args = parser.parse_args()
 if args.templates:
     use_templates(args.templates.resolve())
 if args.tiling:
-    kernels.FA2_TILINGS[128] = eval(args.tiling)
-    kernels.FA2_WIDE_TILINGS.pop(128, None)
+    kernels.fa2.FA2_TILINGS[128] = eval(args.tiling)
+    kernels.fa2.FA2_WIDE_TILINGS.pop(128, None)
     # A variant may exceed the shipped budget (one sm_90a-class part), as in fa2_tilings.py.
-    kernels.SMEM_BUDGET = max(kernels.SMEM_BUDGET,
-                              kernels.FA2_TILINGS[128].smem_bytes(flashjit.KernelSpec.make("single_prefill", "bfloat16", 128)))
+    kernels.common.SMEM_BUDGET = max(kernels.common.SMEM_BUDGET,
+                              kernels.fa2.FA2_TILINGS[128].smem_bytes(flashjit.KernelSpec.make("single_prefill", "bfloat16", 128)))
 if args.templates or args.tiling:
-    # The cache key hashes kernels.py's file, not a tiling replaced at run time: a
+    # The cache key hashes the flashjit.kernels sources, not a tiling replaced at run time: a
     # fresh cache keeps a variant from loading the default's library.
     os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fa2-profile-")
 

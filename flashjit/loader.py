@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import FlashjitError, KernelLaunchError
 from .spec import UTILITY_OPS, KernelSpec
 
-ABI_VERSION = 4  # FLASHJIT_ABI_VERSION in templates/include/flashjit/attention_params.cuh
+ABI_VERSION = 4  # FLASHJIT_ABI_VERSION in templates/include/flashjit/common/attention_params.cuh
 
 _p = ctypes.c_void_p
 _i32 = ctypes.c_int32

@@ -73,8 +73,9 @@ def generator_digest(template_name: str) -> str:
         h.update(rel.encode())
         h.update(data)
     here = Path(__file__).resolve().parent
-    for module in ("kernels.py", "render.py", "spec.py", "arch.py", "build.py"):
-        h.update((here / module).read_bytes())
+    modules = sorted((here / "kernels").glob("*.py")) + [here / m for m in ("render.py", "spec.py", "arch.py", "build.py")]
+    for module in modules:
+        h.update(module.read_bytes())
     return h.hexdigest()
 
 

@@ -189,7 +189,7 @@ def test_sm90a_only_build_takes_the_wide_fa2_tiling(monkeypatch, tmp_path):
     [result] = jit.build_many([spec])
     manifest = result.entry.manifest
     assert manifest["arches"] == ["sm_90a"]
-    wide = kernels.FA2_WIDE_TILINGS[128]
+    wide = kernels.fa2.FA2_WIDE_TILINGS[128]
     assert kernels.tiling_for(spec, manifest["arches"])[1] == wide
     assert loader.load_library(spec, result.entry.artifact, manifest).rows_per_cta == wide.rows_per_cta == 128
     spills = [u for u in manifest["resources"] if u["spill_stores"] or u["spill_loads"]]
@@ -213,7 +213,7 @@ def test_artifact_loads_without_a_gpu(representative, spec):
         assert expected > 0
     assert module.rows_per_cta == expected
     # The library speaks the ABI of the header it was built from, which is the host's.
-    header = (entry.path / "include" / "flashjit" / "attention_params.cuh").read_text()
+    header = (entry.path / "include" / "flashjit" / "common" / "attention_params.cuh").read_text()
     abi = int(re.search(r"#define FLASHJIT_ABI_VERSION (\d+)", header).group(1))
     lib = ctypes.CDLL(str(entry.artifact))
     lib.flashjit_abi_version.restype = ctypes.c_int
@@ -306,12 +306,12 @@ def _key(spec, arches=("sm_80",), nvcc=None) -> str:
 def test_key_changes_when_a_header_changes(templates_copy):
     spec = KernelSpec.make("single_prefill", "bfloat16", 128)
     before = jit.plan(spec, ("sm_80",), None)
-    header = templates_copy / "include" / "flashjit" / "numeric.cuh"
+    header = templates_copy / "include" / "flashjit" / "common" / "numeric.cuh"
     header.write_text(header.read_text() + "\n// an edit that changes no rendered text\n")
     after = jit.plan(spec, ("sm_80",), None)
     assert after.rendered.text == before.rendered.text
-    assert after.key_inputs["headers_sha256"]["flashjit/numeric.cuh"] != \
-        before.key_inputs["headers_sha256"]["flashjit/numeric.cuh"]
+    assert after.key_inputs["headers_sha256"]["flashjit/common/numeric.cuh"] != \
+        before.key_inputs["headers_sha256"]["flashjit/common/numeric.cuh"]
     assert after.key != before.key
 
 
@@ -322,7 +322,7 @@ def test_fingerprint_changes_when_a_header_changes(templates_copy, monkeypatch):
     spec = KernelSpec.make("single_decode", "bfloat16", 256, soft_cap=True)
     before = jit.fingerprint(spec, ("sm_80",), "/fake/nvcc")
     assert before == jit.fingerprint(spec, ("sm_80",), "/fake/nvcc")
-    header = templates_copy / "include" / "flashjit" / "work.cuh"
+    header = templates_copy / "include" / "flashjit" / "common" / "work.cuh"
     header.write_text(header.read_text() + "\n// edited\n")
     for fn in (render.environment, render.generator_digest):
         fn.cache_clear()
@@ -335,14 +335,14 @@ def test_fingerprint_changes_when_a_header_changes(templates_copy, monkeypatch):
 def test_header_edit_rebuilds_instead_of_serving_the_old_entry(fresh_cache, templates_copy):
     first = jit.build_many([SMALL_SPEC])[0]
     assert first.built and jit.build_many([SMALL_SPEC])[0].built is False
-    header = templates_copy / "include" / "flashjit" / "numeric.cuh"
+    header = templates_copy / "include" / "flashjit" / "common" / "numeric.cuh"
     header.write_text(header.read_text() + "\n// a comment: same code, new key\n")
     for fn in (render.environment, render.generator_digest):
         fn.cache_clear()
     second = jit.build_many([SMALL_SPEC])[0]
     assert second.built is True and second.entry.path != first.entry.path
     assert second.entry.path.parent == first.entry.path.parent == fresh_cache / SMALL_SPEC.name
-    assert b"same code, new key" in (second.entry.path / "include" / "flashjit" / "numeric.cuh").read_bytes()
+    assert b"same code, new key" in (second.entry.path / "include" / "flashjit" / "common" / "numeric.cuh").read_bytes()
     assert len(entry_dirs(fresh_cache)) == 2
 
 
@@ -578,7 +578,7 @@ ptxas info    : Used 128 registers, used 1 barriers, 1024 bytes smem, 536 bytes 
 @needs_nvcc
 @pytest.mark.nvcc
 def test_compile_error_names_configuration_command_and_error_line(fresh_cache, templates_copy):
-    header = templates_copy / "include" / "flashjit" / "numeric.cuh"
+    header = templates_copy / "include" / "flashjit" / "common" / "numeric.cuh"
     header.write_text(header.read_text().replace(
         "namespace flashjit {", "namespace flashjit {\nint flashjit_injected_syntax_error = ;", 1))
     spec = KernelSpec.make("single_decode", "float16", 64, return_lse=True)

@@ -112,7 +112,7 @@ def test_sweep_renders_with_its_instantiation_values(op, dtype, head_dim):
         for param, value in _expected_values(spec).items():
             found = re.findall(rf"/\*{param}=\*/\s*([\w:]+)", text)
             assert found == [value], f"{spec.name}: {param} instantiated as {found}, expected {value}"
-        assert kernels.tiling_for(spec)[1].smem_bytes(spec) <= kernels.SMEM_BUDGET
+        assert kernels.tiling_for(spec)[1].smem_bytes(spec) <= kernels.common.SMEM_BUDGET
         texts.add(text)
     assert len(texts) == 16, "each flag combination must render a different source"
 
@@ -137,12 +137,12 @@ def test_wide_fa2_tiling_only_where_every_target_fits_it(op, causal, head_dim):
     count, which is at least the wide tiling's."""
     spec = KernelSpec.make(op, "bfloat16", head_dim, use_tensor_cores=True, causal=causal).validate()
     default = kernels.tiling_for(spec)[1]
-    assert default == kernels.FA2_TILINGS[head_dim]
+    assert default == kernels.fa2.FA2_TILINGS[head_dim]
     wide_here = op != "batch_prefill_paged"
     for arches, wide in [(("sm_90a",), wide_here), (("sm_80", "sm_90a"), False), (("sm_89",), False),
                          (("sm_100a",), False), (None, False)]:
         tiling = kernels.tiling_for(spec, arches)[1]
-        assert tiling == (kernels.FA2_WIDE_TILINGS[head_dim] if wide else default), arches
+        assert tiling == (kernels.fa2.FA2_WIDE_TILINGS[head_dim] if wide else default), arches
         assert tiling.rescales(spec)[0] >= default.rescales(spec)[0]
         text = render.render(spec, arches).text
         for field, value in [("kWarps", tiling.warps), ("kFragsM", tiling.frags_m),
@@ -154,7 +154,7 @@ def test_wide_fa2_tiling_only_where_every_target_fits_it(op, causal, head_dim):
     every_flag = spec.replace(soft_cap=True, sliding_window=True, return_lse=True).validate()
     capped = spec.replace(soft_cap=True).validate()
     for flagged, spills in [(every_flag, head_dim != 64), (capped, head_dim == 256 and causal)]:
-        wide = kernels.FA2_WIDE_TILINGS[head_dim] if wide_here and not spills else kernels.FA2_TILINGS[head_dim]
+        wide = kernels.fa2.FA2_WIDE_TILINGS[head_dim] if wide_here and not spills else kernels.fa2.FA2_TILINGS[head_dim]
         assert kernels.tiling_for(flagged, ("sm_90a",))[1] == wide, flagged.name
 
 
@@ -247,7 +247,7 @@ def test_headers_cover_every_include_transitively(spec):
 
 
 def test_missing_header_is_reported(templates_copy):
-    (templates_copy / "include" / "flashjit" / "work.cuh").unlink()
+    (templates_copy / "include" / "flashjit" / "common" / "work.cuh").unlink()
     with pytest.raises(FileNotFoundError, match="work.cuh"):
         render.render(_BASE)
 

@@ -4,11 +4,11 @@
 // state that the merge pass (merge_states.cuh) combines.
 #pragma once
 #include <stdint.h>
-#include "async_copy.cuh"
-#include "attention_params.cuh"
-#include "fa2_primitives.cuh"
-#include "numeric.cuh"
-#include "work.cuh"
+#include "flashjit/common/async_copy.cuh"
+#include "flashjit/common/attention_params.cuh"
+#include "flashjit/fa2/fa2_primitives.cuh"
+#include "flashjit/common/numeric.cuh"
+#include "flashjit/common/work.cuh"
 
 namespace flashjit {
 namespace fa2 {

@@ -3,7 +3,7 @@
 // planner sizes its grids by, and the launch itself with its merge pass.
 #pragma once
 #include <cuda_runtime.h>
-#include "merge_states.cuh"
+#include "flashjit/common/merge_states.cuh"
 
 namespace flashjit {
 

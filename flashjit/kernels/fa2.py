@@ -1,86 +1,15 @@
-"""The kernel catalogue: which template renders a configuration, with which
-tiling. The tiling is chosen here, once, and handed to the template; the
-generated library reports the resulting rows-per-CTA back so the host-side plan
-never has to duplicate it.
-"""
+"""The fa2 backend (templates/include/flashjit/fa2/): mma.sync tensor cores,
+ldmatrix and cp.async on SM80+, K/V by TMA where every target is sm_90a. The
+tilings below and why each was chosen: docs/fa2_notes.md."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import DECODE_OPS, DTYPES, PAGED_OPS, UTILITY_OPS, KernelSpec
+from ..spec import DECODE_OPS, PAGED_OPS, KernelSpec
+from . import common
 
-# Dynamic shared memory one CTA may use on every target (SM89 allows 99 KB).
-SMEM_BUDGET = 96 * 1024
-_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-
-
-@dataclass(frozen=True)
-class CudaCoreTiling:
-    """Prefill on CUDA cores (cuda_core_attention.cuh): row warps share 32-key tiles."""
-    rows_per_warp: int
-    row_warps: int
-
-    @property
-    def rows_per_cta(self) -> int:
-        return self.rows_per_warp * self.row_warps
-
-    def rescales(self, spec: KernelSpec) -> tuple[int, int]:
-        """(keys per online-softmax rescale, merge rescales): one per 32-key tile."""
-        return 32, 0
-
-    def smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of CudaCoreTraits::kSmemBytes: fp32 Q, P per warp, one K and one V tile."""
-        elt = _DTYPE_BYTES[spec.dtype_kv]
-        keys = 32
-        q = 4 * self.rows_per_cta * spec.head_dim_qk
-        p = 4 * self.row_warps * self.rows_per_warp * keys
-        k_tile = elt * keys * (spec.head_dim_qk + 16 // elt)
-        v_tile = elt * keys * spec.head_dim_vo
-        return q + p + k_tile + v_tile
-
-
-def cuda_core_tiling(spec: KernelSpec) -> CudaCoreTiling:
-    """Prefill on CUDA cores: four row warps of four rows each."""
-    tiling = CudaCoreTiling(rows_per_warp=4, row_warps=4)
-    if tiling.smem_bytes(spec) <= SMEM_BUDGET:
-        return tiling
-    raise ValueError(f"{spec.name}: no CUDA-core tiling fits {SMEM_BUDGET} bytes of shared memory")
-
-
-@dataclass(frozen=True)
-class CudaDecodeTiling:
-    """Decode on CUDA cores (cuda_core_decode.cuh): warps stream their own
-    chunks of keys, keys_per_group keys per lane group and stage."""
-    warps: int
-    keys_per_group: int
-    stages: int
-    min_blocks_per_sm: int = 4
-    # The query heads of one KV head that a CTA holds (fewer for smaller groups).
-    rows_per_cta: int = 4
-
-    def rescales(self, spec: KernelSpec) -> tuple[int, int]:
-        """(keys per rescale, merge rescales): one rescale per chunk of the key's
-        lane group, which takes every (groups * warps)-th chunk; then the merges,
-        lane groups by halves and the warps."""
-        groups = 32 // (spec.head_dim_qk // 8)
-        return self.keys_per_group * groups * self.warps, groups.bit_length() - 1 + 1
-
-    def smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of CudaCoreDecodeTraits::kSmemBytes."""
-        vecs = 8 * _DTYPE_BYTES[spec.dtype_kv] // 16
-        ring = self.warps * self.stages * 2 * self.keys_per_group * vecs * 32 * 16
-        merge = 4 * self.warps * self.rows_per_cta * (spec.head_dim_vo + 2)
-        return max(ring, merge)
-
-
-def cuda_decode_tiling(spec: KernelSpec) -> CudaDecodeTiling:
-    # Three stages of 4 KB per warp (16-bit types) leave room for four CTAs,
-    # 16 warps, per SM; fp32 rows are twice as wide, so two stages.
-    stages = 2 if _DTYPE_BYTES[spec.dtype_kv] == 4 else 3
-    tiling = CudaDecodeTiling(warps=4, keys_per_group=4, stages=stages)
-    assert tiling.smem_bytes(spec) <= SMEM_BUDGET, spec.name
-    return tiling
+TEMPLATE = "attention_fa2.cu.jinja"
 
 
 @dataclass(frozen=True)
@@ -230,10 +159,6 @@ FA2_WIDE_TILINGS = {
     256: Fa2Tiling(warps=8, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=1, frags_m=1,
                    one_wait=True, tma_kv=True, slot_release=True),
 }
-# Shared memory per SM (bytes) and what the driver reserves per CTA, per arch.
-SMEM_PER_SM = {"sm_80": 164 * 1024, "sm_86": 100 * 1024, "sm_89": 100 * 1024, "sm_90a": 228 * 1024,
-               "sm_100a": 228 * 1024, "sm_120": 100 * 1024}
-SMEM_RESERVED_PER_CTA = 1024
 
 
 # The arches on which every FA2_WIDE_TILINGS kernel was built without spills.
@@ -248,52 +173,17 @@ def _wide_spills(spec: KernelSpec) -> bool:
     return bool((spec.soft_cap and spec.sliding_window) or (spec.head_dim_qk == 256 and spec.soft_cap and spec.causal))
 
 
-def fa2_tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
+def tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
     """The fa2 tiling of a spec; `arches` (the build's targets, None when
     unknown) admits FA2_WIDE_TILINGS where all of them are WIDE_TILING_ARCHES
     and fit min_blocks_per_sm of its CTAs per SM."""
     table = FA2_DECODE_TILINGS if spec.op in DECODE_OPS else FA2_TILINGS
-    tiling = table[spec.head_dim_qk]
-    assert tiling.smem_bytes(spec) <= SMEM_BUDGET, spec.name
+    chosen = table[spec.head_dim_qk]
+    assert chosen.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name
     wide = FA2_WIDE_TILINGS.get(spec.head_dim_qk)
     if (wide is not None and arches and spec.op not in DECODE_OPS and spec.op not in PAGED_OPS
             and not _wide_spills(spec)
-            and all(wide.min_blocks_per_sm * (wide.smem_bytes(spec) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM.get(a, 0)
+            and all(wide.min_blocks_per_sm * (wide.smem_bytes(spec) + common.SMEM_RESERVED_PER_CTA) <= common.SMEM_PER_SM.get(a, 0)
                     and a in WIDE_TILING_ARCHES for a in arches)):
-        tiling = wide
-    return tiling
-
-
-def tiling_for(spec: KernelSpec, arches=None):
-    """The template file of a validated attention spec and its tiling (every
-    tiling has rows_per_cta and smem_bytes(spec)); `arches`: the build's target
-    arches, None when unknown (then a tiling that suits every arch)."""
-    if not spec.use_tensor_cores and spec.op in DECODE_OPS:
-        return "attention_cuda_decode.cu.jinja", cuda_decode_tiling(spec)
-    if not spec.use_tensor_cores:
-        return "attention_cuda_core.cu.jinja", cuda_core_tiling(spec)
-    if spec.backend == "fa2":
-        return "attention_fa2.cu.jinja", fa2_tiling(spec, arches)
-    raise ValueError(f"{spec.name}: no template generates backend {spec.backend} yet")
-
-
-def template_for(spec: KernelSpec, arches=None) -> tuple[str, dict]:
-    """The template file and its context for a validated spec built for
-    `arches` (None: unknown)."""
-    context = {
-        "name": spec.name,
-        "dtype_q": DTYPES[spec.dtype_q][1],
-        "dtype_kv": DTYPES[spec.dtype_kv][1],
-        "dtype_o": DTYPES[spec.dtype_o][1],
-        "head_dim_qk": spec.head_dim_qk,
-        "head_dim_vo": spec.head_dim_vo,
-        "causal": spec.causal,
-        "sliding_window": spec.sliding_window,
-        "soft_cap": spec.soft_cap,
-        "return_lse": spec.return_lse,
-        "paged": spec.op in PAGED_OPS,
-    }
-    if spec.op == "append_paged":
-        return "append_paged.cu.jinja", context
-    template, context["tiling"] = tiling_for(spec, arches)
-    return template, context
+        chosen = wide
+    return chosen

@@ -4,8 +4,8 @@
 // token-major: row r is token r / group, head r % group of the group, so all
 // query heads that share a KV head share its tiles.
 #pragma once
-#include "attention_params.cuh"
-#include "grid_dependency.cuh"
+#include "flashjit/common/attention_params.cuh"
+#include "flashjit/common/grid_dependency.cuh"
 
 namespace flashjit {
 

@@ -1,12 +1,12 @@
 // Compile-time shape of one fa2 tensor-core attention kernel (fa2_attention.cuh):
-// its tiling (rendered from flashjit/kernels.py's Fa2Tiling), the variant flags,
+// its tiling (rendered from flashjit/kernels/fa2.py's Fa2Tiling), the variant flags,
 // and the shared-memory layout derived from them.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stddef.h>
 #include <type_traits>
-#include "fa2_primitives.cuh"
+#include "flashjit/fa2/fa2_primitives.cuh"
 
 namespace flashjit {
 

@@ -1,13 +1,13 @@
 // The C entry points of a generated append library. The including template
 // defines namespace flashjit_generated with launch() first.
 #pragma once
-#include "append_paged.cuh"
+#include "flashjit/append/append_paged.cuh"
 
 namespace flashjit_generated {
 using Params = FlashjitAppendParams;
 }  // namespace flashjit_generated
 
-#include "common_exports.cuh"
+#include "flashjit/common/common_exports.cuh"
 
 extern "C" {
 

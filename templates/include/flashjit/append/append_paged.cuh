@@ -7,7 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include "attention_params.cuh"  // FLASHJIT_ABI_VERSION
+#include "flashjit/common/attention_params.cuh"  // FLASHJIT_ABI_VERSION
 
 extern "C" {
 

@@ -65,8 +65,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include <type_traits>
-#include "async_copy.cuh"
-#include "work.cuh"
+#include "flashjit/common/async_copy.cuh"
+#include "flashjit/common/work.cuh"
 
 namespace flashjit {
 

@@ -2,13 +2,13 @@
 // defines namespace flashjit_generated with launch(), ctas_per_sm(), kRowsPerCta
 // and kSplitAlign first.
 #pragma once
-#include "attention_params.cuh"
+#include "flashjit/common/attention_params.cuh"
 
 namespace flashjit_generated {
 using Params = FlashjitAttentionParams;
 }  // namespace flashjit_generated
 
-#include "common_exports.cuh"
+#include "flashjit/common/common_exports.cuh"
 
 extern "C" {
 

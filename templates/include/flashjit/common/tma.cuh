@@ -16,7 +16,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include "attention_params.cuh"
+#include "flashjit/common/attention_params.cuh"
 
 namespace flashjit {
 

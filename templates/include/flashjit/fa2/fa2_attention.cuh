@@ -23,16 +23,16 @@
 //
 #pragma once
 #include <type_traits>
-#include "async_copy.cuh"
-#include "fa2_epilogue.cuh"
-#include "fa2_primitives.cuh"
-#include "fa2_softmax.cuh"
-#include "fa2_traits.cuh"
-#include "kernel_config.cuh"
-#include "merge_states.cuh"
-#include "numeric.cuh"
-#include "fa2_kv_tma.cuh"
-#include "work.cuh"
+#include "flashjit/common/async_copy.cuh"
+#include "flashjit/fa2/fa2_epilogue.cuh"
+#include "flashjit/fa2/fa2_primitives.cuh"
+#include "flashjit/fa2/fa2_softmax.cuh"
+#include "flashjit/fa2/fa2_traits.cuh"
+#include "flashjit/common/kernel_config.cuh"
+#include "flashjit/common/merge_states.cuh"
+#include "flashjit/common/numeric.cuh"
+#include "flashjit/fa2/fa2_kv_tma.cuh"
+#include "flashjit/common/work.cuh"
 
 namespace flashjit {
 

@@ -21,11 +21,11 @@
 // nothing and a window only moves the first key.
 #pragma once
 #include <type_traits>
-#include "async_copy.cuh"
-#include "kernel_config.cuh"
-#include "merge_states.cuh"
-#include "numeric.cuh"
-#include "work.cuh"
+#include "flashjit/common/async_copy.cuh"
+#include "flashjit/common/kernel_config.cuh"
+#include "flashjit/common/merge_states.cuh"
+#include "flashjit/common/numeric.cuh"
+#include "flashjit/common/work.cuh"
 
 namespace flashjit {
 
@@ -48,7 +48,7 @@ struct CudaCoreDecodeTraits {
   static constexpr int kKeysPerChunk = kKeyGroups * kKeysPerGroup;  // one warp, one pipeline stage
   // 16-byte copies per lane for its 8 dims of one K (or V) row.
   static constexpr int kVecsPerKey = kDimsPerLane * int(sizeof(DType)) / 16;
-  static constexpr int kRowsPerCta = 4;  // kernels.py CudaDecodeTiling.rows_per_cta
+  static constexpr int kRowsPerCta = 4;  // flashjit/kernels/cuda_core.py CudaDecodeTiling.rows_per_cta
   static constexpr int kThreads = 32 * kWarps;
   // Four CTAs of four warps (at most 128 registers a thread) keep 16 warps
   // per SM to hide the latency of the shuffles that every logit waits for.

@@ -3,7 +3,7 @@
 // defines flashjit_generated::Params, the struct its run entry point takes.
 #pragma once
 #include <cuda_runtime.h>
-#include "attention_params.cuh"  // FLASHJIT_ABI_VERSION
+#include "flashjit/common/attention_params.cuh"  // FLASHJIT_ABI_VERSION
 
 #define FLASHJIT_EXPORT __attribute__((visibility("default")))
 

@@ -14,7 +14,7 @@
 // row's max moved.
 #pragma once
 #include <math_constants.h>
-#include "fa2_primitives.cuh"
+#include "flashjit/fa2/fa2_primitives.cuh"
 
 namespace flashjit {
 namespace fa2 {

@@ -19,9 +19,9 @@
 // completes one phase of its slot's barriers, so tile t waits on slot t % S
 // with parity (t / S) & 1.
 #pragma once
-#include "fa2_primitives.cuh"
-#include "tma.cuh"
-#include "work.cuh"
+#include "flashjit/fa2/fa2_primitives.cuh"
+#include "flashjit/common/tma.cuh"
+#include "flashjit/common/work.cuh"
 
 namespace flashjit {
 namespace fa2 {

@@ -7,11 +7,11 @@
 // Per 32-key tile each lane owns one key for Q.K (reading a 16-byte-padded K row,
 // conflict-free) and owns head dims lane, lane+32, ... for P.V.
 #pragma once
-#include "async_copy.cuh"
-#include "kernel_config.cuh"
-#include "merge_states.cuh"
-#include "numeric.cuh"
-#include "work.cuh"
+#include "flashjit/common/async_copy.cuh"
+#include "flashjit/common/kernel_config.cuh"
+#include "flashjit/common/merge_states.cuh"
+#include "flashjit/common/numeric.cuh"
+#include "flashjit/common/work.cuh"
 
 namespace flashjit {
 

@@ -4,9 +4,9 @@
 //   lse = M + log2(sum_s w_s).
 // A row whose every state is empty (lse -inf) gets output 0 and LSE -inf.
 #pragma once
-#include "attention_params.cuh"
-#include "grid_dependency.cuh"
-#include "numeric.cuh"
+#include "flashjit/common/attention_params.cuh"
+#include "flashjit/common/grid_dependency.cuh"
+#include "flashjit/common/numeric.cuh"
 
 namespace flashjit {
 

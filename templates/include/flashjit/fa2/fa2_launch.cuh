@@ -3,9 +3,9 @@
 // occupancy query the planner sizes its waves by.
 #pragma once
 #include <type_traits>
-#include "fa2_attention.cuh"
-#include "kernel_config.cuh"
-#include "tma.cuh"
+#include "flashjit/fa2/fa2_attention.cuh"
+#include "flashjit/common/kernel_config.cuh"
+#include "flashjit/common/tma.cuh"
 
 namespace flashjit {
 

@@ -1,0 +1,56 @@
+"""The kernel catalogue: which template renders a configuration, with which
+tiling. One module per kernel family (`cuda_core`, and one per tensor-core
+backend, each beside its header folder under templates/include/flashjit/); the
+tiling is chosen there, once, and handed to the template. The generated library
+reports the resulting rows-per-CTA back so the host-side plan never has to
+duplicate it.
+
+A tensor-core backend module provides `TEMPLATE` (its thin Jinja template) and
+`tiling(spec, arches)`; adding one is a new header folder, a new template, a new
+module and its line in TENSOR_CORE_BACKENDS.
+"""
+
+from __future__ import annotations
+
+from ..spec import DECODE_OPS, DTYPES, PAGED_OPS, KernelSpec
+from . import common, cuda_core, fa2
+
+TENSOR_CORE_BACKENDS = {
+    "fa2": fa2,
+}
+
+
+def tiling_for(spec: KernelSpec, arches=None):
+    """The template file of a validated attention spec and its tiling (every
+    tiling has rows_per_cta and smem_bytes(spec)); `arches`: the build's target
+    arches, None when unknown (then a tiling that suits every arch)."""
+    if not spec.use_tensor_cores and spec.op in DECODE_OPS:
+        return "attention_cuda_decode.cu.jinja", cuda_core.cuda_decode_tiling(spec)
+    if not spec.use_tensor_cores:
+        return "attention_cuda_core.cu.jinja", cuda_core.cuda_core_tiling(spec)
+    backend = TENSOR_CORE_BACKENDS.get(spec.backend)
+    if backend is None:
+        raise ValueError(f"{spec.name}: no template generates backend {spec.backend} yet")
+    return backend.TEMPLATE, backend.tiling(spec, arches)
+
+
+def template_for(spec: KernelSpec, arches=None) -> tuple[str, dict]:
+    """The template file and its context for a validated spec built for
+    `arches` (None: unknown)."""
+    context = {
+        "name": spec.name,
+        "dtype_q": DTYPES[spec.dtype_q][1],
+        "dtype_kv": DTYPES[spec.dtype_kv][1],
+        "dtype_o": DTYPES[spec.dtype_o][1],
+        "head_dim_qk": spec.head_dim_qk,
+        "head_dim_vo": spec.head_dim_vo,
+        "causal": spec.causal,
+        "sliding_window": spec.sliding_window,
+        "soft_cap": spec.soft_cap,
+        "return_lse": spec.return_lse,
+        "paged": spec.op in PAGED_OPS,
+    }
+    if spec.op == "append_paged":
+        return "append_paged.cu.jinja", context
+    template, context["tiling"] = tiling_for(spec, arches)
+    return template, context

@@ -1,0 +1,77 @@
+"""CUDA-core kernels (templates/include/flashjit/cuda_core/): fp32 softmax and
+P.V for every dtype. Prefill and decode have their own tilings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..spec import KernelSpec
+from . import common
+
+
+@dataclass(frozen=True)
+class CudaCoreTiling:
+    """Prefill on CUDA cores (cuda_core_attention.cuh): row warps share 32-key tiles."""
+    rows_per_warp: int
+    row_warps: int
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.rows_per_warp * self.row_warps
+
+    def rescales(self, spec: KernelSpec) -> tuple[int, int]:
+        """(keys per online-softmax rescale, merge rescales): one per 32-key tile."""
+        return 32, 0
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        """Mirror of CudaCoreTraits::kSmemBytes: fp32 Q, P per warp, one K and one V tile."""
+        elt = common.DTYPE_BYTES[spec.dtype_kv]
+        keys = 32
+        q = 4 * self.rows_per_cta * spec.head_dim_qk
+        p = 4 * self.row_warps * self.rows_per_warp * keys
+        k_tile = elt * keys * (spec.head_dim_qk + 16 // elt)
+        v_tile = elt * keys * spec.head_dim_vo
+        return q + p + k_tile + v_tile
+
+
+def cuda_core_tiling(spec: KernelSpec) -> CudaCoreTiling:
+    """Prefill on CUDA cores: four row warps of four rows each."""
+    tiling = CudaCoreTiling(rows_per_warp=4, row_warps=4)
+    if tiling.smem_bytes(spec) <= common.SMEM_BUDGET:
+        return tiling
+    raise ValueError(f"{spec.name}: no CUDA-core tiling fits {common.SMEM_BUDGET} bytes of shared memory")
+
+
+@dataclass(frozen=True)
+class CudaDecodeTiling:
+    """Decode on CUDA cores (cuda_core_decode.cuh): warps stream their own
+    chunks of keys, keys_per_group keys per lane group and stage."""
+    warps: int
+    keys_per_group: int
+    stages: int
+    min_blocks_per_sm: int = 4
+    # The query heads of one KV head that a CTA holds (fewer for smaller groups).
+    rows_per_cta: int = 4
+
+    def rescales(self, spec: KernelSpec) -> tuple[int, int]:
+        """(keys per rescale, merge rescales): one rescale per chunk of the key's
+        lane group, which takes every (groups * warps)-th chunk; then the merges,
+        lane groups by halves and the warps."""
+        groups = 32 // (spec.head_dim_qk // 8)
+        return self.keys_per_group * groups * self.warps, groups.bit_length() - 1 + 1
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        """Mirror of CudaCoreDecodeTraits::kSmemBytes."""
+        vecs = 8 * common.DTYPE_BYTES[spec.dtype_kv] // 16
+        ring = self.warps * self.stages * 2 * self.keys_per_group * vecs * 32 * 16
+        merge = 4 * self.warps * self.rows_per_cta * (spec.head_dim_vo + 2)
+        return max(ring, merge)
+
+
+def cuda_decode_tiling(spec: KernelSpec) -> CudaDecodeTiling:
+    # Three stages of 4 KB per warp (16-bit types) leave room for four CTAs,
+    # 16 warps, per SM; fp32 rows are twice as wide, so two stages.
+    stages = 2 if common.DTYPE_BYTES[spec.dtype_kv] == 4 else 3
+    tiling = CudaDecodeTiling(warps=4, keys_per_group=4, stages=stages)
+    assert tiling.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name
+    return tiling
