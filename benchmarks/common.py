@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts (run as `python benchmarks/NAME.py`)."""
+"""Shared by the benchmark scripts (run as `python benchmarks/NAME.py`) and by the
+instruments in benchmarks/dev/, which put benchmarks/ on sys.path to import it."""
 
 from __future__ import annotations
 

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# One full device session: info, GPU tests (prewarm + numerical sweep), JIT
-# benchmarks, prefill/decode benchmarks. Logs and reports go to $OUT (or
-# ./gpu_out); a short summary is printed last.
+# GPU check in one call: info, GPU tests (prewarm + numerical sweep), JIT
+# benchmarks, prefill/decode benchmarks. Run from the repository root; logs and
+# reports go to $OUT (or ./gpu_out); a short summary is printed last.
 #   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill]
 # tests: GPU tests only; prefill: GPU tests and prefill.py --rounds 3;
 # bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
-# compare: GPU tests, fa2_tilings.py for each of $HEAD_DIMS (default 128; with
-# --baseline-templates $BASELINE_TEMPLATES when set, one or more folders: a kernel
-# change against the sources before it, in the same run; $TILINGS_ARGS is passed
-# on, e.g. --no-variants) and decode.py (with $BASELINE_TEMPLATES:
-# decode_tilings.py, the shipped decode tiling from each folder and from this
-# tree in one run), each step under a time limit.
+# compare: GPU tests, dev/fa2_tilings.py for each of $HEAD_DIMS (default 128; with
+# --baseline-templates $BASELINE_TEMPLATES when set, one or more folders, absolute
+# or relative to the repository root: a kernel change against the sources before
+# it, in the same run; $TILINGS_ARGS is passed on, e.g. --no-variants) and
+# decode.py (with $BASELINE_TEMPLATES: dev/decode_tilings.py, the shipped decode
+# tiling from each folder and from this tree in one run), each step under a time
+# limit.
 # SKIP_TESTS=1 leaves out the GPU tests, SKIP_DECODE=1 decode.py. FlashInfer comes
 # from .whl/site.txz (benchmarks/pack_flashinfer.sh) or wheels in .whl/.
 set -uo pipefail
@@ -49,14 +50,14 @@ if [ "$MODE" = compare ]; then
   for d in ${HEAD_DIMS:-128}; do
     variants=--no-variants  # the alternative tilings only for $VARIANT_HEAD_DIMS (default: all)
     case " ${VARIANT_HEAD_DIMS-${HEAD_DIMS:-128}} " in *" $d "*) variants= ;; esac
-    (cd benchmarks && timeout ${TILINGS_LIMIT:-240} python3 fa2_tilings.py --head-dim "$d" $baseline $variants \
-      ${TILINGS_ARGS:-} --out "$OUT/tilings_d$d.md" 2>"$OUT/tilings_d$d.err" | grep "|") || status=1
+    timeout ${TILINGS_LIMIT:-240} python3 benchmarks/dev/fa2_tilings.py --head-dim "$d" $baseline $variants \
+      ${TILINGS_ARGS:-} --out "$OUT/tilings_d$d.md" 2>"$OUT/tilings_d$d.err" | grep "|" || status=1
   done
   if [ -n "${SKIP_DECODE:-}" ]; then
     :
   elif [ -n "${BASELINE_TEMPLATES:-}" ]; then
-    (cd benchmarks && timeout ${DECODE_LIMIT:-240} python3 decode_tilings.py $baseline --no-variants \
-      --out "$OUT/decode_tilings.md" 2>"$OUT/decode.err" | grep "|") || status=1
+    timeout ${DECODE_LIMIT:-240} python3 benchmarks/dev/decode_tilings.py $baseline --no-variants \
+      --out "$OUT/decode_tilings.md" 2>"$OUT/decode.err" | grep "|" || status=1
   else
     timeout ${DECODE_LIMIT:-240} python3 benchmarks/decode.py --out "$OUT/decode.md" --json "$OUT/decode.json" \
       2>"$OUT/decode.err" | tail -20 || status=1

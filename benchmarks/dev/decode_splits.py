@@ -1,15 +1,18 @@
 """Times paged decode rows under the planner's split and under fixed split
 sizes (pages per chunk), to check the planner's choice against the GPU.
 
-Usage: python benchmarks/decode_splits.py [--out FILE]
+Usage: python benchmarks/dev/decode_splits.py [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, decode, prefill
 from common import emit
 from decode import BF16, D, PAGE, check, paged_cache, reference, time_us
 

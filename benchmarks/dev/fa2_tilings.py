@@ -11,7 +11,7 @@ the same run; `--no-variants` leaves out the alternative tilings below, and
 last line gives each source's largest difference between two rounds of one
 cell: the noise a difference between sources has to clear.
 
-Usage: python benchmarks/fa2_tilings.py [--head-dim 128] [--baseline-templates DIR ...] [--no-variants]
+Usage: python benchmarks/dev/fa2_tilings.py [--head-dim 128] [--baseline-templates DIR ...] [--no-variants]
        [--variant 'Fa2Tiling(...)' ...] [--no-flashinfer] [--rounds 2]
 """
 
@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, decode, prefill
 from common import emit, round_orders, use_templates
 from prefill import attention_flops, bench_ms, flashinfer_ragged, indptr
 
@@ -40,7 +42,7 @@ VARIANTS = {
         # FA2_TILINGS[64]: what a library with an sm_80 / sm_89 target takes.
         "two waits per tile, P.V after the softmax (FA2_TILINGS)": Fa2Tiling(4, 64, 2, True, 2, frags_m=2),
         "64-key tiles x 2 stages, one wait per tile": Fa2Tiling(4, 64, 2, True, 2, frags_m=2, one_wait=True),
-        # FA2_WIDE_TILINGS[64] until 2026-11-23: cp.async, no TMA.
+        # The wide d64 tiling with cp.async K/V copies instead of TMA.
         "64-key tiles x 3 stages, one wait per tile": Fa2Tiling(4, 64, 3, True, 2, frags_m=2, one_wait=True),
     },
     128: {
@@ -48,11 +50,11 @@ VARIANTS = {
         "two fragments, two waits per tile": Fa2Tiling(4, 64, 2, False, 2, frags_m=2, fence_pv=True),
     },
     256: {
-        "two waits per tile (previous default)": Fa2Tiling(4, 32, 2, False, 2),
+        "32-key tiles, two waits per tile": Fa2Tiling(4, 32, 2, False, 2),
         # One CTA per SM, past SMEM_BUDGET (sm_90a-class only): each K/V tile feeds 8 warps.
         "8 warps (128 rows), 32-key tiles, 128 KB": Fa2Tiling(8, 32, 2, False, 1, one_wait=True),
         "8 warps (128 rows), 64-key tiles, 192 KB": Fa2Tiling(8, 64, 2, False, 1, one_wait=True),
-        # FA2_WIDE_TILINGS[256] until 2026-11-23: a CTA barrier per tile instead of slot release.
+        # The wide d256 tiling with a CTA barrier per tile instead of per-slot release.
         "8 warps, 64-key TMA tiles, a CTA barrier per tile": Fa2Tiling(8, 64, 2, False, 1, one_wait=True, tma_kv=True),
     },
 }

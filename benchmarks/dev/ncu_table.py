@@ -2,7 +2,7 @@
 exports (`ncu -i X.ncu-rep --page raw --csv`), one column per profiled kernel: time, issue-slot use, the tensor and shared-memory pipes, L2 and
 DRAM throughput, and the warp stall reasons (warps stalled per issued instruction).
 
-Usage: python benchmarks/ncu_table.py A.raw.csv [B.raw.csv ...]
+Usage: python benchmarks/dev/ncu_table.py A.raw.csv [B.raw.csv ...]
 """
 
 from __future__ import annotations

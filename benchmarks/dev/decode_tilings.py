@@ -7,7 +7,7 @@ the shipped tiling built from each of those sources, so that a kernel change is
 measured against the code before it in the same run; `--no-variants` keeps the
 shipped tiling alone.
 
-Usage: python benchmarks/decode_tilings.py [--cores tensor|cuda] [--baseline-templates DIR ...] [--no-variants]
+Usage: python benchmarks/dev/decode_tilings.py [--cores tensor|cuda] [--baseline-templates DIR ...] [--no-variants]
        [--out FILE]
 """
 
@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, decode, prefill
 from common import emit, use_templates
 from decode import BF16, D, PAGE, check, libraries, paged_cache, reference, time_us
 

@@ -1,12 +1,12 @@
 """Warp-stall samples per SASS opcode, side by side for several kernels, from
 ncu source exports (`ncu -i X.ncu-rep --page source --csv --print-source sass`,
-as benchmarks/ncu_prefill.sh writes them): for each opcode its samples and the
+as benchmarks/dev/ncu_prefill.sh writes them): for each opcode its samples and the
 four largest stall reasons, then each kernel's total per reason. Samples sit on
 the instruction a warp waits to issue, so `wait` on an HMMA is the fixed stall
 the instruction before it asked for, and `short_sb` the wait for an ldmatrix,
 shuffle or MUFU result.
 
-Usage: python benchmarks/ncu_ops.py A.sass.csv [B.sass.csv ...] [--top N]
+Usage: python benchmarks/dev/ncu_ops.py A.sass.csv [B.sass.csv ...] [--top N]
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
 """Per-kernel GPU time of paged decode calls (attention, split-KV merge), from
 torch.profiler: where a split-KV row's time goes beyond its attention kernel.
 
-Usage: python benchmarks/decode_breakdown.py [--rows LABEL ...] [--out FILE]
+Usage: python benchmarks/dev/decode_breakdown.py [--rows LABEL ...] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, decode, prefill
 from common import emit, kernel_times
 from decode import BF16, D, PAGE, paged_cache
 

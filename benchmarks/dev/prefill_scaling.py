@@ -6,15 +6,18 @@ t = fixed + per_tile * (keys / 64) per implementation: `fixed` is what a CTA
 costs besides its key tiles (plan loads, Q, the first tile's wait, the
 epilogue, wave tails), `per_tile` the main loop.
 
-Usage: python benchmarks/prefill_scaling.py [--head-dim 128] [--rounds 3] [--profile] [--out results.md]
+Usage: python benchmarks/dev/prefill_scaling.py [--head-dim 128] [--rounds 3] [--profile] [--out results.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, decode, prefill
 from common import emit, kernel_times, round_orders
 from prefill import bench_ms, flashinfer_ragged, flashjit_ragged
 

@@ -3,7 +3,7 @@ tensor-core and CUDA-core configurations (one per op, dtype and head_dim, with
 the register-hungriest variant flags), on sm_80, sm_89 and sm_90a. Needs nvcc,
 no GPU. Writes the table that docs/kernels.md holds.
 
-Usage: python benchmarks/kernel_resources.py [--out docs/kernels.md]
+Usage: python benchmarks/dev/kernel_resources.py [--out docs/kernels.md]
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def main() -> int:
         with open(args.out, "w") as f:
             f.write("# Kernel resources\n\nFrom `ptxas -v` (nvcc "
                     f"{results[0][0].entry.manifest['key_inputs']['nvcc_version']}), written by "
-                    "`python benchmarks/kernel_resources.py --out docs/kernels.md`. Each configuration "
+                    "`python benchmarks/dev/kernel_resources.py --out docs/kernels.md`. Each configuration "
                     "takes the variant flags that cost the most registers (causal, window, soft-cap, LSE); append "
                     "has none.\n\n"
                     + text + "\n")

@@ -1,7 +1,7 @@
 """Draws the prefill table of a results file (benchmarks/prefill.py's markdown)
 as grouped bars: TFLOP/s per row, one bar per implementation.
 
-Usage: python benchmarks/plot_prefill.py RESULTS.md OUT.png
+Usage: python benchmarks/dev/plot_prefill.py RESULTS.md OUT.png
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Band counts: 1 keeps every work slot of a KV head together (the CTAs that
 share its keys run at once); "all" gives each slot its own band (the KV head
 varies fastest, long-first order across heads).
 
-Usage: python benchmarks/cta_order.py [--out FILE] [--skip-decode]
+Usage: python benchmarks/dev/cta_order.py [--out FILE] [--skip-decode]
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ import argparse
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, decode, prefill
 from common import emit
 from decode import BF16, D, PAGE, check, paged_cache, reference, time_us
 from fa2_tilings import check as check_prefill

@@ -15,7 +15,7 @@ top of the tile, once the tile's K/V landed (wait and barrier), once the next
 copies are issued (FlashInfer: its Q.K^T and softmax done) and before P.V
 (FlashInfer: its V landed); the report gives the mean of each part per tile.
 
-Usage: python benchmarks/cta_timing.py [--head-dim 128] [--batch 16] [--qo-len 1024] [--kv-len 1024]
+Usage: python benchmarks/dev/cta_timing.py [--head-dim 128] [--batch 16] [--qo-len 1024] [--kv-len 1024]
        [--causal] [--templates DIR] [--stagger-ns NS [--stagger-which CONDITION]] [--flashinfer-site DIR]
        [--tiling 'Fa2Tiling(...)'] [--tiles]
 $CTA_TIMING_CACHE: a folder where runs share their builds.
@@ -32,13 +32,15 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, decode, prefill
 from common import use_templates
 from prefill import indptr
 
 import flashjit
 from flashjit import jit, kernels, render
 
-HEADER = "include/flashjit/fa2_attention.cuh"
+HEADER = "include/flashjit/fa2/fa2_attention.cuh"
 TILES, TILE_STAMPS = 16, 4  # --tiles: stamps per tile, for the first TILES tiles of a CTA
 STRIDE = 8 + TILES * TILE_STAMPS  # int64 slots per CTA: the phase stamps, then the tiles'
 

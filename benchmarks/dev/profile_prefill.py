@@ -1,17 +1,20 @@
 """One bf16 prefill call of flashjit fa2 and of FlashInfer fa2 (when importable),
-for a profiler to compare: `ncu -k regex:'fa2_attention|Prefill' python benchmarks/profile_prefill.py`.
+for a profiler to compare: `ncu -k regex:'fa2_attention|Prefill' python benchmarks/dev/profile_prefill.py`.
 Shape: 4 requests x 4096 tokens, 16 heads, head_dim 128, not causal; `--shape B S` and `--causal` change it.
-`--templates DIR` renders from an older templates/ copy (as fa2_tilings.py's --baseline-templates);
+`--templates DIR` renders from another templates/ copy (as fa2_tilings.py's --baseline-templates);
 `--tiling 'Fa2Tiling(...)'` replaces the d128 default tiling; `--no-flashinfer` skips FlashInfer."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, decode, prefill
 from common import use_templates
 
 import flashjit

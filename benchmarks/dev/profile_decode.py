@@ -1,14 +1,18 @@
 """One bf16 paged decode call per path (CUDA cores, tensor cores), and FlashInfer's
 tensor-core path with --flashinfer, for a profiler:
-`ncu -k 'regex:decode_attention|fa2_attention|merge|Prefill|Merge' python benchmarks/profile_decode.py`.
+`ncu -k 'regex:decode_attention|fa2_attention|merge|Prefill|Merge' python benchmarks/dev/profile_decode.py`.
 Shape: the first row of benchmarks/decode.py (64 requests x 4096 keys, 32/8 heads,
 head_dim 128, page 16), or --kv-heads 32 for its MHA row."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, decode, prefill
 from decode import BF16, D, PAGE, paged_cache
 
 import flashjit
