@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 from .errors import ToolchainError
@@ -151,13 +152,43 @@ def gencode_flags(arches) -> list[str]:
     return [ARCHES[a][0] for a in arches]
 
 
-def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: str) -> tuple[str, bool, str]:
-    """Resolves backend='auto' / use_tensor_cores=None: returns (backend,
-    use_tensor_cores, reason). Tensor cores (fa2, mma.sync, SM80+) for fp16/bf16
-    prefill; CUDA cores for fp32 and for decode, whose single query row per head
-    gains nothing from a 16-row MMA until heads are packed into it. fa3 (wgmma)
-    is not generated yet, so auto never picks it."""
-    from .spec import DECODE_OPS, TENSOR_CORE_DTYPES, TENSOR_CORE_OPS
+def backend_targets() -> tuple[str, ...]:
+    """The arches the chosen backend must run on: this GPU's where one is
+    visible (it decides), else FLASHJIT_CUDA_ARCH_LIST, else the default set."""
+    dev = device_arch()
+    if dev is not None:
+        return (dev,)
+    return env_arches() or DEFAULT_ARCHES
+
+
+def strict_backend() -> bool:
+    """FLASHJIT_STRICT_BACKEND=1: an explicit backend the target cannot run is an error, not a fallback."""
+    value = os.environ.get("FLASHJIT_STRICT_BACKEND", "0").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"FLASHJIT_STRICT_BACKEND: expected 0 or 1 (or true/false), got {value!r}")
+
+
+_warned_fallbacks: set = set()
+AUTO_FA3 = False
+
+
+def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: str,
+                   targets: tuple[str, ...] | None = None, strict: bool | None = None) -> tuple[str, bool, str]:
+    """Resolves backend='auto' / use_tensor_cores=None for arches `targets`
+    (None: backend_targets()): returns (backend, use_tensor_cores, reason).
+    Tensor cores for fp16/bf16 prefill; CUDA cores for fp32 and for decode,
+    whose single query row per head gains nothing from a 16-row MMA until heads
+    are packed into it. Among tensor-core backends, fa3 (wgmma, TMA) where every
+    target is sm_90a and it generates the op, else fa2 (mma.sync, SM80+).
+
+    An explicit backend='fa3' that the targets or the op cannot take runs fa2
+    with a one-time warning naming the reason; with `strict` (default:
+    FLASHJIT_STRICT_BACKEND) it raises ValueError instead."""
+    from .kernels import fa3
+    from .spec import DECODE_OPS, FA3_OPS, TENSOR_CORE_DTYPES, TENSOR_CORE_OPS
 
     if backend not in ("auto", "fa2", "fa3"):
         raise ValueError(f"backend: expected 'auto', 'fa2' or 'fa3', got {backend!r}")
@@ -171,9 +202,34 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
             use_tensor_cores, reason = True, f"{dtype} {op} runs on tensor cores"
     else:
         reason = f"use_tensor_cores={use_tensor_cores} was requested"
+    if backend == "fa2" or not use_tensor_cores:
+        if backend != "auto":
+            reason += f"; backend={backend} was requested"
+        return "fa2", use_tensor_cores, reason
+    targets = backend_targets() if targets is None else tuple(targets)
+    why_not = None
+    if not all(t in fa3.ARCHES for t in targets):
+        why_not = (f"fa3 needs wgmma (sm_90a: H100/H200) and the target is {', '.join(targets)}"
+                   + (f" ({device_name()})" if device_arch() is not None else ""))
+    elif op not in FA3_OPS:
+        why_not = f"fa3 does not generate {op} (it does {', '.join(FA3_OPS)})"
     if backend == "auto":
-        backend = "fa2"
-        reason += "; fa2 (SM80+: mma.sync, cp.async), as fa3 is not generated yet"
-    else:
-        reason += f"; backend={backend} was requested"
-    return backend, use_tensor_cores, reason
+        if why_not is None and AUTO_FA3:
+            return "fa3", True, reason + "; fa3 (sm_90a: wgmma, TMA, warp specialization)"
+        return "fa2", True, reason + f"; fa2 (mma.sync), as {why_not or 'auto does not pick fa3'}"
+    if why_not is None:
+        return "fa3", True, reason + "; backend=fa3 was requested"
+    if strict_backend() if strict is None else strict:
+        raise ValueError(f"backend='fa3' cannot run here: {why_not}; use backend='fa2' or 'auto', or unset "
+                         f"strict / FLASHJIT_STRICT_BACKEND to fall back to fa2")
+    if (op, targets) not in _warned_fallbacks:
+        _warned_fallbacks.add((op, targets))
+        warnings.warn(f"flashjit: backend='fa3' requested for {op}, but {why_not}: running fa2 "
+                      f"(strict=True or FLASHJIT_STRICT_BACKEND=1 makes this an error)", stacklevel=3)
+    return "fa2", True, reason + f"; fa2, as backend=fa3 was requested but {why_not}"
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(torch.cuda.current_device())

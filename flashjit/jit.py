@@ -25,7 +25,7 @@ from . import build, cache
 from ._version import __version__
 from .errors import CacheError, FlashjitError, JitDisabledError, ToolchainError
 from .loader import ABI_VERSION, KernelModule, load_library
-from .kernels import template_for
+from .kernels import target_arches, template_for
 from .render import RenderedSource, generator_digest, render
 from .spec import KernelSpec
 from .error_model import profile
@@ -71,6 +71,7 @@ class Planned:
 
 
 def plan(spec: KernelSpec, arches: tuple[str, ...], nvcc: str | None) -> Planned:
+    arches = target_arches(spec, arches)
     rendered = render(spec, arches)
     args = build.nvcc_args(arches, rendered.filename, f"lib{spec.name}.so")
     key_inputs = {
@@ -89,6 +90,7 @@ def fingerprint(spec: KernelSpec, arches: tuple[str, ...], nvcc: str | None) -> 
     generator (templates, headers, tiling code), the nvcc flags and version."""
     if nvcc is None:
         return None
+    arches = target_arches(spec, arches)
     blob = json.dumps([spec.as_dict(), list(arches), generator_digest(template_for(spec)[0]), build.NVCC_FLAGS,
                        arch_mod.nvcc_version(nvcc), __version__, ABI_VERSION])
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -203,7 +205,7 @@ def build_many(specs, arches=None, jobs: int | None = None, progress=None, root:
                 continue
             build_dir = cache.new_build_dir(root, p.spec.name, p.key)
             _write_sources(build_dir, p.rendered)
-            args = build.nvcc_args(arches, p.rendered.filename, p.artifact_name)
+            args = build.nvcc_args(p.arches, p.rendered.filename, p.artifact_name)
             todo.append((p, build.BuildJob(p.spec.name, build_dir, nvcc, args, p.artifact_name)))
         build.run_builds([job for _, job in todo], root, jobs, progress)
         for p, job in todo:

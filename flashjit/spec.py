@@ -37,6 +37,8 @@ HEAD_DIMS = (64, 128, 256)
 BACKENDS = ("fa2", "fa3")
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 TENSOR_CORE_OPS = ATTENTION_OPS
+# Ops the fa3 backend (wgmma, sm_90a) generates; the others run on fa2.
+FA3_OPS = ("single_prefill", "batch_prefill_ragged")
 
 
 def canonical_dtype(dtype) -> str:
@@ -149,6 +151,10 @@ class KernelSpec:
             fail(f"tensor-core {self.op} is not generated yet",
                  f"tensor cores for {', '.join(TENSOR_CORE_OPS)}; {self.op} on CUDA cores",
                  self.replace(use_tensor_cores=False, backend="fa2"))
-        if self.backend == "fa3":
-            fail("backend fa3 is not generated yet", "backend='fa2'", self.replace(backend="fa2"))
+        if self.backend == "fa3" and not self.use_tensor_cores:
+            fail("backend fa3 without tensor cores", "fa3 is a tensor-core backend; CUDA cores run under "
+                 "backend='fa2'", self.replace(backend="fa2"))
+        if self.backend == "fa3" and self.op not in FA3_OPS:
+            fail(f"backend fa3 for {self.op}", f"fa3 for {', '.join(FA3_OPS)}; {self.op} on fa2",
+                 self.replace(backend="fa2"))
         return self

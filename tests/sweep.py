@@ -14,6 +14,11 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 DTYPE_CORES = [(torch.float16, False), (torch.float16, True), (torch.bfloat16, False), (torch.bfloat16, True),
                (torch.float32, False)]
 TENSOR_CORE_OPS = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged")
+# The ops with a second tensor-core backend, and their (dtype, path) pairs: CUDA
+# cores ("cc"), fa2 and fa3 (sm_90a only; skipped on other GPUs).
+FA3_OPS = ("single_prefill", "batch_prefill_ragged")
+DTYPE_PATHS = [(torch.float16, "cc"), (torch.float16, "fa2"), (torch.float16, "fa3"), (torch.bfloat16, "cc"),
+               (torch.bfloat16, "fa2"), (torch.bfloat16, "fa3"), (torch.float32, "cc")]
 DECODE_OPS = ("single_decode", "batch_decode_paged")
 BATCH_OPS = ("batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged")
 HEAD_DIMS = [64, 128, 256]
@@ -36,11 +41,32 @@ def cores_id(pair) -> str:
     return f"{str(pair[0]).removeprefix('torch.')}-{'tc' if pair[1] else 'cc'}"
 
 
+def path_id(pair) -> str:
+    return f"{str(pair[0]).removeprefix('torch.')}-{pair[1]}"
+
+
+def path_kwargs(path: str) -> dict:
+    """The op arguments that select a path: CUDA cores, or a tensor-core backend named explicitly."""
+    return {"use_tensor_cores": path != "cc", "backend": "fa2" if path == "cc" else path}
+
+
+def spec_path(path: str) -> dict:
+    """The spec_for arguments of a path."""
+    return {"tensor_cores": path != "cc", "backend": "fa2" if path == "cc" else path}
+
+
+def fa3_runs_here() -> bool:
+    from flashjit import arch
+    from flashjit.kernels import fa3
+
+    return all(a in fa3.ARCHES for a in arch.backend_targets())
+
+
 def spec_for(op: str, dtype, head_dim: int, causal: bool = False, variant: str = "plain",
-             tensor_cores: bool = False) -> KernelSpec:
+             tensor_cores: bool = False, backend: str = "fa2") -> KernelSpec:
     return KernelSpec.make(op, dtype, head_dim, causal=causal and op not in DECODE_OPS, use_tensor_cores=tensor_cores,
                            sliding_window=variant == "window", soft_cap=variant == "softcap",
-                           return_lse=variant == "lse" or op in BATCH_OPS)
+                           return_lse=variant == "lse" or op in BATCH_OPS, backend=backend)
 
 
 def all_specs() -> list[KernelSpec]:
@@ -50,4 +76,6 @@ def all_specs() -> list[KernelSpec]:
         if (tc and op not in TENSOR_CORE_OPS) or variant not in OP_VARIANTS.get(op, VARIANTS):
             continue
         specs.append(spec_for(op, dtype, head_dim, causal, variant, tc))
+        if tc and op in FA3_OPS and fa3_runs_here():
+            specs.append(spec_for(op, dtype, head_dim, causal, variant, tc, backend="fa3"))
     return list(dict.fromkeys(specs))

@@ -12,7 +12,8 @@ import flashjit
 from flashjit.reference import attention_reference, ragged_reference
 from flashjit.error_model import evaluate_lse, measure, profile
 from flashjit.ops import _plan
-from sweep import CAUSAL, DTYPE_CORES, DTYPES, HEAD_DIMS, HEADS, VARIANTS, cores_id, spec_for, variant_kwargs
+from sweep import (CAUSAL, DTYPE_CORES, DTYPE_PATHS, DTYPES, HEAD_DIMS, HEADS, VARIANTS, cores_id, fa3_runs_here,
+                   path_id, path_kwargs, spec_for, spec_path, variant_kwargs)
 
 pytestmark = pytest.mark.gpu
 
@@ -22,6 +23,11 @@ def poison_allocator(nbytes: int = 1 << 26) -> None:
     allocator hands out start as NaN: an element a kernel forgets stays NaN."""
     torch.full((nbytes // 4,), float("nan"), device="cuda").data_ptr()
     torch.cuda.synchronize()
+
+
+def skip_unless_runs(path: str) -> None:
+    if path == "fa3" and not fa3_runs_here():
+        pytest.skip("fa3 runs on sm_90a GPUs only")
 
 
 def randn(*shape, dtype, scale=1.0):
@@ -45,22 +51,22 @@ def check(spec, out, ref, q, k, v, kv_len, sm_scale, report, what, lse=None, ref
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("dtype,tensor_cores", DTYPE_CORES, ids=[cores_id(p) for p in DTYPE_CORES])
+@pytest.mark.parametrize("dtype,path", DTYPE_PATHS, ids=[path_id(p) for p in DTYPE_PATHS])
 @pytest.mark.parametrize("qo_len,kv_len", [(1, 1), (37, 300), (128, 128), (300, 1000), (513, 77), (16, 5000)])
-def test_single_prefill(prewarmed, error_report, dtype, tensor_cores, head_dim, causal, heads, variant, qo_len,
-                        kv_len):
+def test_single_prefill(prewarmed, error_report, dtype, path, head_dim, causal, heads, variant, qo_len, kv_len):
+    skip_unless_runs(path)
     num_qo, num_kv = heads
     q = randn(qo_len, num_qo, head_dim, dtype=dtype)
     k = randn(kv_len, num_kv, head_dim, dtype=dtype)
     v = randn(kv_len, num_kv, head_dim, dtype=dtype)
     kw = variant_kwargs(variant)
     poison_allocator()
-    result = flashjit.single_prefill_with_kv_cache(q, k, v, causal=causal, use_tensor_cores=tensor_cores, **kw)
+    result = flashjit.single_prefill_with_kv_cache(q, k, v, causal=causal, **path_kwargs(path), **kw)
     torch.cuda.synchronize()
     out, lse = result if kw.get("return_lse") else (result, None)
     ref, ref_lse = attention_reference(q, k, v, causal=causal, window_left=kw.get("window_left", -1),
                                        logits_soft_cap=kw.get("logits_soft_cap"))
-    spec = spec_for("single_prefill", dtype, head_dim, causal, variant, tensor_cores)
+    spec = spec_for("single_prefill", dtype, head_dim, causal, variant, **spec_path(path))
     check(spec, out, ref, q, k, v, kv_len, 1 / math.sqrt(head_dim), error_report, "single_prefill",
           lse=lse, ref_lse=ref_lse if lse is not None else None, shape=f"{qo_len}x{kv_len}", heads=heads)
 
@@ -101,8 +107,9 @@ RAGGED_BATCHES = {
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("dtype,tensor_cores", DTYPE_CORES, ids=[cores_id(p) for p in DTYPE_CORES])
-def test_batch_prefill_ragged(prewarmed, error_report, dtype, tensor_cores, head_dim, causal, heads, batch):
+@pytest.mark.parametrize("dtype,path", DTYPE_PATHS, ids=[path_id(p) for p in DTYPE_PATHS])
+def test_batch_prefill_ragged(prewarmed, error_report, dtype, path, head_dim, causal, heads, batch):
+    skip_unless_runs(path)
     num_qo, num_kv = heads
     qo_lens, kv_lens = RAGGED_BATCHES[batch]
     qo_indptr = torch.tensor([0] + qo_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -110,15 +117,16 @@ def test_batch_prefill_ragged(prewarmed, error_report, dtype, tensor_cores, head
     q = randn(int(qo_indptr[-1]), num_qo, head_dim, dtype=dtype)
     k = randn(int(kv_indptr[-1]), num_kv, head_dim, dtype=dtype)
     v = randn(int(kv_indptr[-1]), num_kv, head_dim, dtype=dtype)
-    wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    workspace = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend=path_kwargs(path)["backend"])
     wrapper.plan(qo_indptr, kv_indptr, num_qo, num_kv, head_dim, causal=causal, q_data_type=dtype,
-                 use_tensor_cores=tensor_cores)
+                 use_tensor_cores=path != "cc")
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], num_qo), float("nan"), device="cuda")
     wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
     torch.cuda.synchronize()
     ref, ref_lse = ragged_reference(q, k, v, qo_indptr.tolist(), kv_indptr.tolist(), causal=causal)
-    spec = spec_for("batch_prefill_ragged", dtype, head_dim, causal, tensor_cores=tensor_cores)
+    spec = spec_for("batch_prefill_ragged", dtype, head_dim, causal, **spec_path(path))
     check(spec, out, ref, q, k, v, max(kv_lens), 1 / math.sqrt(head_dim), error_report, "batch_prefill_ragged",
           lse=lse, ref_lse=ref_lse, shape=batch, heads=heads)
     # Running again without LSE through the same plan gives the same output bit for bit.
@@ -225,26 +233,29 @@ def test_bad_runtime_input_on_gpu(prewarmed):
         flashjit.single_prefill_with_kv_cache(q, k.cpu(), k)
 
 
+@pytest.mark.parametrize("paths", [("fa2", "cc"), ("fa3", "cc"), ("fa3", "fa2")], ids="-vs-".join)
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_tensor_cores_against_cuda_cores(prewarmed, error_report, dtype, head_dim, causal):
-    """The two paths users compare: within the sum of their two profiles."""
+def test_paths_agree_within_their_profiles(prewarmed, error_report, dtype, head_dim, causal, paths):
+    """Two paths users compare (tensor cores against CUDA cores, fa3 against
+    fa2) on the same inputs: within the sum of their two profiles."""
+    for path in paths:
+        skip_unless_runs(path)
     q = randn(300, 8, head_dim, dtype=dtype)
     k = randn(2000, 2, head_dim, dtype=dtype)
     v = randn(2000, 2, head_dim, dtype=dtype)
-    tc = flashjit.single_prefill_with_kv_cache(q, k, v, causal=causal, use_tensor_cores=True)
-    cc = flashjit.single_prefill_with_kv_cache(q, k, v, causal=causal, use_tensor_cores=False)
+    a, b = (flashjit.single_prefill_with_kv_cache(q, k, v, causal=causal, **path_kwargs(path)) for path in paths)
     ref, _ = attention_reference(q, k, v, causal=causal)
     sm_scale = 1 / math.sqrt(head_dim)
-    bound = (flashjit.tolerance(spec_for("single_prefill", dtype, head_dim, causal, tensor_cores=True), q=q, k=k,
-                                v=v, kv_len=2000, sm_scale=sm_scale)
-             + flashjit.tolerance(spec_for("single_prefill", dtype, head_dim, causal), q=q, k=k, v=v, kv_len=2000,
-                                  sm_scale=sm_scale))
-    diff = (tc.double() - cc.double()).abs()
+    tol_a, tol_b = (flashjit.tolerance(spec_for("single_prefill", dtype, head_dim, causal, **spec_path(path)), q=q,
+                                       k=k, v=v, kv_len=2000, sm_scale=sm_scale) for path in paths)
+    bound = tol_a + tol_b
+    diff = (a.double() - b.double()).abs()
     ratio = float((diff / bound.bound(ref)).max())
-    assert ratio <= 1.0, f"tensor-core and CUDA-core outputs differ by {float(diff.max()):.3e}, past the sum of bounds"
+    assert ratio <= 1.0, f"{paths[0]} and {paths[1]} outputs differ by {float(diff.max()):.3e}, past the sum of bounds"
     short = {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
-    error_report.append({"config": f"tc_vs_cc_{short}_d{head_dim}{'_causal' if causal else ''}", "what": "tc_vs_cc", "ratio": ratio,
-                         "max_err": float(diff.max()), "mean_err": float(diff.mean()), "rtol": bound.rtol,
-                         "atol": bound.atol})
+    label = "_vs_".join(p if p != "fa2" or "cc" not in paths else "tc" for p in paths)
+    error_report.append({"config": f"{label}_{short}_d{head_dim}{'_causal' if causal else ''}", "what": label,
+                         "ratio": ratio, "max_err": float(diff.max()), "mean_err": float(diff.mean()),
+                         "rtol": bound.rtol, "atol": bound.atol})

@@ -13,11 +13,28 @@ module and its line in TENSOR_CORE_BACKENDS.
 from __future__ import annotations
 
 from ..spec import DECODE_OPS, DTYPES, PAGED_OPS, KernelSpec
-from . import common, cuda_core, fa2
+from . import common, cuda_core, fa2, fa3
 
 TENSOR_CORE_BACKENDS = {
     "fa2": fa2,
+    "fa3": fa3,
 }
+
+
+def target_arches(spec: KernelSpec, arches: tuple[str, ...]) -> tuple[str, ...]:
+    """The arches of `arches` a spec's library is built for: a backend module's
+    ARCHES where it names them (fa3: sm_90a alone), else all of them. Raises
+    ValueError, before anything is compiled, when none is left."""
+    backend = TENSOR_CORE_BACKENDS.get(spec.backend) if spec.use_tensor_cores else None
+    allowed = getattr(backend, "ARCHES", None)
+    if allowed is None:
+        return tuple(arches)
+    kept = tuple(a for a in arches if a in allowed)
+    if not kept:
+        raise ValueError(f"{spec.name}: backend {spec.backend} builds for {', '.join(sorted(allowed))} only, and "
+                         f"the targets are {', '.join(arches)}; add 9.0a to FLASHJIT_CUDA_ARCH_LIST (or --arch "
+                         f"sm_90a), or use backend='fa2'")
+    return kept
 
 
 def tiling_for(spec: KernelSpec, arches=None):

@@ -1,0 +1,50 @@
+"""The fa3 backend (templates/include/flashjit/fa3/): Hopper prefill on
+warpgroup MMA (wgmma) with K/V by TMA and warp specialization, built for
+sm_90a alone. Design and measurements: docs/fa3.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..spec import KernelSpec
+from . import common
+
+TEMPLATE = "attention_fa3.cu.jinja"
+# wgmma and setmaxnreg exist only in the arch-specific sm_90a target.
+ARCHES = frozenset({"sm_90a"})
+
+
+@dataclass(frozen=True)
+class Fa3Tiling:
+    """A CTA of one loader and two consumer warpgroups (fa3_traits.cuh): 128
+    query rows, K/V tiles of keys_per_tile keys in a ring of `stages` slots."""
+    keys_per_tile: int
+    stages: int
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 128
+
+    def rescales(self, spec: KernelSpec) -> tuple[int, int]:
+        """(keys per online-softmax rescale, merge rescales): one step per tile."""
+        return self.keys_per_tile, 0
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        """Mirror of Fa3Traits::kSmemBytes: alignment slack, K/V ring, Q, mbarriers."""
+        row = 2 * spec.head_dim_qk
+        return 1024 + self.stages * 2 * self.keys_per_tile * row + self.rows_per_cta * row + 16 * self.stages
+
+
+# S takes keys_per_tile / 2 fp32 registers per consumer thread and O head_dim / 2:
+# d256 keeps 64-key tiles to stay within the 232 registers a consumer gets.
+FA3_TILINGS = {
+    64: Fa3Tiling(keys_per_tile=128, stages=2),
+    128: Fa3Tiling(keys_per_tile=128, stages=2),
+    256: Fa3Tiling(keys_per_tile=64, stages=2),
+}
+
+
+def tiling(spec: KernelSpec, arches=None) -> Fa3Tiling:
+    chosen = FA3_TILINGS[spec.head_dim_qk]
+    assert chosen.smem_bytes(spec) + common.SMEM_RESERVED_PER_CTA <= common.SMEM_PER_SM["sm_90a"], spec.name
+    return chosen

@@ -1,0 +1,257 @@
+// The fa3 tensor-core attention kernel (sm_90a): prefill over ragged or single
+// requests with warpgroup MMA (wgmma), K/V by TMA and warp specialization.
+//
+// Same ABI, work decoding, masks and split-KV partial states as the fa2 family
+// (work.cuh, fa2_epilogue.cuh): a CTA covers 128 packed rows (query token x
+// query head of one KV head) of one work item. Its three warpgroups:
+// - the loader (warpgroup 0, registers given up by setmaxnreg): one thread
+//   loads each K/V tile of whole rows by TMA into a ring of kStages slots,
+//   each with a "full" mbarrier (bytes landed) and an "empty" one (every
+//   consumer warp done with the slot). A partial last tile, whose rows past
+//   the request TMA would read from the next request, is copied by the
+//   loader's first warp with plain loads, zero-filled, then fenced for the
+//   async proxy and published by one arrival on the slot's full barrier.
+// - two consumers (warpgroups 1 and 2), 64 rows each: per tile, S = Q.K^T by
+//   wgmma from shared memory (Q and K K-major), the online softmax of the fa2
+//   family on the accumulators (fa2_softmax.cuh: same lazy max, P rounded to
+//   the input dtype), O += P.V by wgmma with P from registers and V MN-major
+//   from shared memory, then the slot handed back. The two warpgroups run
+//   unsynchronised with each other, so one's softmax overlaps the other's
+//   matrix products.
+// Rows are written by fa2::store_rows, through each warpgroup's own Q rows.
+#pragma once
+#include <math_constants.h>
+#include <stdint.h>
+#include "flashjit/common/async_copy.cuh"
+#include "flashjit/common/tma.cuh"
+#include "flashjit/common/work.cuh"
+#include "flashjit/fa2/fa2_epilogue.cuh"
+#include "flashjit/fa2/fa2_primitives.cuh"
+#include "flashjit/fa2/fa2_softmax.cuh"
+#include "flashjit/fa3/fa3_traits.cuh"
+#include "flashjit/fa3/fa3_wgmma.cuh"
+
+namespace flashjit {
+namespace fa3 {
+
+template <int kRegs>
+__device__ __forceinline__ void set_max_registers_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void set_max_registers_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// Orders this thread's generic-proxy shared-memory writes before async-proxy
+// reads (wgmma, TMA) that a later barrier lets start.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// A barrier among the 128 threads of one warpgroup (ids 1.. ; 0 is __syncthreads).
+__device__ __forceinline__ void warpgroup_barrier(int id) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
+
+// The loader's first warp: a partial tile of keys k0 .. kv_len - 1 of K and V
+// into ring slot `dst` (K, then V kKvTileBytes on), rows past the request zero.
+template <class Traits>
+__device__ __forceinline__ void copy_partial_tile(const FlashjitAttentionParams& p, const CtaWork& w,
+                                                  unsigned char* dst, int k0, int lane) {
+  using T = typename Traits::DType;
+  using KvLayout = typename Traits::KvLayout;
+  constexpr int KEYS = Traits::kKeysPerTile, CHUNKS = Traits::kHeadDim / 8;
+  const auto k_rows = kv_rows<T, false>(p, w, p.k, p.k_stride_n, p.k_stride_h, 0);
+  const auto v_rows = kv_rows<T, false>(p, w, p.v, p.v_stride_n, p.v_stride_h, 0);
+  const int rows = w.kv_len - k0;
+  for (int i = lane; i < KEYS * CHUNKS; i += 32) {
+    const int r = i / CHUNKS, c = i % CHUNKS;
+    uint4 kv[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+    if (r < rows) {
+      kv[0] = *reinterpret_cast<const uint4*>(k_rows.row(k0 + r) + 8 * c);
+      kv[1] = *reinterpret_cast<const uint4*>(v_rows.row(k0 + r) + 8 * c);
+    }
+    const uint32_t at = KvLayout::at(r, c);
+    *reinterpret_cast<uint4*>(dst + at) = kv[0];
+    *reinterpret_cast<uint4*>(dst + Traits::kKvTileBytes + at) = kv[1];
+  }
+  fence_async_shared();
+  __syncwarp();
+}
+
+}  // namespace fa3
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    fa3_attention_kernel(const __grid_constant__ FlashjitAttentionParams p,
+                         const __grid_constant__ KvMapsArg<true> tma_arg) {
+  using T = typename Traits::DType;
+  using KvLayout = typename Traits::KvLayout;
+  using QTile = typename Traits::QTile;
+  constexpr int D = Traits::kHeadDim, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
+  constexpr int ROWS = Traits::kRowsPerCta, WG_ROWS = Traits::kRowsPerWarpgroup;
+  constexpr int NT_S = KEYS / 8, NT_O = D / 8, KSTEPS_QK = D / 16, KSTEPS_PV = KEYS / 16;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float kNegInf = -CUDART_INF_F;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // The swizzle repeats every 1024 bytes: the layout starts on such a boundary.
+  const uint32_t raw = smem_addr(smem_raw);
+  unsigned char* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
+  const uint32_t base = smem_addr(smem);
+  const uint32_t q_smem = base + Traits::kQOffset, bars = base + Traits::kBarOffset;
+  auto full_bar = [&](int tile) { return bars + 8 * (tile % STAGES); };
+  auto empty_bar = [&](int tile) { return bars + 8 * (STAGES + tile % STAGES); };
+  auto k_slot = [&](int tile) { return base + (tile % STAGES) * Traits::kStageBytes; };
+
+  const int tid = threadIdx.x, lane = tid % 32, warpgroup = tid / 128;
+  if (tid == 0) {  // the descriptors travel to the TMA unit while the work is decoded
+    tma::prefetch_map(&tma_arg.maps.k);
+    tma::prefetch_map(&tma_arg.maps.v);
+  }
+  const CtaWork w = decode_work<false>(p, ROWS);
+  const int rows_total = w.qo_len * w.group;
+  if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
+  const int offset = w.kv_len - w.qo_len;
+  // Clamped so that q + offset - window_left cannot overflow int.
+  const int window_left = Traits::kWindow ? min(p.window_left, 1 << 30) : 0;
+  const Mask<Traits::kCausal, Traits::kWindow> mask{offset, window_left};
+
+  // Key range any row of the CTA can see, from a KEYS-aligned start, within
+  // its split-KV chunk (whose bounds are multiples of KEYS).
+  const int cta_q_first = w.row_begin / w.group;
+  const int cta_q_last = (min(w.row_begin + ROWS, rows_total) - 1) / w.group;
+  const int key_begin = max((mask.key_begin(cta_q_first) / KEYS) * KEYS, w.kv_begin);
+  const int key_end = min(mask.key_end(cta_q_last, w.kv_len), w.kv_end);
+  const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      tma::mbar_init(full_bar(s), 1);
+      tma::mbar_init(empty_bar(s), Traits::kConsumerWarps);
+    }
+    tma::fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---- Loader.
+    fa3::set_max_registers_dec<Traits::kLoaderRegs>();
+    if (tid >= 32) return;
+    for (int t = 0; t < num_tiles; ++t) {
+      // The slot's previous tile (t - STAGES) completed phase t / STAGES - 1 of its empty barrier.
+      if (t >= STAGES) tma::mbar_wait(empty_bar(t), ((t / STAGES) - 1) & 1);
+      const int k0 = key_begin + t * KEYS;
+      if (w.kv_len - k0 >= KEYS) {
+        if (lane == 0) {
+          const uint32_t k_dst = k_slot(t), v_dst = k_dst + Traits::kKvTileBytes, bar = full_bar(t);
+          const int token = w.kv_start + k0;
+          tma::mbar_arrive_expect_tx(bar, 2 * Traits::kKvTileBytes);
+#pragma unroll
+          for (int i = 0; i < D / 64; ++i) {
+            tma::load_kv_block(k_dst + KvLayout::block(i), &tma_arg.maps.k, tma_arg.maps.heads_outer_k, i, w.kv_head,
+                               token, bar);
+            tma::load_kv_block(v_dst + KvLayout::block(i), &tma_arg.maps.v, tma_arg.maps.heads_outer_v, i, w.kv_head,
+                               token, bar);
+          }
+        }
+      } else {
+        fa3::copy_partial_tile<Traits>(p, w, smem + (t % STAGES) * Traits::kStageBytes, k0, lane);
+        if (lane == 0) tma::mbar_arrive(full_bar(t));
+      }
+    }
+    return;
+  }
+
+  // ---- Consumers: warpgroup c = 0, 1 owns rows wg_row0 .. wg_row0 + 63.
+  fa3::set_max_registers_inc<Traits::kConsumerRegs>();
+  const int c = warpgroup - 1, ctid = tid - 128 * warpgroup, warp_in_wg = ctid / 32;
+  const int wg_row0 = w.row_begin + c * WG_ROWS;
+  const int warp_row0 = wg_row0 + 16 * warp_in_wg;
+  const uint32_t q_wg = q_smem + c * Traits::kQWarpgroupBytes;
+  const bool wg_active = wg_row0 < rows_total;
+  {
+    // This warpgroup's Q rows by cp.async (rows past the request zero-filled).
+    CtaWork wq = w;
+    wq.row_begin = wg_row0;
+    fa2::copy_q_tile<QTile, WG_ROWS, D, 128, 128>(p, wq, static_cast<const T*>(p.q), q_wg, rows_total, ctid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fa3::fence_async_shared();
+    fa3::warpgroup_barrier(1 + c);
+  }
+
+  // Logits leave Q.K^T in natural units; the softmax applies sm_scale (or the
+  // soft-cap) in log2 units (fa2_softmax.cuh).
+  fa2::WarpSoftmax<Traits> softmax;
+  softmax.scale = Traits::kSoftCap ? 1.f : p.sm_scale * kLog2e;
+  softmax.cap_in = Traits::kSoftCap ? p.sm_scale / p.logits_soft_cap : 0.f;
+  softmax.cap_out = Traits::kSoftCap ? p.logits_soft_cap * kLog2e : 0.f;
+  softmax.m[0][0] = softmax.m[0][1] = kNegInf;
+  softmax.l[0][0] = softmax.l[0][1] = 0.f;
+  float o[1][NT_O][4];
+#pragma unroll
+  for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[0][n][e] = 0.f;
+
+  // This warp's rows (clamped past the request) for the masks: a tile needs
+  // the element mask when some key of it is invisible to some row of the warp.
+  const int wq_first = min(warp_row0, rows_total - 1) / w.group;
+  const int wq_last = min(warp_row0 + 15, rows_total - 1) / w.group;
+  const int g = lane / 4, tq = lane % 4;
+  int q_off[2];  // query position + offset of this thread's rows g and g + 8
+#pragma unroll
+  for (int r = 0; r < 2; ++r) q_off[r] = min(warp_row0 + g + 8 * r, rows_total - 1) / w.group + offset;
+  auto mask_tile = [&](float (&sf)[NT_S][4], int, int k0) {
+#pragma unroll
+    for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + 8 * j + 2 * tq + (e & 1);
+        const int qo = q_off[e >> 1];
+        if (key >= w.kv_len || (Traits::kCausal && key > qo) || (Traits::kWindow && key < qo - window_left))
+          sf[j][e] = kNegInf;
+      }
+  };
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int k0 = key_begin + t * KEYS;
+    const uint32_t k_s = k_slot(t), v_s = k_s + Traits::kKvTileBytes;
+    tma::mbar_wait(full_bar(t), (t / STAGES) & 1);
+    if (wg_active) {
+      float s[1][NT_S][4];
+      fa3::fence();
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS_QK; ++kk) {
+        const uint32_t at = QTile::block(kk / 4) + (kk % 4) * 32;
+        fa3::mma_ss<T, KEYS>(s[0], fa3::smem_desc(q_wg + at, 16, 1024),
+                             fa3::smem_desc(k_s + KvLayout::block(kk / 4) + (kk % 4) * 32, 16, 1024), kk > 0);
+      }
+      fa3::commit();
+      fa3::wait<0>();
+      fa3::fence_operands(s[0]);
+
+      const bool need_mask = k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > wq_first + offset) ||
+                             (Traits::kWindow && k0 < wq_last + offset - window_left);
+      softmax.update_max(s, o, k0, need_mask, t == 0, mask_tile);
+      uint32_t pa[1][KSTEPS_PV][4];
+      softmax.exp_to_p(s, pa, 0);
+
+      fa3::fence();
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS_PV; ++kk)
+        fa3::mma_rs<T, D>(o[0], pa[0][kk], fa3::smem_desc(v_s + kk * 16 * 128, KEYS * 128, 1024), 1);
+      fa3::commit();
+      fa3::wait<0>();
+      fa3::fence_operands(o[0]);
+    }
+    __syncwarp();
+    if (lane == 0) tma::mbar_arrive(empty_bar(t));
+  }
+  if (!wg_active) return;
+  fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0, rows_total,
+                          softmax.scale);
+}
+
+}  // namespace flashjit

@@ -1,0 +1,74 @@
+// Compile-time shape of one fa3 attention kernel (fa3_attention.cuh): its
+// tiling (rendered from flashjit/kernels/fa3.py's Fa3Tiling), the variant
+// flags, and the shared-memory layout derived from them.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stddef.h>
+#include <type_traits>
+#include "flashjit/fa2/fa2_primitives.cuh"
+
+namespace flashjit {
+
+template <class DType_, int kHeadDim_, int kKeysPerTile_, int kStages_, bool kCausal_, bool kWindow_, bool kSoftCap_,
+          bool kLse_>
+struct Fa3Traits {
+  using DType = DType_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kKeysPerTile = kKeysPerTile_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kWindow = kWindow_;
+  static constexpr bool kSoftCap = kSoftCap_;
+  static constexpr bool kLse = kLse_;
+
+  // Warpgroup 0 loads K/V (one thread issues the TMA copies); warpgroups 1 and
+  // 2 each own 64 rows of the CTA's 128 and run their matrix products and
+  // softmax independently, so that one's softmax overlaps the other's wgmma.
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+  static constexpr int kRowsPerWarpgroup = 64;
+  static constexpr int kRowsPerCta = kRowsPerWarpgroup * kConsumerWarpgroups;
+  static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
+  // Registers per thread after setmaxnreg: the loader gives its share to the
+  // consumers, whose S (kKeysPerTile / 2), O (kHeadDim / 2) and P registers
+  // need it. 128 * (40 + 2 * 232) = 64512 of the SM's 65536.
+  static constexpr int kLoaderRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+
+  // What fa2::WarpSoftmax and fa2::store_rows read: each warp of a consumer
+  // warpgroup holds one m16 fragment of rows (the wgmma accumulator layout),
+  // and a tile is one softmax step.
+  static constexpr int kFragsM = 1;
+  static constexpr int kRowsPerWarp = 16;
+  static constexpr int kKeysPerStep = kKeysPerTile;
+  static constexpr bool kSplitKeys = false;
+  static constexpr int kRowBytes = kHeadDim * 2;
+  using QLayout = fa2::RowMajorTile<kRowBytes>;  // the output staging of fa2::store_rows
+  // Q, K and V as TMA's 128-byte swizzle writes them: 64-column blocks of
+  // 128-byte rows, the layout the wgmma descriptors (fa3_wgmma.cuh) describe.
+  using QTile = fa2::BlockedTile<kRowsPerWarpgroup>;
+  using KvLayout = fa2::BlockedTile<kKeysPerTile>;
+
+  static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
+                "fa3 attention takes __half or __nv_bfloat16");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "fa3 head_dim: 64, 128 or 256");
+  static_assert(kKeysPerTile == 64 || kKeysPerTile == 128, "fa3 keys per tile: 64 or 128 (S's wgmma N)");
+  static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
+
+  // Shared memory, in bytes, from a 1024-byte boundary (the swizzle's period):
+  // [stage 0: K, V | stage 1: K, V | ... | Q of warpgroup 1, 2 | mbarriers].
+  static constexpr int kKvTileBytes = kKeysPerTile * kRowBytes;
+  static constexpr int kStageBytes = 2 * kKvTileBytes;
+  static constexpr int kQOffset = kStages * kStageBytes;
+  static constexpr int kQWarpgroupBytes = kRowsPerWarpgroup * kRowBytes;
+  static constexpr int kBarOffset = kQOffset + kConsumerWarpgroups * kQWarpgroupBytes;
+  // Per stage: "full" (its tile landed) and "empty" (every consumer warp is done with it).
+  static constexpr size_t kSmemBytes = 1024 + size_t(kBarOffset) + 16 * kStages;
+  // fa2::store_rows stages a warp's output rows at smem + warp * 16 rows: the
+  // consumer warps (4 .. 11) land on their own warpgroup's Q rows from this base.
+  static constexpr int kStoreBase = kQOffset - 4 * kRowsPerWarp * kRowBytes;
+  static_assert(kStoreBase >= 0, "the output staging base lies inside shared memory");
+};
+
+}  // namespace flashjit
