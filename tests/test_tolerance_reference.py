@@ -450,7 +450,7 @@ def test_bound_is_tight_on_peaked_inputs(one_thread, dtype, tensor_cores):
 def test_report_worst_ratios(capsys):
     """Prints the worst err/bound per (dtype, path) seen by the emulation sweep above."""
     if not _WORST:
-        pytest.skip("the emulation sweep did not run in this session")
+        pytest.skip("the emulation sweep did not run in this pytest run")
     with capsys.disabled():
         print("\nworst emulated err/bound:", ", ".join(
             f"{str(d).removeprefix('torch.')} {'tc' if tc else 'cc'} {r:.3f}" for (d, tc), r in sorted(

@@ -1,6 +1,7 @@
 """The fa2 backend (templates/include/flashjit/fa2/): mma.sync tensor cores,
 ldmatrix and cp.async on SM80+, K/V by TMA where every target is sm_90a. The
-tilings below and why each was chosen: docs/fa2_notes.md."""
+tilings below and why each was chosen: docs/fa2.md. Results files cited here
+are in benchmarks/results/ (all measured on H200s)."""
 
 from __future__ import annotations
 
@@ -70,18 +71,19 @@ class Fa2Tiling:
 
 # Per head_dim: tiles that build without spills on sm_80/89/90a and fit
 # SMEM_BUDGET. d64 runs two m16 fragments per warp (32 rows, 128 per CTA), so
-# each K / V fragment read by ldmatrix feeds two mma's. d128 keeps one fragment
-# and 64-key tiles: on an H200 it beat two fragments with 32-key tiles and
-# 8-warp CTAs (benchmarks/results/2026-11-21-h200-fa2-tilings.md); two fragments
-# with 64-key tiles in two 32-key steps (sub_tiles=2) ran 5-12% faster on the
-# non-causal rows but up to 3% slower on the causal ones, and its 96 KB would
-# leave one CTA per SM on an A100 (2026-11-22-h200-fa2-prefill-copies.md). d256 has
-# one fragment (its 128 O registers leave no room). d128 waits for K and V together
-# at the top of each tile (one_wait: one CTA barrier per tile instead of two), as
-# does d256: d128 +1-19% (mean +13%) in two H200 runs, d256 +0-14%
-# (2026-11-22-h200-fa2-prefill-softmax.md); d64 gained only 1-3% from it and
-# spills 4-60 bytes with soft-cap. Non-causal d128 may take FA2_WIDE_TILINGS
-# (below). docs/fa2_notes.md.
+# each K / V fragment read by ldmatrix feeds two mma's; one fragment (64-row
+# CTAs, three per SM) ran 4-13% slower (2026-11-22-h200-fa2-steady-loop-occupancy.md).
+# d128 keeps one fragment and 64-key tiles: on an H200 it beat two fragments
+# with 32-key tiles and 8-warp CTAs (2026-11-21-h200-fa2-d128-tilings.md); two
+# fragments with 64-key tiles in two 32-key steps (sub_tiles=2) ran 5-12% faster
+# on the non-causal rows but up to 3% slower on the causal ones, and its 96 KB
+# would leave one CTA per SM on an A100 (2026-11-22-h200-fa2-hoisted-copies.md).
+# d256 has one fragment (its 128 O registers leave no room). d128 waits for K and
+# V together at the top of each tile (one_wait: one CTA barrier per tile instead
+# of two), as does d256: d128 +1-19% (mean +13%) in two H200 runs, d256 +0-14%
+# (2026-11-22-h200-fa2-one-wait-per-tile.md); d64 gained only 0-3% from it and
+# spills 4-60 bytes with soft-cap. Ragged d64/d128/d256 prefill may take
+# FA2_WIDE_TILINGS (below).
 FA2_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2),
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=1, one_wait=True),
@@ -93,16 +95,19 @@ FA2_TILINGS = {
 # one KV head, so the four warps split each tile's keys (16 each), copy their
 # own rows (no CTA barrier in the loop) and merge their softmax states at the
 # end; with rows split, one warp did all the math while three waited at its
-# barriers. d128 runs two CTAs per SM: with the launch bands and the merge's
-# dependent launch, an H200 ran it 1-7% faster than three per SM (168 registers)
-# on five of seven decode rows, among them the 64 x 4k GQA row, unsplit (no
-# merge) in 1.94 waves instead of cut in three; three per SM stayed 2-6% faster
-# on MHA and 32/1 MQA (2026-11-22-h200-decode-tilings-2.md; three had won before
-# the split planner and those changes, 2026-11-22-h200-decode-tilings.md). MHA,
-# where both libraries read at the memory limit and two per SM tied FlashInfer
-# (+2.4%, +0.3%, -0.4% in three runs), runs a second instantiation at three per
-# SM (168 registers), 2% ahead of FlashInfer in two runs. Its Q stays in shared
-# memory (0-1% faster than in registers).
+# barriers (split keys read 3.3-3.6 TB/s of K/V where rows split read 2.7-3.0,
+# except on MQA 32/1; 2026-11-22-h200-fa2-decode-split-keys.md). d128 runs two
+# CTAs per SM: with the
+# launch bands and the merge's dependent launch, an H200 ran it 1-7% faster than
+# three per SM (168 registers) on five of seven decode rows, among them the
+# 64 x 4k GQA row, unsplit (no merge) in 1.94 waves instead of cut in three;
+# three per SM stayed 2-7% faster on MHA and 32/1 MQA
+# (2026-11-22-h200-fa2-decode-ctas-per-sm.md). MHA, where both libraries read
+# at the memory limit and two per SM tied FlashInfer (943.7 against 946.2 us in
+# that run), runs a second instantiation at three per SM (168 registers), 1.6%
+# ahead of FlashInfer (2026-11-22-h200-paged-decode-vs-flashinfer.md). Its Q
+# stays in shared memory (0-3% faster than in registers, decode-split-keys).
+# d64 and d256 follow the same scheme, sized to fit; not tuned on a GPU.
 FA2_DECODE_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=4, q_in_regs=True, min_blocks_per_sm=2, split_keys=True),
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, split_keys=True,
@@ -119,20 +124,22 @@ FA2_DECODE_TILINGS = {
 # TMA in two stages (80 KB), each walked in two 64-key steps. With Q in
 # registers it has room to run the exponentials, row sums and P rounding
 # inside the P.V mma stream (no fence_pv), which an H200 ran 1-8% faster than
-# FA2_TILINGS[64] (2026-11-22-h200-fa2-d64-one-wait-no-fence.md). 128-key TMA
+# FA2_TILINGS[64] (2026-11-22-h200-fa2-d64-unfenced-pv.md). 128-key TMA
 # tiles (one wait, barrier and load per 128 keys) ran 3-9% faster than 64-key
 # cp.async tiles in three stages on every row, and 128-key cp.async tiles half
-# of that (2026-11-23-h200-fa2-d64-tiles.md). On sm_80 / sm_89 the source
-# spills 12-108 bytes with causal or window masks; paged K/V spills too. On
-# sm_90a it builds without spills with every flag set.
+# of that (2026-11-23-h200-fa2-d64-128-key-tiles.md). On sm_80 / sm_89 the
+# source spills 12-108 bytes with causal or window masks; paged K/V spills too.
+# On sm_90a it builds without spills with every flag set.
 #
-# d128: two CTAs of a wider tiling per SM,
-# with two fragments per warp (128-row CTAs, half the ldmatrix traffic per mma).
-# On an H200 it ran 14-16% faster than FA2_TILINGS[128] on the non-causal rows
-# (2026-11-22-h200-fa2-prefill-2frag.md), and on the causal ones 3-8% faster once
-# the launch order kept long tiles first across heads (ops._plan bands;
-# 2026-11-22-h200-cta-order.md). Its 96 KB leave one CTA per SM on an A100 or an
-# SM89 part, so a library built for those keeps FA2_TILINGS. Not for paged K/V
+# d128: two CTAs of a wider tiling per SM, with two fragments per warp (128-row
+# CTAs, half the ldmatrix traffic per mma).
+# On an H200 it ran 10-16% faster than FA2_TILINGS[128] on the non-causal rows
+# (2026-11-22-h200-fa2-d128-two-fragments.md), and on the causal ones 3-7% faster
+# once the launch order kept long tiles first across heads (ops._plan bands;
+# 2026-11-22-h200-launch-bands.md). Its loop sits at the 255-register cap: the
+# lean-loop forms (fa2_attention.cuh kLeanLoop) ran it 4-11% faster
+# (2026-11-23-h200-fa2-d128-lean-loop.md). Its 96 KB leave one CTA per SM on an
+# A100 or an SM89 part, so a library built for those keeps FA2_TILINGS. Not for paged K/V
 # (the page ids of two tiles push it past 255 registers: 4-20 bytes of spills on
 # sm_90a) nor with soft-cap and window together (4 bytes without causal).
 #
@@ -140,7 +147,7 @@ FA2_DECODE_TILINGS = {
 # 192 KB, one CTA per SM: each K/V tile in shared memory feeds eight warps, and
 # the softmax runs once per 64 keys. An H200 ran it 9-12% faster than
 # FA2_TILINGS[256] on the non-causal rows and 4-10% on the causal ones
-# (2026-11-22-h200-fa2-tilings-d256.md). It rescales half as often as
+# (2026-11-22-h200-fa2-d256-tilings.md). It rescales half as often as
 # FA2_TILINGS[256], whose count the tolerance profile takes: an upper bound.
 # Its warps hand ring slots back through mbarriers instead of meeting at a CTA
 # barrier per tile (slot_release): 6-10% faster on every row in one H200 call,
@@ -150,7 +157,7 @@ FA2_DECODE_TILINGS = {
 # All three load their K/V tiles by TMA (tma_kv): one thread issues a tile where
 # every thread had issued 16-32 cp.async with their address arithmetic; an H200
 # ran d128 2-5% and d256 4-7% faster on every row in one call
-# (2026-11-23-h200-fa2-tma.md); d64 gained nothing from it on 64-key tiles.
+# (2026-11-23-h200-fa2-kv-by-tma.md); d64 gained nothing from it on 64-key tiles.
 FA2_WIDE_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=128, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2,
                   sub_tiles=2, one_wait=True, tma_kv=True),

@@ -52,7 +52,8 @@ struct CtaWork {
     // an add per row (kStep % group heads on, and a token on where they wrap).
     // A CTA's Q copies and output stores walk 8-16 rows per thread; a division
     // and two 64-bit products per row had made the Q copies take 1.3 of the 3.5
-    // microseconds before a d128 CTA's first tile (benchmarks/cta_timing.py).
+    // microseconds before a d128 CTA's first tile (benchmarks/dev/cta_timing.py,
+    // benchmarks/results/2026-11-23-h200-prefill-fixed-cost.md).
     template <int kStep>
     struct Walk {
       int64_t offset;       // of the current row

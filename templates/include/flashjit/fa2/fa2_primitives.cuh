@@ -58,7 +58,7 @@
 // (A padded layout, pitch D * 2 + 16 and no XOR, needs one register per pattern
 // instead of four but made cp.async split every 128-byte line it stored: 1.5x
 // the L1 sectors and 3x the L2 requests, d128 10% slower on an H200;
-// 2026-11-23-h200-fa2-tma.md.)
+// benchmarks/results/2026-11-23-h200-fa2-kv-by-tma.md.)
 // ---------------------------------------------------------------------------
 #pragma once
 #include <cuda_bf16.h>
@@ -277,8 +277,8 @@ struct RaggedTileCopy {
   // chunk added per tile; with one chunk of each 128-byte line, this thread's
   // row and chunk at key 0. On the d128 wide tiling, at the register cap, the
   // first form ran non-causal prefill 1-6% faster on an H200 (two registers
-  // fewer, 2026-11-23-h200-fa2-tiles-ncu.md) and the second keeps plain causal
-  // prefill, which copies lines, from spilling.
+  // fewer; benchmarks/results/2026-11-23-h200-fa2-d128-tile-time.md, section 6)
+  // and the second keeps plain causal prefill, which copies lines, from spilling.
   static constexpr bool kCtaBase = R::kSpans == 1;
   const T* src;
   int64_t stride_n;  // between keys, in elements
