@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from flashjit import arch, render
+from flashjit import arch, build, jit, render
 from flashjit.spec import KernelSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,6 +60,22 @@ def fresh_cache(monkeypatch, tmp_path) -> Path:
     """An empty, not yet created cache directory private to this test (FLASHJIT_CACHE_DIR),
     compiling for sm_80 only (FLASHJIT_CUDA_ARCH_LIST)."""
     return set_cache_env(monkeypatch, tmp_path / "cache")
+
+
+@pytest.fixture
+def no_compile(monkeypatch, tmp_path):
+    """Any attempt to build or load a kernel fails the test; the cache stays
+    empty. For tests of bad input, which must be rejected before either."""
+    root = set_cache_env(monkeypatch, tmp_path / "cache")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a kernel was built or loaded for a bad input")
+
+    monkeypatch.setattr(jit, "build_many", forbidden)
+    monkeypatch.setattr(jit, "get_module", forbidden)
+    monkeypatch.setattr(build, "run_builds", forbidden)
+    yield root
+    assert is_empty(root), f"the cache {root} was written: {list(root.rglob('*'))}"
 
 
 def subprocess_env(root: Path | None = None, arches: str | None = SMALL_ARCH, **extra: str) -> dict:

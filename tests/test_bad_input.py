@@ -1,38 +1,24 @@
 """Bad arguments to the ops: a ValueError (or NotImplementedError) naming the
 argument, raised before any device check, compile or launch. No GPU needed:
 the inputs are CPU tensors, so a check that ran the device test first would
-report 'expected a CUDA tensor' instead of the real mistake."""
+report 'expected a CUDA tensor' instead of the real mistake. The batch
+wrappers' checks are in test_bad_input_wrappers.py."""
 
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
 
 import flashjit
-from flashjit import build, jit
 from flashjit.ops import _checks, _launch
-from helpers_cache import is_empty, set_cache_env
+from helpers_cache import no_compile  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("no_compile")
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 OPS = ["prefill", "decode"]
-
-
-@pytest.fixture(autouse=True)
-def no_compile(monkeypatch, tmp_path):
-    """Any attempt to build or load a kernel fails the test; the cache stays empty."""
-    root = set_cache_env(monkeypatch, tmp_path / "cache")
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a kernel was built or loaded for a bad input")
-
-    monkeypatch.setattr(jit, "build_many", forbidden)
-    monkeypatch.setattr(jit, "get_module", forbidden)
-    monkeypatch.setattr(build, "run_builds", forbidden)
-    yield root
-    assert is_empty(root), f"the cache {root} was written: {list(root.rglob('*'))}"
 
 
 def inputs(op: str, dtype=torch.float16, head_dim: int = 128, qo_len: int = 5, kv_len: int = 33,
@@ -262,149 +248,3 @@ def test_unknown_backend(backend):
     with pytest.raises(ValueError, match=r"^backend: expected 'auto', 'fa2' or 'fa3'"):
         _launch.select_spec("single_prefill", torch.bfloat16, 128, backend=backend, use_tensor_cores=None,
                             causal=False, window=False, soft_cap=False, return_lse=False)
-
-
-# ---------------------------------------------------------------------------
-# The ragged wrapper: constructor and plan() checks, no GPU
-
-
-class _FakeCudaTensor(torch.Tensor):
-    """A CPU buffer that claims to live on cuda:0: lets the wrapper be constructed
-    without a GPU so that plan()'s argument checks can run."""
-
-    @property
-    def device(self):
-        return torch.device("cuda", 0)
-
-
-def _wrapper(**kwargs):
-    workspace = torch.Tensor._make_subclass(_FakeCudaTensor, torch.empty(1024, dtype=torch.uint8))
-    return flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, **kwargs)
-
-
-def test_wrapper_needs_a_cuda_workspace():
-    with pytest.raises(ValueError, match=r"^float_workspace_buffer: expected a CUDA tensor"):
-        flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1024, dtype=torch.uint8))
-
-
-@pytest.mark.parametrize("kwargs,exc,match", [
-    ({"kv_layout": "NDH"}, ValueError, r"^kv_layout"),
-    ({"custom_mask_buf": torch.ones(4, dtype=torch.uint8)}, NotImplementedError, r"^custom_mask="),
-    ({"jit_args": ["x"]}, NotImplementedError, r"^jit_args"),
-])
-def test_wrapper_constructor_options(kwargs, exc, match):
-    with pytest.raises(exc, match=match):
-        _wrapper(**kwargs)
-
-
-PLAN = dict(qo_indptr=[0, 3, 8], kv_indptr=[0, 10, 30], num_qo_heads=8, num_kv_heads=2, head_dim_qk=128,
-            q_data_type=torch.bfloat16)
-
-
-@pytest.mark.parametrize("change,exc,match", [
-    ({"qo_indptr": [0, 8, 3]}, ValueError, r"^qo_indptr: expected non-decreasing"),
-    ({"kv_indptr": [0, 10]}, ValueError, r"^kv_indptr: expected 3 elements \(batch_size \+ 1\), got 2"),
-    ({"kv_indptr": torch.tensor([[0, 10, 30]], dtype=torch.int32)}, ValueError, r"^kv_indptr: expected a 1-D"),
-    ({"qo_indptr": [-1, 3, 8]}, ValueError, r"^qo_indptr: expected non-negative"),
-    ({"num_qo_heads": 6, "num_kv_heads": 4}, ValueError, r"^num_qo_heads \(6\) must be a multiple"),
-    ({"num_kv_heads": 0}, ValueError, r"^num_qo_heads / num_kv_heads: expected positive"),
-    ({"head_dim_qk": 96}, ValueError, r"^head_dim_qk: expected a head_dim in \(64, 128, 256\), got 96"),
-    ({"head_dim_vo": 64}, ValueError, r"^head_dim_vo: expected 128"),
-    ({"q_data_type": torch.int8}, ValueError, r"^q_data_type: expected float16, bfloat16 or float32"),
-    ({"q_data_type": "float64"}, ValueError, r"^q_data_type"),
-    ({"kv_data_type": torch.float16}, ValueError, r"^kv_data_type: expected torch.bfloat16"),
-    ({"o_data_type": "float32"}, ValueError, r"^o_data_type: expected torch.bfloat16"),
-    ({"window_left": -2}, ValueError, r"^window_left: expected -1"),
-    ({"logits_soft_cap": -5.0}, ValueError, r"^logits_soft_cap"),
-    ({"sm_scale": math.nan}, ValueError, r"^sm_scale"),
-    ({"custom_mask": torch.ones(3, dtype=torch.bool)}, NotImplementedError, r"^custom_mask="),
-    ({"pos_encoding_mode": "ROPE_LLAMA"}, NotImplementedError, r"^pos_encoding_mode='ROPE_LLAMA'"),
-    ({"use_fp16_qk_reduction": True}, NotImplementedError, r"^use_fp16_qk_reduction=True"),
-    ({"q_data_type": torch.float32, "use_tensor_cores": True}, ValueError, r"Nearest working choice"),
-], ids=lambda x: "-".join(x) if isinstance(x, dict) else None)
-def test_wrapper_plan_checks(change, exc, match):
-    with pytest.raises(exc, match=match):
-        _wrapper().plan(**{**PLAN, **change})
-
-
-def test_wrapper_run_before_plan():
-    q, k, v = inputs("prefill")
-    with pytest.raises(RuntimeError, match=r"run\(\) called before plan\(\)"):
-        _wrapper().run(q, k, v)
-
-
-# ---------------------------------------------------------------------------
-# The paged wrappers: plan() checks of the page table, no GPU
-
-def _i32(*values):
-    return torch.tensor(values, dtype=torch.int32)
-
-
-DECODE_PLAN = dict(indptr=_i32(0, 2, 5), indices=_i32(4, 0, 1, 2, 3), last_page_len=_i32(7, 16), num_qo_heads=8,
-                   num_kv_heads=2, head_dim=128, page_size=16, q_data_type=torch.bfloat16)
-
-
-@pytest.mark.parametrize("change,match", [
-    ({"indptr": _i32(0, 5, 2)}, r"^indptr: expected non-decreasing"),
-    ({"indptr": [0, 2, 5, 5]}, r"^last_page_len: expected 3 elements \(batch_size\), got 2"),
-    ({"last_page_len": _i32(0, 16)}, r"^last_page_len: expected 1\.\.16 \(page_size\) for request 0"),
-    ({"last_page_len": _i32(7, 17)}, r"^last_page_len: expected 1\.\.16 \(page_size\) for request 1"),
-    ({"last_page_len": _i32(7)}, r"^last_page_len: expected 2 elements \(batch_size\), got 1"),
-    ({"indices": _i32(4, 0, 1)}, r"^indices: expected at least 5 elements, got 3"),
-    ({"indices": torch.tensor([4, 0, 1, 2, 3])}, r"^indices: expected a 1-D int32 tensor, got torch.int64"),
-    ({"page_size": 0}, r"^page_size: expected a positive int"),
-    ({"head_dim": 80}, r"^head_dim: expected a head_dim in \(64, 128, 256\), got 80"),
-    ({"pos_encoding_mode": "ROPE_LLAMA"}, r"^pos_encoding_mode='ROPE_LLAMA'"),
-    ({"q_data_type": torch.float32, "kv_data_type": torch.float16}, r"^kv_data_type: expected torch.float32"),
-], ids=lambda x: "-".join(x) if isinstance(x, dict) else None)
-def test_paged_decode_plan_checks(change, match):
-    workspace = torch.Tensor._make_subclass(_FakeCudaTensor, torch.empty(1024, dtype=torch.uint8))
-    wrapper = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace)
-    with pytest.raises((ValueError, NotImplementedError), match=match):
-        wrapper.plan(**{**DECODE_PLAN, **change})
-
-
-def test_paged_prefill_plan_names_its_arguments():
-    workspace = torch.Tensor._make_subclass(_FakeCudaTensor, torch.empty(1024, dtype=torch.uint8))
-    wrapper = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace)
-    with pytest.raises(ValueError, match=r"^paged_kv_last_page_len: expected 1\.\.16"):
-        wrapper.plan(_i32(0, 3, 8), _i32(0, 2, 5), _i32(4, 0, 1, 2, 3), _i32(7, 0), 8, 2, 128, 16, causal=True,
-                     q_data_type=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"^paged_kv_indptr: expected 3 elements"):
-        wrapper.plan(_i32(0, 3, 8), _i32(0, 5), _i32(4, 0, 1, 2, 3), _i32(7), 8, 2, 128, 16,
-                     q_data_type=torch.bfloat16)
-
-
-@pytest.mark.parametrize("form", ["5d", "tuple"])
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_paged_cache_geometry(layout, form):
-    """What run() reads from a cache: pages, page size, heads, dim, and (token, head, page) strides."""
-    pages, page_size, heads, dim = 7, 16, 2, 64
-    inner = (page_size, heads, dim) if layout == "NHD" else (heads, page_size, dim)
-    cache = torch.randn(pages, 2, *inner).to(torch.bfloat16)
-    arg = cache if form == "5d" else (cache[:, 0].contiguous(), cache[:, 1].contiguous())
-    k, v, n, ps, h, d, ks, vs = _checks.paged_kv_cache(arg, layout)
-    assert (n, ps, h, d) == (pages, page_size, heads, dim)
-    token, head = (1, 2) if layout == "NHD" else (2, 1)
-    for t, strides in ((k, ks), (v, vs)):
-        assert strides == (t.stride(token), t.stride(head), t.stride(0))
-    assert torch.equal(k, cache[:, 0]) and torch.equal(v, cache[:, 1])
-    if form == "5d":
-        assert k.data_ptr() == cache.data_ptr() and ks[2] == cache.stride(0)
-    # The launch path: the same geometry, K and V addresses without views (5-D), twice (memoised).
-    for _ in range(2):
-        k_src, v_src, v_offset, *geometry = _checks.paged_kv_sources(arg, layout)
-        assert tuple(geometry) == (n, ps, h, d, ks, vs)
-        assert k_src.data_ptr() == k.data_ptr() and v_src.data_ptr() + v_offset == v.data_ptr()
-
-
-@pytest.mark.parametrize("strides,page_size,match", [
-    ((2**30, 128, 0), 0, "k: expected a token stride below 2 GiB, got 2147483648 bytes"),
-    ((1024, 2**30, 0), 0, "k: expected a head stride below 2 GiB"),
-    ((1024, 128, 2**30), 16, "k: expected a page stride below 2 GiB"),
-    ((2**29, 128, 2**29), 8, "k: expected the 8 tokens of a page to span below 4 GiB"),
-])
-def test_kv_strides_beyond_32_bit_offsets(strides, page_size, match):
-    with pytest.raises(ValueError, match=re.escape(match)):
-        _launch.check_kv_strides("k", strides, page_size, 2)
-    _launch.check_kv_strides("k", (1024, 128, 16 * 1024), 16, 2)  # a usual cache passes

@@ -41,6 +41,10 @@ class BatchPlan:
     num_work: int
     merge_tokens: int
     work: WorkPlan
+    # use_cuda_graph: the query tokens the first plan() sized the captured
+    # buffers for (q may hold up to that many rows, k/v more than the plan
+    # reads); 0 otherwise, where q and k/v hold exactly what the plan reads.
+    graph_tokens: int = 0
 
 
 _EMPTY_ITEM = (-1, 0, -1, 0)
@@ -77,7 +81,7 @@ class BatchAttention:
         self._capacity: tuple | None = None  # graph mode: (batch, tokens, work items)
         self._tails: dict = {}
         self._validated: set = set()  # run() argument signatures already checked against the plan
-        self._qo_name = "qo_indptr"   # what sets the query token count, for error messages
+        self._qo_rows = "qo_indptr[-1]"  # what sets q's row count, for error messages
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -156,19 +160,35 @@ class BatchAttention:
                     addr + 4 * offsets[3] if merge is not None else 0)
         self._plan = BatchPlan(module, num_qo_heads, num_kv_heads, head_dim, q_dtype, tokens, page_size, max_page,
                                kv_indptr[-1] if page_indices is None else 0, scalars, pointers, partials, len(items),
-                               merge_tokens, work)
+                               merge_tokens, work, graph_tokens=self._capacity[1] if self._use_cuda_graph else 0)
         self._tails = {}
         self._validated = set()
 
     def _check_q(self, q, plan: BatchPlan) -> None:
+        """Everything about q but its row count (see _check_q_rows)."""
         _checks.check_tensor("q", q, 3)
         if q.dtype != plan.q_dtype:
             raise ValueError(f"q: expected dtype {plan.q_dtype} as planned (q_data_type), got {q.dtype}")
-        if tuple(q.shape[1:]) != (plan.num_qo_heads, plan.head_dim):
-            raise ValueError(f"q: expected shape [tokens, {plan.num_qo_heads} qo heads, head_dim {plan.head_dim}] as "
-                             f"planned, got {tuple(q.shape)}")
-        if q.shape[0] < plan.qo_tokens:
-            raise ValueError(f"{self._qo_name}: the plan has {plan.qo_tokens} query tokens, q only {q.shape[0]}")
+        if q.shape[1] != plan.num_qo_heads:
+            raise ValueError(f"q: expected {plan.num_qo_heads} qo heads (num_qo_heads) as planned, got {q.shape[1]} "
+                             f"(shape {tuple(q.shape)})")
+        if q.shape[2] != plan.head_dim:
+            raise ValueError(f"q: expected head_dim {plan.head_dim} as planned, got {q.shape[2]} "
+                             f"(shape {tuple(q.shape)})")
+
+    def _check_q_rows(self, q, plan: BatchPlan) -> None:
+        """On every call: the argument signatures run() remembers leave token
+        counts out. Rows past the plan would come back unwritten, rows short of
+        it would be read past q's end."""
+        rows = q.shape[0]
+        if rows == plan.qo_tokens or plan.qo_tokens <= rows <= plan.graph_tokens:
+            return
+        if plan.graph_tokens > plan.qo_tokens:
+            raise ValueError(f"q: expected {plan.qo_tokens} to {plan.graph_tokens} rows ({self._qo_rows} as planned, "
+                             f"up to the {plan.graph_tokens} query tokens use_cuda_graph=True fixed at the first "
+                             f"plan()), got {rows} (shape {tuple(q.shape)})")
+        raise ValueError(f"q: expected {plan.qo_tokens} rows ({self._qo_rows} as planned), got {rows} "
+                         f"(shape {tuple(q.shape)})")
 
     def _outputs(self, q, plan: BatchPlan, out, lse, return_lse: bool):
         tokens = q.shape[0]
@@ -176,12 +196,12 @@ class BatchAttention:
         if out is None:
             out = torch.empty(shape, dtype=q.dtype, device=q.device)
         else:
-            check_out_buffer("out", out, shape, q.dtype, q.device)
+            check_out_buffer("out", out, shape, q.dtype, q.device, "q's rows x num_qo_heads x head_dim, q's dtype")
         if return_lse:
             if lse is None:
                 lse = torch.empty(shape[:2], dtype=torch.float32, device=q.device)
             else:
-                check_out_buffer("lse", lse, shape[:2], torch.float32, q.device)
+                check_out_buffer("lse", lse, shape[:2], torch.float32, q.device, "q's rows x num_qo_heads")
         else:
             lse = None
         return out, lse
@@ -206,13 +226,16 @@ class BatchAttention:
         run_on(plan.module, packed, self._device.index)
 
 
-def check_out_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
-    """User-provided out / lse: the kernel writes them densely, so they must be contiguous."""
+def check_out_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device, what: str = "") -> None:
+    """User-provided out / lse: the kernel writes them densely, so they must be
+    contiguous; `what` says where the expected shape comes from."""
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or t.device != device \
             or not t.is_contiguous():
         got = f"{t.dtype} {tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}" \
             if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name}: expected a contiguous {dtype} tensor of shape {shape} on {device}, got {got}")
+        what = f" ({what})" if what else ""
+        raise ValueError(f"{name}: expected a contiguous {dtype} tensor of shape {shape}{what} on {device}, "
+                         f"got {got}")
 
 
 def dtype_arg(name: str, value) -> torch.dtype:

@@ -57,6 +57,23 @@ def check_layout(kv_layout: str) -> str:
     return kv_layout
 
 
+def other_layout_hint(kv_layout: str, fits_other: bool) -> str:
+    """The end of a shape-mismatch message when reading the tensor in the other
+    layout would have matched: a wrapper's kv_layout is fixed at construction."""
+    if not fits_other:
+        return ""
+    other = "HND" if kv_layout == "NHD" else "NHD"
+    return f"; it fits the plan read as {other}, but the wrapper was created with kv_layout={kv_layout!r}"
+
+
+def check_no_extra_args(method: str, args: tuple) -> None:
+    """FlashInfer's run() hands extra positional arguments to custom JIT kernels;
+    dropping them silently would hide a call meant for another signature."""
+    if args:
+        raise NotImplementedError(f"{method}: got {len(args)} extra positional argument(s); FlashInfer passes them "
+                                  f"to custom JIT kernels (jit_args), which flashjit does not support")
+
+
 def kv_dims(name: str, t: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int, int]:
     """(tokens, heads, head_dim, stride_token, stride_head) of a 3-D K or V tensor."""
     if kv_layout == "NHD":

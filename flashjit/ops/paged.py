@@ -55,6 +55,7 @@ class _PagedAttention(BatchAttention):
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan()")
+        _checks.check_no_extra_args("run()", args)
         _checks.check_unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
         if kwargs:
             raise NotImplementedError(f"{sorted(kwargs)}: not supported by flashjit's {type(self).__name__}.run()")
@@ -62,22 +63,45 @@ class _PagedAttention(BatchAttention):
             raise ValueError(f"window_left: expected {plan.scalars[1]} (as planned) or None, got {window_left}")
         k, v, v_offset, num_pages, page_size, heads, dim, k_strides, v_strides = _checks.paged_kv_sources(
             paged_kv_cache, self._kv_layout)
-        key = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.stride())
-        if key not in self._validated:
+        try:
+            key = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.stride())
+        except AttributeError:  # q is no tensor: _check_q says so
+            key = None
+        if key is None or key not in self._validated:
             self._check_q(q, plan)
-            _checks.check_same_dtype(q=q, paged_kv_cache=k)
-            if (page_size, heads, dim) != (plan.page_size, plan.num_kv_heads, plan.head_dim):
-                raise ValueError(f"paged_kv_cache: expected page_size {plan.page_size}, {plan.num_kv_heads} kv heads "
-                                 f"and head_dim {plan.head_dim} as planned (layout {self._kv_layout}), got "
-                                 f"{page_size}, {heads} and {dim} (shape {tuple(k.shape)})")
+            self._check_cache(paged_kv_cache, k, page_size, heads, dim, plan)
+        self._check_q_rows(q, plan)
         if plan.max_page >= num_pages:
-            raise ValueError(f"{self._indices_name}: page id {plan.max_page} is past the cache's {num_pages} pages")
+            raise ValueError(f"{self._indices_name}: page id {plan.max_page} is past the cache's {num_pages} pages "
+                             f"(paged_kv_cache: expected at least {plan.max_page + 1} pages, as planned, got "
+                             f"{_shape_text(paged_kv_cache)})")
         out, lse = self._outputs(q, plan, out, lse, return_lse)
         self._launch(q, k, v, k_strides, v_strides, out, lse, v_offset)
-        self._validated.add(key)
+        if key is not None:
+            self._validated.add(key)
         return (out, lse) if return_lse else out
 
+    def _check_cache(self, cache, k, page_size: int, heads: int, dim: int, plan) -> None:
+        """The cache's dtype and page geometry against the plan (paged_kv_sources
+        has checked its structure; V has K's shape and dtype)."""
+        if k.dtype != plan.q_dtype:
+            raise ValueError(f"paged_kv_cache: expected dtype {plan.q_dtype} as planned (kv_data_type), got {k.dtype}")
+        if (page_size, heads, dim) != (plan.page_size, plan.num_kv_heads, plan.head_dim):
+            fits_other = (heads, page_size, dim) == (plan.page_size, plan.num_kv_heads, plan.head_dim)
+            pages = "[page_size, kv heads, head_dim]" if self._kv_layout == "NHD" else "[kv heads, page_size, head_dim]"
+            raise ValueError(f"paged_kv_cache: expected page_size {plan.page_size}, {plan.num_kv_heads} kv heads and "
+                             f"head_dim {plan.head_dim} as planned (layout {self._kv_layout}: pages of {pages}), got "
+                             f"{page_size}, {heads} and {dim} ({_shape_text(cache)})"
+                             f"{_checks.other_layout_hint(self._kv_layout, fits_other)}")
+
     forward = run
+
+
+def _shape_text(cache) -> str:
+    """The shape of a cache that paged_kv_sources has accepted: one 5-D tensor or a (K, V) tuple."""
+    if isinstance(cache, torch.Tensor):
+        return f"shape {tuple(cache.shape)}"
+    return f"shape {tuple(cache[0].shape)} for K"
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
@@ -123,7 +147,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
             raise NotImplementedError("jit_args: custom JIT modules are not supported; flashjit generates its own")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, paged_kv_indices_buffer)
         self._use_tensor_cores = bool(use_tensor_cores)
-        self._qo_name = "indptr (batch_size)"
+        self._qo_rows = "batch_size: one query token per request of indptr"
 
     @property
     def use_tensor_cores(self) -> bool:

@@ -86,16 +86,19 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan()")
+        _checks.check_no_extra_args("run()", args)
         key = signature(q, k, v, self._kv_layout, True, ())
         if key is None or key not in self._validated:
             self._check_q(q, plan)
-            _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, self._kv_layout)
-            if (num_kv_heads, head_dim) != (plan.num_kv_heads, plan.head_dim):
-                raise ValueError(f"k: expected {plan.num_kv_heads} kv heads of head_dim {plan.head_dim} as planned, "
-                                 f"got {num_kv_heads} of {head_dim}")
+            self._check_kv("k", k, plan)
+            self._check_kv("v", v, plan)
+            check_qkv(q, k, v, self._kv_layout)
+        self._check_q_rows(q, plan)
         kv_len = kv_tokens(k, v, self._kv_layout)
-        if kv_len < plan.kv_tokens:
-            raise ValueError(f"kv_indptr: its last offset {plan.kv_tokens} is past the end of k/v ({kv_len} tokens)")
+        if kv_len != plan.kv_tokens and not (plan.graph_tokens and kv_len > plan.kv_tokens):
+            at_least = "at least " if plan.graph_tokens else ""
+            raise ValueError(f"k: expected {at_least}{plan.kv_tokens} tokens (kv_indptr[-1] as planned) in layout "
+                             f"{self._kv_layout}, got {kv_len} (shape {tuple(k.shape)})")
         out, lse = self._outputs(q, plan, out, lse, return_lse)
         _, _, _, k_sn, k_sh = _checks.kv_dims("k", k, self._kv_layout)
         _, _, _, v_sn, v_sh = _checks.kv_dims("v", v, self._kv_layout)
@@ -103,6 +106,18 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
         if key is not None:
             self._validated.add(key)
         return (out, lse) if return_lse else out
+
+    def _check_kv(self, name: str, t, plan) -> None:
+        """k or v against the plan: rank, dtype, kv heads, head_dim in the wrapper's layout."""
+        _checks.check_tensor(name, t, 3)
+        if t.dtype != plan.q_dtype:
+            raise ValueError(f"{name}: expected dtype {plan.q_dtype} as planned (kv_data_type), got {t.dtype}")
+        _, heads, dim, _, _ = _checks.kv_dims(name, t, self._kv_layout)
+        if (heads, dim) != (plan.num_kv_heads, plan.head_dim):
+            other_heads = t.shape[0] if self._kv_layout == "NHD" else t.shape[1]
+            hint = _checks.other_layout_hint(self._kv_layout, dim == plan.head_dim and other_heads == plan.num_kv_heads)
+            raise ValueError(f"{name}: expected {plan.num_kv_heads} kv heads of head_dim {plan.head_dim} as planned "
+                             f"(layout {self._kv_layout}), got {heads} of {dim} (shape {tuple(t.shape)}){hint}")
 
     forward = run
 
