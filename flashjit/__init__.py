@@ -29,6 +29,7 @@ _LAZY = {
     "BuildError": "flashjit.errors",
     "CacheError": "flashjit.errors",
     "JitDisabledError": "flashjit.errors",
+    "SettingError": "flashjit.errors",
     "ToolchainError": "flashjit.errors",
     "KernelLaunchError": "flashjit.errors",
 }

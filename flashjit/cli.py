@@ -1,15 +1,26 @@
-"""The `flashjit` command: prewarm the cache, inspect it, describe this machine."""
+"""The `flashjit` command: prewarm the cache, inspect it, describe this machine.
+
+Exit codes: 0 done; 1 a failure while working (a build, the cache, the
+toolchain); 2 bad input (flags, a selection that does not exist, or a FLASHJIT_*
+setting it cannot use). Errors are one line on stderr naming what to fix; a
+failed build also prints the compiler's first errors.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import logging
 import os
+import re
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from .arch import choose_backend
+from .errors import CacheError, FlashjitError, JitDisabledError, SettingError, ToolchainError
 from .spec import DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, UTILITY_OPS, KernelSpec, canonical_dtype
 
 # Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
@@ -58,9 +69,29 @@ def _tolerance_text(spec: KernelSpec) -> str:
     return f"rtol {t.rtol:.1e} atol {t.atol:.1e}*max|v|"
 
 
+def _summary(specs: list[KernelSpec], arches) -> list[str]:
+    """The selection in a few short lines: every axis's values, in selection order."""
+    def axis(values) -> str:
+        return ", ".join(str(v) for v in dict.fromkeys(values))
+
+    cores = [s.use_tensor_cores for s in specs]
+    return [f"flashjit prewarm: {len(specs)} configuration(s) for {', '.join(arches)}",
+            f"  ops        {axis(s.op for s in specs)}",
+            f"  dtypes     {axis(s.dtype_q for s in specs)}",
+            f"  head_dims  {axis(s.head_dim_qk for s in specs)}",
+            f"  cores      {cores.count(True)} on tensor cores, {cores.count(False)} on CUDA cores"]
+
+
 def cmd_prewarm(args) -> int:
     from . import jit
 
+    # Every setting the selection and the build read, before either.
+    if args.jobs is None:
+        jobs_setting()
+    if not args.arch:
+        arch_list_setting()
+    jit_disabled_setting()
+    nvcc_setting()
     try:
         specs = specs_from_args(args)
     except ValueError as exc:
@@ -69,10 +100,27 @@ def cmd_prewarm(args) -> int:
     if not specs:
         print("flashjit prewarm: the selection is empty", file=sys.stderr)
         return 2
-    print(f"flashjit prewarm: {len(specs)} configuration(s)", file=sys.stderr)
+    # Named arches are checked before the cache is created; the fallback
+    # (this GPU, else the default set) logs its choice, after any cache error.
+    named = jit.resolve_arches(args.arch) if args.arch else None
+    root = cache_root(create=True)
+    arches = named or jit.resolve_arches(None)
+    for line in _summary(specs, arches):
+        print(line, file=sys.stderr)
+    if args.verbose:
+        for spec in specs:
+            print(f"    {spec.name}", file=sys.stderr)
     started = time.monotonic()
-    results = jit.build_many(specs, arches=args.arch, jobs=args.jobs, raise_first=False,
-                             progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    try:
+        results = jit.build_many(specs, arches=arches, jobs=args.jobs, root=root, raise_first=False,
+                                 progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    except JitDisabledError as exc:
+        missing = re.match(r"(\S+) is not in the cache", str(exc))
+        name = missing.group(1) if missing else "a configuration"
+        print(f"flashjit prewarm: {name} is not in the cache and FLASHJIT_DISABLE_JIT="
+              f"{os.environ.get('FLASHJIT_DISABLE_JIT')} forbids compiling it; unset FLASHJIT_DISABLE_JIT (or set "
+              f"it to 0) to build", file=sys.stderr)
+        return 1
     rows = [("configuration", "built", "seconds", "tolerance (kv_len 4096)", "cache path")]
     failed = 0
     for r in results:
@@ -95,7 +143,7 @@ def cmd_prewarm(args) -> int:
 def cmd_cache(args) -> int:
     from . import cache
 
-    root = cache.default_root()
+    root = cache_root(create=False)
     if args.action == "clear":
         print(f"removed {cache.clear(root)} configuration(s) from {root}")
         return 0
@@ -116,7 +164,18 @@ def cmd_cache(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from . import __version__, arch, cache, jit
+    """Describes this machine; a bad setting shows in its line and as one line
+    on stderr at the end (exit 2), so the rest is still reported."""
+    from . import __version__, arch
+
+    problems: list[str] = []
+
+    def setting(check, show):
+        try:
+            return show(check())
+        except SettingError as exc:
+            problems.append(str(exc))
+            return f"invalid ({str(exc).split(':', 1)[0]}, see below)"
 
     print(f"flashjit      {__version__}")
     print(f"python        {sys.version.split()[0]}")
@@ -127,11 +186,14 @@ def cmd_info(args) -> int:
     except ImportError:
         torch = None
         print("torch         not installed")
-    nvcc = arch.find_nvcc()
-    print(f"nvcc          {nvcc} ({arch.nvcc_version(nvcc)})" if nvcc else f"nvcc          not found: {arch.NVCC_HINT}")
-    print(f"cache dir     {cache.default_root()}")
-    print(f"arch list     {os.environ.get('FLASHJIT_CUDA_ARCH_LIST') or '(this GPU, else ' + ' '.join(arch.DEFAULT_ARCHES) + ')'}")
-    print(f"jit           {'disabled (FLASHJIT_DISABLE_JIT)' if jit.jit_disabled() else 'enabled'}")
+    nvcc = setting(nvcc_setting, lambda _: arch.find_nvcc() or f"not found: {arch.NVCC_HINT}")
+    print(f"nvcc          {nvcc} ({arch.nvcc_version(nvcc)})" if os.path.isfile(nvcc) else f"nvcc          {nvcc}")
+    print(f"cache dir     {setting(lambda: cache_root(create=False), str)}")
+    default_arches = "(this GPU, else " + " ".join(arch.DEFAULT_ARCHES) + ")"
+    print(f"arch list     {setting(arch_list_setting, lambda a: ' '.join(a) if a else default_arches)}")
+    print(f"jobs          {setting(jobs_setting, str)}")
+    jit_state = setting(jit_disabled_setting, lambda off: "disabled (FLASHJIT_DISABLE_JIT)" if off else "enabled")
+    print(f"jit           {jit_state}")
     if torch is not None and torch.cuda.is_available():
         idx = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(idx)
@@ -145,7 +207,135 @@ def cmd_info(args) -> int:
     else:
         print("gpu           none visible")
     print(f"ops           {', '.join(OPS)} (planned: {', '.join(PLANNED_OPS)})")
-    return 0
+    for problem in problems:
+        print(f"flashjit info: {problem}", file=sys.stderr)
+    return 2 if problems else 0
+
+
+# ---------------------------------------------------------------------------
+# Settings: each command reads the FLASHJIT_* variables it depends on before it
+# acts, so that a bad value is one line naming the variable, what it takes and
+# the fix, never a traceback from deep inside a build or a silent default.
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Exactly what jit.jit_disabled() reads as off; anything else it takes as on,
+# so a value in neither list (a typo, "off") is refused rather than guessed at.
+_OFF_WORDS = ("", "0", "false", "no")
+_ON_WORDS = ("1", "true", "yes")
+
+
+def log_level() -> int:
+    value = os.environ.get("FLASHJIT_LOG_LEVEL", "")
+    if not value:
+        return logging.INFO
+    if value.strip().upper() in LOG_LEVELS:
+        return getattr(logging, value.strip().upper())
+    raise SettingError(f"FLASHJIT_LOG_LEVEL: expected one of {', '.join(LOG_LEVELS)} (any case), got {value!r}; "
+                       f"set one of them, or unset it for INFO")
+
+
+def jit_disabled_setting() -> bool:
+    value = os.environ.get("FLASHJIT_DISABLE_JIT", "")
+    if value.lower() in _OFF_WORDS:
+        return False
+    if value.lower() in _ON_WORDS:
+        return True
+    raise SettingError(f"FLASHJIT_DISABLE_JIT: expected 1, true or yes (a cache miss is an error) or 0, false, no "
+                       f"or empty (a miss is compiled), got {value!r}; set one of them, or unset it")
+
+
+def jobs_setting() -> int:
+    from . import build
+
+    try:
+        return build.default_jobs()
+    except ValueError as exc:  # the library's message names FLASHJIT_JOBS and the value
+        raise SettingError(f"{exc}; set it to the number of parallel nvcc jobs (e.g. FLASHJIT_JOBS=8), or unset it "
+                           f"for one per core and per 2 GiB of free memory") from None
+
+
+def arch_list_setting() -> tuple[str, ...] | None:
+    from . import arch
+
+    value = os.environ.get("FLASHJIT_CUDA_ARCH_LIST")
+    if not value:
+        return None
+    names = [a for a in re.split(r"[\s,;]+", value) if a]
+    fix = (f"set it to arches separated by spaces, commas or semicolons (e.g. '8.0 9.0a'), or unset it to compile "
+           f"for this GPU (else {' '.join(arch.DEFAULT_ARCHES)})")
+    for name in names:
+        try:
+            arch.normalize_arch(name)
+        except ToolchainError:
+            raise SettingError(f"FLASHJIT_CUDA_ARCH_LIST: expected arches among {', '.join(arch.ARCHES)} (or 8.0, "
+                               f"8.9, 9.0a ...), got {value!r}, where {name!r} is none of them; {fix}") from None
+    if not names:
+        raise SettingError(f"FLASHJIT_CUDA_ARCH_LIST: expected at least one arch, got {value!r}; {fix}")
+    return arch.env_arches()
+
+
+def nvcc_setting() -> None:
+    """The library skips a FLASHJIT_NVCC that is no file and searches on: a
+    prewarm would then build with another nvcc than the one named."""
+    value = os.environ.get("FLASHJIT_NVCC")
+    if not value or (os.path.isfile(value) and os.access(value, os.X_OK)):
+        return
+    what = "a directory" if os.path.isdir(value) else "not executable" if os.path.exists(value) else "no such file"
+    raise SettingError(f"FLASHJIT_NVCC: expected the path of the nvcc executable, got {value!r} ({what}); point it "
+                       f"at <CUDA toolkit>/bin/nvcc, or unset it to search CUDA_HOME, CUDA_PATH and PATH")
+
+
+def cache_root(create: bool) -> Path:
+    """The cache root, refused if it is a file or a symlink (loads refuse those
+    too); with `create`, made (private to the user) and checked writable."""
+    from . import cache
+
+    root = cache.default_root()
+    name = "FLASHJIT_CACHE_DIR" if os.environ.get("FLASHJIT_CACHE_DIR") else \
+        "the cache directory (FLASHJIT_CACHE_DIR unset)"
+    fix = "set FLASHJIT_CACHE_DIR to a directory of your own (it is created if missing)"
+    if root.is_symlink() or (root.exists() and not root.is_dir()):
+        what = "a symlink" if root.is_symlink() else "a regular file" if root.is_file() else "not a directory"
+        raise SettingError(f"{name}: expected a directory, got {what}: {root}; {fix}")
+    if create:
+        cache.ensure_root(root)
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=root)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise CacheError(f"{name}: cannot write {root} ({exc.strerror or exc}); {fix}, or prewarm the cache "
+                             f"where it is writable") from None
+    return root
+
+
+def _drop_build_names(record: logging.LogRecord) -> bool:
+    """build.run_builds logs every configuration's name on one line (thousands
+    of characters for a preset); prewarm prints a summary instead, and the
+    names one per line under --verbose."""
+    if isinstance(record.msg, str) and record.msg.startswith("flashjit: compiling") and record.msg.endswith(": %s") \
+            and isinstance(record.args, tuple) and record.args:
+        record.msg, record.args = record.msg[:-len(": %s")], record.args[:-1]
+    return True
+
+
+@contextlib.contextmanager
+def _log_to_stderr(level: int):
+    """flashjit's log lines on stderr while a command runs; the logger is left as it was found."""
+    logger = logging.getLogger("flashjit")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(_drop_build_names)
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,8 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--soft-cap", default="off", choices=["on", "off", "both"])
     pre.add_argument("--lse", default="off", choices=["on", "off", "both"])
     pre.add_argument("--arch", nargs="+", help="e.g. sm_80 sm_89 sm_90a (default: this GPU, else all three)")
-    pre.add_argument("--jobs", type=int, help="parallel nvcc jobs (default: $FLASHJIT_JOBS, else by cores/memory)")
+    pre.add_argument("--jobs", type=_positive_int,
+                     help="parallel nvcc jobs (default: $FLASHJIT_JOBS, else by cores/memory)")
     pre.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    pre.add_argument("-v", "--verbose", action="store_true", help="list every configuration's name before building")
     pre.set_defaults(func=cmd_prewarm)
     cac = sub.add_parser("cache", help="list, verify or clear the cache")
     cac.add_argument("action", choices=["list", "verify", "clear"])
@@ -174,13 +366,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    logging.basicConfig(level=os.environ.get("FLASHJIT_LOG_LEVEL", "INFO"), format="%(message)s")
-    args = build_parser().parse_args(argv)
-    from .errors import FlashjitError
-
+def _positive_int(text: str) -> int:
     try:
-        return args.func(args)
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        level = log_level()
+        with _log_to_stderr(level):
+            return args.func(args)
+    except SettingError as exc:
+        print(f"flashjit {args.command}: {exc}", file=sys.stderr)
+        return 2
     except FlashjitError as exc:
         print(f"flashjit {args.command}: {exc}", file=sys.stderr)
         return 1

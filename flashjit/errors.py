@@ -5,6 +5,12 @@ class FlashjitError(RuntimeError):
     """Base class of flashjit's own errors."""
 
 
+class SettingError(FlashjitError, ValueError):
+    """An environment variable flashjit reads (FLASHJIT_*) holds a value it cannot
+    use; the message names the variable, what it takes, what it got and the fix.
+    A ValueError too, since that is what a bad value is."""
+
+
 class ToolchainError(FlashjitError):
     """nvcc is missing, too old for the requested arch, or the GPU arch cannot be targeted."""
 

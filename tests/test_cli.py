@@ -6,14 +6,15 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from flashjit import arch, cli
+from flashjit import arch, build, cli, jit
 from flashjit.spec import KernelSpec
-from helpers_cache import (REPO, copy_cache, entry_dirs, flip_byte, have_nvcc, manifest_of, run_cli, subprocess_env,
-                           tmp_dirs)
+from helpers_cache import (REPO, copy_cache, entry_dirs, flip_byte, have_nvcc, manifest_of, run_cli, set_cache_env,
+                           subprocess_env, tmp_dirs)
 
 PREWARM = ["prewarm", "--preset", "minimal", "--dtype", "bfloat16", "--head-dim", "64", "--arch", "sm_80",
            "--jobs", "2"]
@@ -205,3 +206,76 @@ def test_bad_subcommand_and_missing_action_exit_2(tmp_path):
     for argv in (["frobnicate"], ["cache"], ["cache", "delete"]):
         out = run_cli(*argv, root=tmp_path / "cache", timeout=120)
         assert out.returncode == 2 and "usage:" in out.stderr
+
+
+# ---------------------------------------------------------------------------
+# Prewarm output: a count and a summary; the names one per line under -v
+
+
+class _FakeNinja:
+    """Stands in for ninja's process: reports each edge of build.ninja as done
+    and writes its output, so build.run_builds logs and reports as in a real run."""
+
+    def __init__(self, argv, **kwargs):
+        text = (Path(argv[argv.index("-C") + 1]) / "build.ninja").read_text()
+        outputs = re.findall(r"^build (\S+): nvcc", text, re.M)
+        names = re.findall(r"^  name = (\S+)$", text, re.M)
+        for out in outputs:
+            Path(out).write_bytes(b"")
+        self.stdout = iter(f"[{i}/{len(names)}] nvcc {name}\n" for i, name in enumerate(names, 1))
+
+    def wait(self) -> int:
+        return 0
+
+
+@pytest.fixture
+def fake_compiler(monkeypatch, tmp_path):
+    """prewarm through the real build driver with nothing compiled."""
+    set_cache_env(monkeypatch, tmp_path / "cache")
+    monkeypatch.setattr(build, "ninja_executable", lambda: "ninja")
+    monkeypatch.setattr(build, "subprocess", SimpleNamespace(Popen=_FakeNinja, PIPE=subprocess.PIPE,
+                                                             STDOUT=subprocess.STDOUT))
+
+    def build_many(specs, arches=None, jobs=None, progress=None, root=None, raise_first=True):
+        todo = []
+        for spec in specs:
+            (tmp_path / "builds" / spec.name).mkdir(parents=True)
+            todo.append(build.BuildJob(spec.name, tmp_path / "builds" / spec.name, "nvcc", [f"{spec.name}.cu"],
+                                       f"lib{spec.name}.so"))
+        build.run_builds(todo, root, jobs, progress)
+        return [jit.BuildResult(s, SimpleNamespace(path=job.build_dir), True, job.seconds) for s, job in zip(specs, todo)]
+
+    monkeypatch.setattr(jit, "build_many", build_many)
+
+
+DEFAULT_PRESET = ["prewarm", "--preset", "default", "--arch", "sm_80", "sm_89", "sm_90a", "--jobs", "4"]
+
+
+def _header(stderr: str) -> list[str]:
+    """What prewarm prints before the build's progress."""
+    lines = stderr.splitlines()
+    return lines[:next(i for i, line in enumerate(lines) if line.startswith("  [1/"))]
+
+
+def test_prewarm_prints_a_count_and_a_summary(fake_compiler, capsys):
+    specs = cli.specs_from_args(cli.build_parser().parse_args(DEFAULT_PRESET))
+    assert cli.main(DEFAULT_PRESET) == 0
+    out, err = capsys.readouterr()
+    assert max(len(line) for line in err.splitlines()) < 200, "a long line on stderr"
+    header = _header(err)
+    assert header[0] == f"flashjit prewarm: {len(specs)} configuration(s) for sm_80, sm_89, sm_90a"
+    assert re.search(r"^  dtypes +float16, bfloat16, float32$", err, re.M)
+    assert re.search(r"^  head_dims +64, 128, 256$", err, re.M)
+    assert not [line for line in header if any(s.name in line for s in specs)], "names listed without -v"
+    assert f"flashjit: compiling {len(specs)} configuration(s) with 4 parallel nvcc job(s)\n" in err
+    progress = [line for line in err.splitlines() if re.match(r"  \[\d+/\d+\] nvcc \S+$", line)]
+    assert len(progress) == len(specs)
+    assert f"{len(specs)} ready, 0 failed" in err
+    assert len(out.splitlines()) == len(specs) + 1  # the table
+
+
+def test_prewarm_verbose_lists_every_name(fake_compiler, capsys):
+    specs = cli.specs_from_args(cli.build_parser().parse_args(DEFAULT_PRESET))
+    assert cli.main([*DEFAULT_PRESET, "-v"]) == 0
+    header = _header(capsys.readouterr().err)
+    assert [line.strip() for line in header if line.startswith("    ")] == [s.name for s in specs]
