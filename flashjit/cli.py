@@ -17,6 +17,7 @@ import re
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from .arch import choose_backend
@@ -91,6 +92,7 @@ def cmd_prewarm(args) -> int:
     if not args.arch:
         arch_list_setting()
     jit_disabled_setting()
+    strict_backend_setting()
     nvcc_setting()
     try:
         specs = specs_from_args(args)
@@ -194,6 +196,8 @@ def cmd_info(args) -> int:
     print(f"jobs          {setting(jobs_setting, str)}")
     jit_state = setting(jit_disabled_setting, lambda off: "disabled (FLASHJIT_DISABLE_JIT)" if off else "enabled")
     print(f"jit           {jit_state}")
+    strict = setting(strict_backend_setting, lambda on: "on (no fallback to fa2)" if on else "off")
+    print(f"strict        {strict}")
     if torch is not None and torch.cuda.is_available():
         idx = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(idx)
@@ -272,6 +276,16 @@ def arch_list_setting() -> tuple[str, ...] | None:
     if not names:
         raise SettingError(f"FLASHJIT_CUDA_ARCH_LIST: expected at least one arch, got {value!r}; {fix}")
     return arch.env_arches()
+
+
+def strict_backend_setting() -> bool:
+    from . import arch
+
+    try:
+        return arch.strict_backend()
+    except ValueError as exc:  # the library's message names FLASHJIT_STRICT_BACKEND and the value
+        raise SettingError(f"{exc}; set it to 1 (an explicit backend the target cannot run is an error) or 0 (it "
+                           f"falls back to fa2), or unset it") from None
 
 
 def nvcc_setting() -> None:
@@ -367,27 +381,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
+    if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    return int(text)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+
+    def one_line_warning(message, category, filename, lineno, file=None, line=None):
+        # Python's format adds the warning's source file and line: two lines per warning.
+        print(f"flashjit {args.command}: warning: {message}", file=sys.stderr)
+
     try:
         level = log_level()
-        with _log_to_stderr(level):
+        with _log_to_stderr(level), warnings.catch_warnings():
+            warnings.showwarning = one_line_warning
             return args.func(args)
-    except SettingError as exc:
-        print(f"flashjit {args.command}: {exc}", file=sys.stderr)
-        return 2
     except FlashjitError as exc:
         print(f"flashjit {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, SettingError) else 1
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from helpers_cache import refuse_writes, run_cli, set_cache_env
 def cli_env(monkeypatch, tmp_path):
     """A valid environment (private cache, sm_80) in which nothing may be built."""
     root = set_cache_env(monkeypatch, tmp_path / "cache")
-    for name in ("FLASHJIT_NVCC", "FLASHJIT_LOG_LEVEL"):
+    for name in ("FLASHJIT_NVCC", "FLASHJIT_LOG_LEVEL", "FLASHJIT_STRICT_BACKEND"):
         monkeypatch.delenv(name, raising=False)
 
     def forbidden(*args, **kwargs):
@@ -64,6 +64,14 @@ def test_bad_disable_jit(cli_env, monkeypatch, capsys, value):
     err = _one_line_error(capsys, [*PREWARM_ONE, "--arch", "sm_80"], "FLASHJIT_DISABLE_JIT")
     assert f"got {value!r}" in err and "true" in err and "false" in err
     _one_line_error(capsys, ["info"], "FLASHJIT_DISABLE_JIT")
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "strict"])
+def test_bad_strict_backend(cli_env, monkeypatch, capsys, value):
+    monkeypatch.setenv("FLASHJIT_STRICT_BACKEND", value)
+    err = _one_line_error(capsys, PREWARM_ONE, "FLASHJIT_STRICT_BACKEND")
+    assert f"got {value!r}" in err and "fa2" in err
+    _one_line_error(capsys, ["info"], "FLASHJIT_STRICT_BACKEND")
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory", "not-executable"])
@@ -132,7 +140,8 @@ def test_missing_cache_dir_lists_nothing(cli_env, capsys):
 
 
 def test_jit_disabled_prewarm_names_the_setting(cli_env, monkeypatch, capsys):
-    """With FLASHJIT_DISABLE_JIT=1 a prewarm can only confirm a cache; a miss names the setting that forbids building."""
+    """With FLASHJIT_DISABLE_JIT=1 a prewarm can only confirm a cache; a miss
+    names the setting that forbids building, not the prewarm command."""
     monkeypatch.setenv("FLASHJIT_DISABLE_JIT", "1")
     spec = KernelSpec.make("single_decode", "float16", 64)
 
