@@ -46,11 +46,14 @@ def indptr(lengths) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
-def flashjit_ragged(qo_lens, kv_lens, h, d, causal, dtype, use_tensor_cores=None):
-    w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
-    w.plan(indptr(qo_lens), indptr(kv_lens), h, h, d, causal=causal, q_data_type=dtype,
-           use_tensor_cores=use_tensor_cores)
-    return w.run
+def flashjit_ragged(backend="auto"):
+    def make(qo_lens, kv_lens, h, d, causal, dtype, use_tensor_cores=None):
+        w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
+                                                          backend=backend)
+        w.plan(indptr(qo_lens), indptr(kv_lens), h, h, d, causal=causal, q_data_type=dtype,
+               use_tensor_cores=use_tensor_cores)
+        return w.run
+    return make
 
 
 def flashinfer_ragged(backend):
@@ -80,19 +83,25 @@ def sdpa(backend):
     return make
 
 
-def implementations() -> dict:
+def implementations(only=None) -> dict:
+    """Every implementation this GPU runs (flashjit fa3 on sm_90a alone), or those named in `only`."""
     from torch.nn.attention import SDPBackend
 
-    impls = {"flashjit fa2": flashjit_ragged,
-             "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
-    try:
-        import flashinfer  # noqa: F401
+    from flashjit import arch
 
-        impls["flashinfer-fa2"] = flashinfer_ragged("fa2")
-        impls["flashinfer-fa3"] = flashinfer_ragged("fa3")
-    except Exception as exc:  # not installed, or no kernels for this GPU
-        print(f"flashinfer not available: {type(exc).__name__}: {exc}", file=sys.stderr)
-    return impls
+    impls = {"flashjit fa2": flashjit_ragged("fa2")}
+    if arch.device_arch() == "sm_90a":
+        impls["flashjit fa3"] = flashjit_ragged("fa3")
+    impls.update({"sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)})
+    if only is None or any(name.startswith("flashinfer") for name in only):
+        try:
+            import flashinfer  # noqa: F401
+
+            impls["flashinfer-fa2"] = flashinfer_ragged("fa2")
+            impls["flashinfer-fa3"] = flashinfer_ragged("fa3")
+        except Exception as exc:  # not installed, or no kernels for this GPU
+            print(f"flashinfer not available: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return {name: make for name, make in impls.items() if only is None or name in only}
 
 
 def run_row(impls, qo_lens, kv_lens, h, d, causal, flops, reps, rounds) -> list[str]:
@@ -126,12 +135,14 @@ def main() -> int:
     parser.add_argument("--head-dims", type=int, nargs="+", help="override the head dims")
     parser.add_argument("--seqlens", type=int, nargs="+", help="override the sequence lengths")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per row (see above)")
+    parser.add_argument("--only", nargs="+", help="implementations to run (default: all available)")
+    parser.add_argument("--no-skewed", action="store_true", help="leave out the skewed batch and the decode line")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
     head_dims = args.head_dims or ([128] if args.quick else [64, 128, 256])
     seqlens = args.seqlens or ([1024, 4096] if args.quick else [1024, 4096, 16384])
-    impls = implementations()
+    impls = implementations(args.only)
     lines = [f"device: {torch.cuda.get_device_name()}, bf16, TFLOP/s, mean of {args.rounds} interleaved rounds", "",
              "| head_dim | batch x S | causal | " + " | ".join(impls) + " |", "|---|---|---|" + "---|" * len(impls)]
     for d in head_dims:
@@ -144,6 +155,9 @@ def main() -> int:
                                 rounds=args.rounds)
                 lines.append(f"| {d} | {b} x {s} | {causal} | " + " | ".join(cells) + " |")
                 print(lines[-1], flush=True)
+    if args.no_skewed:
+        emit("\n".join(lines), args.out)
+        return 0
     # Skewed: one 16k request among 64 of 100 tokens, causal, head_dim 128.
     qo_lens = [16384] + [100] * 64
     flops = sum(attention_flops(1, 16, n, 128, True) for n in qo_lens)

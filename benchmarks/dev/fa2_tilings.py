@@ -1,4 +1,4 @@
-"""Compares fa2 tilings for one head_dim in one run: each variant is built into
+"""Compares fa2 (or, with --backend fa3, fa3) tilings for one head_dim in one run: each variant is built into
 its own cache and checked against float64 on a ragged batch (within its
 profile); then every row is timed for all of them (and FlashInfer fa2 when
 importable) back to back, in `--rounds` rounds whose order alternates, and a
@@ -11,7 +11,7 @@ the same run; `--no-variants` leaves out the alternative tilings below, and
 last line gives each source's largest difference between two rounds of one
 cell: the noise a difference between sources has to clear.
 
-Usage: python benchmarks/dev/fa2_tilings.py [--head-dim 128] [--baseline-templates DIR ...] [--no-variants]
+Usage: python benchmarks/dev/fa2_tilings.py [--backend fa2|fa3] [--head-dim 128] [--baseline-templates DIR ...] [--no-variants]
        [--variant 'Fa2Tiling(...)' ...] [--no-flashinfer] [--rounds 2]
 """
 
@@ -33,6 +33,7 @@ from prefill import attention_flops, bench_ms, flashinfer_ragged, indptr
 import flashjit
 from flashjit import jit, kernels
 from flashjit.kernels.fa2 import Fa2Tiling
+from flashjit.kernels.fa3 import Fa3Tiling
 from flashjit.reference import ragged_reference
 from flashjit.spec import KernelSpec
 
@@ -58,12 +59,24 @@ VARIANTS = {
         "8 warps, 64-key TMA tiles, a CTA barrier per tile": Fa2Tiling(8, 64, 2, False, 1, one_wait=True, tma_kv=True),
     },
 }
+# fa3 (--backend fa3): the same per head_dim, for FA3_TILINGS.
+FA3_VARIANTS = {
+    64: {"no overlap, 2 stages": Fa3Tiling(128, 2), "overlap, 2 stages": Fa3Tiling(128, 2, overlap=True),
+         "overlap, 3 stages": Fa3Tiling(128, 3, overlap=True)},
+    128: {"no overlap, 2 stages": Fa3Tiling(128, 2), "overlap, 2 stages": Fa3Tiling(128, 2, overlap=True),
+          "overlap, 3 stages": Fa3Tiling(128, 3, overlap=True)},
+    256: {"no overlap, 2 stages": Fa3Tiling(64, 2), "overlap, 2 stages": Fa3Tiling(64, 2, overlap=True)},
+}
 ROWS = [(16, 1024, False), (16, 1024, True), (4, 4096, False), (4, 4096, True), (1, 16384, False),
         (1, 16384, True)]
 
 
+BACKEND = "fa2"  # --backend
+
+
 def wrapper(lens, h, d, causal):
-    w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
+                                                      backend=BACKEND)
     w.plan(indptr(lens), indptr(lens), h, h, d, causal=causal, q_data_type=torch.bfloat16)
     return w
 
@@ -76,9 +89,9 @@ def check(d: int) -> float:
         out = wrapper(lens, h, d, causal).run(q, k, v)
         ref, _ = ragged_reference(q, k, v, indptr(lens).tolist(), indptr(lens).tolist(), causal=causal)
         spec = KernelSpec.make("batch_prefill_ragged", "bfloat16", d, use_tensor_cores=True, causal=causal,
-                               return_lse=True)
+                               return_lse=True, backend=BACKEND)
         tol = flashjit.tolerance(spec, q=q, k=k, v=v, kv_len=max(lens), sm_scale=1 / math.sqrt(d))
-        worst = max(worst, tol.assert_close(out, ref, "fa2 tiling check"))
+        worst = max(worst, tol.assert_close(out, ref, f"{BACKEND} tiling check"))
     return worst
 
 
@@ -92,7 +105,7 @@ def flashinfer_runs(rows, h: int, d: int, inputs) -> list | None:
     try:
         runs = []
         for b, s, causal in rows:
-            run = flashinfer_ragged("fa2")([s] * b, [s] * b, h, d, causal, torch.bfloat16)
+            run = flashinfer_ragged(BACKEND)([s] * b, [s] * b, h, d, causal, torch.bfloat16)
             q, k, v = inputs[(b, s)]
             run(q, k, v)
             runs.append(lambda run=run, q=q, k=k, v=v: run(q, k, v))
@@ -111,13 +124,20 @@ def flashinfer_cells(rows, h: int, d: int, inputs) -> list[str] | None:
 
 
 def restore_tilings(d: int, default, wide) -> None:
-    kernels.fa2.FA2_TILINGS[d] = default
+    table(d)[d] = default
     if wide is not None:
         kernels.fa2.FA2_WIDE_TILINGS[d] = wide
 
 
+def table(d: int) -> dict:
+    """The default tilings that --backend's kernels take."""
+    return kernels.fa3.FA3_TILINGS if BACKEND == "fa3" else kernels.fa2.FA2_TILINGS
+
+
 def main() -> int:
+    global BACKEND
     parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", choices=["fa2", "fa3"], default="fa2")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--baseline-templates", type=Path, nargs="+", default=[])
     parser.add_argument("--no-variants", action="store_true")
@@ -126,15 +146,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out")
     args = parser.parse_args()
+    BACKEND = args.backend
     d = args.head_dim
     h = 2048 // d
     header = " | ".join(f"{b}x{s}{' causal' if c else ''}" for b, s, c in ROWS)
-    lines = [f"device: {torch.cuda.get_device_name()}, bf16, head_dim {d}, TFLOP/s, mean of {args.rounds} "
+    lines = [f"device: {torch.cuda.get_device_name()}, {BACKEND}, bf16, head_dim {d}, TFLOP/s, mean of {args.rounds} "
              "interleaved rounds", "", f"| variant | err/bound | smem | {header} |",
              "|---|---|---|" + "---|" * len(ROWS)]
     inputs = {(b, s): [torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
               for b, s, _ in ROWS}
-    default, wide = kernels.fa2.FA2_TILINGS[d], kernels.fa2.FA2_WIDE_TILINGS.get(d)
+    default = table(d)[d]
+    wide = kernels.fa2.FA2_WIDE_TILINGS.get(d) if BACKEND == "fa2" else None
     # The defaults as shipped (with a wide tiling, the rows take it on this GPU's
     # arch when it fits); a variant replaces both for every row.
     wide_note = f", where every target holds {wide.min_blocks_per_sm} per SM: {wide}" if wide else ""
@@ -142,25 +164,27 @@ def main() -> int:
     sources[:0] = [(f"default, sources from {folder.name}", None, folder.resolve())
                    for folder in args.baseline_templates]
     if not args.no_variants:
-        sources += [(name, tiling, None) for name, tiling in VARIANTS[d].items()]
-    sources += [(text, eval(text, {"Fa2Tiling": Fa2Tiling}), None) for text in args.variant]
+        sources += [(name, tiling, None) for name, tiling in (FA3_VARIANTS if BACKEND == "fa3" else VARIANTS)[d].items()]
+    sources += [(text, eval(text, {"Fa2Tiling": Fa2Tiling, "Fa3Tiling": Fa3Tiling}), None) for text in args.variant]
     budget = kernels.common.SMEM_BUDGET
     # Build, check and plan every source; its wrappers keep their own modules.
     timed = []  # (label, row callables)
     for name, tiling, templates in sources:
         # A variant may exceed the shipped budget (one CTA per SM on an sm_90a-class part).
         kernels.common.SMEM_BUDGET = max(budget, (tiling or default).smem_bytes(KernelSpec.make("single_prefill", "bfloat16", d)))
-        kernels.fa2.FA2_TILINGS[d] = tiling or default
-        if tiling is None and wide is not None:
+        table(d)[d] = tiling or default
+        if BACKEND != "fa2":
+            pass
+        elif tiling is None and wide is not None:
             kernels.fa2.FA2_WIDE_TILINGS[d] = wide
         else:
             kernels.fa2.FA2_WIDE_TILINGS.pop(d, None)
         use_templates(templates)
         jit._modules.clear()
-        os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fa2-tiling-")
+        os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"{BACKEND}-tiling-")
         try:
             # Both masks' libraries in one parallel build instead of one at a time on first use.
-            jit.build_many([KernelSpec.make("batch_prefill_ragged", "bfloat16", d, backend="fa2", use_tensor_cores=True,
+            jit.build_many([KernelSpec.make("batch_prefill_ragged", "bfloat16", d, backend=BACKEND, use_tensor_cores=True,
                                             causal=c).validate() for c in (False, True)])
             worst = check(d)
             runs = []
@@ -178,7 +202,7 @@ def main() -> int:
     use_templates(None)
     fi_runs = None if args.no_flashinfer else flashinfer_runs(ROWS, h, d, inputs)
     if fi_runs:
-        timed.append(("| FlashInfer fa2 (same run) | - | - |", fi_runs))
+        timed.append((f"| FlashInfer {BACKEND} (same run) | - | - |", fi_runs))
 
     # rates[source][row]: TFLOP/s of each round.
     rates = [[[] for _ in ROWS] for _ in timed]

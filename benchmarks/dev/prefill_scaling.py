@@ -42,7 +42,7 @@ def main() -> int:
     args = parser.parse_args()
     d, b, s = args.head_dim, args.batch, args.qo_len
     h = 2048 // d
-    makers = {"flashjit fa2": flashjit_ragged}
+    makers = {"flashjit fa2": flashjit_ragged("fa2")}
     try:
         makers["flashinfer fa2"] = flashinfer_ragged("fa2")
     except Exception as exc:

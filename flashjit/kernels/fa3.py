@@ -20,6 +20,9 @@ class Fa3Tiling:
     query rows, K/V tiles of keys_per_tile keys in a ring of `stages` slots."""
     keys_per_tile: int
     stages: int
+    # Tile t's Q.K^T in flight with tile t - 1's P.V, the softmax between them
+    # (fa3_traits.cuh kOverlap).
+    overlap: bool = False
 
     @property
     def rows_per_cta(self) -> int:
@@ -32,15 +35,19 @@ class Fa3Tiling:
     def smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of Fa3Traits::kSmemBytes: alignment slack, K/V ring, Q, mbarriers."""
         row = 2 * spec.head_dim_qk
-        return 1024 + self.stages * 2 * self.keys_per_tile * row + self.rows_per_cta * row + 16 * self.stages
+        return 1024 + self.stages * 2 * self.keys_per_tile * row + self.rows_per_cta * row + 32 * self.stages
 
 
-# S takes keys_per_tile / 2 fp32 registers per consumer thread and O head_dim / 2:
-# d256 keeps 64-key tiles to stay within the 232 registers a consumer gets.
+# Per head_dim, on an H200 (benchmarks/results/2026-11-24-h200-fa3-tilings.md):
+# every head_dim overlaps tile t's Q.K^T with tile t - 1's P.V, 4-25% faster
+# than one product at a time on 4k-16k rows. S takes keys_per_tile / 2 fp32
+# registers per consumer thread and O head_dim / 2: d256 keeps 64-key tiles
+# within the 232 registers a consumer gets. d64 takes a third stage (+2-4%);
+# d128 is as fast or faster with two.
 FA3_TILINGS = {
-    64: Fa3Tiling(keys_per_tile=128, stages=2),
-    128: Fa3Tiling(keys_per_tile=128, stages=2),
-    256: Fa3Tiling(keys_per_tile=64, stages=2),
+    64: Fa3Tiling(keys_per_tile=128, stages=3, overlap=True),
+    128: Fa3Tiling(keys_per_tile=128, stages=2, overlap=True),
+    256: Fa3Tiling(keys_per_tile=64, stages=2, overlap=True),
 }
 
 

@@ -99,8 +99,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   unsigned char* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
   const uint32_t base = smem_addr(smem);
   const uint32_t q_smem = base + Traits::kQOffset, bars = base + Traits::kBarOffset;
-  auto full_bar = [&](int tile) { return bars + 8 * (tile % STAGES); };
-  auto empty_bar = [&](int tile) { return bars + 8 * (STAGES + tile % STAGES); };
+  // Per slot, for K and for V apart: "full" (the tile landed) and "empty"
+  // (every consumer warp is done with it), so that K of a slot is reloaded
+  // once Q.K^T has read it while P.V may still be reading V.
+  auto full_k = [&](int tile) { return bars + 8 * (tile % STAGES); };
+  auto full_v = [&](int tile) { return bars + 8 * (STAGES + tile % STAGES); };
+  auto empty_k = [&](int tile) { return bars + 8 * (2 * STAGES + tile % STAGES); };
+  auto empty_v = [&](int tile) { return bars + 8 * (3 * STAGES + tile % STAGES); };
   auto k_slot = [&](int tile) { return base + (tile % STAGES) * Traits::kStageBytes; };
 
   const int tid = threadIdx.x, lane = tid % 32, warpgroup = tid / 128;
@@ -127,8 +132,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      tma::mbar_init(full_bar(s), 1);
-      tma::mbar_init(empty_bar(s), Traits::kConsumerWarps);
+      tma::mbar_init(full_k(s), 1);
+      tma::mbar_init(full_v(s), 1);
+      tma::mbar_init(empty_k(s), Traits::kConsumerWarps);
+      tma::mbar_init(empty_v(s), Traits::kConsumerWarps);
     }
     tma::fence_mbar_init();
   }
@@ -138,26 +145,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // ---- Loader.
     fa3::set_max_registers_dec<Traits::kLoaderRegs>();
     if (tid >= 32) return;
-    for (int t = 0; t < num_tiles; ++t) {
-      // The slot's previous tile (t - STAGES) completed phase t / STAGES - 1 of its empty barrier.
-      if (t >= STAGES) tma::mbar_wait(empty_bar(t), ((t / STAGES) - 1) & 1);
-      const int k0 = key_begin + t * KEYS;
-      if (w.kv_len - k0 >= KEYS) {
-        if (lane == 0) {
-          const uint32_t k_dst = k_slot(t), v_dst = k_dst + Traits::kKvTileBytes, bar = full_bar(t);
-          const int token = w.kv_start + k0;
-          tma::mbar_arrive_expect_tx(bar, 2 * Traits::kKvTileBytes);
+    // One whole K or V tile by TMA into `dst`, its bytes counted on `bar`.
+    auto load = [&](uint32_t dst, const CUtensorMap* map, int heads_outer, uint32_t bar, int token) {
+      tma::mbar_arrive_expect_tx(bar, Traits::kKvTileBytes);
 #pragma unroll
-          for (int i = 0; i < D / 64; ++i) {
-            tma::load_kv_block(k_dst + KvLayout::block(i), &tma_arg.maps.k, tma_arg.maps.heads_outer_k, i, w.kv_head,
-                               token, bar);
-            tma::load_kv_block(v_dst + KvLayout::block(i), &tma_arg.maps.v, tma_arg.maps.heads_outer_v, i, w.kv_head,
-                               token, bar);
-          }
-        }
+      for (int i = 0; i < D / 64; ++i)
+        tma::load_kv_block(dst + KvLayout::block(i), map, heads_outer, i, w.kv_head, token, bar);
+    };
+    for (int t = 0; t < num_tiles; ++t) {
+      // The slot's previous tile (t - STAGES) completed phase t / STAGES - 1 of its empty barriers.
+      const uint32_t parity = ((t / STAGES) - 1) & 1;
+      const int k0 = key_begin + t * KEYS, token = w.kv_start + k0;
+      const bool whole = w.kv_len - k0 >= KEYS;
+      if (t >= STAGES) tma::mbar_wait(empty_k(t), parity);
+      if (whole && lane == 0) load(k_slot(t), &tma_arg.maps.k, tma_arg.maps.heads_outer_k, full_k(t), token);
+      if (t >= STAGES) tma::mbar_wait(empty_v(t), parity);
+      if (whole) {
+        if (lane == 0)
+          load(k_slot(t) + Traits::kKvTileBytes, &tma_arg.maps.v, tma_arg.maps.heads_outer_v, full_v(t), token);
       } else {
         fa3::copy_partial_tile<Traits>(p, w, smem + (t % STAGES) * Traits::kStageBytes, k0, lane);
-        if (lane == 0) tma::mbar_arrive(full_bar(t));
+        if (lane == 0) {
+          tma::mbar_arrive(full_k(t));
+          tma::mbar_arrive(full_v(t));
+        }
       }
     }
     return;
@@ -169,6 +180,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int wg_row0 = w.row_begin + c * WG_ROWS;
   const int warp_row0 = wg_row0 + 16 * warp_in_wg;
   const uint32_t q_wg = q_smem + c * Traits::kQWarpgroupBytes;
+  // A warpgroup whose rows all lie past the request (the last CTA of a request
+  // with 64 rows or fewer left) still runs its products, on zero Q: a branch
+  // around them would be divergent to the compiler, which then serializes
+  // every wgmma of the kernel (ptxas C7520). Its rows are never stored.
   const bool wg_active = wg_row0 < rows_total;
   {
     // This warpgroup's Q rows by cp.async (rows past the request zero-filled).
@@ -215,39 +230,126 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
   };
 
-  for (int t = 0; t < num_tiles; ++t) {
-    const int k0 = key_begin + t * KEYS;
-    const uint32_t k_s = k_slot(t), v_s = k_s + Traits::kKvTileBytes;
-    tma::mbar_wait(full_bar(t), (t / STAGES) & 1);
-    if (wg_active) {
-      float s[1][NT_S][4];
-      fa3::fence();
+  // S = Q.K^T of tile t (issued and committed, not waited for).
+  // Each product's descriptors are formed per tile from one base (an add per
+  // k-step): the compiler would otherwise keep all of Q's k-step descriptors
+  // live across the loop, 2 registers each (d256: 32, and spills).
+  auto issue_qk = [&](float (&s)[1][NT_S][4], int t) {
+    const uint64_t q_desc = fa3::fresh(fa3::smem_desc(q_wg, 16, 1024));
+    const uint64_t k_desc = fa3::smem_desc(k_slot(t), 16, 1024);
 #pragma unroll
-      for (int kk = 0; kk < KSTEPS_QK; ++kk) {
-        const uint32_t at = QTile::block(kk / 4) + (kk % 4) * 32;
-        fa3::mma_ss<T, KEYS>(s[0], fa3::smem_desc(q_wg + at, 16, 1024),
-                             fa3::smem_desc(k_s + KvLayout::block(kk / 4) + (kk % 4) * 32, 16, 1024), kk > 0);
-      }
-      fa3::commit();
+    for (int kk = 0; kk < KSTEPS_QK; ++kk) {
+      const uint32_t at_q = QTile::block(kk / 4) + (kk % 4) * 32, at_k = KvLayout::block(kk / 4) + (kk % 4) * 32;
+      fa3::mma_ss<T, KEYS>(s[0], fa3::advance(q_desc, at_q), fa3::advance(k_desc, at_k), kk > 0);
+    }
+    fa3::commit();
+  };
+  // O += P.V of tile t (issued and committed).
+  auto issue_pv = [&](const uint32_t (&pa)[1][KSTEPS_PV][4], int t) {
+    const uint64_t v_desc = fa3::smem_desc(k_slot(t) + Traits::kKvTileBytes, KEYS * 128, 1024);
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS_PV; ++kk) fa3::mma_rs<T, D>(o[0], pa[0][kk], fa3::advance(v_desc, kk * 16 * 128), 1);
+    fa3::commit();
+  };
+  // The softmax of tile t's S into P (pa); with defer_rescale, O is left for
+  // the caller to rescale by factor[] once the P.V in flight has landed.
+  auto softmax_tile = [&](float (&s)[1][NT_S][4], uint32_t (&pa)[1][KSTEPS_PV][4], int t, bool defer_rescale,
+                          float (&factor)[2]) {
+    const int k0 = key_begin + t * KEYS;
+    const bool need_mask = k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > wq_first + offset) ||
+                           (Traits::kWindow && k0 < wq_last + offset - window_left);
+    const float m_ref_before[2] = {softmax.m_ref[0][0], softmax.m_ref[0][1]};
+    softmax.update_max(s, o, k0, need_mask, t == 0 || defer_rescale, mask_tile);
+    // The factor update_max gives O when a row's max moves, from the same
+    // exponent references: exactly 1 where it stays.
+    if (defer_rescale) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) factor[r] = fa2::exp2_fast(m_ref_before[r] - softmax.m_ref[0][r]);
+    }
+    softmax.exp_to_p(s, pa, 0);
+  };
+  // This warp is done with a slot's K or V (its products waited for).
+  auto release = [&](uint32_t empty) {
+    __syncwarp();
+    if (lane == 0) tma::mbar_arrive(empty);
+  };
+
+  if constexpr (!Traits::kOverlap) {
+    // Each tile in turn: S, softmax, P.V, each product waited for.
+    for (int t = 0; t < num_tiles; ++t) {
+      tma::mbar_wait(full_k(t), (t / STAGES) & 1);
+      float s[1][NT_S][4], factor[2];
+      uint32_t pa[1][KSTEPS_PV][4];
+      fa3::fence();
+      issue_qk(s, t);
       fa3::wait<0>();
       fa3::fence_operands(s[0]);
-
-      const bool need_mask = k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > wq_first + offset) ||
-                             (Traits::kWindow && k0 < wq_last + offset - window_left);
-      softmax.update_max(s, o, k0, need_mask, t == 0, mask_tile);
-      uint32_t pa[1][KSTEPS_PV][4];
-      softmax.exp_to_p(s, pa, 0);
-
+      release(empty_k(t));
+      softmax_tile(s, pa, t, false, factor);
+      tma::mbar_wait(full_v(t), (t / STAGES) & 1);
       fa3::fence();
-#pragma unroll
-      for (int kk = 0; kk < KSTEPS_PV; ++kk)
-        fa3::mma_rs<T, D>(o[0], pa[0][kk], fa3::smem_desc(v_s + kk * 16 * 128, KEYS * 128, 1024), 1);
-      fa3::commit();
+      issue_pv(pa, t);
       fa3::wait<0>();
       fa3::fence_operands(o[0]);
+      release(empty_v(t));
     }
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(empty_bar(t));
+  } else {
+    // Tile t's S = Q.K^T and tile t - 1's P.V are in flight together; the
+    // softmax of S_t runs while P.V_{t-1} is still on the tensor cores, and O
+    // takes its rescale once that lands. P alternates between two register
+    // sets (P_t is written while P_{t-1} is still being read), so the loop
+    // walks two tiles per iteration with the sets swapped.
+    uint32_t pa0[1][KSTEPS_PV][4], pa1[1][KSTEPS_PV][4];
+    auto step = [&](int t, const uint32_t (&pa_prev)[1][KSTEPS_PV][4], uint32_t (&pa_next)[1][KSTEPS_PV][4]) {
+      tma::mbar_wait(full_k(t), (t / STAGES) & 1);
+      tma::mbar_wait(full_v(t - 1), ((t - 1) / STAGES) & 1);
+      float s[1][NT_S][4], factor[2];
+      fa3::fence();
+      issue_qk(s, t);
+      issue_pv(pa_prev, t - 1);
+      fa3::wait<1>();
+      fa3::fence_operands(s[0]);
+      release(empty_k(t));
+      softmax_tile(s, pa_next, t, true, factor);
+      fa3::wait<0>();
+      fa3::fence_operands(o[0]);
+      release(empty_v(t - 1));
+      if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) {
+#pragma unroll
+        for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[0][n][e] *= factor[e >> 1];
+      }
+    };
+    if (num_tiles > 0) {
+      tma::mbar_wait(full_k(0), 0);
+      {
+        float s[1][NT_S][4], factor[2];
+        fa3::fence();
+        issue_qk(s, 0);
+        fa3::wait<0>();
+        fa3::fence_operands(s[0]);
+        release(empty_k(0));
+        softmax_tile(s, pa0, 0, false, factor);
+      }
+      int t = 1;
+      for (; t + 1 < num_tiles; t += 2) {
+        step(t, pa0, pa1);
+        step(t + 1, pa1, pa0);
+      }
+      const bool last_in_pa1 = t < num_tiles;
+      if (last_in_pa1) step(t, pa0, pa1);
+      tma::mbar_wait(full_v(num_tiles - 1), ((num_tiles - 1) / STAGES) & 1);
+      fa3::fence();
+      if (last_in_pa1) {
+        issue_pv(pa1, num_tiles - 1);
+      } else {
+        issue_pv(pa0, num_tiles - 1);
+      }
+      fa3::wait<0>();
+      fa3::fence_operands(o[0]);
+      release(empty_v(num_tiles - 1));
+    }
   }
   if (!wg_active) return;
   fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0, rows_total,

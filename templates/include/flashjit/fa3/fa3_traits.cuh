@@ -10,13 +10,17 @@
 
 namespace flashjit {
 
-template <class DType_, int kHeadDim_, int kKeysPerTile_, int kStages_, bool kCausal_, bool kWindow_, bool kSoftCap_,
-          bool kLse_>
+template <class DType_, int kHeadDim_, int kKeysPerTile_, int kStages_, bool kOverlap_, bool kCausal_, bool kWindow_,
+          bool kSoftCap_, bool kLse_>
 struct Fa3Traits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kKeysPerTile = kKeysPerTile_;
   static constexpr int kStages = kStages_;
+  // A consumer issues tile t's Q.K^T together with tile t - 1's P.V and runs
+  // the softmax of t while P.V still runs: two sets of P registers, and a
+  // slot's V is held one tile longer than its K.
+  static constexpr bool kOverlap = kOverlap_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kWindow = kWindow_;
   static constexpr bool kSoftCap = kSoftCap_;
@@ -63,8 +67,9 @@ struct Fa3Traits {
   static constexpr int kQOffset = kStages * kStageBytes;
   static constexpr int kQWarpgroupBytes = kRowsPerWarpgroup * kRowBytes;
   static constexpr int kBarOffset = kQOffset + kConsumerWarpgroups * kQWarpgroupBytes;
-  // Per stage: "full" (its tile landed) and "empty" (every consumer warp is done with it).
-  static constexpr size_t kSmemBytes = 1024 + size_t(kBarOffset) + 16 * kStages;
+  // Per stage, for K and V each: "full" (its tile landed) and "empty" (every
+  // consumer warp is done with it).
+  static constexpr size_t kSmemBytes = 1024 + size_t(kBarOffset) + 32 * kStages;
   // fa2::store_rows stages a warp's output rows at smem + warp * 16 rows: the
   // consumer warps (4 .. 11) land on their own warpgroup's Q rows from this base.
   static constexpr int kStoreBase = kQOffset - 4 * kRowsPerWarp * kRowBytes;

@@ -38,6 +38,17 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t leading_by
   return desc;
 }
 
+// The descriptor of the operand `bytes` further on (within the 256 KB the
+// 14-bit address field spans, so the add never carries out of it).
+__device__ __forceinline__ uint64_t advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
+// `value`, opaque to the optimizer: keeps a loop-invariant descriptor from
+// being expanded into one live register pair per use ahead of the loop.
+__device__ __forceinline__ uint64_t fresh(uint64_t value) {
+  asm volatile("" : "+l"(value));
+  return value;
+}
+
 // Orders this thread's register writes (accumulators, P) before the
 // warpgroup's next wgmma reads them.
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
