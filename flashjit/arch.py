@@ -172,7 +172,6 @@ def strict_backend() -> bool:
 
 
 _warned_fallbacks: set = set()
-AUTO_FA3 = False
 
 
 def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: str,
@@ -214,9 +213,9 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
     elif op not in FA3_OPS:
         why_not = f"fa3 does not generate {op} (it does {', '.join(FA3_OPS)})"
     if backend == "auto":
-        if why_not is None and AUTO_FA3:
+        if why_not is None:
             return "fa3", True, reason + "; fa3 (sm_90a: wgmma, TMA, warp specialization)"
-        return "fa2", True, reason + f"; fa2 (mma.sync), as {why_not or 'auto does not pick fa3'}"
+        return "fa2", True, reason + f"; fa2 (mma.sync), as {why_not}"
     if why_not is None:
         return "fa3", True, reason + "; backend=fa3 was requested"
     if strict_backend() if strict is None else strict:

@@ -40,7 +40,21 @@ def _switch(value: str) -> list:
     return {"on": [True], "off": [False], "both": [False, True], "auto": [None]}[value]
 
 
-def specs_from_args(args) -> list[KernelSpec]:
+def _backends(op: str, dtype: str, tc: bool, backend: str, arches) -> list[str]:
+    """The backends the ops would run for `backend` on each of the target arches
+    (an explicit fa3 where it cannot run: fa2, with the ops' warning)."""
+    if not tc or op in UTILITY_OPS:
+        return ["fa2"]
+    return list(dict.fromkeys(choose_backend(op, dtype, tc, backend, targets=(a,))[0] for a in arches))
+
+
+def specs_from_args(args, arches=None) -> list[KernelSpec]:
+    """The selection for target `arches` (default: --arch, else this GPU's, else
+    the default set): with tensor cores, each backend the ops pick on some
+    target (auto on sm_80 + sm_90a: fa2, and fa3 for sm_90a)."""
+    from . import jit
+
+    arches = arches or jit.resolve_arches(args.arch)
     preset = PRESETS[args.preset]
     ops = args.op or preset["ops"]
     dtypes = [canonical_dtype(d) for d in (args.dtype or preset["dtypes"])]
@@ -50,16 +64,17 @@ def specs_from_args(args) -> list[KernelSpec]:
             ops, dtypes, head_dims, args.backend, _switch(args.tensor_cores), _switch(args.causal),
             _switch(args.window), _switch(args.soft_cap), _switch(args.lse)):
         if tc is None:
-            tc = False if op in UTILITY_OPS else choose_backend(op, dtype, None, backend)[1]
+            tc = False if op in UTILITY_OPS else choose_backend(op, dtype, None, "fa2")[1]
         if tc and dtype == "float32":
             continue  # fp32 has no tensor-core kernel; "both" means the ones that exist
         if causal and op in NO_CAUSAL:
             continue
         if op in UTILITY_OPS and (tc or causal or window or cap or lse):
             continue  # a copy has one configuration per dtype and head_dim
-        spec = KernelSpec.make(op, dtype, head_dim, backend=backend, use_tensor_cores=tc, causal=causal,
-                               sliding_window=window, soft_cap=cap, return_lse=lse or op in ALWAYS_LSE)
-        specs.append(spec.validate())
+        for chosen in _backends(op, dtype, tc, backend, arches):
+            spec = KernelSpec.make(op, dtype, head_dim, backend=chosen, use_tensor_cores=tc, causal=causal,
+                                   sliding_window=window, soft_cap=cap, return_lse=lse or op in ALWAYS_LSE)
+            specs.append(spec.validate())
     return list(dict.fromkeys(specs))
 
 
@@ -94,19 +109,18 @@ def cmd_prewarm(args) -> int:
     jit_disabled_setting()
     strict_backend_setting()
     nvcc_setting()
+    # The arches (named, else this GPU, else the default set) decide the
+    # backends of the selection; they are checked before the cache is created.
+    arches = jit.resolve_arches(args.arch)
     try:
-        specs = specs_from_args(args)
+        specs = specs_from_args(args, arches)
     except ValueError as exc:
         print(f"flashjit prewarm: {exc}", file=sys.stderr)
         return 2
     if not specs:
         print("flashjit prewarm: the selection is empty", file=sys.stderr)
         return 2
-    # Named arches are checked before the cache is created; the fallback
-    # (this GPU, else the default set) logs its choice, after any cache error.
-    named = jit.resolve_arches(args.arch) if args.arch else None
     root = cache_root(create=True)
-    arches = named or jit.resolve_arches(None)
     for line in _summary(specs, arches):
         print(line, file=sys.stderr)
     if args.verbose:
@@ -359,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--op", nargs="+", choices=list(OPS) + list(PLANNED_OPS))
     pre.add_argument("--dtype", nargs="+", help=f"of {', '.join(DTYPES)} (or fp16, bf16, fp32)")
     pre.add_argument("--head-dim", nargs="+", type=int)
-    pre.add_argument("--backend", nargs="+", default=["fa2"], choices=["fa2", "fa3"])
+    pre.add_argument("--backend", nargs="+", default=["auto"], choices=["auto", "fa2", "fa3"],
+                     help="auto (default): what the ops pick on each target arch (fa3 on sm_90a for the prefill "
+                          "ops it generates, fa2 elsewhere)")
     pre.add_argument("--tensor-cores", default="auto", choices=["auto", "on", "off", "both"],
                      help="auto (default): what the ops pick when not told: tensor cores for fp16/bf16 prefill")
     pre.add_argument("--causal", default="both", choices=["on", "off", "both"])

@@ -60,6 +60,34 @@ def test_prewarm_selection_matches_the_flags():
     assert cli.specs_from_args(args) == EXPECTED
 
 
+def _backends_of(argv) -> dict:
+    specs = cli.specs_from_args(cli.build_parser().parse_args(argv))
+    return {(s.op, s.use_tensor_cores): sorted({t.backend for t in specs if (t.op, t.use_tensor_cores) ==
+                                                (s.op, s.use_tensor_cores)}) for s in specs}
+
+
+def test_prewarm_backends_follow_the_target_arches(monkeypatch, recwarn):
+    """auto builds what the ops pick on each target: fa2 for sm_80 / sm_89, fa3
+    for sm_90a's tensor-core prefill; an explicit fa3 that a target cannot run
+    builds fa2 for it, with the ops' warning, or fails under the strict switch."""
+    monkeypatch.setattr(arch, "_warned_fallbacks", set())
+    monkeypatch.delenv("FLASHJIT_STRICT_BACKEND", raising=False)
+    base = ["prewarm", "--preset", "minimal", "--arch"]
+    fat = _backends_of([*base, "sm_80", "sm_89", "sm_90a"])
+    assert fat[("single_prefill", True)] == fat[("batch_prefill_ragged", True)] == ["fa2", "fa3"]
+    assert fat[("batch_prefill_paged", True)] == fat[("single_decode", False)] == ["fa2"]
+    hopper = _backends_of([*base, "sm_90a"])
+    assert hopper[("single_prefill", True)] == hopper[("batch_prefill_ragged", True)] == ["fa3"]
+    assert hopper[("batch_prefill_paged", True)] == ["fa2"]
+    assert all(v == ["fa2"] for v in _backends_of([*base, "sm_89"]).values())
+    explicit = _backends_of([*base, "sm_80", "--backend", "fa3"])
+    assert all(v == ["fa2"] for v in explicit.values())
+    assert any("backend='fa3'" in str(w.message) and "sm_80" in str(w.message) for w in recwarn)
+    monkeypatch.setenv("FLASHJIT_STRICT_BACKEND", "1")
+    with pytest.raises(ValueError, match="backend='fa3' cannot run here"):
+        _backends_of([*base, "sm_80", "--backend", "fa3"])
+
+
 @pytest.mark.parametrize("flags,expected_count", [
     (["--window", "both"], 17), (["--soft-cap", "on", "--causal", "off"], 5), (["--lse", "both"], 12),
     (["--op", "single_decode", "--dtype", "fp16", "fp32"], 2),
@@ -166,9 +194,6 @@ def test_cache_clear_empties_it(prewarmed, tmp_path):
                  id="head_dim-96"),
     pytest.param(["--dtype", "float64", "--head-dim", "64"], ["dtype", "bfloat16", "float16", "float32", "float64"],
                  id="dtype-float64"),
-    pytest.param(["--backend", "fa3", "--dtype", "bf16", "--head-dim", "128"],
-                 ["backend fa3 without tensor cores", "CUDA cores run under backend='fa2'", "Nearest working choice",
-                  "_fa2_"], id="fa3"),
     pytest.param(["--dtype", "float32", "--tensor-cores", "on", "--head-dim", "64"], ["the selection is empty"],
                  id="fp32-tensor-cores-only"),
 ])

@@ -136,14 +136,14 @@ def test_batch_prefill_ragged(prewarmed, error_report, dtype, path, head_dim, ca
 
 @pytest.mark.parametrize("band_items", [1, 3, 7])
 @pytest.mark.parametrize("heads", [(8, 4), (6, 2)], ids=lambda h: f"h{h[0]}kv{h[1]}")
-@pytest.mark.parametrize("dtype,tensor_cores", DTYPE_CORES, ids=[cores_id(p) for p in DTYPE_CORES])
-def test_launch_bands_change_only_the_order(prewarmed, error_report, monkeypatch, dtype, tensor_cores, heads,
-                                            band_items):
+@pytest.mark.parametrize("dtype,path", DTYPE_PATHS, ids=[path_id(p) for p in DTYPE_PATHS])
+def test_launch_bands_change_only_the_order(prewarmed, error_report, monkeypatch, dtype, path, heads, band_items):
     """Any launch band width (work.cuh) runs every (work slot, KV head) CTA
     exactly once, ragged last band included: batched and single-request outputs
     match the one-band launch bit for bit, and the float64 reference. A group of
     three query heads per KV head takes the packed-row division's general path
     (work.cuh's FastDivmod), two its power-of-two path."""
+    skip_unless_runs(path)
     (num_qo, num_kv), head_dim = heads, 128
     qo_lens, kv_lens = [300, 77, 1000, 5], [300, 90, 1000, 5]
     qo_indptr = torch.tensor([0] + qo_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -154,13 +154,14 @@ def test_launch_bands_change_only_the_order(prewarmed, error_report, monkeypatch
     def run(bands: int):
         monkeypatch.setattr(_plan, "choose_band_items", lambda costs, heads, slots, shared: bands)
         _plan.single_request_band_items.cache_clear()
-        wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+        wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
+                                                                backend=path_kwargs(path)["backend"])
         wrapper.plan(qo_indptr, kv_indptr, num_qo, num_kv, head_dim, causal=True, q_data_type=dtype,
-                     use_tensor_cores=tensor_cores)
+                     use_tensor_cores=path != "cc")
         assert wrapper._plan.work.band_items == bands
         out = wrapper.run(q, k, v, out=torch.full_like(q, float("nan")))
         single = flashjit.single_prefill_with_kv_cache(q[300:1300], k[300:1390], v[300:1390], causal=True,
-                                                       use_tensor_cores=tensor_cores)
+                                                       **path_kwargs(path))
         torch.cuda.synchronize()
         return out, single
 
@@ -171,30 +172,31 @@ def test_launch_bands_change_only_the_order(prewarmed, error_report, monkeypatch
     _plan.single_request_band_items.cache_clear()
     assert torch.equal(out, one_band) and torch.equal(single, one_band_single)
     ref, _ = ragged_reference(q, k, v, qo_indptr.tolist(), kv_indptr.tolist(), causal=True)
-    spec = spec_for("batch_prefill_ragged", dtype, head_dim, True, tensor_cores=tensor_cores)
+    spec = spec_for("batch_prefill_ragged", dtype, head_dim, True, **spec_path(path))
     check(spec, out, ref, q, k, v, max(kv_lens), 1 / math.sqrt(head_dim), error_report, "launch_bands",
           bands=band_items)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("dtype,tensor_cores", DTYPE_CORES, ids=[cores_id(p) for p in DTYPE_CORES])
-def test_extreme_inputs_stay_finite(prewarmed, error_report, dtype, tensor_cores, head_dim):
+@pytest.mark.parametrize("dtype,path", DTYPE_PATHS, ids=[path_id(p) for p in DTYPE_PATHS])
+def test_extreme_inputs_stay_finite(prewarmed, error_report, dtype, path, head_dim):
     """Peaked softmax (q x8), V outliers (1% x20), huge logits and all-masked rows:
     within the profile where the reference is finite, never NaN."""
+    skip_unless_runs(path)
     qo_len, kv_len = 200, 600
     q = randn(qo_len, 4, head_dim, dtype=dtype, scale=8.0)
     k = randn(kv_len, 4, head_dim, dtype=dtype)
     v = randn(kv_len, 4, head_dim, dtype=dtype)
     outliers = torch.rand(kv_len, 4, 1, device="cuda") < 0.01
     v = torch.where(outliers, v.float() * 20, v.float()).to(dtype)
-    out = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, use_tensor_cores=tensor_cores)
+    out = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, **path_kwargs(path))
     ref, _ = attention_reference(q, k, v, causal=True)
-    check(spec_for("single_prefill", dtype, head_dim, True, tensor_cores=tensor_cores), out, ref, q, k, v, kv_len, 1 / math.sqrt(head_dim),
-          error_report, "peaked+outliers", shape=f"{qo_len}x{kv_len}", heads=(4, 4))
+    check(spec_for("single_prefill", dtype, head_dim, True, **spec_path(path)), out, ref, q, k, v, kv_len,
+          1 / math.sqrt(head_dim), error_report, "peaked+outliers", shape=f"{qo_len}x{kv_len}", heads=(4, 4))
     # qo_len > kv_len with causal: the first rows see no key at all -> 0 and LSE -inf.
     big_q = randn(50, 4, head_dim, dtype=dtype, scale=300.0 if dtype != torch.float16 else 30.0)
     out, lse = flashjit.single_prefill_with_kv_cache(big_q, k[:20], v[:20], causal=True, return_lse=True,
-                                                     use_tensor_cores=tensor_cores)
+                                                     **path_kwargs(path))
     assert torch.isfinite(out).all()
     assert (out[:30] == 0).all() and torch.isneginf(lse[:30]).all() and torch.isfinite(lse[30:]).all()
 
@@ -259,3 +261,14 @@ def test_paths_agree_within_their_profiles(prewarmed, error_report, dtype, head_
     error_report.append({"config": f"{label}_{short}_d{head_dim}{'_causal' if causal else ''}", "what": label,
                          "ratio": ratio, "max_err": float(diff.max()), "mean_err": float(diff.mean()),
                          "rtol": bound.rtol, "atol": bound.atol})
+
+
+def test_auto_runs_fa3_on_sm90a_and_fa2_elsewhere(prewarmed):
+    """The default tensor-core prefill is fa3 where every target has wgmma:
+    bit for bit the explicit backend's output."""
+    q = randn(300, 8, 128, dtype=torch.bfloat16)
+    k, v = (randn(700, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    chosen = "fa3" if fa3_runs_here() else "fa2"
+    auto = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True)
+    explicit = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, backend=chosen, use_tensor_cores=True)
+    assert torch.equal(auto, explicit)

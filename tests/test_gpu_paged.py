@@ -11,8 +11,9 @@ import torch
 
 import flashjit
 from flashjit.reference import ragged_reference
-from sweep import CAUSAL, DTYPE_CORES, DTYPES, HEAD_DIMS, HEADS, cores_id, spec_for, variant_kwargs
-from test_gpu_attention import check, poison_allocator, randn
+from sweep import (CAUSAL, DTYPE_CORES, DTYPE_PATHS, DTYPES, HEAD_DIMS, HEADS, cores_id, path_id, path_kwargs,
+                   spec_for, spec_path, variant_kwargs)
+from test_gpu_attention import check, poison_allocator, randn, skip_unless_runs
 
 pytestmark = pytest.mark.gpu
 
@@ -147,7 +148,7 @@ def test_paged_and_ragged_prefill_identical_after_late_spikes(prewarmed, error_r
     paged = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace())
     paged.plan(torch.tensor(starts, dtype=torch.int32), batch.indptr, batch.indices, batch.last, num_qo, num_kv,
                head_dim, 16, causal=causal, q_data_type=dtype, use_tensor_cores=True)
-    ragged = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace())
+    ragged = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(), backend="fa2")  # paged prefill is fa2's
     ragged.plan(torch.tensor(starts), torch.tensor(starts), num_qo, num_kv, head_dim, causal=causal, q_data_type=dtype,
                 use_tensor_cores=True)
     poison_allocator()
@@ -217,22 +218,23 @@ def test_split_kv_decode(prewarmed, error_report, dtype, tensor_cores, split):
           lse=lse, ref_lse=ref_lse, shape=f"long_{split}", heads=(32, 8))
 
 
-@pytest.mark.parametrize("dtype,tensor_cores", DTYPE_CORES, ids=[cores_id(p) for p in DTYPE_CORES])
-def test_split_kv_ragged_prefill(prewarmed, error_report, dtype, tensor_cores):
+@pytest.mark.parametrize("dtype,path", DTYPE_PATHS, ids=[path_id(p) for p in DTYPE_PATHS])
+def test_split_kv_ragged_prefill(prewarmed, error_report, dtype, path):
     """A ragged batch of two short query runs against long keys splits too."""
+    skip_unless_runs(path)
     qo_lens, kv_lens = [3, 1, 20], [30000, 100, 9000]
     qo_indptr, kv_indptr = indptr_of(qo_lens), indptr_of(kv_lens)
     q = randn(qo_indptr[-1], 8, 128, dtype=dtype)
     k = randn(kv_indptr[-1], 2, 128, dtype=dtype)
     v = randn(kv_indptr[-1], 2, 128, dtype=dtype)
-    wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace())
+    wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(), backend=path_kwargs(path)["backend"])
     wrapper.plan(torch.tensor(qo_indptr), torch.tensor(kv_indptr), 8, 2, 128, causal=True, q_data_type=dtype,
-                 use_tensor_cores=tensor_cores)
+                 use_tensor_cores=path != "cc")
     assert wrapper._plan.work.kv_chunk > 0
     poison_allocator()
     out, lse = wrapper.run(q, k, v, return_lse=True)
     ref, ref_lse = ragged_reference(q, k, v, qo_indptr, kv_indptr, causal=True)
-    spec = spec_for("batch_prefill_ragged", dtype, 128, True, tensor_cores=tensor_cores)
+    spec = spec_for("batch_prefill_ragged", dtype, 128, True, **spec_path(path))
     check(spec, out, ref, q, k, v, max(kv_lens), 1 / math.sqrt(128), error_report, "split_kv_ragged", lse=lse,
           ref_lse=ref_lse, shape="long_kv", heads=(8, 2))
 
@@ -351,7 +353,8 @@ def test_serving_loop_paths_agree(prewarmed, error_report, dtype, tensor_cores):
     def ragged(qo_lens, kv_lens, qs):
         k = torch.cat([k_all[r][:n] for r, n in enumerate(kv_lens)])
         v = torch.cat([v_all[r][:n] for r, n in enumerate(kv_lens)])
-        w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace())
+        # fa2, as the paged ops: the profiles below are those of one family.
+        w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(), backend="fa2")
         w.plan(torch.tensor(indptr_of(qo_lens)), torch.tensor(indptr_of(kv_lens)), num_qo, num_kv, head_dim,
                causal=True, q_data_type=dtype, use_tensor_cores=tensor_cores)
         return w.run(qs, k, v), k, v

@@ -1,0 +1,155 @@
+"""Which backend a call gets, decided without a GPU from the target arches:
+auto takes fa3 where every target is sm_90a and it generates the op, fa2
+elsewhere; an explicit fa3 that cannot run falls back to fa2 with a warning, or
+raises under the strict switch. And what the builds contain: wgmma (HGMMA in
+the SASS) in the fa3 library for sm_90a, none in an sm_80 / sm_89 build."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from flashjit import arch, jit
+from flashjit.spec import KernelSpec
+from helpers_cache import needs_nvcc, set_cache_env
+
+PREFILL_OPS = ["single_prefill", "batch_prefill_ragged"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """Each test sees the one-time fallback warning anew; no strict switch from the environment."""
+    monkeypatch.setattr(arch, "_warned_fallbacks", set())
+    monkeypatch.delenv("FLASHJIT_STRICT_BACKEND", raising=False)
+
+
+@pytest.mark.parametrize("op", PREFILL_OPS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_auto_takes_fa3_on_sm90a(op, dtype):
+    backend, tc, reason = arch.choose_backend(op, dtype, None, "auto", targets=("sm_90a",))
+    assert (backend, tc) == ("fa3", True)
+    assert "fa3" in reason and "wgmma" in reason
+
+
+@pytest.mark.parametrize("targets", [("sm_80",), ("sm_89",), ("sm_80", "sm_89", "sm_90a")])
+@pytest.mark.parametrize("op", PREFILL_OPS)
+def test_auto_takes_fa2_where_a_target_lacks_wgmma(op, targets):
+    backend, tc, reason = arch.choose_backend(op, "bfloat16", None, "auto", targets=targets)
+    assert (backend, tc) == ("fa2", True)
+    assert "wgmma" in reason and targets[0] in reason
+
+
+@pytest.mark.parametrize("op", ["batch_prefill_paged", "batch_decode_paged"])
+def test_auto_takes_fa2_for_ops_fa3_does_not_generate(op):
+    backend, _, reason = arch.choose_backend(op, "bfloat16", True, "auto", targets=("sm_90a",))
+    assert backend == "fa2"
+    assert f"fa3 does not generate {op}" in reason
+
+
+@pytest.mark.parametrize("backend", ["auto", "fa3"])
+def test_cuda_cores_and_fp32_stay_off_the_tensor_core_backends(backend):
+    assert arch.choose_backend("single_prefill", "float32", None, backend, targets=("sm_90a",))[:2] == ("fa2", False)
+    assert arch.choose_backend("single_prefill", "bfloat16", False, backend, targets=("sm_90a",))[:2] == ("fa2", False)
+
+
+def test_explicit_fa3_without_wgmma_warns_once_and_runs_fa2():
+    with pytest.warns(UserWarning, match=r"backend='fa3'.*wgmma.*sm_89: running fa2"):
+        backend, tc, reason = arch.choose_backend("single_prefill", "bfloat16", True, "fa3", targets=("sm_89",))
+    assert (backend, tc) == ("fa2", True) and "fa3 was requested" in reason
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second call for the same op and target stays quiet
+        assert arch.choose_backend("single_prefill", "bfloat16", True, "fa3", targets=("sm_89",))[0] == "fa2"
+
+
+def test_explicit_fa3_for_an_op_it_lacks_warns_and_runs_fa2():
+    with pytest.warns(UserWarning, match="fa3 does not generate batch_prefill_paged"):
+        assert arch.choose_backend("batch_prefill_paged", "float16", True, "fa3", targets=("sm_90a",))[0] == "fa2"
+
+
+def test_strict_turns_the_fallback_into_an_error(monkeypatch):
+    with pytest.raises(ValueError, match=r"backend='fa3' cannot run here: fa3 needs wgmma.*sm_80.*backend='fa2'"):
+        arch.choose_backend("single_prefill", "bfloat16", True, "fa3", targets=("sm_80",), strict=True)
+    monkeypatch.setenv("FLASHJIT_STRICT_BACKEND", "1")
+    with pytest.raises(ValueError, match="FLASHJIT_STRICT_BACKEND"):
+        arch.choose_backend("single_prefill", "bfloat16", True, "fa3", targets=("sm_80",))
+    # Strict leaves a backend that runs alone.
+    assert arch.choose_backend("single_prefill", "bfloat16", True, "fa3", targets=("sm_90a",))[0] == "fa3"
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "yes please"])
+def test_strict_switch_rejects_other_values(monkeypatch, value):
+    monkeypatch.setenv("FLASHJIT_STRICT_BACKEND", value)
+    with pytest.raises(ValueError, match=r"FLASHJIT_STRICT_BACKEND: expected 0 or 1"):
+        arch.strict_backend()
+
+
+def test_the_arch_list_decides_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(arch, "device_arch", lambda: None)
+    monkeypatch.setenv("FLASHJIT_CUDA_ARCH_LIST", "9.0a")
+    assert arch.choose_backend("single_prefill", "bfloat16", None, "auto")[0] == "fa3"
+    monkeypatch.setenv("FLASHJIT_CUDA_ARCH_LIST", "8.9")
+    assert arch.choose_backend("single_prefill", "bfloat16", None, "auto")[0] == "fa2"
+
+
+def test_fa3_for_other_ops_or_cores_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"backend fa3 for batch_decode_paged.*Nearest working choice: "
+                                         r"batch_decode_paged_bf16_d128_fa2_tc"):
+        KernelSpec.make("batch_decode_paged", "bfloat16", 128, backend="fa3", use_tensor_cores=True).validate()
+    with pytest.raises(ValueError, match="fa3 is a tensor-core backend"):
+        KernelSpec.make("single_prefill", "bfloat16", 128, backend="fa3").validate()
+
+
+def test_fa3_build_for_arches_without_wgmma_fails_before_compiling(monkeypatch, tmp_path):
+    set_cache_env(monkeypatch, tmp_path / "cache")
+    spec = KernelSpec.make("single_prefill", "bfloat16", 128, backend="fa3", use_tensor_cores=True)
+    with pytest.raises(ValueError, match=r"builds for sm_90a only.*sm_80, sm_89.*FLASHJIT_CUDA_ARCH_LIST"):
+        jit.build_many([spec], arches=("sm_80", "sm_89"))
+    assert not any((tmp_path / "cache").rglob("*.so"))
+
+
+# ---------------------------------------------------------------------------
+# SASS of CPU builds
+
+
+def cuobjdump() -> Path | None:
+    """cuobjdump from the nvidia-cuda-cuobjdump wheel (test extra), else from PATH."""
+    try:
+        import nvidia
+    except ImportError:
+        nvidia = None
+    for root in getattr(nvidia, "__path__", []):
+        for found in Path(root).glob("*/bin/cuobjdump"):
+            return found
+    import shutil
+
+    found = shutil.which("cuobjdump")
+    return Path(found) if found else None
+
+
+def sass(library: Path) -> str:
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("needs cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    env = {**os.environ, "PATH": f"{tool.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.run([str(tool), "-sass", str(library)], capture_output=True, text=True, check=True,
+                          env=env).stdout
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+def test_only_the_sm90a_fa3_build_holds_wgmma(monkeypatch, tmp_path):
+    set_cache_env(monkeypatch, tmp_path / "cache")
+    fa2 = KernelSpec.make("batch_prefill_ragged", "bfloat16", 128, use_tensor_cores=True, causal=True)
+    fa3 = fa2.replace(backend="fa3")
+    fa2_lib = jit.build_many([fa2], arches=("sm_80", "sm_89"))[0].entry.artifact
+    fa3_result = jit.build_many([fa3], arches=("sm_80", "sm_89", "sm_90a"))[0]
+    assert fa3_result.entry.manifest["arches"] == ["sm_90a"]
+    fa2_sass, fa3_sass = sass(fa2_lib), sass(fa3_result.entry.artifact)
+    assert "sm_80" in fa2_sass and "sm_89" in fa2_sass and "GMMA" not in fa2_sass
+    # Q.K^T from shared memory, P.V with P from registers and V transposed.
+    assert "HGMMA.64x128x16.F32.BF16" in fa3_sass and ".tnspB" in fa3_sass
