@@ -2,7 +2,11 @@
 arches to compile for, and which backend `auto` picks on this device.
 
 Raises ToolchainError (flashjit.errors) with the fix for: nvcc not found, nvcc
-too old for an arch, an arch name we do not know, a GPU older than SM80.
+too old for an arch, an arch name we do not know, a GPU older than SM80; and
+SettingError for a FLASHJIT_* variable it cannot use (FLASHJIT_NVCC,
+FLASHJIT_CUDA_ARCH_LIST, FLASHJIT_STRICT_BACKEND). The functions that read those
+variables (env_nvcc, env_arches, strict_backend) are the only parsers of them:
+the CLI's up-front checks call them too.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import subprocess
 import warnings
 from pathlib import Path
 
-from .errors import ToolchainError
+from .errors import SettingError, ToolchainError
 
 log = logging.getLogger("flashjit")
 
@@ -37,11 +41,30 @@ NVCC_HINT = ("install the CUDA toolkit (12.0 or newer) and put nvcc on PATH, "
              "or set CUDA_HOME to the toolkit directory")
 
 
+def env_nvcc() -> str | None:
+    """FLASHJIT_NVCC, or None where it is unset or empty. A value that is not an
+    executable file is a SettingError, never skipped: building (and keying the
+    cache) with another nvcc than the one named would be a silent surprise."""
+    value = os.environ.get("FLASHJIT_NVCC")
+    if not value:
+        return None
+    if os.path.isfile(value) and os.access(value, os.X_OK):
+        return value
+    what = "a directory" if os.path.isdir(value) else "not executable" if os.path.exists(value) else "no such file"
+    raise SettingError(f"FLASHJIT_NVCC: expected the path of the nvcc executable, got {value!r} ({what}); point it "
+                       f"at <CUDA toolkit>/bin/nvcc, or unset it to search CUDA_HOME, CUDA_PATH and PATH")
+
+
 def find_nvcc() -> str | None:
-    for env in ("FLASHJIT_NVCC", "CUDA_HOME", "CUDA_PATH"):
+    """FLASHJIT_NVCC (which must then be usable: env_nvcc), else
+    $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc, PATH, /usr/local/cuda; None if none."""
+    explicit = env_nvcc()
+    if explicit is not None:
+        return explicit
+    for env in ("CUDA_HOME", "CUDA_PATH"):
         value = os.environ.get(env)
         if value:
-            path = Path(value) if env == "FLASHJIT_NVCC" else Path(value) / "bin" / "nvcc"
+            path = Path(value) / "bin" / "nvcc"
             if path.is_file():
                 return str(path)
     found = shutil.which("nvcc")
@@ -121,10 +144,25 @@ def arch_of_capability(major: int, minor: int, device_name: str = "GPU") -> str:
 
 
 def env_arches() -> tuple[str, ...] | None:
+    """FLASHJIT_CUDA_ARCH_LIST as sorted arch names ('8.0 9.0a' -> sm_80, sm_90a),
+    or None where it is unset or empty. An arch it does not know, or a value that
+    names none, is a SettingError naming the variable, the value and the fix."""
     value = os.environ.get("FLASHJIT_CUDA_ARCH_LIST")
     if not value:
         return None
-    return tuple(sorted({normalize_arch(a) for a in re.split(r"[\s,;]+", value) if a}))
+    names = [a for a in re.split(r"[\s,;]+", value) if a]
+    fix = (f"set it to arches separated by spaces, commas or semicolons (e.g. '8.0 9.0a'), or unset it to compile "
+           f"for this GPU (else {' '.join(DEFAULT_ARCHES)})")
+    if not names:
+        raise SettingError(f"FLASHJIT_CUDA_ARCH_LIST: expected at least one arch, got {value!r}; {fix}")
+    arches = set()
+    for name in names:
+        try:
+            arches.add(normalize_arch(name))
+        except ToolchainError:
+            raise SettingError(f"FLASHJIT_CUDA_ARCH_LIST: expected arches among {', '.join(ARCHES)} (or 8.0, "
+                               f"8.9, 9.0a ...), got {value!r}, where {name!r} is none of them; {fix}") from None
+    return tuple(sorted(arches))
 
 
 def device_arch() -> str | None:
@@ -162,13 +200,16 @@ def backend_targets() -> tuple[str, ...]:
 
 
 def strict_backend() -> bool:
-    """FLASHJIT_STRICT_BACKEND=1: an explicit backend the target cannot run is an error, not a fallback."""
-    value = os.environ.get("FLASHJIT_STRICT_BACKEND", "0").strip().lower()
+    """FLASHJIT_STRICT_BACKEND=1: an explicit backend the target cannot run is an
+    error, not a fallback. A value it does not know is a SettingError."""
+    raw = os.environ.get("FLASHJIT_STRICT_BACKEND", "0")
+    value = raw.strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(f"FLASHJIT_STRICT_BACKEND: expected 0 or 1 (or true/false), got {value!r}")
+    raise SettingError(f"FLASHJIT_STRICT_BACKEND: expected 0 or 1 (or true/false), got {raw!r}; set it to 1 (an "
+                       f"explicit backend the target cannot run is an error) or 0 (it falls back to fa2), or unset it")
 
 
 _warned_fallbacks: set = set()

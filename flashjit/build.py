@@ -5,9 +5,10 @@ Every configuration builds in its own directory with a relative command line
 cache key is the same wherever the cache lives. Many configurations share one
 ninja run, with parallel jobs capped for memory.
 
-Errors: `run_builds` raises ToolchainError if ninja is missing and CacheError if
-the batch directory cannot be written; compiler failures are returned per job
-(BuildError instances) so that a prewarm reports all of them.
+Errors: `run_builds` raises ToolchainError if ninja is missing, CacheError if
+the batch directory cannot be written and SettingError for a FLASHJIT_JOBS it
+cannot use; compiler failures are returned per job (BuildError instances) so
+that a prewarm reports all of them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from .arch import gencode_flags
-from .errors import BuildError, CacheError, ToolchainError
+from .errors import BuildError, CacheError, SettingError, ToolchainError
 
 log = logging.getLogger("flashjit")
 
@@ -48,9 +49,11 @@ def default_jobs() -> int:
         try:
             jobs = int(env)
         except ValueError:
-            raise ValueError(f"FLASHJIT_JOBS: expected a positive integer, got {env!r}") from None
+            jobs = 0
         if jobs < 1:
-            raise ValueError(f"FLASHJIT_JOBS: expected a positive integer, got {env!r}")
+            raise SettingError(f"FLASHJIT_JOBS: expected a positive integer, got {env!r}; set it to the number of "
+                               f"parallel nvcc jobs (e.g. FLASHJIT_JOBS=8), or unset it for one per core and per "
+                               f"2 GiB of free memory")
         return jobs
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
@@ -145,8 +148,11 @@ def run_builds(jobs: list[BuildJob], scratch: Path, n_jobs: int | None = None,
         _write_ninja(batch_dir / "build.ninja", jobs)
     except OSError as exc:
         raise CacheError(f"cannot write the build batch in {scratch}: {exc}") from exc
-    names = ", ".join(job.name for job in jobs)
-    log.info("flashjit: compiling %d configuration(s) with %d parallel nvcc job(s): %s", len(jobs), n_jobs, names)
+    # The count at INFO; the names (thousands of characters for a preset) at DEBUG, one per line.
+    log.info("flashjit: compiling %d configuration(s) with %d parallel nvcc job(s)", len(jobs), n_jobs)
+    if log.isEnabledFor(logging.DEBUG):
+        for job in jobs:
+            log.debug("flashjit: to compile: %s", job.name)
     started = time.monotonic()
     proc = subprocess.Popen([ninja, "-C", str(batch_dir), "-j", str(n_jobs), "-k", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

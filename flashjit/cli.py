@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 
 from .arch import choose_backend
-from .errors import CacheError, FlashjitError, JitDisabledError, SettingError, ToolchainError
+from .errors import CacheError, FlashjitError, JitDisabledError, SettingError
 from .spec import DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, UTILITY_OPS, KernelSpec, canonical_dtype
 
 # Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
@@ -99,16 +99,17 @@ def _summary(specs: list[KernelSpec], arches) -> list[str]:
 
 
 def cmd_prewarm(args) -> int:
-    from . import jit
+    from . import arch, build, jit
 
-    # Every setting the selection and the build read, before either.
+    # Every setting the selection and the build read, before either, through
+    # the library's own parsers (each a SettingError naming the variable).
     if args.jobs is None:
-        jobs_setting()
+        build.default_jobs()
     if not args.arch:
-        arch_list_setting()
-    jit_disabled_setting()
-    strict_backend_setting()
-    nvcc_setting()
+        arch.env_arches()
+    jit.jit_disabled()
+    arch.strict_backend()
+    arch.env_nvcc()
     # The arches (named, else this GPU, else the default set) decide the
     # backends of the selection; they are checked before the cache is created.
     arches = jit.resolve_arches(args.arch)
@@ -182,7 +183,7 @@ def cmd_cache(args) -> int:
 def cmd_info(args) -> int:
     """Describes this machine; a bad setting shows in its line and as one line
     on stderr at the end (exit 2), so the rest is still reported."""
-    from . import __version__, arch
+    from . import __version__, arch, build, jit
 
     problems: list[str] = []
 
@@ -202,15 +203,15 @@ def cmd_info(args) -> int:
     except ImportError:
         torch = None
         print("torch         not installed")
-    nvcc = setting(nvcc_setting, lambda _: arch.find_nvcc() or f"not found: {arch.NVCC_HINT}")
+    nvcc = setting(arch.find_nvcc, lambda found: found or f"not found: {arch.NVCC_HINT}")
     print(f"nvcc          {nvcc} ({arch.nvcc_version(nvcc)})" if os.path.isfile(nvcc) else f"nvcc          {nvcc}")
     print(f"cache dir     {setting(lambda: cache_root(create=False), str)}")
     default_arches = "(this GPU, else " + " ".join(arch.DEFAULT_ARCHES) + ")"
-    print(f"arch list     {setting(arch_list_setting, lambda a: ' '.join(a) if a else default_arches)}")
-    print(f"jobs          {setting(jobs_setting, str)}")
-    jit_state = setting(jit_disabled_setting, lambda off: "disabled (FLASHJIT_DISABLE_JIT)" if off else "enabled")
+    print(f"arch list     {setting(arch.env_arches, lambda a: ' '.join(a) if a else default_arches)}")
+    print(f"jobs          {setting(build.default_jobs, str)}")
+    jit_state = setting(jit.jit_disabled, lambda off: "disabled (FLASHJIT_DISABLE_JIT)" if off else "enabled")
     print(f"jit           {jit_state}")
-    strict = setting(strict_backend_setting, lambda on: "on (no fallback to fa2)" if on else "off")
+    strict = setting(arch.strict_backend, lambda on: "on (no fallback to fa2)" if on else "off")
     print(f"strict        {strict}")
     if torch is not None and torch.cuda.is_available():
         idx = torch.cuda.current_device()
@@ -233,13 +234,12 @@ def cmd_info(args) -> int:
 # ---------------------------------------------------------------------------
 # Settings: each command reads the FLASHJIT_* variables it depends on before it
 # acts, so that a bad value is one line naming the variable, what it takes and
-# the fix, never a traceback from deep inside a build or a silent default.
+# the fix, never a traceback from deep inside a build or a silent default. The
+# library parses them (arch.env_nvcc, arch.env_arches, arch.strict_backend,
+# jit.jit_disabled, build.default_jobs: each raises SettingError), so the
+# command and the library agree; the ones only the command reads are here.
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-# Exactly what jit.jit_disabled() reads as off; anything else it takes as on,
-# so a value in neither list (a typo, "off") is refused rather than guessed at.
-_OFF_WORDS = ("", "0", "false", "no")
-_ON_WORDS = ("1", "true", "yes")
 
 
 def log_level() -> int:
@@ -250,67 +250,6 @@ def log_level() -> int:
         return getattr(logging, value.strip().upper())
     raise SettingError(f"FLASHJIT_LOG_LEVEL: expected one of {', '.join(LOG_LEVELS)} (any case), got {value!r}; "
                        f"set one of them, or unset it for INFO")
-
-
-def jit_disabled_setting() -> bool:
-    value = os.environ.get("FLASHJIT_DISABLE_JIT", "")
-    if value.lower() in _OFF_WORDS:
-        return False
-    if value.lower() in _ON_WORDS:
-        return True
-    raise SettingError(f"FLASHJIT_DISABLE_JIT: expected 1, true or yes (a cache miss is an error) or 0, false, no "
-                       f"or empty (a miss is compiled), got {value!r}; set one of them, or unset it")
-
-
-def jobs_setting() -> int:
-    from . import build
-
-    try:
-        return build.default_jobs()
-    except ValueError as exc:  # the library's message names FLASHJIT_JOBS and the value
-        raise SettingError(f"{exc}; set it to the number of parallel nvcc jobs (e.g. FLASHJIT_JOBS=8), or unset it "
-                           f"for one per core and per 2 GiB of free memory") from None
-
-
-def arch_list_setting() -> tuple[str, ...] | None:
-    from . import arch
-
-    value = os.environ.get("FLASHJIT_CUDA_ARCH_LIST")
-    if not value:
-        return None
-    names = [a for a in re.split(r"[\s,;]+", value) if a]
-    fix = (f"set it to arches separated by spaces, commas or semicolons (e.g. '8.0 9.0a'), or unset it to compile "
-           f"for this GPU (else {' '.join(arch.DEFAULT_ARCHES)})")
-    for name in names:
-        try:
-            arch.normalize_arch(name)
-        except ToolchainError:
-            raise SettingError(f"FLASHJIT_CUDA_ARCH_LIST: expected arches among {', '.join(arch.ARCHES)} (or 8.0, "
-                               f"8.9, 9.0a ...), got {value!r}, where {name!r} is none of them; {fix}") from None
-    if not names:
-        raise SettingError(f"FLASHJIT_CUDA_ARCH_LIST: expected at least one arch, got {value!r}; {fix}")
-    return arch.env_arches()
-
-
-def strict_backend_setting() -> bool:
-    from . import arch
-
-    try:
-        return arch.strict_backend()
-    except ValueError as exc:  # the library's message names FLASHJIT_STRICT_BACKEND and the value
-        raise SettingError(f"{exc}; set it to 1 (an explicit backend the target cannot run is an error) or 0 (it "
-                           f"falls back to fa2), or unset it") from None
-
-
-def nvcc_setting() -> None:
-    """The library skips a FLASHJIT_NVCC that is no file and searches on: a
-    prewarm would then build with another nvcc than the one named."""
-    value = os.environ.get("FLASHJIT_NVCC")
-    if not value or (os.path.isfile(value) and os.access(value, os.X_OK)):
-        return
-    what = "a directory" if os.path.isdir(value) else "not executable" if os.path.exists(value) else "no such file"
-    raise SettingError(f"FLASHJIT_NVCC: expected the path of the nvcc executable, got {value!r} ({what}); point it "
-                       f"at <CUDA toolkit>/bin/nvcc, or unset it to search CUDA_HOME, CUDA_PATH and PATH")
 
 
 def cache_root(create: bool) -> Path:
@@ -337,23 +276,12 @@ def cache_root(create: bool) -> Path:
     return root
 
 
-def _drop_build_names(record: logging.LogRecord) -> bool:
-    """build.run_builds logs every configuration's name on one line (thousands
-    of characters for a preset); prewarm prints a summary instead, and the
-    names one per line under --verbose."""
-    if isinstance(record.msg, str) and record.msg.startswith("flashjit: compiling") and record.msg.endswith(": %s") \
-            and isinstance(record.args, tuple) and record.args:
-        record.msg, record.args = record.msg[:-len(": %s")], record.args[:-1]
-    return True
-
-
 @contextlib.contextmanager
 def _log_to_stderr(level: int):
     """flashjit's log lines on stderr while a command runs; the logger is left as it was found."""
     logger = logging.getLogger("flashjit")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    handler.addFilter(_drop_build_names)
     saved = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(level)

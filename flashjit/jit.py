@@ -4,8 +4,9 @@
 is what prewarm calls: every missing configuration in one parallel ninja run.
 
 Errors: ValueError for an unsupported spec (before anything else);
-ToolchainError (no nvcc, arch not supported); JitDisabledError (a miss with
-FLASHJIT_DISABLE_JIT=1); BuildError (nvcc failed: command and first errors);
+SettingError for a FLASHJIT_* variable it cannot use (before the cache is
+read); ToolchainError (no nvcc, arch not supported); JitDisabledError (a miss
+with FLASHJIT_DISABLE_JIT=1); BuildError (nvcc failed: command and first errors);
 CacheError (cache unusable, or an entry still bad after one rebuild).
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from . import arch as arch_mod
 from . import build, cache
 from ._version import __version__
-from .errors import CacheError, FlashjitError, JitDisabledError, ToolchainError
+from .errors import CacheError, FlashjitError, JitDisabledError, SettingError, ToolchainError
 from .loader import ABI_VERSION, KernelModule, load_library
 from .kernels import target_arches, template_for
 from .render import RenderedSource, generator_digest, render
@@ -35,8 +36,22 @@ _modules: dict[tuple, KernelModule] = {}
 _modules_lock = threading.Lock()
 
 
+# The words FLASHJIT_DISABLE_JIT takes (any case); anything else, a typo or
+# "off", is a SettingError rather than a guess in either direction.
+DISABLE_JIT_OFF = ("", "0", "false", "no")
+DISABLE_JIT_ON = ("1", "true", "yes")
+
+
 def jit_disabled() -> bool:
-    return os.environ.get("FLASHJIT_DISABLE_JIT", "0").lower() not in ("", "0", "false", "no")
+    """FLASHJIT_DISABLE_JIT: True (a cache miss is a JitDisabledError) for 1,
+    true or yes; False (a miss is compiled) for 0, false, no, empty or unset."""
+    value = os.environ.get("FLASHJIT_DISABLE_JIT", "")
+    if value.lower() in DISABLE_JIT_OFF:
+        return False
+    if value.lower() in DISABLE_JIT_ON:
+        return True
+    raise SettingError(f"FLASHJIT_DISABLE_JIT: expected 1, true or yes (a cache miss is an error) or 0, false, no "
+                       f"or empty (a miss is compiled), got {value!r}; set one of them, or unset it")
 
 
 def resolve_arches(arches=None) -> tuple[str, ...]:
@@ -171,8 +186,9 @@ def build_many(specs, arches=None, jobs: int | None = None, progress=None, root:
     atomic rename with its manifest written last."""
     specs = [s.validate() for s in specs]
     arches = resolve_arches(arches)
-    root = cache.ensure_root(root)
+    disabled = jit_disabled()  # a bad value is an error even when every entry is cached
     nvcc = arch_mod.find_nvcc()
+    root = cache.ensure_root(root)
     if nvcc is not None:
         arch_mod.check_nvcc_supports(arch_mod.nvcc_version(nvcc), arches)
     results: dict[KernelSpec, BuildResult] = {}
@@ -192,7 +208,7 @@ def build_many(specs, arches=None, jobs: int | None = None, progress=None, root:
             results[p.spec] = BuildResult(p.spec, entry, built=False, seconds=0.0)
         else:
             missing.append(p)
-    if missing and (jit_disabled() or nvcc is None):
+    if missing and (disabled or nvcc is None):
         raise _miss_error(missing[0])
 
     with _LockSet(root, missing) as locked:
@@ -276,8 +292,9 @@ def _load(spec: KernelSpec, arches) -> KernelModule:
     else builds one for the first candidate. An entry that verifies but will not
     load is removed and rebuilt once; a second failure raises."""
     candidates = _candidate_arches(arches)
-    root = cache.ensure_root()
+    jit_disabled()  # checked before the cache is read: a bad value must not wait for the first miss
     nvcc = arch_mod.find_nvcc()
+    root = cache.ensure_root()
     for arch_list in candidates:
         fp = fingerprint(spec, arch_list, nvcc)
         entry = (cache.find_entry_by_fingerprint(root, spec.name, fp) if fp

@@ -19,7 +19,7 @@ import pytest
 
 from flashjit import arch, build, cache, cli, jit, kernels, loader, render
 from flashjit.error_model import profile
-from flashjit.errors import BuildError, JitDisabledError, KernelLaunchError, ToolchainError
+from flashjit.errors import BuildError, JitDisabledError, KernelLaunchError, SettingError, ToolchainError
 from flashjit.spec import KernelSpec
 from helpers_cache import fresh_cache, templates_copy  # noqa: F401 (fixtures)
 from helpers_cache import (SMALL_SPEC, compile_count, entry_dirs, have_nvcc, is_empty, manifest_of, needs_nvcc,
@@ -467,11 +467,11 @@ def test_find_nvcc_search_order(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("CUDA_PATH", str(tmp_path / "cpath"))
     assert arch.find_nvcc() == str(explicit)
-    monkeypatch.setenv("FLASHJIT_NVCC", str(tmp_path / "missing" / "nvcc"))
+    # A FLASHJIT_NVCC that is no executable is an error (tests/test_settings.py), not skipped.
+    monkeypatch.delenv("FLASHJIT_NVCC")
     assert arch.find_nvcc() == str(home)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nowhere"))
     assert arch.find_nvcc() == str(cuda_path)
-    monkeypatch.delenv("FLASHJIT_NVCC")
     monkeypatch.delenv("CUDA_HOME")
     monkeypatch.delenv("CUDA_PATH")
     path_dir = tmp_path / "path"
@@ -527,7 +527,7 @@ def test_arch_list_from_environment(fresh_cache, monkeypatch):
     monkeypatch.setenv("FLASHJIT_CUDA_ARCH_LIST", "9.0a, 8.0;sm_89 8.0")
     assert jit.resolve_arches() == ("sm_80", "sm_89", "sm_90a")
     monkeypatch.setenv("FLASHJIT_CUDA_ARCH_LIST", "sm_75")
-    with pytest.raises(ToolchainError, match="sm_75"):
+    with pytest.raises(SettingError, match="FLASHJIT_CUDA_ARCH_LIST: .*'sm_75'"):
         jit.build_many([SMALL_SPEC])
     assert is_empty(fresh_cache)
 
