@@ -1,7 +1,8 @@
 """Registers, spills and shared memory of every kernel, from ptxas -v, for the
 tensor-core and CUDA-core configurations (one per op, dtype and head_dim, with
-the register-hungriest variant flags), on sm_80, sm_89 and sm_90a. Needs nvcc,
-no GPU. Writes the table that docs/kernels.md holds.
+the register-hungriest variant flags), on sm_80, sm_89 and sm_90a, and for the
+sm_90a-only ones (fa2's wide tilings, the fa3 backend). Needs nvcc, no GPU.
+Writes the table that docs/kernels.md holds.
 
 Usage: python benchmarks/dev/kernel_resources.py [--out docs/kernels.md]
 """
@@ -46,12 +47,28 @@ def specs() -> list[KernelSpec]:
 WIDE_ARCHES = ("sm_90a",)
 
 
+# The heaviest flag sets of a ragged prefill (it always writes LSE): the mask
+# work (causal, window) and the tanh of the soft-cap, each with and without causal.
+FLAG_SETS = ({"soft_cap": True, "return_lse": True}, {"sliding_window": True, "return_lse": True},
+             {"causal": True, "soft_cap": True, "return_lse": True},
+             {"causal": True, "sliding_window": True, "return_lse": True})
+
+
 def wide_specs() -> list[KernelSpec]:
     return [KernelSpec.make("batch_prefill_ragged", dtype, head_dim, use_tensor_cores=True, **flags)
             for head_dim in sorted(kernels.fa2.FA2_WIDE_TILINGS) for dtype in ("float16", "bfloat16")
-            for flags in ({"soft_cap": True, "return_lse": True}, {"sliding_window": True, "return_lse": True},
-                          {"causal": True, "soft_cap": True, "return_lse": True},
-                          {"causal": True, "sliding_window": True, "return_lse": True})]
+            for flags in FLAG_SETS]
+
+
+# The fa3 backend (kernels.fa3.FA3_TILINGS) builds for sm_90a alone; its
+# single and ragged prefill share one kernel, so ragged stands for both.
+FA3_ARCHES = tuple(sorted(kernels.fa3.ARCHES))
+
+
+def fa3_specs() -> list[KernelSpec]:
+    return [KernelSpec.make("batch_prefill_ragged", dtype, head_dim, backend="fa3", use_tensor_cores=True, **flags)
+            for head_dim in sorted(kernels.fa3.FA3_TILINGS) for dtype in ("float16", "bfloat16")
+            for flags in FLAG_SETS]
 
 
 def smem_bytes(spec: KernelSpec, arches) -> int:
@@ -67,23 +84,28 @@ def main() -> int:
         results = [(r, ARCHES) for r in jit.build_many(specs(), arches=ARCHES)]
         wide = wide_specs()
         results += [(r, WIDE_ARCHES) for r in jit.build_many(wide, arches=WIDE_ARCHES)]
+        fa3 = fa3_specs()
+        results += [(r, FA3_ARCHES) for r in jit.build_many(fa3, arches=FA3_ARCHES)]
         lines = ["| configuration | kernel | arch | registers | spill stores/loads (B) | stack (B) | "
                  "dynamic smem (B) |", "|---|---|---|---|---|---|---|"]
         spills = 0
         for r, arches in results:
             for row in r.entry.manifest["resources"]:
-                kind = ("attention" if "attention_kernel" in row["kernel"] else
+                kind = ("attention (warp-specialized)" if "fa3_attention_kernel" in row["kernel"] else
+                        "attention" if "attention_kernel" in row["kernel"] else
                         "append" if "append_paged_kernel" in row["kernel"] else
                         "split-KV merge, warp per row" if "warp_kernel" in row["kernel"] else
                         "split-KV merge, CTA per row")
-                smem = smem_bytes(r.spec, arches) if kind == "attention" else 0
+                smem = smem_bytes(r.spec, arches) if kind.startswith("attention") else 0
                 spills += row["spill_stores"] + row["spill_loads"]
                 lines.append(f"| {r.spec.name} | {kind} | {row['arch']} | {row.get('registers', '?')} | "
                              f"{row['spill_stores']}/{row['spill_loads']} | {row['stack']} | {smem} |")
     lines.append("")
-    lines.append(f"{len(results) - len(wide)} configurations x {len(ARCHES)} arches, and "
-                 f"{len(wide)} sm_90a-only ones (kernels.fa2.FA2_WIDE_TILINGS, "
-                 f"{' and '.join(f'd{d}' for d in sorted(kernels.fa2.FA2_WIDE_TILINGS))}); total spilled bytes: {spills}")
+    lines.append(f"{len(results) - len(wide) - len(fa3)} configurations x {len(ARCHES)} arches, "
+                 f"{len(wide)} sm_90a-only fa2 ones (kernels.fa2.FA2_WIDE_TILINGS, "
+                 f"{' and '.join(f'd{d}' for d in sorted(kernels.fa2.FA2_WIDE_TILINGS))}) and {len(fa3)} fa3 ones "
+                 f"(kernels.fa3.FA3_TILINGS, built for {', '.join(FA3_ARCHES)} alone); "
+                 f"total spilled bytes: {spills}")
     text = "\n".join(lines)
     print(text)
     if args.out:
@@ -93,6 +115,15 @@ def main() -> int:
                     "`python benchmarks/dev/kernel_resources.py --out docs/kernels.md`. Each configuration "
                     "takes the variant flags that cost the most registers (causal, window, soft-cap, LSE); append "
                     "has none.\n\n"
+                    "The fa3 rows (`_fa3_`, kernel \"attention (warp-specialized)\", built for sm_90a alone) are "
+                    "CTAs of three warpgroups, 384 threads, one CTA per SM: ptxas reports the 168 registers a "
+                    "thread holds at entry; after `setmaxnreg` the loader warpgroup runs at 40 and the two "
+                    "consumer warpgroups at 232 (128 x (40 + 2 x 232) = 64512 of the SM's 65536), and no build "
+                    "spills. Their shared memory is dynamic: the K/V ring, Q and the mbarriers from a 1024-byte "
+                    "boundary (`Fa3Tiling.smem_bytes`, [fa3.md](fa3.md)). Their SASS holds HGMMA (Q.K^T from "
+                    "shared memory, P.V with P from registers and V transposed, `.tnspB`): "
+                    "`tests/test_backend_choice.py` checks that with cuobjdump on a bf16 d128 build, and that "
+                    "the sm_80/sm_89 fa2 build holds no GMMA.\n\n"
                     + text + "\n")
     return 1 if spills else 0
 
