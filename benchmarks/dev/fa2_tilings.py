@@ -61,11 +61,9 @@ VARIANTS = {
 }
 # fa3 (--backend fa3): the same per head_dim, for FA3_TILINGS.
 FA3_VARIANTS = {
-    64: {"no overlap, 2 stages": Fa3Tiling(128, 2), "overlap, 2 stages": Fa3Tiling(128, 2, overlap=True),
-         "overlap, 3 stages": Fa3Tiling(128, 3, overlap=True)},
-    128: {"no overlap, 2 stages": Fa3Tiling(128, 2), "overlap, 2 stages": Fa3Tiling(128, 2, overlap=True),
-          "overlap, 3 stages": Fa3Tiling(128, 3, overlap=True)},
-    256: {"no overlap, 2 stages": Fa3Tiling(64, 2), "overlap, 2 stages": Fa3Tiling(64, 2, overlap=True)},
+    64: {"one CTA per position": Fa3Tiling(128, 3, overlap=True), "persistent": Fa3Tiling(128, 3, True, True)},
+    128: {"one CTA per position": Fa3Tiling(128, 2, overlap=True), "persistent": Fa3Tiling(128, 2, True, True)},
+    256: {"one CTA per position": Fa3Tiling(64, 2, overlap=True), "persistent": Fa3Tiling(64, 2, True, True)},
 }
 ROWS = [(16, 1024, False), (16, 1024, True), (4, 4096, False), (4, 4096, True), (1, 16384, False),
         (1, 16384, True)]

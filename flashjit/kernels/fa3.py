@@ -23,6 +23,8 @@ class Fa3Tiling:
     # Tile t's Q.K^T in flight with tile t - 1's P.V, the softmax between them
     # (fa3_traits.cuh kOverlap).
     overlap: bool = False
+    # One CTA per SM walking the launch positions (fa3_traits.cuh kPersistent).
+    persistent: bool = False
 
     @property
     def rows_per_cta(self) -> int:
@@ -43,10 +45,12 @@ class Fa3Tiling:
 # than one product at a time on 4k-16k rows. S takes keys_per_tile / 2 fp32
 # registers per consumer thread and O head_dim / 2: d256 keeps 64-key tiles
 # within the 232 registers a consumer gets. d64 takes a third stage (+2-4%);
-# d128 is as fast or faster with two.
+# d128 is as fast or faster with two. d64 and d128 run a persistent grid (+1-9%
+# over one CTA per position on every row but d64 16k causal, -0.5%); d256 does
+# not (+6% on 1k causal, -1% to -3% on five other rows).
 FA3_TILINGS = {
-    64: Fa3Tiling(keys_per_tile=128, stages=3, overlap=True),
-    128: Fa3Tiling(keys_per_tile=128, stages=2, overlap=True),
+    64: Fa3Tiling(keys_per_tile=128, stages=3, overlap=True, persistent=True),
+    128: Fa3Tiling(keys_per_tile=128, stages=2, overlap=True, persistent=True),
     256: Fa3Tiling(keys_per_tile=64, stages=2, overlap=True),
 }
 

@@ -96,15 +96,18 @@ struct CtaWork {
 // while narrower bands keep the plan's longest-first order across heads: with
 // one band a causal batch's last head started its longest tiles at the end of
 // the grid. The host picks band_items (ops._plan).
+//
+// decode_work_at decodes launch position (x, z) for kernels whose CTAs walk
+// several positions (a persistent grid); decode_work is the CTA's own.
 template <bool kPaged>
-__device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p, int rows_per_cta) {
-  allow_dependent_grids();  // every attention kernel starts here; see grid_dependency.cuh
+__device__ __forceinline__ CtaWork decode_work_at(const FlashjitAttentionParams& p, int rows_per_cta, unsigned x,
+                                                  unsigned z) {
   CtaWork w;
   const unsigned items = p.num_work, heads = p.num_kv_heads;
   const unsigned per_band = p.band_items > 0 && unsigned(p.band_items) < items ? unsigned(p.band_items) : items;
-  const unsigned first = blockIdx.x / (per_band * heads) * per_band;
+  const unsigned first = x / (per_band * heads) * per_band;
   const unsigned in_band = min(per_band, items - first);
-  const unsigned r = blockIdx.x - first * heads;
+  const unsigned r = x - first * heads;
   w.kv_head = int(r / in_band);
   const int slot = int(first + r % in_band);
   // Without a plan (one request), the last query tiles first: under a causal
@@ -118,7 +121,7 @@ __device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p,
     w.split = item.split;
     chunk = item.chunk;
   } else if (p.num_splits > 1) {
-    w.split = blockIdx.z;
+    w.split = int(z);
     chunk = p.kv_chunk;
   }
   w.valid = request >= 0;
@@ -144,6 +147,12 @@ __device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p,
   w.row_begin = tile * rows_per_cta;
   w.group = p.num_qo_heads / p.num_kv_heads;
   return w;
+}
+
+template <bool kPaged>
+__device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p, int rows_per_cta) {
+  allow_dependent_grids();  // every attention kernel starts here; see grid_dependency.cuh
+  return decode_work_at<kPaged>(p, rows_per_cta, blockIdx.x, blockIdx.z);
 }
 
 // Row of partial state that (token, split) writes; see FlashjitAttentionParams.

@@ -113,21 +113,42 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     tma::prefetch_map(&tma_arg.maps.k);
     tma::prefetch_map(&tma_arg.maps.v);
   }
-  const CtaWork w = decode_work<false>(p, ROWS);
-  const int rows_total = w.qo_len * w.group;
-  if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
-  const int offset = w.kv_len - w.qo_len;
+  allow_dependent_grids();  // see grid_dependency.cuh
   // Clamped so that q + offset - window_left cannot overflow int.
   const int window_left = Traits::kWindow ? min(p.window_left, 1 << 30) : 0;
-  const Mask<Traits::kCausal, Traits::kWindow> mask{offset, window_left};
-
-  // Key range any row of the CTA can see, from a KEYS-aligned start, within
-  // its split-KV chunk (whose bounds are multiples of KEYS).
-  const int cta_q_first = w.row_begin / w.group;
-  const int cta_q_last = (min(w.row_begin + ROWS, rows_total) - 1) / w.group;
-  const int key_begin = max((mask.key_begin(cta_q_first) / KEYS) * KEYS, w.kv_begin);
-  const int key_end = min(mask.key_end(cta_q_last, w.kv_len), w.kv_end);
-  const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
+  // What one launch position (work slot, KV head, split) computes: its rows
+  // and the key range any of them can see, from a KEYS-aligned start, within
+  // its split-KV chunk (whose bounds are multiples of KEYS). A persistent grid
+  // takes the positions in rounds of gridDim.x, CTA j the j-th of even rounds
+  // and the j-th from the end of odd ones: the plan orders positions longest
+  // first, so the rounds' long and short ones pair up on each SM. Otherwise
+  // each CTA takes one. A position past the last is inactive.
+  struct Item {
+    CtaWork w;
+    int rows_total, offset, key_begin, num_tiles;
+    bool active;
+  };
+  const unsigned slots = unsigned(p.num_work) * unsigned(p.num_kv_heads);
+  const unsigned positions = slots * unsigned(p.work == nullptr && p.num_splits > 1 ? p.num_splits : 1);
+  auto item_at = [&](unsigned position) {
+    Item it;
+    const unsigned at = min(position, positions - 1);
+    it.w = decode_work_at<false>(p, ROWS, at % slots, at / slots);
+    const CtaWork& w = it.w;
+    it.rows_total = w.qo_len * w.group;
+    it.active = position < positions && w.valid && w.row_begin < it.rows_total;  // uniform across the CTA
+    it.offset = w.kv_len - w.qo_len;
+    const Mask<Traits::kCausal, Traits::kWindow> mask{it.offset, window_left};
+    const int cta_q_first = w.row_begin / w.group;
+    const int cta_q_last = (min(w.row_begin + ROWS, it.rows_total) - 1) / w.group;
+    it.key_begin = max((mask.key_begin(cta_q_first) / KEYS) * KEYS, w.kv_begin);
+    const int key_end = min(mask.key_end(cta_q_last, w.kv_len), w.kv_end);
+    it.num_tiles = it.active && key_end > it.key_begin ? (key_end - it.key_begin + KEYS - 1) / KEYS : 0;
+    return it;
+  };
+  auto round_position = [&](unsigned round) {
+    return round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+  };
 
   if (tid == 0) {
 #pragma unroll
@@ -146,30 +167,44 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     fa3::set_max_registers_dec<Traits::kLoaderRegs>();
     if (tid >= 32) return;
     // One whole K or V tile by TMA into `dst`, its bytes counted on `bar`.
-    auto load = [&](uint32_t dst, const CUtensorMap* map, int heads_outer, uint32_t bar, int token) {
+    auto load = [&](uint32_t dst, const CUtensorMap* map, int heads_outer, uint32_t bar, int head, int token) {
       tma::mbar_arrive_expect_tx(bar, Traits::kKvTileBytes);
 #pragma unroll
       for (int i = 0; i < D / 64; ++i)
-        tma::load_kv_block(dst + KvLayout::block(i), map, heads_outer, i, w.kv_head, token, bar);
+        tma::load_kv_block(dst + KvLayout::block(i), map, heads_outer, i, head, token, bar);
     };
-    for (int t = 0; t < num_tiles; ++t) {
-      // The slot's previous tile (t - STAGES) completed phase t / STAGES - 1 of its empty barriers.
-      const uint32_t parity = ((t / STAGES) - 1) & 1;
-      const int k0 = key_begin + t * KEYS, token = w.kv_start + k0;
-      const bool whole = w.kv_len - k0 >= KEYS;
-      if (t >= STAGES) tma::mbar_wait(empty_k(t), parity);
-      if (whole && lane == 0) load(k_slot(t), &tma_arg.maps.k, tma_arg.maps.heads_outer_k, full_k(t), token);
-      if (t >= STAGES) tma::mbar_wait(empty_v(t), parity);
-      if (whole) {
-        if (lane == 0)
-          load(k_slot(t) + Traits::kKvTileBytes, &tma_arg.maps.v, tma_arg.maps.heads_outer_v, full_v(t), token);
-      } else {
-        fa3::copy_partial_tile<Traits>(p, w, smem + (t % STAGES) * Traits::kStageBytes, k0, lane);
-        if (lane == 0) {
-          tma::mbar_arrive(full_k(t));
-          tma::mbar_arrive(full_v(t));
+    // Tiles count on across positions (seq): ring slot and barrier phases follow
+    // the CTA's tile sequence, so the next position's first tiles load while
+    // the consumers finish the last one's.
+    int seq = 0;
+    for (unsigned round = 0; round * gridDim.x < positions; ++round) {
+      const unsigned position = round_position(round);
+      const Item it = item_at(position);
+      if (!it.active) continue;
+      const CtaWork& w = it.w;
+      for (int t = 0; t < it.num_tiles; ++t) {
+        const int gt = seq + t;
+        // The slot's previous tile (gt - STAGES) completed phase gt / STAGES - 1 of its empty barriers.
+        const uint32_t parity = ((gt / STAGES) - 1) & 1;
+        const int k0 = it.key_begin + t * KEYS, token = w.kv_start + k0;
+        const bool whole = w.kv_len - k0 >= KEYS;
+        if (gt >= STAGES) tma::mbar_wait(empty_k(gt), parity);
+        if (whole && lane == 0)
+          load(k_slot(gt), &tma_arg.maps.k, tma_arg.maps.heads_outer_k, full_k(gt), w.kv_head, token);
+        if (gt >= STAGES) tma::mbar_wait(empty_v(gt), parity);
+        if (whole) {
+          if (lane == 0)
+            load(k_slot(gt) + Traits::kKvTileBytes, &tma_arg.maps.v, tma_arg.maps.heads_outer_v, full_v(gt),
+                 w.kv_head, token);
+        } else {
+          fa3::copy_partial_tile<Traits>(p, w, smem + (gt % STAGES) * Traits::kStageBytes, k0, lane);
+          if (lane == 0) {
+            tma::mbar_arrive(full_k(gt));
+            tma::mbar_arrive(full_v(gt));
+          }
         }
       }
+      seq += it.num_tiles;
     }
     return;
   }
@@ -177,183 +212,194 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // ---- Consumers: warpgroup c = 0, 1 owns rows wg_row0 .. wg_row0 + 63.
   fa3::set_max_registers_inc<Traits::kConsumerRegs>();
   const int c = warpgroup - 1, ctid = tid - 128 * warpgroup, warp_in_wg = ctid / 32;
-  const int wg_row0 = w.row_begin + c * WG_ROWS;
-  const int warp_row0 = wg_row0 + 16 * warp_in_wg;
   const uint32_t q_wg = q_smem + c * Traits::kQWarpgroupBytes;
-  // A warpgroup whose rows all lie past the request (the last CTA of a request
-  // with 64 rows or fewer left) still runs its products, on zero Q: a branch
-  // around them would be divergent to the compiler, which then serializes
-  // every wgmma of the kernel (ptxas C7520). Its rows are never stored.
-  const bool wg_active = wg_row0 < rows_total;
-  {
-    // This warpgroup's Q rows by cp.async (rows past the request zero-filled).
-    CtaWork wq = w;
-    wq.row_begin = wg_row0;
-    fa2::copy_q_tile<QTile, WG_ROWS, D, 128, 128>(p, wq, static_cast<const T*>(p.q), q_wg, rows_total, ctid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    fa3::fence_async_shared();
-    fa3::warpgroup_barrier(1 + c);
-  }
-
-  // Logits leave Q.K^T in natural units; the softmax applies sm_scale (or the
-  // soft-cap) in log2 units (fa2_softmax.cuh).
-  fa2::WarpSoftmax<Traits> softmax;
-  softmax.scale = Traits::kSoftCap ? 1.f : p.sm_scale * kLog2e;
-  softmax.cap_in = Traits::kSoftCap ? p.sm_scale / p.logits_soft_cap : 0.f;
-  softmax.cap_out = Traits::kSoftCap ? p.logits_soft_cap * kLog2e : 0.f;
-  softmax.m[0][0] = softmax.m[0][1] = kNegInf;
-  softmax.l[0][0] = softmax.l[0][1] = 0.f;
-  float o[1][NT_O][4];
-#pragma unroll
-  for (int n = 0; n < NT_O; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[0][n][e] = 0.f;
-
-  // This warp's rows (clamped past the request) for the masks: a tile needs
-  // the element mask when some key of it is invisible to some row of the warp.
-  const int wq_first = min(warp_row0, rows_total - 1) / w.group;
-  const int wq_last = min(warp_row0 + 15, rows_total - 1) / w.group;
-  const int g = lane / 4, tq = lane % 4;
-  int q_off[2];  // query position + offset of this thread's rows g and g + 8
-#pragma unroll
-  for (int r = 0; r < 2; ++r) q_off[r] = min(warp_row0 + g + 8 * r, rows_total - 1) / w.group + offset;
-  auto mask_tile = [&](float (&sf)[NT_S][4], int, int k0) {
-#pragma unroll
-    for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = k0 + 8 * j + 2 * tq + (e & 1);
-        const int qo = q_off[e >> 1];
-        if (key >= w.kv_len || (Traits::kCausal && key > qo) || (Traits::kWindow && key < qo - window_left))
-          sf[j][e] = kNegInf;
-      }
-  };
-
-  // S = Q.K^T of tile t (issued and committed, not waited for).
-  // Each product's descriptors are formed per tile from one base (an add per
-  // k-step): the compiler would otherwise keep all of Q's k-step descriptors
-  // live across the loop, 2 registers each (d256: 32, and spills).
-  auto issue_qk = [&](float (&s)[1][NT_S][4], int t) {
-    const uint64_t q_desc = fa3::fresh(fa3::smem_desc(q_wg, 16, 1024));
-    const uint64_t k_desc = fa3::smem_desc(k_slot(t), 16, 1024);
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS_QK; ++kk) {
-      const uint32_t at_q = QTile::block(kk / 4) + (kk % 4) * 32, at_k = KvLayout::block(kk / 4) + (kk % 4) * 32;
-      fa3::mma_ss<T, KEYS>(s[0], fa3::advance(q_desc, at_q), fa3::advance(k_desc, at_k), kk > 0);
+  int seq = 0;  // tiles of earlier positions: see the loader
+  for (unsigned round = 0; round * gridDim.x < positions; ++round) {
+    const unsigned position = round_position(round);
+    // Neither an inactive position (an empty work slot: no tiles, no rows) nor
+    // a warpgroup whose rows all lie past the request (the last CTA of a
+    // request with 64 rows or fewer left) skips code by a branch: ptxas takes
+    // one around the products as divergent and serializes every wgmma of the
+    // kernel (C7520). They run on zero-filled Q and store nothing.
+    const Item it = item_at(position);
+    const CtaWork& w = it.w;
+    const int rows_total = it.active ? it.rows_total : 0, offset = it.offset;
+    const int key_begin = it.key_begin, num_tiles = it.num_tiles;
+    const int wg_row0 = w.row_begin + c * WG_ROWS;
+    const int warp_row0 = wg_row0 + 16 * warp_in_wg;
+    {
+      // This warpgroup's Q rows by cp.async (rows past the request zero-filled),
+      // once every warp has read back the previous position's output staged there.
+      fa3::warpgroup_barrier(1 + c);
+      CtaWork wq = w;
+      wq.row_begin = wg_row0;
+      fa2::copy_q_tile<QTile, WG_ROWS, D, 128, 128>(p, wq, static_cast<const T*>(p.q), q_wg, rows_total, ctid);
+      cp_async_commit();
+      cp_async_wait<0>();
+      fa3::fence_async_shared();
+      fa3::warpgroup_barrier(1 + c);
     }
-    fa3::commit();
-  };
-  // O += P.V of tile t (issued and committed).
-  auto issue_pv = [&](const uint32_t (&pa)[1][KSTEPS_PV][4], int t) {
-    const uint64_t v_desc = fa3::smem_desc(k_slot(t) + Traits::kKvTileBytes, KEYS * 128, 1024);
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS_PV; ++kk) fa3::mma_rs<T, D>(o[0], pa[0][kk], fa3::advance(v_desc, kk * 16 * 128), 1);
-    fa3::commit();
-  };
-  // The softmax of tile t's S into P (pa); with defer_rescale, O is left for
-  // the caller to rescale by factor[] once the P.V in flight has landed.
-  auto softmax_tile = [&](float (&s)[1][NT_S][4], uint32_t (&pa)[1][KSTEPS_PV][4], int t, bool defer_rescale,
-                          float (&factor)[2]) {
-    const int k0 = key_begin + t * KEYS;
-    const bool need_mask = k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > wq_first + offset) ||
-                           (Traits::kWindow && k0 < wq_last + offset - window_left);
-    const float m_ref_before[2] = {softmax.m_ref[0][0], softmax.m_ref[0][1]};
-    softmax.update_max(s, o, k0, need_mask, t == 0 || defer_rescale, mask_tile);
-    // The factor update_max gives O when a row's max moves, from the same
-    // exponent references: exactly 1 where it stays.
-    if (defer_rescale) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) factor[r] = fa2::exp2_fast(m_ref_before[r] - softmax.m_ref[0][r]);
-    }
-    softmax.exp_to_p(s, pa, 0);
-  };
-  // This warp is done with a slot's K or V (its products waited for).
-  auto release = [&](uint32_t empty) {
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(empty);
-  };
 
-  if constexpr (!Traits::kOverlap) {
-    // Each tile in turn: S, softmax, P.V, each product waited for.
-    for (int t = 0; t < num_tiles; ++t) {
-      tma::mbar_wait(full_k(t), (t / STAGES) & 1);
-      float s[1][NT_S][4], factor[2];
-      uint32_t pa[1][KSTEPS_PV][4];
-      fa3::fence();
-      issue_qk(s, t);
-      fa3::wait<0>();
-      fa3::fence_operands(s[0]);
-      release(empty_k(t));
-      softmax_tile(s, pa, t, false, factor);
-      tma::mbar_wait(full_v(t), (t / STAGES) & 1);
-      fa3::fence();
-      issue_pv(pa, t);
-      fa3::wait<0>();
-      fa3::fence_operands(o[0]);
-      release(empty_v(t));
-    }
-  } else {
-    // Tile t's S = Q.K^T and tile t - 1's P.V are in flight together; the
-    // softmax of S_t runs while P.V_{t-1} is still on the tensor cores, and O
-    // takes its rescale once that lands. P alternates between two register
-    // sets (P_t is written while P_{t-1} is still being read), so the loop
-    // walks two tiles per iteration with the sets swapped.
-    uint32_t pa0[1][KSTEPS_PV][4], pa1[1][KSTEPS_PV][4];
-    auto step = [&](int t, const uint32_t (&pa_prev)[1][KSTEPS_PV][4], uint32_t (&pa_next)[1][KSTEPS_PV][4]) {
-      tma::mbar_wait(full_k(t), (t / STAGES) & 1);
-      tma::mbar_wait(full_v(t - 1), ((t - 1) / STAGES) & 1);
-      float s[1][NT_S][4], factor[2];
-      fa3::fence();
-      issue_qk(s, t);
-      issue_pv(pa_prev, t - 1);
-      fa3::wait<1>();
-      fa3::fence_operands(s[0]);
-      release(empty_k(t));
-      softmax_tile(s, pa_next, t, true, factor);
-      fa3::wait<0>();
-      fa3::fence_operands(o[0]);
-      release(empty_v(t - 1));
-      if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) {
+    // Logits leave Q.K^T in natural units; the softmax applies sm_scale (or the
+    // soft-cap) in log2 units (fa2_softmax.cuh).
+    fa2::WarpSoftmax<Traits> softmax;
+    softmax.scale = Traits::kSoftCap ? 1.f : p.sm_scale * kLog2e;
+    softmax.cap_in = Traits::kSoftCap ? p.sm_scale / p.logits_soft_cap : 0.f;
+    softmax.cap_out = Traits::kSoftCap ? p.logits_soft_cap * kLog2e : 0.f;
+    softmax.m[0][0] = softmax.m[0][1] = kNegInf;
+    softmax.l[0][0] = softmax.l[0][1] = 0.f;
+    float o[1][NT_O][4];
 #pragma unroll
-        for (int n = 0; n < NT_O; ++n)
+    for (int n = 0; n < NT_O; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) o[0][n][e] *= factor[e >> 1];
-      }
+      for (int e = 0; e < 4; ++e) o[0][n][e] = 0.f;
+
+    // This warp's rows (clamped past the request) for the masks: a tile needs
+    // the element mask when some key of it is invisible to some row of the warp.
+    const int wq_first = min(warp_row0, rows_total - 1) / w.group;
+    const int wq_last = min(warp_row0 + 15, rows_total - 1) / w.group;
+    const int g = lane / 4, tq = lane % 4;
+    int q_off[2];  // query position + offset of this thread's rows g and g + 8
+#pragma unroll
+    for (int r = 0; r < 2; ++r) q_off[r] = min(warp_row0 + g + 8 * r, rows_total - 1) / w.group + offset;
+    auto mask_tile = [&](float (&sf)[NT_S][4], int, int k0) {
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + 8 * j + 2 * tq + (e & 1);
+          const int qo = q_off[e >> 1];
+          if (key >= w.kv_len || (Traits::kCausal && key > qo) || (Traits::kWindow && key < qo - window_left))
+            sf[j][e] = kNegInf;
+        }
     };
-    if (num_tiles > 0) {
-      tma::mbar_wait(full_k(0), 0);
-      {
+
+    // S = Q.K^T of tile t (issued and committed, not waited for).
+    // Each product's descriptors are formed per tile from one base (an add per
+    // k-step): the compiler would otherwise keep all of Q's k-step descriptors
+    // live across the loop, 2 registers each (d256: 32, and spills).
+    auto issue_qk = [&](float (&s)[1][NT_S][4], int t) {
+      const uint64_t q_desc = fa3::fresh(fa3::smem_desc(q_wg, 16, 1024));
+      const uint64_t k_desc = fa3::smem_desc(k_slot(seq + t), 16, 1024);
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS_QK; ++kk) {
+        const uint32_t at_q = QTile::block(kk / 4) + (kk % 4) * 32, at_k = KvLayout::block(kk / 4) + (kk % 4) * 32;
+        fa3::mma_ss<T, KEYS>(s[0], fa3::advance(q_desc, at_q), fa3::advance(k_desc, at_k), kk > 0);
+      }
+      fa3::commit();
+    };
+    // O += P.V of tile t (issued and committed).
+    auto issue_pv = [&](const uint32_t (&pa)[1][KSTEPS_PV][4], int t) {
+      const uint64_t v_desc = fa3::smem_desc(k_slot(seq + t) + Traits::kKvTileBytes, KEYS * 128, 1024);
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS_PV; ++kk) fa3::mma_rs<T, D>(o[0], pa[0][kk], fa3::advance(v_desc, kk * 16 * 128), 1);
+      fa3::commit();
+    };
+    // The softmax of tile t's S into P (pa); with defer_rescale, O is left for
+    // the caller to rescale by factor[] once the P.V in flight has landed.
+    auto softmax_tile = [&](float (&s)[1][NT_S][4], uint32_t (&pa)[1][KSTEPS_PV][4], int t, bool defer_rescale,
+                            float (&factor)[2]) {
+      const int k0 = key_begin + t * KEYS;
+      const bool need_mask = k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > wq_first + offset) ||
+                             (Traits::kWindow && k0 < wq_last + offset - window_left);
+      const float m_ref_before[2] = {softmax.m_ref[0][0], softmax.m_ref[0][1]};
+      softmax.update_max(s, o, k0, need_mask, t == 0 || defer_rescale, mask_tile);
+      // The factor update_max gives O when a row's max moves, from the same
+      // exponent references: exactly 1 where it stays.
+      if (defer_rescale) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) factor[r] = fa2::exp2_fast(m_ref_before[r] - softmax.m_ref[0][r]);
+      }
+      softmax.exp_to_p(s, pa, 0);
+    };
+    // This warp is done with a slot's K or V (its products waited for).
+    auto release = [&](uint32_t empty) {
+      __syncwarp();
+      if (lane == 0) tma::mbar_arrive(empty);
+    };
+
+    if constexpr (!Traits::kOverlap) {
+      // Each tile in turn: S, softmax, P.V, each product waited for.
+      for (int t = 0; t < num_tiles; ++t) {
+        tma::mbar_wait(full_k(seq + t), ((seq + t) / STAGES) & 1);
         float s[1][NT_S][4], factor[2];
+        uint32_t pa[1][KSTEPS_PV][4];
         fa3::fence();
-        issue_qk(s, 0);
+        issue_qk(s, t);
         fa3::wait<0>();
         fa3::fence_operands(s[0]);
-        release(empty_k(0));
-        softmax_tile(s, pa0, 0, false, factor);
+        release(empty_k(seq + t));
+        softmax_tile(s, pa, t, false, factor);
+        tma::mbar_wait(full_v(seq + t), ((seq + t) / STAGES) & 1);
+        fa3::fence();
+        issue_pv(pa, t);
+        fa3::wait<0>();
+        fa3::fence_operands(o[0]);
+        release(empty_v(seq + t));
       }
-      int t = 1;
-      for (; t + 1 < num_tiles; t += 2) {
-        step(t, pa0, pa1);
-        step(t + 1, pa1, pa0);
+    } else {
+      // Tile t's S = Q.K^T and tile t - 1's P.V are in flight together; the
+      // softmax of S_t runs while P.V_{t-1} is still on the tensor cores, and O
+      // takes its rescale once that lands. P alternates between two register
+      // sets (P_t is written while P_{t-1} is still being read), so the loop
+      // walks two tiles per iteration with the sets swapped.
+      uint32_t pa0[1][KSTEPS_PV][4], pa1[1][KSTEPS_PV][4];
+      auto step = [&](int t, const uint32_t (&pa_prev)[1][KSTEPS_PV][4], uint32_t (&pa_next)[1][KSTEPS_PV][4]) {
+        tma::mbar_wait(full_k(seq + t), ((seq + t) / STAGES) & 1);
+        tma::mbar_wait(full_v(seq + t - 1), ((seq + t - 1) / STAGES) & 1);
+        float s[1][NT_S][4], factor[2];
+        fa3::fence();
+        issue_qk(s, t);
+        issue_pv(pa_prev, t - 1);
+        fa3::wait<1>();
+        fa3::fence_operands(s[0]);
+        release(empty_k(seq + t));
+        softmax_tile(s, pa_next, t, true, factor);
+        fa3::wait<0>();
+        fa3::fence_operands(o[0]);
+        release(empty_v(seq + t - 1));
+        if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) {
+#pragma unroll
+          for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[0][n][e] *= factor[e >> 1];
+        }
+      };
+      if (num_tiles > 0) {
+        tma::mbar_wait(full_k(seq), (seq / STAGES) & 1);
+        {
+          float s[1][NT_S][4], factor[2];
+          fa3::fence();
+          issue_qk(s, 0);
+          fa3::wait<0>();
+          fa3::fence_operands(s[0]);
+          release(empty_k(seq));
+          softmax_tile(s, pa0, 0, false, factor);
+        }
+        int t = 1;
+        for (; t + 1 < num_tiles; t += 2) {
+          step(t, pa0, pa1);
+          step(t + 1, pa1, pa0);
+        }
+        const bool last_in_pa1 = t < num_tiles;
+        if (last_in_pa1) step(t, pa0, pa1);
+        tma::mbar_wait(full_v(seq + num_tiles - 1), ((seq + num_tiles - 1) / STAGES) & 1);
+        fa3::fence();
+        if (last_in_pa1) {
+          issue_pv(pa1, num_tiles - 1);
+        } else {
+          issue_pv(pa0, num_tiles - 1);
+        }
+        fa3::wait<0>();
+        fa3::fence_operands(o[0]);
+        release(empty_v(seq + num_tiles - 1));
       }
-      const bool last_in_pa1 = t < num_tiles;
-      if (last_in_pa1) step(t, pa0, pa1);
-      tma::mbar_wait(full_v(num_tiles - 1), ((num_tiles - 1) / STAGES) & 1);
-      fa3::fence();
-      if (last_in_pa1) {
-        issue_pv(pa1, num_tiles - 1);
-      } else {
-        issue_pv(pa0, num_tiles - 1);
-      }
-      fa3::wait<0>();
-      fa3::fence_operands(o[0]);
-      release(empty_v(num_tiles - 1));
     }
+    // Rows past rows_total (a whole warpgroup's, past the request) are not stored.
+    fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0, rows_total,
+                            softmax.scale);
+    seq += num_tiles;
   }
-  if (!wg_active) return;
-  fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0, rows_total,
-                          softmax.scale);
 }
 
 }  // namespace flashjit

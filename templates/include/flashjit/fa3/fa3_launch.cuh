@@ -24,8 +24,10 @@ int launch_fa3_attention(const FlashjitAttentionParams& p, cudaStream_t stream) 
                                                      p.num_kv_heads, p.v_stride_n, p.v_stride_h);
     if (err != cudaSuccess) return err;
   }
-  return launch_attention<fa3_attention_kernel<Traits>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
-      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream, tma_arg);
+  const int max_ctas = Traits::kPersistent ? multiprocessors() : 0;
+  if (max_ctas < 0) return cudaErrorUnknown;
+  return launch_attention_ctas<fa3_attention_kernel<Traits>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
+      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), max_ctas, stream, tma_arg);
 }
 
 template <class Traits>

@@ -10,8 +10,8 @@
 
 namespace flashjit {
 
-template <class DType_, int kHeadDim_, int kKeysPerTile_, int kStages_, bool kOverlap_, bool kCausal_, bool kWindow_,
-          bool kSoftCap_, bool kLse_>
+template <class DType_, int kHeadDim_, int kKeysPerTile_, int kStages_, bool kOverlap_, bool kPersistent_,
+          bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
 struct Fa3Traits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -21,6 +21,10 @@ struct Fa3Traits {
   // the softmax of t while P.V still runs: two sets of P registers, and a
   // slot's V is held one tile longer than its K.
   static constexpr bool kOverlap = kOverlap_;
+  // One CTA per SM walks the launch positions in turn, so that the loader
+  // starts the next position's tiles while the consumers finish the last
+  // one's (fa3_launch.cuh; otherwise one CTA per position).
+  static constexpr bool kPersistent = kPersistent_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kWindow = kWindow_;
   static constexpr bool kSoftCap = kSoftCap_;
