@@ -153,3 +153,29 @@ def test_only_the_sm90a_fa3_build_holds_wgmma(monkeypatch, tmp_path):
     assert "sm_80" in fa2_sass and "sm_89" in fa2_sass and "GMMA" not in fa2_sass
     # Q.K^T from shared memory, P.V with P from registers and V transposed.
     assert "HGMMA.64x128x16.F32.BF16" in fa3_sass and ".tnspB" in fa3_sass
+
+
+def test_strict_reaches_choose_backend_from_every_entry_point(monkeypatch):
+    """strict=True on the single-request functions and the wrappers' constructors
+    is what choose_backend sees when the op resolves its backend."""
+    import torch
+
+    import flashjit
+    from flashjit.ops.prefill import plan_spec as _launch_plan_spec
+
+    seen = []
+
+    def record(op, dtype, use_tensor_cores, backend, targets=None, strict=None):
+        seen.append((op, backend, strict))
+        raise ValueError("stop here")  # no launch: this test has no GPU
+
+    monkeypatch.setattr(arch, "choose_backend", record)
+    q = torch.randn(4, 2, 64, dtype=torch.float16)
+    for fn in (flashjit.single_prefill_with_kv_cache, flashjit.single_decode_with_kv_cache):
+        with pytest.raises(ValueError, match="stop here"):
+            fn(q if fn is flashjit.single_prefill_with_kv_cache else q[0], q, q, backend="fa3", strict=True)
+    assert seen == [("single_prefill", "fa3", True), ("single_decode", "fa3", True)]
+    # The wrappers' plan() resolves through plan_spec with the constructor's strict.
+    with pytest.raises(ValueError, match="stop here"):
+        _launch_plan_spec("batch_prefill_ragged", "fa3", 2, 2, 64, None, q_data_type=torch.float16, strict=True)
+    assert seen[-1] == ("batch_prefill_ragged", "fa3", True)

@@ -55,7 +55,7 @@ class BatchAttention:
     _plan_batch() from plan() and _launch() from run()."""
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, backend: str,
-                 page_indices_buffer=None):
+                 page_indices_buffer=None, strict: bool | None = None):
         _checks.check_layout(kv_layout)
         if not isinstance(float_workspace_buffer, torch.Tensor) or float_workspace_buffer.device.type != "cuda" \
                 or not float_workspace_buffer.is_contiguous():
@@ -68,6 +68,7 @@ class BatchAttention:
         self._device = float_workspace_buffer.device
         self._kv_layout = kv_layout
         self._backend = backend
+        self._strict = strict  # see select_spec
         self._use_cuda_graph = bool(use_cuda_graph)
         if page_indices_buffer is not None:
             _checks.int_tensor("paged_kv_indices_buffer", page_indices_buffer)

@@ -20,10 +20,12 @@ _announced: set = set()
 
 
 def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use_tensor_cores: bool | None,
-                causal: bool, window: bool, soft_cap: bool, return_lse: bool) -> KernelSpec:
-    """Resolves backend/tensor cores (logging the choice once per configuration) and validates."""
+                causal: bool, window: bool, soft_cap: bool, return_lse: bool, strict: bool | None = None) -> KernelSpec:
+    """Resolves backend/tensor cores (logging the choice once per configuration) and validates.
+    strict: an explicit backend this GPU or op cannot run raises instead of running fa2
+    (None: FLASHJIT_STRICT_BACKEND)."""
     name = canonical_dtype(dtype)
-    chosen_backend, tc, reason = arch.choose_backend(op, name, use_tensor_cores, backend)
+    chosen_backend, tc, reason = arch.choose_backend(op, name, use_tensor_cores, backend, strict=strict)
     spec = KernelSpec.make(op, name, head_dim, backend=chosen_backend, use_tensor_cores=tc, causal=bool(causal),
                            sliding_window=window, soft_cap=soft_cap, return_lse=return_lse).validate()
     if (backend == "auto" or use_tensor_cores is None) and spec not in _announced:
@@ -175,14 +177,14 @@ def resident_ctas(module: KernelModule, device: torch.device) -> int:
 
 def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_qo_heads: int, num_kv_heads: int,
                            *, causal: bool, sm_scale, window_left, logits_soft_cap, backend: str,
-                           use_tensor_cores, return_lse: bool) -> Prepared:
+                           use_tensor_cores, return_lse: bool, strict: bool | None = None) -> Prepared:
     """The shared end of single_prefill / single_decode preparation, after their
     own structural checks: scalars, configuration, placement, kernel, params.
     The output is allocated [tokens, heads, dim] (decode: [heads, dim]) contiguous."""
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
     spec = select_spec(op, q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,
-                       window=has_window, soft_cap=has_cap, return_lse=return_lse)
+                       window=has_window, soft_cap=has_cap, return_lse=return_lse, strict=strict)
     check_placement(q, k, v, spec)
     module = jit.get_module(spec)
     params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,

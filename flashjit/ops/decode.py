@@ -13,12 +13,13 @@ _prepared: dict[tuple, Prepared] = {}
 def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
                                 use_tensor_cores: bool = False, q_scale=None, k_scale=None, v_scale=None,
                                 window_left: int = -1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
-                                rope_theta=None, return_lse: bool = False, *, backend: str = "auto"):
+                                rope_theta=None, return_lse: bool = False, *, backend: str = "auto",
+                                strict: bool | None = None):
     """q [num_qo_heads, head_dim] against k/v [kv_len, num_kv_heads, head_dim] (NHD)
     or [num_kv_heads, kv_len, head_dim] (HND). Returns o like q, and with
     return_lse the base-2 log-sum-exp [num_qo_heads]."""
     options = (pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left, logits_soft_cap,
-               sm_scale, return_lse, backend)
+               sm_scale, return_lse, backend, strict)
     key = signature(q, k, v, kv_layout, False, options)
     prep = _prepared.get(key) if key is not None else None
     if prep is None:
@@ -30,11 +31,11 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
 
 
 def _prepare(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
-             logits_soft_cap, sm_scale, return_lse, backend) -> Prepared:
+             logits_soft_cap, sm_scale, return_lse, backend, strict) -> Prepared:
     _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, q_scale=q_scale, k_scale=k_scale,
                               v_scale=v_scale)
     _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout, q_ndim=2)
     return prepare_single_request("single_decode", q, k, v, kv_layout, head_dim, num_qo_heads, num_kv_heads,
                                   causal=False, sm_scale=sm_scale, window_left=window_left,
                                   logits_soft_cap=logits_soft_cap, backend=backend,
-                                  use_tensor_cores=use_tensor_cores, return_lse=return_lse)
+                                  use_tensor_cores=use_tensor_cores, return_lse=return_lse, strict=strict)

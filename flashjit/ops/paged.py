@@ -111,11 +111,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
                  paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto",
-                 jit_args=None):
+                 jit_args=None, *, strict: bool | None = None):
         _checks.check_unsupported(custom_mask=custom_mask_buf)
         if jit_args is not None:
             raise NotImplementedError("jit_args: custom JIT modules are not supported; flashjit generates its own")
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, paged_kv_indices_buf)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, paged_kv_indices_buf, strict)
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim_qk: int, page_size: int, head_dim_vo: int | None = None, custom_mask=None,
@@ -129,7 +129,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
         spec, scalars, q_dtype = plan_spec(
             "batch_prefill_paged", self._backend, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, custom_mask,
             packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
-            sm_scale, q_data_type, kv_data_type, o_data_type, use_tensor_cores)
+            sm_scale, q_data_type, kv_data_type, o_data_type, use_tensor_cores, strict=self._strict)
         self._plan_paged(qo, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size, spec, scalars,
                          q_dtype, num_qo_heads, num_kv_heads, head_dim_qk, fixed_split_size, disable_split_kv,
                          non_blocking)
@@ -142,10 +142,11 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
-                 paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None):
+                 paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None, *,
+                 strict: bool | None = None):
         if jit_args is not None:
             raise NotImplementedError("jit_args: custom JIT modules are not supported; flashjit generates its own")
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, paged_kv_indices_buffer)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, paged_kv_indices_buffer, strict)
         self._use_tensor_cores = bool(use_tensor_cores)
         self._qo_rows = "batch_size: one query token per request of indptr"
 
@@ -169,7 +170,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
                                            head_dim, None, pos_encoding_mode=pos_encoding_mode, causal=False,
                                            window_left=window_left, logits_soft_cap=logits_soft_cap,
                                            sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                                           o_data_type=o_data_type, use_tensor_cores=self._use_tensor_cores)
+                                           o_data_type=o_data_type, use_tensor_cores=self._use_tensor_cores,
+                                           strict=self._strict)
         self._plan_paged(list(range(batch + 1)), indptr, indices, last_page_len, page_size, spec, scalars, q_dtype,
                          num_qo_heads, num_kv_heads, head_dim, fixed_split_size, disable_split_kv, non_blocking,
                          names=("indptr", "indices", "last_page_len"))

@@ -18,12 +18,14 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
                                  pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
                                  sm_scale=None, window_left: int = -1, logits_soft_cap=None, rope_scale=None,
                                  rope_theta=None, backend: str = "auto", return_lse: bool = False, *,
-                                 use_tensor_cores: bool | None = None):
+                                 use_tensor_cores: bool | None = None, strict: bool | None = None):
     """Attention of one request: q [qo_len, num_qo_heads, head_dim], k/v [kv_len,
     num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND).
-    Returns o like q, and with return_lse the base-2 log-sum-exp [qo_len, num_qo_heads]."""
+    Returns o like q, and with return_lse the base-2 log-sum-exp [qo_len, num_qo_heads].
+    strict=True: a backend this GPU cannot run (fa3 off sm_90a) raises instead of running fa2."""
     options = (scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
-               use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend, return_lse, use_tensor_cores)
+               use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend, return_lse, use_tensor_cores,
+               strict)
     key = signature(q, k, v, kv_layout, True, options)
     prep = _prepared.get(key) if key is not None else None
     if prep is None:
@@ -37,7 +39,7 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
 
 def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal,
                     pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend,
-                    return_lse, use_tensor_cores) -> Prepared:
+                    return_lse, use_tensor_cores, strict) -> Prepared:
     _checks.check_unsupported(scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, custom_mask=custom_mask,
                               packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
                               use_fp16_qk_reduction=use_fp16_qk_reduction)
@@ -47,7 +49,7 @@ def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, cust
     return prepare_single_request("single_prefill", q, k, v, kv_layout, head_dim, num_qo_heads, num_kv_heads,
                                   causal=causal, sm_scale=sm_scale, window_left=window_left,
                                   logits_soft_cap=logits_soft_cap, backend=backend,
-                                  use_tensor_cores=use_tensor_cores, return_lse=return_lse)
+                                  use_tensor_cores=use_tensor_cores, return_lse=return_lse, strict=strict)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
@@ -57,11 +59,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
-                 backend: str = "auto", jit_args=None):
+                 backend: str = "auto", jit_args=None, *, strict: bool | None = None):
         _checks.check_unsupported(custom_mask=custom_mask_buf)
         if jit_args is not None:
             raise NotImplementedError("jit_args: custom JIT modules are not supported; flashjit generates its own")
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, strict=strict)
 
     def plan(self, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
              head_dim_vo: int | None = None, custom_mask=None, packed_custom_mask=None, causal: bool = False,
@@ -76,7 +78,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
         spec, scalars, q_dtype = plan_spec(
             "batch_prefill_ragged", self._backend, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, custom_mask,
             packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
-            sm_scale, q_data_type, kv_data_type, o_data_type, use_tensor_cores)
+            sm_scale, q_data_type, kv_data_type, o_data_type, use_tensor_cores, strict=self._strict)
         kv_lens = [kv[i + 1] - kv[i] for i in range(len(kv) - 1)]
         self._plan_batch(spec, qo, kv, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                          head_dim=head_dim_qk, q_dtype=q_dtype, scalars=scalars, fixed_chunk=fixed_split_size,
@@ -125,7 +127,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
 def plan_spec(op: str, backend: str, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo,
               custom_mask=None, packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
               use_fp16_qk_reduction: bool = False, window_left=-1, logits_soft_cap=None, sm_scale=None,
-              q_data_type="float16", kv_data_type=None, o_data_type=None, use_tensor_cores=None):
+              q_data_type="float16", kv_data_type=None, o_data_type=None, use_tensor_cores=None, strict=None):
     """The checks every batch plan() shares; returns (spec, scalars, q dtype).
     The LSE variant writes LSE only when run() passes a buffer, so one plan serves both."""
     _checks.check_unsupported(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
@@ -141,5 +143,5 @@ def plan_spec(op: str, backend: str, num_qo_heads: int, num_kv_heads: int, head_
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim_qk, window_left,
                                                                              logits_soft_cap)
     spec = select_spec(op, q_dtype, head_dim_qk, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,
-                       window=has_window, soft_cap=has_cap, return_lse=True)
+                       window=has_window, soft_cap=has_cap, return_lse=True, strict=strict)
     return spec, (sm_scale, window_left, cap), q_dtype
