@@ -41,10 +41,10 @@ class Fa3Tiling:
 
 
 # Per head_dim, on an H200 (benchmarks/results/2026-11-24-h200-fa3-tilings.md):
-# every head_dim overlaps tile t's Q.K^T with tile t - 1's P.V, 4-25% faster
+# every head_dim overlaps tile t's Q.K^T with tile t - 1's P.V, 7-34% faster
 # than one product at a time on 4k-16k rows. S takes keys_per_tile / 2 fp32
 # registers per consumer thread and O head_dim / 2: d256 keeps 64-key tiles
-# within the 232 registers a consumer gets. d64 takes a third stage (+2-4%);
+# within the 232 registers a consumer gets. d64 takes a third stage (+0-2.5%);
 # d128 is as fast or faster with two. d64 and d128 run a persistent grid (+1-9%
 # over one CTA per position on every row but d64 16k causal, -0.5%); d256 does
 # not (+6% on 1k causal, -1% to -3% on five other rows).
