@@ -199,17 +199,22 @@ def backend_targets() -> tuple[str, ...]:
     return env_arches() or DEFAULT_ARCHES
 
 
+# The words a FLASHJIT_* on/off setting takes (any case, nothing around them).
+SWITCH_ON = ("1", "true", "yes")
+SWITCH_OFF = ("", "0", "false", "no")
+
+
 def strict_backend() -> bool:
     """FLASHJIT_STRICT_BACKEND=1: an explicit backend the target cannot run is an
     error, not a fallback. A value it does not know is a SettingError."""
-    raw = os.environ.get("FLASHJIT_STRICT_BACKEND", "0")
-    value = raw.strip().lower()
-    if value in ("", "0", "false", "no", "off"):
+    raw = os.environ.get("FLASHJIT_STRICT_BACKEND", "")
+    if raw.lower() in SWITCH_OFF:
         return False
-    if value in ("1", "true", "yes", "on"):
+    if raw.lower() in SWITCH_ON:
         return True
-    raise SettingError(f"FLASHJIT_STRICT_BACKEND: expected 0 or 1 (or true/false), got {raw!r}; set it to 1 (an "
-                       f"explicit backend the target cannot run is an error) or 0 (it falls back to fa2), or unset it")
+    raise SettingError(f"FLASHJIT_STRICT_BACKEND: expected 0 or 1 (or true/false, yes/no), got {raw!r}; set it to 1 "
+                       f"(an explicit backend the target cannot run is an error) or 0 (it falls back to fa2), or "
+                       f"unset it")
 
 
 _warned_fallbacks: set = set()

@@ -341,6 +341,9 @@ def main(argv=None) -> int:
         level = log_level()
         with _log_to_stderr(level), warnings.catch_warnings():
             warnings.showwarning = one_line_warning
+            # torch says this on its first import where numpy is not installed, which
+            # flashjit does not need: not the user's concern in a flashjit command.
+            warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
             return args.func(args)
     except FlashjitError as exc:
         print(f"flashjit {args.command}: {exc}", file=sys.stderr)

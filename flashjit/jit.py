@@ -38,17 +38,15 @@ _modules_lock = threading.Lock()
 
 # The words FLASHJIT_DISABLE_JIT takes (any case); anything else, a typo or
 # "off", is a SettingError rather than a guess in either direction.
-DISABLE_JIT_OFF = ("", "0", "false", "no")
-DISABLE_JIT_ON = ("1", "true", "yes")
 
 
 def jit_disabled() -> bool:
     """FLASHJIT_DISABLE_JIT: True (a cache miss is a JitDisabledError) for 1,
     true or yes; False (a miss is compiled) for 0, false, no, empty or unset."""
     value = os.environ.get("FLASHJIT_DISABLE_JIT", "")
-    if value.lower() in DISABLE_JIT_OFF:
+    if value.lower() in arch_mod.SWITCH_OFF:
         return False
-    if value.lower() in DISABLE_JIT_ON:
+    if value.lower() in arch_mod.SWITCH_ON:
         return True
     raise SettingError(f"FLASHJIT_DISABLE_JIT: expected 1, true or yes (a cache miss is an error) or 0, false, no "
                        f"or empty (a miss is compiled), got {value!r}; set one of them, or unset it")

@@ -66,7 +66,7 @@ def test_bad_disable_jit(cli_env, monkeypatch, capsys, value):
     _one_line_error(capsys, ["info"], "FLASHJIT_DISABLE_JIT")
 
 
-@pytest.mark.parametrize("value", ["maybe", "2", "strict"])
+@pytest.mark.parametrize("value", ["maybe", "2", "strict", "on", " 1"])
 def test_bad_strict_backend(cli_env, monkeypatch, capsys, value):
     monkeypatch.setenv("FLASHJIT_STRICT_BACKEND", value)
     err = _one_line_error(capsys, PREWARM_ONE, "FLASHJIT_STRICT_BACKEND")

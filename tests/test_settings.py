@@ -171,7 +171,7 @@ def test_good_nvcc_path(monkeypatch, tmp_path):
 def test_bad_strict_backend(settings_env, monkeypatch, capsys, value):
     monkeypatch.setenv("FLASHJIT_STRICT_BACKEND", value)
     message = _setting_error(arch.strict_backend, "FLASHJIT_STRICT_BACKEND")
-    assert message.startswith(f"FLASHJIT_STRICT_BACKEND: expected 0 or 1 (or true/false), got {value!r}; ")
+    assert message.startswith(f"FLASHJIT_STRICT_BACKEND: expected 0 or 1 (or true/false, yes/no), got {value!r}; ")
     assert "fa2" in message
     # Where the library reads it: an explicit fa3 the target cannot run.
     with pytest.raises(SettingError, match="FLASHJIT_STRICT_BACKEND: expected 0 or 1"):
