@@ -1,0 +1,58 @@
+"""A few small fa3 launches for compute-sanitizer (memcheck, racecheck,
+synccheck): each head dim once on a single request with a partial last tile
+and GQA, and a ragged batch that leaves a consumer warpgroup without rows,
+walks a persistent grid and splits its long request. Checks each output against
+float64 within its profile, so that a clean sanitizer run is also a correct one.
+
+Usage: python benchmarks/dev/fa3_sanitize.py            (build and check)
+       compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/dev/fa3_sanitize.py
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+import flashjit
+from flashjit.reference import attention_reference, ragged_reference
+from flashjit.spec import KernelSpec
+
+
+def check(spec, out, ref, q, k, v, kv_len, d):
+    tol = flashjit.tolerance(spec, q=q, k=k, v=v, kv_len=kv_len, sm_scale=1 / math.sqrt(d))
+    return tol.assert_close(out, ref, spec.name)
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    dtype, worst = torch.bfloat16, 0.0
+    for d in (64, 128, 256):
+        q = torch.randn(150, 8, d, device="cuda").to(dtype)
+        k, v = (torch.randn(300, 2, d, device="cuda").to(dtype) for _ in range(2))
+        out = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, backend="fa3", use_tensor_cores=True,
+                                                    strict=True)
+        ref, _ = attention_reference(q, k, v, causal=True)
+        spec = KernelSpec.make("single_prefill", dtype, d, backend="fa3", use_tensor_cores=True, causal=True)
+        worst = max(worst, check(spec, out, ref, q, k, v, 300, d))
+    qo_lens, kv_lens, d = [3, 40, 1], [2000, 40, 7], 128
+    qo = torch.tensor([0, *qo_lens]).cumsum(0).to(torch.int32)
+    kv = torch.tensor([0, *kv_lens]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(qo[-1]), 4, d, device="cuda").to(dtype)
+    k, v = (torch.randn(int(kv[-1]), 4, d, device="cuda").to(dtype) for _ in range(2))
+    w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"),
+                                                      backend="fa3", strict=True)
+    w.plan(qo, kv, 4, 4, d, causal=True, q_data_type=dtype, fixed_split_size=512)
+    out, lse = w.run(q, k, v, return_lse=True)
+    ref, _ = ragged_reference(q, k, v, qo.tolist(), kv.tolist(), causal=True)
+    spec = KernelSpec.make("batch_prefill_ragged", dtype, d, backend="fa3", use_tensor_cores=True, causal=True,
+                           return_lse=True)
+    worst = max(worst, check(spec, out, ref, q, k, v, max(kv_lens), d))
+    torch.cuda.synchronize()
+    print(f"fa3 sanitizer cases: worst err/bound {worst:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
