@@ -15,7 +15,9 @@
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <cuda_fp16.h>
 #include <stdint.h>
+#include <type_traits>
 #include "flashjit/common/attention_params.cuh"
 
 namespace flashjit {
@@ -145,6 +147,19 @@ int encode_kv_map(CUtensorMap* map, int32_t* heads_outer, const void* data, CUte
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// Both tensor maps of a launch's K and V (16-bit DType, boxes of kBoxRows
+// tokens), from its parameters. Returns a cudaError_t value.
+template <class DType, int kBoxRows>
+int encode_kv_maps(KvTensorMaps* maps, const FlashjitAttentionParams& p, int head_dim) {
+  constexpr CUtensorMapDataType kType =
+      std::is_same<DType, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const int err = encode_kv_map<kBoxRows>(&maps->k, &maps->heads_outer_k, p.k, kType, head_dim, p.num_kv_heads,
+                                          p.k_stride_n, p.k_stride_h);
+  if (err != cudaSuccess) return err;
+  return encode_kv_map<kBoxRows>(&maps->v, &maps->heads_outer_v, p.v, kType, head_dim, p.num_kv_heads,
+                                 p.v_stride_n, p.v_stride_h);
 }
 
 }  // namespace tma

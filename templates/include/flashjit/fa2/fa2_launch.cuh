@@ -2,7 +2,6 @@
 // launch (with TMA, the K/V tensor maps encoded for the call) and the
 // occupancy query the planner sizes its waves by.
 #pragma once
-#include <type_traits>
 #include "flashjit/fa2/fa2_attention.cuh"
 #include "flashjit/common/kernel_config.cuh"
 #include "flashjit/common/tma.cuh"
@@ -14,15 +13,8 @@ int launch_fa2_attention(const FlashjitAttentionParams& p, cudaStream_t stream) 
   KvMapsArg<Traits::kTmaKv> tma_arg;
   if constexpr (Traits::kTmaKv) {
     if (p.num_work > 0 && p.num_kv_heads > 0) {
-      constexpr CUtensorMapDataType kType = std::is_same<typename Traits::DType, __half>::value
-                                                ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-      KvTensorMaps& maps = tma_arg.maps;
-      int err = tma::encode_kv_map<Traits::kKeysPerTile>(&maps.k, &maps.heads_outer_k, p.k, kType, Traits::kHeadDim,
-                                                         p.num_kv_heads, p.k_stride_n, p.k_stride_h);
-      if (err == cudaSuccess)
-        err = tma::encode_kv_map<Traits::kKeysPerTile>(&maps.v, &maps.heads_outer_v, p.v, kType, Traits::kHeadDim,
-                                                       p.num_kv_heads, p.v_stride_n, p.v_stride_h);
+      const int err =
+          tma::encode_kv_maps<typename Traits::DType, Traits::kKeysPerTile>(&tma_arg.maps, p, Traits::kHeadDim);
       if (err != cudaSuccess) return err;
     }
   }

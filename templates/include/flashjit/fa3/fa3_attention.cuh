@@ -259,19 +259,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int wq_first = min(warp_row0, rows_total - 1) / w.group;
     const int wq_last = min(warp_row0 + 15, rows_total - 1) / w.group;
     const int g = lane / 4, tq = lane % 4;
-    int q_off[2];  // query position + offset of this thread's rows g and g + 8
+    const Mask<Traits::kCausal, Traits::kWindow> mask{offset, window_left};
+    int q_pos[2];  // query position of this thread's rows g and g + 8
 #pragma unroll
-    for (int r = 0; r < 2; ++r) q_off[r] = min(warp_row0 + g + 8 * r, rows_total - 1) / w.group + offset;
+    for (int r = 0; r < 2; ++r) q_pos[r] = min(warp_row0 + g + 8 * r, rows_total - 1) / w.group;
+    // s[j][e]: row g + 8 * (e / 2), key k0 + 8j + 2 * tq + e % 2 (fa3_wgmma.cuh).
     auto mask_tile = [&](float (&sf)[NT_S][4], int, int k0) {
 #pragma unroll
       for (int j = 0; j < NT_S; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + 8 * j + 2 * tq + (e & 1);
-          const int qo = q_off[e >> 1];
-          if (key >= w.kv_len || (Traits::kCausal && key > qo) || (Traits::kWindow && key < qo - window_left))
-            sf[j][e] = kNegInf;
-        }
+        for (int e = 0; e < 4; ++e)
+          if (!mask.visible(q_pos[e >> 1], k0 + 8 * j + 2 * tq + (e & 1), w.kv_len)) sf[j][e] = kNegInf;
     };
 
     // S = Q.K^T of tile t (issued and committed, not waited for).
