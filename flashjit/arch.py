@@ -251,11 +251,12 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
         if backend != "auto":
             reason += f"; backend={backend} was requested"
         return "fa2", use_tensor_cores, reason
+    on_this_gpu = targets is None and device_arch() is not None
     targets = backend_targets() if targets is None else tuple(targets)
     why_not = None
     if not all(t in fa3.ARCHES for t in targets):
         why_not = (f"fa3 needs wgmma (sm_90a: H100/H200) and the target is {', '.join(targets)}"
-                   + (f" ({device_name()})" if device_arch() is not None else ""))
+                   + (f" ({device_name()})" if on_this_gpu else ""))
     elif op not in FA3_OPS:
         why_not = f"fa3 does not generate {op} (it does {', '.join(FA3_OPS)})"
     if backend == "auto":

@@ -36,13 +36,11 @@ _modules: dict[tuple, KernelModule] = {}
 _modules_lock = threading.Lock()
 
 
-# The words FLASHJIT_DISABLE_JIT takes (any case); anything else, a typo or
-# "off", is a SettingError rather than a guess in either direction.
-
-
 def jit_disabled() -> bool:
     """FLASHJIT_DISABLE_JIT: True (a cache miss is a JitDisabledError) for 1,
-    true or yes; False (a miss is compiled) for 0, false, no, empty or unset."""
+    true or yes; False (a miss is compiled) for 0, false, no, empty or unset.
+    Anything else, a typo or "off", is a SettingError rather than a guess in
+    either direction (arch.SWITCH_ON / SWITCH_OFF)."""
     value = os.environ.get("FLASHJIT_DISABLE_JIT", "")
     if value.lower() in arch_mod.SWITCH_OFF:
         return False
