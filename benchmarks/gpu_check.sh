@@ -18,17 +18,8 @@ set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export FLASHJIT_CACHE_DIR=${FLASHJIT_CACHE_DIR:-/tmp/flashjit-cache} FLASHJIT_JOBS=${FLASHJIT_JOBS:-16}
+. benchmarks/gpu_env.sh
 export FLASHJIT_ERROR_REPORT=$OUT/error_report.json
-if [ -f .whl/site.txz ] && [ ! -d .whl/site ]; then
-  tar -C .whl -xJf .whl/site.txz  # benchmarks/pack_flashinfer.sh
-elif ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .whl/site ]; then
-  pip install -q --no-deps --target .whl/site .whl/*.whl > "$OUT/flashinfer_install.log" 2>&1 || true
-fi
-if [ -d .whl/site ]; then
-  export PYTHONPATH=$PYTHONPATH:$PWD/.whl/site FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
-fi
 status=0
 summarize_errors() {  # the GPU tests write the report: without them (bench, SKIP_TESTS) there is none
   [ -f "$OUT/error_report.json" ] || return 0

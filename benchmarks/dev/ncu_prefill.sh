@@ -15,16 +15,7 @@ OUT=${OUT:-$PWD/ncu_out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/../.."  # the repository root: .whl/, benchmarks/
 : > "$OUT/variants.txt"  # the archive below lists it even when no variant is given
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export FLASHJIT_CACHE_DIR=${FLASHJIT_CACHE_DIR:-/tmp/flashjit-cache} FLASHJIT_JOBS=${FLASHJIT_JOBS:-16}
-if [ -f .whl/site.txz ] && [ ! -d .whl/site ]; then
-  tar -C .whl -xJf .whl/site.txz  # benchmarks/pack_flashinfer.sh
-elif ls .whl/*.whl >/dev/null 2>&1 && [ ! -d .whl/site ]; then
-  pip install -q --no-deps --target .whl/site .whl/*.whl > "$OUT/flashinfer_install.log" 2>&1 || true
-fi
-if [ -d .whl/site ]; then
-  export PYTHONPATH=$PYTHONPATH:$PWD/.whl/site FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
-fi
+. benchmarks/gpu_env.sh
 
 profile() {  # name, extra profile_prefill.py arguments...
   local name=$1; shift
