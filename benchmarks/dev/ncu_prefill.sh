@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Hardware counters of one d128 bf16 prefill call (benchmarks/dev/profile_prefill.py:
 # 4 x 4096 tokens, 16 heads, not causal; $PROFILE_ARGS such as '--shape 16 1024
-# --causal' change it) for flashjit's default tiling, each tiling given as an
+# --causal --backend fa3' change it) for flashjit's default tiling, each tiling given as an
 # argument (a Fa2Tiling(...) expression, with '@DIR' rendered from the templates
 # folder DIR), and FlashInfer fa2 when importable. Reports (.ncu-rep, raw CSV,
 # SASS with stall samples) go to $OUT; a table of the throughput and stall
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/../.."  # the repository root: .whl/, benchmarks/
 
 profile() {  # name, extra profile_prefill.py arguments...
   local name=$1; shift
-  ncu --clock-control none --set full --import-source no -k 'regex:fa2_attention|BatchPrefill' -c 1 \
+  ncu --clock-control none --set full --import-source no -k 'regex:fa[23]_attention|BatchPrefill' -c 1 \
     -f -o "$OUT/$name" python3 benchmarks/dev/profile_prefill.py ${PROFILE_ARGS:-} "$@" > "$OUT/$name.log" 2>&1 \
     || { echo "$name: ncu failed"; tail -5 "$OUT/$name.log"; return; }
   ncu -i "$OUT/$name.ncu-rep" --page raw --csv > "$OUT/$name.raw.csv" 2>/dev/null
@@ -38,8 +38,9 @@ for tiling in "$@"; do
   echo "variant$i = $tiling" >> "$OUT/variants.txt"
 done
 if python3 -c "import flashinfer" 2>/dev/null; then
-  # FlashInfer's plan/run are profiled in a process of their own; flashjit's kernel is skipped there.
-  ncu --clock-control none --set full --import-source no -k 'regex:BatchPrefill' -c 1 -f -o "$OUT/flashinfer" \
+  # FlashInfer's plan/run are profiled in a process of their own; flashjit's kernel is skipped there
+  # (its fa2 kernels are named BatchPrefill..., its fa3 ones PrefillWithKVCacheKernel).
+  ncu --clock-control none --set full --import-source no -k 'regex:BatchPrefill|PrefillWithKVCache' -c 1 -f -o "$OUT/flashinfer" \
     python3 benchmarks/dev/profile_prefill.py ${PROFILE_ARGS:-} > "$OUT/flashinfer.log" 2>&1 || echo "flashinfer: ncu failed"
   ncu -i "$OUT/flashinfer.ncu-rep" --page raw --csv > "$OUT/flashinfer.raw.csv" 2>/dev/null
   ncu -i "$OUT/flashinfer.ncu-rep" --page source --csv --print-source sass > "$OUT/flashinfer.sass.csv" 2>/dev/null

@@ -1,6 +1,8 @@
-"""One bf16 prefill call of flashjit fa2 and of FlashInfer fa2 (when importable),
-for a profiler to compare: `ncu -k regex:'fa2_attention|Prefill' python benchmarks/dev/profile_prefill.py`.
-Shape: 4 requests x 4096 tokens, 16 heads, head_dim 128, not causal; `--shape B S` and `--causal` change it.
+"""One bf16 prefill call of flashjit and of FlashInfer (when importable) on the same backend,
+fa2 unless `--backend fa3`, for a profiler to compare:
+`ncu -k regex:'fa[23]_attention|Prefill' python benchmarks/dev/profile_prefill.py`.
+Shape: 4 requests x 4096 tokens, head_dim 128 (`--head-dim`), 2048 / head_dim heads, not causal;
+`--shape B S` and `--causal` change it.
 `--templates DIR` renders from another templates/ copy (as fa2_tilings.py's --baseline-templates);
 `--tiling 'Fa2Tiling(...)'` replaces the d128 default tiling; `--no-flashinfer` skips FlashInfer."""
 
@@ -27,6 +29,8 @@ parser.add_argument("--tiling")
 parser.add_argument("--no-flashinfer", action="store_true")
 parser.add_argument("--shape", type=int, nargs=2, default=(4, 4096), metavar=("B", "S"))
 parser.add_argument("--causal", action="store_true")
+parser.add_argument("--backend", choices=["fa2", "fa3"], default="fa2")
+parser.add_argument("--head-dim", type=int, default=128)
 args = parser.parse_args()
 if args.templates:
     use_templates(args.templates.resolve())
@@ -41,10 +45,12 @@ if args.templates or args.tiling:
     # fresh cache keeps a variant from loading the default's library.
     os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fa2-profile-")
 
-(b, s), h, d = args.shape, 16, 128
+(b, s), d = args.shape, args.head_dim
+h = 2048 // d
 indptr = torch.arange(b + 1, dtype=torch.int32) * s
 q, k, v = (torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
+                                                  backend=args.backend)
 w.plan(indptr, indptr, h, h, d, causal=args.causal, q_data_type=torch.bfloat16)
 w.run(q, k, v)
 try:
@@ -53,7 +59,7 @@ try:
     import flashinfer
 
     fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
-                                                         "NHD", backend="fa2")
+                                                         "NHD", backend=args.backend)
     fw.plan(indptr.cuda(), indptr.cuda(), h, h, d, causal=args.causal, q_data_type=torch.bfloat16)
     fw.run(q, k, v)
 except ImportError:
