@@ -161,7 +161,7 @@ def test_strict_reaches_choose_backend_from_every_entry_point(monkeypatch):
     import torch
 
     import flashjit
-    from flashjit.ops.prefill import plan_spec as _launch_plan_spec
+    from flashjit.ops.prefill import plan_spec
 
     seen = []
 
@@ -177,5 +177,5 @@ def test_strict_reaches_choose_backend_from_every_entry_point(monkeypatch):
     assert seen == [("single_prefill", "fa3", True), ("single_decode", "fa3", True)]
     # The wrappers' plan() resolves through plan_spec with the constructor's strict.
     with pytest.raises(ValueError, match="stop here"):
-        _launch_plan_spec("batch_prefill_ragged", "fa3", 2, 2, 64, None, q_data_type=torch.float16, strict=True)
+        plan_spec("batch_prefill_ragged", "fa3", 2, 2, 64, None, q_data_type=torch.float16, strict=True)
     assert seen[-1] == ("batch_prefill_ragged", "fa3", True)
