@@ -56,16 +56,17 @@ def _os_error(action: str, path: Path, exc: OSError) -> CacheError:
     return CacheError(f"cannot {action} {path}: {exc.strerror or exc}; {fix}")
 
 
-def check_safe_dir(path: Path) -> None:
-    """A directory we load code from: a real directory (no symlink), owned by us,
-    writable by nobody else. Raises CacheError otherwise."""
+def check_safe_dir(path: Path, allow_root_owner: bool = False) -> None:
+    """A directory we load code from: a real directory (no symlink), owned by us
+    (or, with allow_root_owner, for a read-only layer baked into an image, by
+    root), writable by nobody else. Raises CacheError otherwise."""
     try:
         st = os.lstat(path)
     except OSError as exc:
         raise _os_error("inspect", path, exc) from exc
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise CacheError(f"refusing cache path {path}: it is a symlink or not a directory")
-    if st.st_uid != os.getuid():
+    if st.st_uid != os.getuid() and not (allow_root_owner and st.st_uid == 0):
         raise CacheError(f"refusing cache directory {path}: owned by uid {st.st_uid}, not by you "
                          f"(uid {os.getuid()}); set FLASHJIT_CACHE_DIR to a directory of your own")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -112,14 +113,16 @@ class Entry:
         return self.path / self.manifest["artifact"]
 
 
-def verify_entry(path: Path, expected_key: str | None = None) -> tuple[Entry | None, list[str]]:
+def verify_entry(path: Path, expected_key: str | None = None,
+                 readonly: bool = False) -> tuple[Entry | None, list[str]]:
     """Checks one entry: safe directory, manifest present and parseable, key
     matching its inputs and its directory, artifact a regular file whose sha256
-    matches. Returns (entry or None, problems)."""
+    matches. `readonly` (an entry of a FLASHJIT_CACHE_READONLY layer) also
+    accepts root-owned directories. Returns (entry or None, problems)."""
     problems: list[str] = []
     try:
-        check_safe_dir(path.parent)  # the configuration directory: renaming into it replaces entries
-        check_safe_dir(path)
+        check_safe_dir(path.parent, readonly)  # the configuration directory: renaming into it replaces entries
+        check_safe_dir(path, readonly)
     except CacheError as exc:
         return None, [str(exc)]
     try:
@@ -151,18 +154,18 @@ def entry_path(root: Path, name: str, key: str) -> Path:
     return root / name / key
 
 
-def find_entry(root: Path, name: str, key: str) -> Entry | None:
+def find_entry(root: Path, name: str, key: str, readonly: bool = False) -> Entry | None:
     """The valid entry for (name, key), or None for a miss (absent, partial or corrupt)."""
     path = entry_path(root, name, key)
     if not path.exists():
         return None
-    entry, problems = verify_entry(path, key)
+    entry, problems = verify_entry(path, key, readonly)
     if problems:
         log.warning("flashjit: cache entry %s is invalid (%s); it will be rebuilt", path, "; ".join(problems))
     return entry
 
 
-def find_entry_by_fingerprint(root: Path, name: str, fingerprint: str) -> Entry | None:
+def find_entry_by_fingerprint(root: Path, name: str, fingerprint: str, readonly: bool = False) -> Entry | None:
     """The valid entry whose manifest records this fingerprint (see jit.fingerprint):
     the cached-load path, which neither renders nor hashes sources."""
     config_dir = root / name
@@ -176,20 +179,20 @@ def find_entry_by_fingerprint(root: Path, name: str, fingerprint: str) -> Entry 
         except (OSError, ValueError):
             continue
         if recorded == fingerprint:
-            entry, problems = verify_entry(path)
+            entry, problems = verify_entry(path, readonly=readonly)
             if problems:
                 log.warning("flashjit: cache entry %s is invalid (%s); it will be rebuilt", path, "; ".join(problems))
             return entry
     return None
 
 
-def find_entry_any_toolchain(root: Path, name: str, key_inputs: dict) -> Entry | None:
+def find_entry_any_toolchain(root: Path, name: str, key_inputs: dict, readonly: bool = False) -> Entry | None:
     """For a machine without nvcc: a valid entry whose inputs equal key_inputs in
     everything but the nvcc version (the newest such one)."""
     wanted = {k: v for k, v in key_inputs.items() if k != "nvcc_version"}
     found: list[Entry] = []
     for path in sorted((root / name).glob("[0-9a-f]*")) if (root / name).is_dir() else []:
-        entry, problems = verify_entry(path)
+        entry, problems = verify_entry(path, readonly=readonly)
         if entry and {k: v for k, v in entry.manifest["key_inputs"].items() if k != "nvcc_version"} == wanted:
             found.append(entry)
     return max(found, key=lambda e: e.manifest.get("created_unix", 0), default=None)

@@ -99,7 +99,7 @@ def _summary(specs: list[KernelSpec], arches) -> list[str]:
 
 
 def cmd_prewarm(args) -> int:
-    from . import arch, build, jit
+    from . import arch, build, cache_ship, jit
 
     # Every setting the selection and the build read, before either, through
     # the library's own parsers (each a SettingError naming the variable).
@@ -110,6 +110,7 @@ def cmd_prewarm(args) -> int:
     jit.jit_disabled()
     arch.strict_backend()
     arch.env_nvcc()
+    cache_ship.readonly_roots()
     # The arches (named, else this GPU, else the default set) decide the
     # backends of the selection; they are checked before the cache is created.
     arches = jit.resolve_arches(args.arch)
@@ -158,8 +159,29 @@ def cmd_prewarm(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from . import cache
+    from . import cache, cache_ship
 
+    if args.action in ("export", "import") and not args.file:
+        print(f"flashjit cache: {args.action} needs the archive's path: flashjit cache {args.action} FILE",
+              file=sys.stderr)
+        return 2
+    if (args.action != "export" and args.patterns) or (args.action not in ("export", "import") and args.file):
+        print(f"flashjit cache: {args.action} takes no further arguments", file=sys.stderr)
+        return 2
+    if args.action == "export":
+        root = cache_root(create=False)
+        entries = cache_ship.export_cache(root, Path(args.file), args.patterns)
+        print(f"exported {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} from {root} to {args.file}")
+        return 0
+    if args.action == "import":
+        root = cache_root(create=True)
+        published, skipped = cache_ship.import_cache(Path(args.file), root)
+        for path in published:
+            print(f"imported  {path}")
+        for path in skipped:
+            print(f"present   {path}")
+        print(f"{len(published)} imported, {len(skipped)} already present in {root}")
+        return 0
     root = cache_root(create=False)
     if args.action == "clear":
         print(f"removed {cache.clear(root)} configuration(s) from {root}")
@@ -183,7 +205,7 @@ def cmd_cache(args) -> int:
 def cmd_info(args) -> int:
     """Describes this machine; a bad setting shows in its line and as one line
     on stderr at the end (exit 2), so the rest is still reported."""
-    from . import __version__, arch, build, jit
+    from . import __version__, arch, build, cache_ship, jit
 
     problems: list[str] = []
 
@@ -206,6 +228,8 @@ def cmd_info(args) -> int:
     nvcc = setting(arch.find_nvcc, lambda found: found or f"not found: {arch.NVCC_HINT}")
     print(f"nvcc          {nvcc} ({arch.nvcc_version(nvcc)})" if os.path.isfile(nvcc) else f"nvcc          {nvcc}")
     print(f"cache dir     {setting(lambda: cache_root(create=False), str)}")
+    layers = setting(cache_ship.readonly_roots, lambda roots: ", ".join(map(str, roots)) or "none")
+    print(f"read-only     {layers} ({cache_ship.READONLY_VAR}, consulted first)")
     default_arches = "(this GPU, else " + " ".join(arch.DEFAULT_ARCHES) + ")"
     print(f"arch list     {setting(arch.env_arches, lambda a: ' '.join(a) if a else default_arches)}")
     print(f"jobs          {setting(build.default_jobs, str)}")
@@ -316,8 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--preset", default="default", choices=sorted(PRESETS))
     pre.add_argument("-v", "--verbose", action="store_true", help="list every configuration's name before building")
     pre.set_defaults(func=cmd_prewarm)
-    cac = sub.add_parser("cache", help="list, verify or clear the cache")
-    cac.add_argument("action", choices=["list", "verify", "clear"])
+    cac = sub.add_parser("cache", help="list, verify, clear, export or import the cache")
+    cac.add_argument("action", choices=["list", "verify", "clear", "export", "import"])
+    cac.add_argument("file", nargs="?", help="export/import: the archive (.tar, or .tar.gz / .tgz for gzip)")
+    cac.add_argument("patterns", nargs="*",
+                     help="export: configuration-name globs (e.g. 'single_decode_*'); default: every valid entry")
     cac.set_defaults(func=cmd_cache)
     inf = sub.add_parser("info", help="versions, toolchain, GPU, cache directory")
     inf.set_defaults(func=cmd_info)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import arch as arch_mod
-from . import build, cache
+from . import build, cache, cache_ship
 from ._version import __version__
 from .errors import CacheError, FlashjitError, JitDisabledError, SettingError, ToolchainError
 from .loader import ABI_VERSION, KernelModule, load_library
@@ -107,9 +107,24 @@ def fingerprint(spec: KernelSpec, arches: tuple[str, ...], nvcc: str | None) -> 
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _lookup(root: Path, p: Planned) -> cache.Entry | None:
-    """The entry for p's content key. One found with an older fingerprint gets
-    the current one recorded, so that the next load skips rendering."""
+def _find_by_fingerprint(layers, root: Path, name: str, fp: str) -> cache.Entry | None:
+    """The entry with this fingerprint: the read-only layers first, then root."""
+    for layer in layers:
+        entry = cache.find_entry_by_fingerprint(layer, name, fp, readonly=True)
+        if entry is not None:
+            return entry
+    return cache.find_entry_by_fingerprint(root, name, fp)
+
+
+def _lookup(root: Path, p: Planned, layers=()) -> cache.Entry | None:
+    """The entry for p's content key, in the read-only layers first (never
+    written), then in root, where one found with an older fingerprint gets the
+    current one recorded, so that the next load skips rendering."""
+    for layer in layers:
+        entry = (cache.find_entry_any_toolchain(layer, p.spec.name, p.key_inputs, readonly=True) if p.nvcc is None
+                 else cache.find_entry(layer, p.spec.name, p.key, readonly=True))
+        if entry is not None:
+            return entry
     if p.nvcc is None:
         return cache.find_entry_any_toolchain(root, p.spec.name, p.key_inputs)
     entry = cache.find_entry(root, p.spec.name, p.key)
@@ -174,8 +189,10 @@ class BuildResult:
 
 
 def build_many(specs, arches=None, jobs: int | None = None, progress=None, root: Path | None = None,
-               raise_first: bool = True) -> list[BuildResult]:
+               raise_first: bool = True, readonly: bool = True) -> list[BuildResult]:
     """Makes every spec present in the cache; builds the missing ones in one ninja run.
+    Entries of the FLASHJIT_CACHE_READONLY layers count as present (unless
+    `readonly` is False); builds go into root, the writable cache.
 
     Locks are taken in name order (no deadlock between two prewarms), sources
     are rendered and written inside them, and each entry is published by an
@@ -183,6 +200,7 @@ def build_many(specs, arches=None, jobs: int | None = None, progress=None, root:
     specs = [s.validate() for s in specs]
     arches = resolve_arches(arches)
     disabled = jit_disabled()  # a bad value is an error even when every entry is cached
+    layers = cache_ship.readonly_roots() if readonly else []
     nvcc = arch_mod.find_nvcc()
     root = cache.ensure_root(root)
     if nvcc is not None:
@@ -191,7 +209,7 @@ def build_many(specs, arches=None, jobs: int | None = None, progress=None, root:
     to_plan = []
     for s in dict.fromkeys(specs):
         fp = fingerprint(s, arches, nvcc)
-        entry = cache.find_entry_by_fingerprint(root, s.name, fp) if fp else None
+        entry = _find_by_fingerprint(layers, root, s.name, fp) if fp else None
         if entry is not None:
             results[s] = BuildResult(s, entry, built=False, seconds=0.0)
         else:
@@ -199,7 +217,7 @@ def build_many(specs, arches=None, jobs: int | None = None, progress=None, root:
     planned = sorted((plan(s, arches, nvcc) for s in to_plan), key=lambda p: (p.spec.name, p.key))
     missing = []
     for p in planned:
-        entry = _lookup(root, p)
+        entry = _lookup(root, p, layers)
         if entry is not None:
             results[p.spec] = BuildResult(p.spec, entry, built=False, seconds=0.0)
         else:
@@ -284,24 +302,29 @@ def get_module(spec: KernelSpec, arches=None) -> KernelModule:
 
 
 def _load(spec: KernelSpec, arches) -> KernelModule:
-    """Loads a cached entry (this GPU's arch first, then the fat default set),
-    else builds one for the first candidate. An entry that verifies but will not
-    load is removed and rebuilt once; a second failure raises."""
+    """Loads a cached entry (this GPU's arch first, then the fat default set;
+    the read-only layers before the writable cache), else builds one for the
+    first candidate into the writable cache. An entry that verifies but will not
+    load is removed (one in a read-only layer: passed over) and rebuilt once; a
+    second failure raises."""
     candidates = _candidate_arches(arches)
     jit_disabled()  # checked before the cache is read: a bad value must not wait for the first miss
+    layers = cache_ship.readonly_roots()
     nvcc = arch_mod.find_nvcc()
     root = cache.ensure_root()
     for arch_list in candidates:
         fp = fingerprint(spec, arch_list, nvcc)
-        entry = (cache.find_entry_by_fingerprint(root, spec.name, fp) if fp
-                 else _lookup(root, plan(spec, arch_list, nvcc)))
+        entry = (_find_by_fingerprint(layers, root, spec.name, fp) if fp
+                 else _lookup(root, plan(spec, arch_list, nvcc), layers))
         if entry is not None:
             try:
                 return load_library(spec, entry.artifact, entry.manifest)
             except FlashjitError as exc:
                 log.warning("flashjit: %s", exc)
+                if entry.path.parent.parent != root:
+                    layers = []  # a layer's entry that does not load: build our own
     for attempt in (1, 2):
-        result = build_many([spec], candidates[0], root=root)[0]
+        result = build_many([spec], candidates[0], root=root, readonly=bool(layers))[0]
         try:
             return load_library(spec, result.entry.artifact, result.entry.manifest)
         except FlashjitError as exc:
@@ -309,5 +332,7 @@ def _load(spec: KernelSpec, arches) -> KernelModule:
                 raise CacheError(f"{spec.name}: entry {result.entry.path} does not load after a rebuild: "
                                  f"{exc}") from exc
             log.warning("flashjit: cached %s does not load (%s); rebuilding once", result.entry.path, exc)
-            cache.remove_entry(root, result.entry)
+            if result.entry.path.parent.parent == root:
+                cache.remove_entry(root, result.entry)
+            layers = []  # never written: a layer's entry is passed over instead
     raise AssertionError("unreachable")
