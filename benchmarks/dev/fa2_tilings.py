@@ -171,12 +171,11 @@ def main() -> int:
         # A variant may exceed the shipped budget (one CTA per SM on an sm_90a-class part).
         kernels.common.SMEM_BUDGET = max(budget, (tiling or default).smem_bytes(KernelSpec.make("single_prefill", "bfloat16", d)))
         table(d)[d] = tiling or default
-        if BACKEND != "fa2":
-            pass
-        elif tiling is None and wide is not None:
-            kernels.fa2.FA2_WIDE_TILINGS[d] = wide
-        else:
-            kernels.fa2.FA2_WIDE_TILINGS.pop(d, None)
+        if BACKEND == "fa2":  # the shipped wide tiling stands beside the default alone
+            if tiling is None and wide is not None:
+                kernels.fa2.FA2_WIDE_TILINGS[d] = wide
+            else:
+                kernels.fa2.FA2_WIDE_TILINGS.pop(d, None)
         use_templates(templates)
         jit._modules.clear()
         os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"{BACKEND}-tiling-")
