@@ -38,7 +38,7 @@ BACKENDS = ("fa2", "fa3")
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 TENSOR_CORE_OPS = ATTENTION_OPS
 # Ops the fa3 backend (wgmma, sm_90a) generates; the others run on fa2.
-FA3_OPS = ("single_prefill", "batch_prefill_ragged")
+FA3_OPS = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")
 
 
 def canonical_dtype(dtype) -> str:

@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from flashjit.spec import KernelSpec
+from flashjit.spec import FA3_OPS, KernelSpec
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (dtype, use_tensor_cores) pairs that exist: tensor cores take fp16/bf16 only.
@@ -16,7 +16,6 @@ DTYPE_CORES = [(torch.float16, False), (torch.float16, True), (torch.bfloat16, F
 TENSOR_CORE_OPS = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged")
 # The ops with a second tensor-core backend, and their (dtype, path) pairs: CUDA
 # cores ("cc"), fa2 and fa3 (sm_90a only; skipped on other GPUs).
-FA3_OPS = ("single_prefill", "batch_prefill_ragged")
 DTYPE_PATHS = [(torch.float16, "cc"), (torch.float16, "fa2"), (torch.float16, "fa3"), (torch.bfloat16, "cc"),
                (torch.bfloat16, "fa2"), (torch.bfloat16, "fa3"), (torch.float32, "cc")]
 DECODE_OPS = ("single_decode", "batch_decode_paged")

@@ -16,7 +16,7 @@ from flashjit import arch, jit
 from flashjit.spec import KernelSpec
 from helpers_cache import needs_nvcc, set_cache_env
 
-PREFILL_OPS = ["single_prefill", "batch_prefill_ragged"]
+PREFILL_OPS = ["single_prefill", "batch_prefill_ragged", "batch_prefill_paged"]
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +42,7 @@ def test_auto_takes_fa2_where_a_target_lacks_wgmma(op, targets):
     assert "wgmma" in reason and targets[0] in reason
 
 
-@pytest.mark.parametrize("op", ["batch_prefill_paged", "batch_decode_paged"])
+@pytest.mark.parametrize("op", ["batch_decode_paged", "single_decode"])
 def test_auto_takes_fa2_for_ops_fa3_does_not_generate(op):
     backend, _, reason = arch.choose_backend(op, "bfloat16", True, "auto", targets=("sm_90a",))
     assert backend == "fa2"
@@ -67,8 +67,8 @@ def test_explicit_fa3_without_wgmma_warns_once_and_runs_fa2():
 
 
 def test_explicit_fa3_for_an_op_it_lacks_warns_and_runs_fa2():
-    with pytest.warns(UserWarning, match="fa3 does not generate batch_prefill_paged"):
-        assert arch.choose_backend("batch_prefill_paged", "float16", True, "fa3", targets=("sm_90a",))[0] == "fa2"
+    with pytest.warns(UserWarning, match="fa3 does not generate batch_decode_paged"):
+        assert arch.choose_backend("batch_decode_paged", "float16", True, "fa3", targets=("sm_90a",))[0] == "fa2"
 
 
 def test_strict_turns_the_fallback_into_an_error(monkeypatch):
@@ -146,13 +146,19 @@ def test_only_the_sm90a_fa3_build_holds_wgmma(monkeypatch, tmp_path):
     set_cache_env(monkeypatch, tmp_path / "cache")
     fa2 = KernelSpec.make("batch_prefill_ragged", "bfloat16", 128, use_tensor_cores=True, causal=True)
     fa3 = fa2.replace(backend="fa3")
+    fa3_paged = fa3.replace(op="batch_prefill_paged")
     fa2_lib = jit.build_many([fa2], arches=("sm_80", "sm_89"))[0].entry.artifact
-    fa3_result = jit.build_many([fa3], arches=("sm_80", "sm_89", "sm_90a"))[0]
-    assert fa3_result.entry.manifest["arches"] == ["sm_90a"]
-    fa2_sass, fa3_sass = sass(fa2_lib), sass(fa3_result.entry.artifact)
+    fa3_results = jit.build_many([fa3, fa3_paged], arches=("sm_80", "sm_89", "sm_90a"))
+    assert [r.entry.manifest["arches"] for r in fa3_results] == [["sm_90a"], ["sm_90a"]]
+    fa2_sass, fa3_sass, paged_sass = sass(fa2_lib), *(sass(r.entry.artifact) for r in fa3_results)
     assert "sm_80" in fa2_sass and "sm_89" in fa2_sass and "GMMA" not in fa2_sass
     # Q.K^T from shared memory, P.V with P from registers and V transposed.
-    assert "HGMMA.64x128x16.F32.BF16" in fa3_sass and ".tnspB" in fa3_sass
+    for text in (fa3_sass, paged_sass):
+        assert "HGMMA.64x128x16.F32.BF16" in text and ".tnspB" in text
+    # Ragged K/V tiles arrive by TMA; paged ones are gathered by cp.async that
+    # arrives on the slot's mbarrier.
+    assert "UTMALDG" in fa3_sass
+    assert "UTMALDG" not in paged_sass and "ARRIVES.LDGSTSBAR" in paged_sass
 
 
 def test_strict_reaches_choose_backend_from_every_entry_point(monkeypatch):

@@ -91,15 +91,15 @@ def test_batch_decode_paged(prewarmed, error_report, dtype, tensor_cores, head_d
     assert (out[DECODE_LENS.index(0)] == 0).all() and torch.isneginf(lse[DECODE_LENS.index(0)]).all()
 
 
-def prefill_case(qo_lens, kv_lens, dtype, tensor_cores, head_dim, heads, causal, page_size=16, layout="NHD",
-                 form="5d"):
+def prefill_case(qo_lens, kv_lens, dtype, path, head_dim, heads, causal, page_size=16, layout="NHD", form="5d"):
     num_qo, num_kv = heads
     batch = PagedBatch(kv_lens, page_size, num_kv, head_dim, dtype, layout, form)
     qo_indptr = indptr_of(qo_lens)
     q = randn(qo_indptr[-1], num_qo, head_dim, dtype=dtype)
-    wrapper = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace(), layout)
+    kw = path_kwargs(path)
+    wrapper = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace(), layout, backend=kw["backend"])
     wrapper.plan(torch.tensor(qo_indptr, dtype=torch.int32), batch.indptr, batch.indices, batch.last, num_qo, num_kv,
-                 head_dim, page_size, causal=causal, q_data_type=dtype, use_tensor_cores=tensor_cores)
+                 head_dim, page_size, causal=causal, q_data_type=dtype, use_tensor_cores=kw["use_tensor_cores"])
     poison_allocator()
     out, lse = wrapper.run(q, batch.cache, return_lse=True)
     torch.cuda.synchronize()
@@ -114,24 +114,27 @@ PREFILL_KV = [1, 300, 128, 1000, 16, 40]
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("dtype,tensor_cores", DTYPE_CORES, ids=[cores_id(p) for p in DTYPE_CORES])
-def test_batch_prefill_paged(prewarmed, error_report, dtype, tensor_cores, head_dim, causal, heads):
-    batch, q, out, lse, ref, ref_lse = prefill_case(PREFILL_QO, PREFILL_KV, dtype, tensor_cores, head_dim, heads,
-                                                    causal)
-    spec = spec_for("batch_prefill_paged", dtype, head_dim, causal, tensor_cores=tensor_cores)
+@pytest.mark.parametrize("dtype,path", DTYPE_PATHS, ids=[path_id(p) for p in DTYPE_PATHS])
+def test_batch_prefill_paged(prewarmed, error_report, dtype, path, head_dim, causal, heads):
+    skip_unless_runs(path)
+    batch, q, out, lse, ref, ref_lse = prefill_case(PREFILL_QO, PREFILL_KV, dtype, path, head_dim, heads, causal)
+    spec = spec_for("batch_prefill_paged", dtype, head_dim, causal, **spec_path(path))
     check(spec, out, ref, q, batch.k, batch.v, max(PREFILL_KV), 1 / math.sqrt(head_dim), error_report,
           "batch_prefill_paged", lse=lse, ref_lse=ref_lse, shape="mixed", heads=heads)
 
 
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_paged_and_ragged_prefill_identical_after_late_spikes(prewarmed, error_report, head_dim, causal):
+def test_paged_and_ragged_prefill_identical_after_late_spikes(prewarmed, error_report, head_dim, causal, backend):
     """Keys aimed at single queries, late in their requests, make those rows' max
-    jump far past the lazy-max threshold mid-sequence. Paged prefill (FA2_TILINGS)
-    and ragged prefill (on sm_90a a wide tiling: other rows share a warp; d64's
-    walks 128-key tiles in two steps) take the same 64-key steps, so they agree
-    bit for bit, and both stay within the profile. (d256 differs in rounding:
-    its two tilings take 32- and 64-key steps.)"""
+    jump far past the lazy-max threshold mid-sequence. Paged and ragged prefill of
+    one backend take the same key steps, so they agree bit for bit, and both stay
+    within the profile: fa2's paged prefill (FA2_TILINGS) and its ragged one (on
+    sm_90a a wide tiling: other rows share a warp; d64's walks 128-key tiles in two
+    steps) take 64-key steps; fa3's share one tiling. (fa2 d256 differs in
+    rounding: its two tilings take 32- and 64-key steps.)"""
+    skip_unless_runs(backend)
     dtype, (num_qo, num_kv), lens = torch.bfloat16, (8, 2), [600, 900]
     starts = indptr_of(lens)
     q = randn(starts[-1], num_qo, head_dim, dtype=dtype)
@@ -145,17 +148,18 @@ def test_paged_and_ragged_prefill_identical_after_late_spikes(prewarmed, error_r
             row = q[start + i, h].float()
             k[start + j, h // (num_qo // num_kv)] = (row * (12 / row.norm())).to(dtype)
     batch = PagedBatch(lens, 16, num_kv, head_dim, dtype, k=k)
-    paged = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace())
+    paged = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace(), backend=backend)
     paged.plan(torch.tensor(starts, dtype=torch.int32), batch.indptr, batch.indices, batch.last, num_qo, num_kv,
                head_dim, 16, causal=causal, q_data_type=dtype, use_tensor_cores=True)
-    ragged = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(), backend="fa2")  # paged prefill is fa2's
+    ragged = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(), backend=backend)
     ragged.plan(torch.tensor(starts), torch.tensor(starts), num_qo, num_kv, head_dim, causal=causal, q_data_type=dtype,
                 use_tensor_cores=True)
     poison_allocator()
     out_paged, out_ragged = paged.run(q, batch.cache), ragged.run(q, batch.k, batch.v)
     ref, _ = ragged_reference(q, batch.k, batch.v, starts, starts, causal=causal)
     for op, out in [("batch_prefill_paged", out_paged), ("batch_prefill_ragged", out_ragged)]:
-        check(spec_for(op, dtype, head_dim, causal, tensor_cores=True), out, ref, q, batch.k, batch.v, max(lens),
+        check(spec_for(op, dtype, head_dim, causal, tensor_cores=True, backend=backend), out, ref, q, batch.k, batch.v,
+              max(lens),
               1 / math.sqrt(head_dim), error_report, f"{op}_late_spikes")
     assert torch.equal(out_paged, out_ragged), float((out_paged.float() - out_ragged.float()).abs().max())
 
@@ -163,18 +167,19 @@ def test_paged_and_ragged_prefill_identical_after_late_spikes(prewarmed, error_r
 @pytest.mark.parametrize("form", ["5d", "tuple"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("page_size", [1, 3, 7, 16, 32, 64])  # 3, 7: the page division without a shift
-@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cc", "tc"])
-@pytest.mark.parametrize("op", ["decode", "prefill"])
-def test_page_sizes_layouts_and_forms(prewarmed, error_report, op, tensor_cores, page_size, layout, form):
+@pytest.mark.parametrize("op,path", [("decode", "cc"), ("decode", "tc"), ("prefill", "cc"), ("prefill", "fa2"),
+                                     ("prefill", "fa3")], ids=lambda x: x)
+def test_page_sizes_layouts_and_forms(prewarmed, error_report, op, path, page_size, layout, form):
     dtype, head_dim, heads = torch.bfloat16, 128, (8, 2)
     if op == "decode":
-        _, batch, q, out, lse, ref, ref_lse = decode_case(DECODE_LENS, dtype, tensor_cores, head_dim, heads,
+        _, batch, q, out, lse, ref, ref_lse = decode_case(DECODE_LENS, dtype, path == "tc", head_dim, heads,
                                                           page_size, layout, form)
-        spec = spec_for("batch_decode_paged", dtype, head_dim, tensor_cores=tensor_cores)
+        spec = spec_for("batch_decode_paged", dtype, head_dim, tensor_cores=path == "tc")
     else:
-        batch, q, out, lse, ref, ref_lse = prefill_case(PREFILL_QO, PREFILL_KV, dtype, tensor_cores, head_dim,
-                                                        heads, True, page_size, layout, form)
-        spec = spec_for("batch_prefill_paged", dtype, head_dim, True, tensor_cores=tensor_cores)
+        skip_unless_runs(path)
+        batch, q, out, lse, ref, ref_lse = prefill_case(PREFILL_QO, PREFILL_KV, dtype, path, head_dim, heads, True,
+                                                        page_size, layout, form)
+        spec = spec_for("batch_prefill_paged", dtype, head_dim, True, **spec_path(path))
     check(spec, out, ref, q, batch.k, batch.v, max(batch.kv_lens), 1 / math.sqrt(head_dim), error_report,
           f"paged_{op}", lse=lse, ref_lse=ref_lse, shape=f"page{page_size}_{layout}_{form}", heads=heads)
 
@@ -317,12 +322,15 @@ def record_difference(error_report, what, dtype, a, b, ref, bound):
                          "atol": bound.atol})
 
 
-@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cc", "tc"])
+@pytest.mark.parametrize("path", ["cc", "fa2", "fa3"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_serving_loop_paths_agree(prewarmed, error_report, dtype, tensor_cores):
-    """Prompts through ragged prefill, and through append + paged prefill; then
-    decode steps through append + paged decode against ragged prefill of the
-    whole sequence's last token: within the sum of the two paths' profiles."""
+def test_serving_loop_paths_agree(prewarmed, error_report, dtype, path):
+    """Prompts through ragged prefill, and through append + paged prefill (both
+    on `path`); then decode steps through append + paged decode (tensor cores
+    unless path is cc) against ragged prefill of the whole sequence's last
+    token: within the sum of the two paths' profiles."""
+    skip_unless_runs(path)
+    tensor_cores, backend = path != "cc", path_kwargs(path)["backend"]
     prompts, steps, heads, head_dim, page_size = [100, 37, 250], 4, (8, 2), 128, 16
     num_qo, num_kv = heads
     total = [n + steps for n in prompts]
@@ -353,25 +361,24 @@ def test_serving_loop_paths_agree(prewarmed, error_report, dtype, tensor_cores):
     def ragged(qo_lens, kv_lens, qs):
         k = torch.cat([k_all[r][:n] for r, n in enumerate(kv_lens)])
         v = torch.cat([v_all[r][:n] for r, n in enumerate(kv_lens)])
-        # fa2, as the paged ops: the profiles below are those of one family.
-        w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(), backend="fa2")
+        w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(), backend=backend)
         w.plan(torch.tensor(indptr_of(qo_lens)), torch.tensor(indptr_of(kv_lens)), num_qo, num_kv, head_dim,
                causal=True, q_data_type=dtype, use_tensor_cores=tensor_cores)
         return w.run(qs, k, v), k, v
 
     append([0] * len(prompts), prompts)
     q = torch.cat([q_all[r][:n] for r, n in enumerate(prompts)])
-    paged = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace())
+    paged = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace(), backend=backend)
     paged.plan(torch.tensor(indptr_of(prompts), dtype=torch.int32), *table(prompts), num_qo, num_kv, head_dim,
                page_size, causal=True, q_data_type=dtype, use_tensor_cores=tensor_cores)
     out_paged = paged.run(q, cache)
     out_ragged, k, v = ragged(prompts, prompts, q)
     ref, _ = ragged_reference(q, k, v, indptr_of(prompts), indptr_of(prompts), causal=True)
     op = "batch_prefill_paged"
-    one = flashjit.tolerance(spec_for(op, dtype, head_dim, True, tensor_cores=tensor_cores), q=q, k=k, v=v,
+    one = flashjit.tolerance(spec_for(op, dtype, head_dim, True, **spec_path(path)), q=q, k=k, v=v,
                              kv_len=max(prompts), sm_scale=1 / math.sqrt(head_dim))
     bound = one + one
-    record_difference(error_report, f"prefill_paged_vs_ragged_{'tc' if tensor_cores else 'cc'}", dtype, out_paged,
+    record_difference(error_report, f"prefill_paged_vs_ragged_{path}", dtype, out_paged,
                       out_ragged, ref, bound)
 
     decode = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace(), use_tensor_cores=tensor_cores)
@@ -386,9 +393,9 @@ def test_serving_loop_paths_agree(prewarmed, error_report, dtype, tensor_cores):
         ref, _ = ragged_reference(q, k, v, indptr_of([1] * len(lengths)), indptr_of(lengths), causal=True)
         kw = dict(q=q, k=k, v=v, kv_len=max(lengths), sm_scale=1 / math.sqrt(head_dim))
         bound = (flashjit.tolerance(spec_for("batch_decode_paged", dtype, head_dim, tensor_cores=tensor_cores), **kw)
-                 + flashjit.tolerance(spec_for("batch_prefill_ragged", dtype, head_dim, True,
-                                               tensor_cores=tensor_cores), **kw))
-        record_difference(error_report, f"decode_paged_vs_ragged_{'tc' if tensor_cores else 'cc'}", dtype,
+                 + flashjit.tolerance(spec_for("batch_prefill_ragged", dtype, head_dim, True, **spec_path(path)),
+                                      **kw))
+        record_difference(error_report, f"decode_paged_vs_ragged_{path}", dtype,
                           out_decode, out_ragged, ref, bound)
 
 

@@ -1,7 +1,8 @@
 """A few small fa3 launches for compute-sanitizer (memcheck, racecheck,
 synccheck): each head dim once on a single request with a partial last tile
 and GQA, and a ragged batch that leaves a consumer warpgroup without rows,
-walks a persistent grid and splits its long request. Checks each output against
+walks a persistent grid and splits its long request, from ragged K/V and from
+a paged cache. Checks each output against
 float64 within its profile, so that a clean sanitizer run is also a correct one.
 
 Usage: python benchmarks/dev/fa3_sanitize.py            (build and check)
@@ -48,6 +49,23 @@ def main() -> int:
     ref, _ = ragged_reference(q, k, v, qo.tolist(), kv.tolist(), causal=True)
     spec = KernelSpec.make("batch_prefill_ragged", dtype, d, backend="fa3", use_tensor_cores=True, causal=True,
                            return_lse=True)
+    worst = max(worst, check(spec, out, ref, q, k, v, max(kv_lens), d))
+    # The same batch from a paged cache: pages of 16 in random order, the loader's cp.async gather.
+    page = 16
+    pages = [math.ceil(n / page) for n in kv_lens]
+    order = torch.randperm(sum(pages), device="cuda")
+    cache = torch.randn(sum(pages), 2, page, 4, d, device="cuda").to(dtype)
+    for r, n in enumerate(kv_lens):
+        pos = torch.arange(n, device="cuda")
+        ids = order[sum(pages[:r]) + pos // page]
+        cache[ids, 0, pos % page], cache[ids, 1, pos % page] = k[kv[r]:kv[r + 1]], v[kv[r]:kv[r + 1]]
+    last = torch.tensor([(n - 1) % page + 1 for n in kv_lens], dtype=torch.int32)
+    paged = flashjit.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"),
+                                                         backend="fa3", strict=True)
+    paged.plan(qo, torch.tensor([0, *pages]).cumsum(0).to(torch.int32), order.to(torch.int32), last, 4, 4, d, page,
+               causal=True, q_data_type=dtype, fixed_split_size=32)
+    out = paged.run(q, cache)
+    spec = spec.replace(op="batch_prefill_paged")
     worst = max(worst, check(spec, out, ref, q, k, v, max(kv_lens), d))
     torch.cuda.synchronize()
     print(f"fa3 sanitizer cases: worst err/bound {worst:.3f}")

@@ -26,6 +26,12 @@ __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
   return raw;
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// An arrival on mbarrier `bar` once every cp.async this thread has issued so
+// far has landed. noinc: the arrival counts against the barrier's expected
+// count (set at init), so each copying thread arrives exactly once per phase.
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 // Waits until at most N of this thread's most recent commit groups are pending.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

@@ -11,6 +11,10 @@
 //   the request TMA would read from the next request, is copied by the
 //   loader's first warp with plain loads, zero-filled, then fenced for the
 //   async proxy and published by one arrival on the slot's full barrier.
+//   From a paged cache (kPaged), the whole loader warpgroup gathers every
+//   tile by cp.async instead (fa2::PagedTileCopy: pages looked up per row,
+//   rows past the request zero-filled), each thread arriving on the full
+//   barrier when its copies land (cp.async.mbarrier.arrive.noinc).
 // - two consumers (warpgroups 1 and 2), 64 rows each: per tile, S = Q.K^T by
 //   wgmma from shared memory (Q and K K-major), the online softmax of the fa2
 //   family on the accumulators (fa2_softmax.cuh: same lazy max, P rounded to
@@ -109,7 +113,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto k_slot = [&](int tile) { return base + (tile % STAGES) * Traits::kStageBytes; };
 
   const int tid = threadIdx.x, lane = tid % 32, warpgroup = tid / 128;
-  if (tid == 0) {  // the descriptors travel to the TMA unit while the work is decoded
+  if (!Traits::kPaged && tid == 0) {  // the descriptors travel to the TMA unit while the work is decoded
     tma::prefetch_map(&tma_arg.maps.k);
     tma::prefetch_map(&tma_arg.maps.v);
   }
@@ -133,7 +137,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto item_at = [&](unsigned position) {
     Item it;
     const unsigned at = min(position, positions - 1);
-    it.w = decode_work_at<false>(p, ROWS, at % slots, at / slots);
+    it.w = decode_work_at<Traits::kPaged>(p, ROWS, at % slots, at / slots);
     const CtaWork& w = it.w;
     it.rows_total = w.qo_len * w.group;
     it.active = position < positions && w.valid && w.row_begin < it.rows_total;  // uniform across the CTA
@@ -153,8 +157,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      tma::mbar_init(full_k(s), 1);
-      tma::mbar_init(full_v(s), 1);
+      // One arrival: the TMA issuer's (with the bytes) or the partial-tile
+      // copier's; paged, every loader thread's.
+      tma::mbar_init(full_k(s), Traits::kPaged ? Traits::kLoaderThreads : 1);
+      tma::mbar_init(full_v(s), Traits::kPaged ? Traits::kLoaderThreads : 1);
       tma::mbar_init(empty_k(s), Traits::kConsumerWarps);
       tma::mbar_init(empty_v(s), Traits::kConsumerWarps);
     }
@@ -165,6 +171,47 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warpgroup == 0) {
     // ---- Loader.
     fa3::set_max_registers_dec<Traits::kLoaderRegs>();
+    // Tiles count on across positions (seq): ring slot and barrier phases follow
+    // the CTA's tile sequence, so the next position's first tiles load while
+    // the consumers finish the last one's.
+    auto for_each_position = [&](auto&& load_position) {
+      int seq = 0;
+      for (unsigned round = 0; round * gridDim.x < positions; ++round) {
+        const Item it = item_at(round_position(round));
+        if (!it.active) continue;
+        load_position(it, seq);
+        seq += it.num_tiles;
+      }
+    };
+    // Before tile gt reuses its slot: the slot's previous tile (gt - STAGES)
+    // completed phase gt / STAGES - 1 of the slot's empty barriers.
+    auto wait_empty = [&](uint32_t empty, int gt) {
+      if (gt >= STAGES) tma::mbar_wait(empty, ((gt / STAGES) - 1) & 1);
+    };
+    if constexpr (Traits::kPaged) {
+      using Copy = fa2::PagedTileCopy<T, KvLayout, KEYS, D, Traits::kLoaderThreads, 128>;
+      for_each_position([&](const Item& it, int seq) {
+        const CtaWork& w = it.w;
+        int pages[Copy::R::kPerThread];  // this thread's rows' pages, the same for K and V
+        for (int t = 0; t < it.num_tiles; ++t) {
+          // Formed per tile: two copies' addresses held across the loop would not fit the loader's registers.
+          const Copy k_copy(kv_rows<T, true>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page), tid);
+          const Copy v_copy(kv_rows<T, true>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page), tid);
+          const int gt = seq + t, k0 = it.key_begin + t * KEYS, valid = min(KEYS, w.kv_len - k0);
+          k_copy.lookup(pages, k0, valid);
+          wait_empty(empty_k(gt), gt);
+          k_copy.issue(k_slot(gt), pages, k0, valid);
+          cp_async_arrive_noinc(full_k(gt));
+          wait_empty(empty_v(gt), gt);
+          v_copy.issue(k_slot(gt) + Traits::kKvTileBytes, pages, k0, valid);
+          cp_async_arrive_noinc(full_v(gt));
+        }
+      });
+      // Exits with no copy of this thread in flight.
+      cp_async_commit();
+      cp_async_wait<0>();
+      return;
+    }
     if (tid >= 32) return;
     // One whole K or V tile by TMA into `dst`, its bytes counted on `bar`.
     auto load = [&](uint32_t dst, const CUtensorMap* map, int heads_outer, uint32_t bar, int head, int token) {
@@ -173,25 +220,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int i = 0; i < D / 64; ++i)
         tma::load_kv_block(dst + KvLayout::block(i), map, heads_outer, i, head, token, bar);
     };
-    // Tiles count on across positions (seq): ring slot and barrier phases follow
-    // the CTA's tile sequence, so the next position's first tiles load while
-    // the consumers finish the last one's.
-    int seq = 0;
-    for (unsigned round = 0; round * gridDim.x < positions; ++round) {
-      const unsigned position = round_position(round);
-      const Item it = item_at(position);
-      if (!it.active) continue;
+    for_each_position([&](const Item& it, int seq) {
       const CtaWork& w = it.w;
       for (int t = 0; t < it.num_tiles; ++t) {
-        const int gt = seq + t;
-        // The slot's previous tile (gt - STAGES) completed phase gt / STAGES - 1 of its empty barriers.
-        const uint32_t parity = ((gt / STAGES) - 1) & 1;
-        const int k0 = it.key_begin + t * KEYS, token = w.kv_start + k0;
+        const int gt = seq + t, k0 = it.key_begin + t * KEYS, token = w.kv_start + k0;
         const bool whole = w.kv_len - k0 >= KEYS;
-        if (gt >= STAGES) tma::mbar_wait(empty_k(gt), parity);
+        wait_empty(empty_k(gt), gt);
         if (whole && lane == 0)
           load(k_slot(gt), &tma_arg.maps.k, tma_arg.maps.heads_outer_k, full_k(gt), w.kv_head, token);
-        if (gt >= STAGES) tma::mbar_wait(empty_v(gt), parity);
+        wait_empty(empty_v(gt), gt);
         if (whole) {
           if (lane == 0)
             load(k_slot(gt) + Traits::kKvTileBytes, &tma_arg.maps.v, tma_arg.maps.heads_outer_v, full_v(gt),
@@ -204,8 +241,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
         }
       }
-      seq += it.num_tiles;
-    }
+    });
     return;
   }
 
@@ -310,6 +346,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       softmax.exp_to_p(s, pa, 0);
     };
+    // Until a slot's K or V has landed. Gathered paged tiles were written by
+    // cp.async (the generic proxy): a proxy fence orders them before wgmma's reads.
+    auto wait_full = [&](uint32_t full, uint32_t parity) {
+      tma::mbar_wait(full, parity);
+      if constexpr (Traits::kPaged) fa3::fence_async_shared();
+    };
     // This warp is done with a slot's K or V (its products waited for).
     auto release = [&](uint32_t empty) {
       __syncwarp();
@@ -319,7 +361,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (!Traits::kOverlap) {
       // Each tile in turn: S, softmax, P.V, each product waited for.
       for (int t = 0; t < num_tiles; ++t) {
-        tma::mbar_wait(full_k(seq + t), ((seq + t) / STAGES) & 1);
+        wait_full(full_k(seq + t), ((seq + t) / STAGES) & 1);
         float s[1][NT_S][4], factor[2];
         uint32_t pa[1][KSTEPS_PV][4];
         fa3::fence();
@@ -328,7 +370,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         fa3::fence_operands(s[0]);
         release(empty_k(seq + t));
         softmax_tile(s, pa, t, false, factor);
-        tma::mbar_wait(full_v(seq + t), ((seq + t) / STAGES) & 1);
+        wait_full(full_v(seq + t), ((seq + t) / STAGES) & 1);
         fa3::fence();
         issue_pv(pa, t);
         fa3::wait<0>();
@@ -343,8 +385,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // walks two tiles per iteration with the sets swapped.
       uint32_t pa0[1][KSTEPS_PV][4], pa1[1][KSTEPS_PV][4];
       auto step = [&](int t, const uint32_t (&pa_prev)[1][KSTEPS_PV][4], uint32_t (&pa_next)[1][KSTEPS_PV][4]) {
-        tma::mbar_wait(full_k(seq + t), ((seq + t) / STAGES) & 1);
-        tma::mbar_wait(full_v(seq + t - 1), ((seq + t - 1) / STAGES) & 1);
+        wait_full(full_k(seq + t), ((seq + t) / STAGES) & 1);
+        wait_full(full_v(seq + t - 1), ((seq + t - 1) / STAGES) & 1);
         float s[1][NT_S][4], factor[2];
         fa3::fence();
         issue_qk(s, t);
@@ -364,7 +406,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       };
       if (num_tiles > 0) {
-        tma::mbar_wait(full_k(seq), (seq / STAGES) & 1);
+        wait_full(full_k(seq), (seq / STAGES) & 1);
         {
           float s[1][NT_S][4], factor[2];
           fa3::fence();
@@ -381,7 +423,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         const bool last_in_pa1 = t < num_tiles;
         if (last_in_pa1) step(t, pa0, pa1);
-        tma::mbar_wait(full_v(seq + num_tiles - 1), ((seq + num_tiles - 1) / STAGES) & 1);
+        wait_full(full_v(seq + num_tiles - 1), ((seq + num_tiles - 1) / STAGES) & 1);
         fa3::fence();
         if (last_in_pa1) {
           issue_pv(pa1, num_tiles - 1);

@@ -10,8 +10,8 @@ namespace flashjit {
 
 template <class Traits>
 int launch_fa3_attention(const FlashjitAttentionParams& p, cudaStream_t stream) {
-  KvMapsArg<true> tma_arg;
-  if (p.num_work > 0 && p.num_kv_heads > 0) {
+  KvMapsArg<true> tma_arg{};
+  if (!Traits::kPaged && p.num_work > 0 && p.num_kv_heads > 0) {  // paged tiles are gathered by cp.async
     const int err =
         tma::encode_kv_maps<typename Traits::DType, Traits::kKeysPerTile>(&tma_arg.maps, p, Traits::kHeadDim);
     if (err != cudaSuccess) return err;

@@ -11,7 +11,7 @@
 namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kKeysPerTile_, int kStages_, bool kOverlap_, bool kPersistent_,
-          bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
+          bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
 struct Fa3Traits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -25,6 +25,9 @@ struct Fa3Traits {
   // starts the next position's tiles while the consumers finish the last
   // one's (fa3_launch.cuh; otherwise one CTA per position).
   static constexpr bool kPersistent = kPersistent_;
+  // K/V from a paged cache: the loader warpgroup gathers each tile's rows by
+  // cp.async (pages in any order, any page size) instead of TMA.
+  static constexpr bool kPaged = kPaged_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kWindow = kWindow_;
   static constexpr bool kSoftCap = kSoftCap_;
@@ -40,9 +43,12 @@ struct Fa3Traits {
   static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
   // Registers per thread after setmaxnreg: the loader gives its share to the
   // consumers, whose S (kKeysPerTile / 2), O (kHeadDim / 2) and P registers
-  // need it. 128 * (40 + 2 * 232) = 64512 of the SM's 65536.
-  static constexpr int kLoaderRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  // need it. 128 * (40 + 2 * 232) = 64512 of the SM's 65536. A paged loader
+  // keeps each thread's copy addresses and row pages: 56, the consumers 224.
+  static constexpr int kLoaderThreads = 128;
+  static constexpr int kLoaderRegs = kPaged ? 56 : 40;
+  static constexpr int kConsumerRegs = kPaged ? 224 : 232;
+  static_assert(kLoaderThreads * (kLoaderRegs + kConsumerWarpgroups * kConsumerRegs) <= 65536, "the SM's registers");
 
   // What fa2::WarpSoftmax and fa2::store_rows read: each warp of a consumer
   // warpgroup holds one m16 fragment of rows (the wgmma accumulator layout),

@@ -1,0 +1,133 @@
+"""Paged prefill against ragged prefill on the same shapes, one GPU, one run:
+flashjit's BatchPrefillWithPagedKVCacheWrapper (pages of 1, 16 and 64 tokens,
+in random order) beside its ragged wrapper, per backend (fa3 on sm_90a, fa2),
+and FlashInfer's paged wrapper (fa3) with --flashinfer.
+
+Shapes as benchmarks/prefill.py: batch * seqlen = 16k tokens, heads * head_dim =
+2048, bf16, TFLOP/s = 4*B*H*S^2*D / t (halved when causal); cells are the mean
+of --rounds interleaved rounds (common.round_orders). The last column is the
+slowest paged cell of the row's first backend against its ragged cell.
+
+Usage: python benchmarks/dev/paged_vs_ragged.py [--head-dims 128] [--seqlens 1024 4096]
+       [--backends fa3 fa2] [--page-sizes 1 16 64] [--flashinfer] [--rounds 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+from common import emit, round_orders  # noqa: E402
+from prefill import attention_flops, bench_ms, indptr  # noqa: E402
+
+import flashjit  # noqa: E402
+
+
+def workspace() -> torch.Tensor:
+    return torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+
+def paged_cache(k: torch.Tensor, v: torch.Tensor, kv_lens, page_size: int):
+    """K/V scattered over pages in random order: (cache [pages, 2, page, H, D], indptr, indices, last lengths)."""
+    pages = [math.ceil(n / page_size) for n in kv_lens]
+    total = sum(pages)
+    order = torch.randperm(total, device="cuda")
+    cache = torch.empty(total, 2, page_size, k.shape[1], k.shape[2], dtype=k.dtype, device="cuda")
+    page_of, slot_of, first_page = [], [], 0
+    for n, p in zip(kv_lens, pages):
+        pos = torch.arange(n, device="cuda")
+        page_of.append(order[first_page + pos // page_size])
+        slot_of.append(pos % page_size)
+        first_page += p
+    page_of, slot_of = torch.cat(page_of), torch.cat(slot_of)
+    cache[page_of, 0, slot_of] = k
+    cache[page_of, 1, slot_of] = v
+    last = torch.tensor([(n - 1) % page_size + 1 for n in kv_lens], dtype=torch.int32)
+    return cache, indptr(pages), order.to(torch.int32), last
+
+
+def flashjit_ragged(backend):
+    def make(qo_lens, kv_lens, h, d, causal, k, v):
+        w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(), backend=backend, strict=True)
+        w.plan(indptr(qo_lens), indptr(kv_lens), h, h, d, causal=causal, q_data_type=k.dtype)
+        return lambda q: w.run(q, k, v)
+    return make
+
+
+def flashjit_paged(backend, page_size):
+    def make(qo_lens, kv_lens, h, d, causal, k, v):
+        cache, kv_indptr, indices, last = paged_cache(k, v, kv_lens, page_size)
+        w = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace(), backend=backend, strict=True)
+        w.plan(indptr(qo_lens), kv_indptr, indices, last, h, h, d, page_size, causal=causal, q_data_type=k.dtype)
+        return lambda q: w.run(q, cache)
+    return make
+
+
+def flashinfer_paged(page_size):
+    import flashinfer
+
+    def make(qo_lens, kv_lens, h, d, causal, k, v):
+        cache, kv_indptr, indices, last = paged_cache(k, v, kv_lens, page_size)
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD", backend="fa3")
+        w.plan(indptr(qo_lens).cuda(), kv_indptr.cuda(), indices, last.cuda(), h, h, d, page_size, causal=causal,
+               q_data_type=k.dtype)
+        return lambda q: w.run(q, cache)
+    return make
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--backends", nargs="+", default=["fa3", "fa2"])
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--flashinfer", action="store_true", help="FlashInfer's paged fa3 at the page sizes too")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    impls = {}
+    for backend in args.backends:
+        impls[f"{backend} ragged"] = flashjit_ragged(backend)
+        impls.update({f"{backend} paged p{p}": flashjit_paged(backend, p) for p in args.page_sizes})
+    if args.flashinfer:
+        impls.update({f"flashinfer-fa3 paged p{p}": flashinfer_paged(p) for p in args.page_sizes})
+    first = args.backends[0]
+    lines = [f"device: {torch.cuda.get_device_name()}, bf16, TFLOP/s, mean of {args.rounds} interleaved rounds", "",
+             "| head_dim | batch x S | causal | " + " | ".join(impls) + f" | {first} slowest paged / ragged |",
+             "|---|---|---|" + "---|" * (len(impls) + 1)]
+    for d in args.head_dims:
+        h = 2048 // d
+        for s in args.seqlens:
+            b = 16384 // s
+            for causal in (False, True):
+                q, k, v = (torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                flops = attention_flops(b, h, s, d, causal)
+                fns, rates = {}, {}
+                for name, make in impls.items():
+                    try:
+                        fns[name] = make([s] * b, [s] * b, h, d, causal, k, v)
+                        rates[name] = []
+                    except Exception as exc:  # the cell reads n/a; the reason goes to stderr
+                        print(f"{name} d={d} {b}x{s}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+                for order in round_orders(list(fns), args.rounds):
+                    for name in order:
+                        rates[name].append(flops / bench_ms(lambda: fns[name](q), reps=10) / 1e9)
+                mean = {name: sum(r) / len(r) for name, r in rates.items()}
+                cells = [f"{mean[name]:.0f}" if name in mean else "n/a" for name in impls]
+                paged = [mean[n] for n in mean if n.startswith(f"{first} paged")]
+                ratio = f"{min(paged) / mean[f'{first} ragged']:.3f}" if paged and f"{first} ragged" in mean else "n/a"
+                lines.append(f"| {d} | {b} x {s} | {causal} | " + " | ".join(cells) + f" | {ratio} |")
+                print(lines[-1], flush=True)
+                del q, k, v, fns
+    emit("\n".join(lines), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
