@@ -155,10 +155,10 @@ def test_only_the_sm90a_fa3_build_holds_wgmma(monkeypatch, tmp_path):
     # Q.K^T from shared memory, P.V with P from registers and V transposed.
     for text in (fa3_sass, paged_sass):
         assert "HGMMA.64x128x16.F32.BF16" in text and ".tnspB" in text
-    # Ragged K/V tiles arrive by TMA; paged ones are gathered by cp.async that
-    # arrives on the slot's mbarrier.
-    assert "UTMALDG" in fa3_sass
-    assert "UTMALDG" not in paged_sass and "ARRIVES.LDGSTSBAR" in paged_sass
+    # Ragged K/V tiles arrive by TMA (3-D maps); paged ones by TMA over the pages
+    # (4-D maps) or gathered by cp.async that arrives on the slot's mbarrier.
+    assert "UTMALDG.3D" in fa3_sass and "UTMALDG.4D" not in fa3_sass
+    assert "UTMALDG.4D" in paged_sass and "ARRIVES.LDGSTSBAR" in paged_sass
 
 
 def test_strict_reaches_choose_backend_from_every_entry_point(monkeypatch):

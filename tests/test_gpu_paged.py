@@ -166,7 +166,9 @@ def test_paged_and_ragged_prefill_identical_after_late_spikes(prewarmed, error_r
 
 @pytest.mark.parametrize("form", ["5d", "tuple"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("page_size", [1, 3, 7, 16, 32, 64])  # 3, 7: the page division without a shift
+# 3, 7: the page division without a shift; 1, 3, 7: fa3 gathers rows, 16-256: fa3 loads pages by TMA (whole pages
+# per tile, or a tile within a page).
+@pytest.mark.parametrize("page_size", [1, 3, 7, 16, 32, 64, 256])
 @pytest.mark.parametrize("op,path", [("decode", "cc"), ("decode", "tc"), ("prefill", "cc"), ("prefill", "fa2"),
                                      ("prefill", "fa3")], ids=lambda x: x)
 def test_page_sizes_layouts_and_forms(prewarmed, error_report, op, path, page_size, layout, form):

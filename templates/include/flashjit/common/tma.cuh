@@ -37,6 +37,14 @@ struct KvMapsArg<true> {
   KvTensorMaps maps;
 };
 
+// The K/V argument of kernels that also read paged caches by TMA: the maps
+// and, for a paged cache, the token rows of one box (one whole page, or a
+// tile's worth of a larger one); 0 when the kernel gathers paged rows itself.
+struct KvMapsPagedArg {
+  KvTensorMaps maps;
+  int32_t page_box_rows;
+};
+
 namespace tma {
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int arrivals) {
@@ -89,6 +97,15 @@ __device__ __forceinline__ void load_3d(uint32_t dst, const CUtensorMap* map, in
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
       "[%5];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                        uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
 
@@ -149,6 +166,32 @@ int encode_kv_map(CUtensorMap* map, int32_t* heads_outer, const void* data, CUte
   return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// Tensor map of a paged K or V cache (element strides stride_n between a
+// page's slots, stride_h between heads, stride_page between pages) as 4-D
+// (head dims, slots and heads in stride order, pages) with boxes of 64 head dims
+// x 1 head x box_rows slots x 1 page. The page count is left unbounded: the
+// kernel loads pages of the request's page table, which run() checks against
+// the cache. Returns a cudaError_t value.
+inline int encode_paged_kv_map(CUtensorMap* map, int32_t* heads_outer, const void* data, CUtensorMapDataType dtype,
+                               int head_dim, int heads, int page_size, int64_t stride_n, int64_t stride_h,
+                               int64_t stride_page, int box_rows) {
+  const EncodeTiledFn encode = encode_tiled_fn();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  if (heads == 1) stride_h = stride_n;  // as encode_kv_map
+  *heads_outer = stride_h > stride_n;
+  const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(*heads_outer ? page_size : heads),
+                              cuuint64_t(*heads_outer ? heads : page_size), 0x7fffffff};
+  const cuuint64_t strides[3] = {cuuint64_t(*heads_outer ? stride_n : stride_h) * 2,
+                                 cuuint64_t(*heads_outer ? stride_h : stride_n) * 2, cuuint64_t(stride_page) * 2};
+  const cuuint32_t box[4] = {64, *heads_outer ? cuuint32_t(box_rows) : 1u, *heads_outer ? 1u : cuuint32_t(box_rows),
+                             1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult res = encode(map, dtype, 4, const_cast<void*>(data), dims, strides, box, element_strides,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 // Both tensor maps of a launch's K and V (16-bit DType, boxes of kBoxRows
 // tokens), from its parameters. Returns a cudaError_t value.
 template <class DType, int kBoxRows>
@@ -160,6 +203,18 @@ int encode_kv_maps(KvTensorMaps* maps, const FlashjitAttentionParams& p, int hea
   if (err != cudaSuccess) return err;
   return encode_kv_map<kBoxRows>(&maps->v, &maps->heads_outer_v, p.v, kType, head_dim, p.num_kv_heads,
                                  p.v_stride_n, p.v_stride_h);
+}
+
+// Both maps of a paged launch's caches, boxes of box_rows slots. Returns a cudaError_t value.
+template <class DType>
+int encode_paged_kv_maps(KvTensorMaps* maps, const FlashjitAttentionParams& p, int head_dim, int box_rows) {
+  constexpr CUtensorMapDataType kType =
+      std::is_same<DType, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const int err = encode_paged_kv_map(&maps->k, &maps->heads_outer_k, p.k, kType, head_dim, p.num_kv_heads,
+                                      p.page_size, p.k_stride_n, p.k_stride_h, p.k_stride_page, box_rows);
+  if (err != cudaSuccess) return err;
+  return encode_paged_kv_map(&maps->v, &maps->heads_outer_v, p.v, kType, head_dim, p.num_kv_heads, p.page_size,
+                             p.v_stride_n, p.v_stride_h, p.v_stride_page, box_rows);
 }
 
 }  // namespace tma

@@ -87,7 +87,7 @@ __device__ __forceinline__ void copy_partial_tile(const FlashjitAttentionParams&
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fa3_attention_kernel(const __grid_constant__ FlashjitAttentionParams p,
-                         const __grid_constant__ KvMapsArg<true> tma_arg) {
+                         const __grid_constant__ KvMapsPagedArg tma_arg) {
   using T = typename Traits::DType;
   using KvLayout = typename Traits::KvLayout;
   using QTile = typename Traits::QTile;
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto k_slot = [&](int tile) { return base + (tile % STAGES) * Traits::kStageBytes; };
 
   const int tid = threadIdx.x, lane = tid % 32, warpgroup = tid / 128;
-  if (!Traits::kPaged && tid == 0) {  // the descriptors travel to the TMA unit while the work is decoded
+  if ((!Traits::kPaged || tma_arg.page_box_rows > 0) && tid == 0) {  // the descriptors travel to the TMA unit while the work is decoded
     tma::prefetch_map(&tma_arg.maps.k);
     tma::prefetch_map(&tma_arg.maps.v);
   }
@@ -190,6 +190,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
     if constexpr (Traits::kPaged) {
       using Copy = fa2::PagedTileCopy<T, KvLayout, KEYS, D, Traits::kLoaderThreads, 128>;
+      const int box_rows = tma_arg.page_box_rows;
+      // A whole tile by TMA (thread 0: its boxes, page by page, counted on
+      // `full`; the other threads' arrivals complete the count), or gathered by
+      // every thread's cp.async, rows past the request zero-filled.
+      auto load = [&](const Copy& copy, const int (&pages)[Copy::R::kPerThread], const CUtensorMap* map,
+                      int heads_outer, uint32_t dst, uint32_t full, const CtaWork& w, int k0, int valid) {
+        if (box_rows > 0 && valid == KEYS) {
+          if (tid == 0) {
+            tma::mbar_arrive_expect_tx(full, Traits::kKvTileBytes);
+            for (int r = 0; r < KEYS; r += box_rows) {
+              const int key = k0 + r, page_at = copy.page_div.div(key), slot = copy.page_div.mod(key, page_at);
+              const int page = p.kv_page_indices[w.kv_start + page_at];
+#pragma unroll
+              for (int b = 0; b < D / 64; ++b)
+                tma::load_4d(dst + KvLayout::block(b) + r * 128, map, 64 * b, heads_outer ? slot : w.kv_head,
+                             heads_outer ? w.kv_head : slot, page, full);
+            }
+          } else {
+            tma::mbar_arrive(full);
+          }
+        } else {
+          copy.issue(dst, pages, k0, valid);
+          cp_async_arrive_noinc(full);
+        }
+      };
       for_each_position([&](const Item& it, int seq) {
         const CtaWork& w = it.w;
         int pages[Copy::R::kPerThread];  // this thread's rows' pages, the same for K and V
@@ -198,13 +223,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           const Copy k_copy(kv_rows<T, true>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page), tid);
           const Copy v_copy(kv_rows<T, true>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page), tid);
           const int gt = seq + t, k0 = it.key_begin + t * KEYS, valid = min(KEYS, w.kv_len - k0);
-          k_copy.lookup(pages, k0, valid);
+          if (box_rows == 0 || valid < KEYS) k_copy.lookup(pages, k0, valid);
           wait_empty(empty_k(gt), gt);
-          k_copy.issue(k_slot(gt), pages, k0, valid);
-          cp_async_arrive_noinc(full_k(gt));
+          load(k_copy, pages, &tma_arg.maps.k, tma_arg.maps.heads_outer_k, k_slot(gt), full_k(gt), w, k0, valid);
           wait_empty(empty_v(gt), gt);
-          v_copy.issue(k_slot(gt) + Traits::kKvTileBytes, pages, k0, valid);
-          cp_async_arrive_noinc(full_v(gt));
+          load(v_copy, pages, &tma_arg.maps.v, tma_arg.maps.heads_outer_v, k_slot(gt) + Traits::kKvTileBytes,
+               full_v(gt), w, k0, valid);
         }
       });
       // Exits with no copy of this thread in flight.

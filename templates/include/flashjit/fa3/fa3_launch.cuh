@@ -8,13 +8,29 @@
 
 namespace flashjit {
 
+// The slots of one TMA box of a paged cache, or 0 where whole tiles cannot come
+// by TMA: a box lands at a multiple of 8 rows of the tile (the swizzle's
+// period), and a tile must be whole pages or lie within one.
+template <int kKeysPerTile>
+int fa3_page_box_rows(int page_size) {
+  if (page_size % 8 != 0 || (kKeysPerTile % page_size != 0 && page_size % kKeysPerTile != 0)) return 0;
+  return page_size < kKeysPerTile ? page_size : kKeysPerTile;
+}
+
 template <class Traits>
 int launch_fa3_attention(const FlashjitAttentionParams& p, cudaStream_t stream) {
-  KvMapsArg<true> tma_arg{};
-  if (!Traits::kPaged && p.num_work > 0 && p.num_kv_heads > 0) {  // paged tiles are gathered by cp.async
-    const int err =
-        tma::encode_kv_maps<typename Traits::DType, Traits::kKeysPerTile>(&tma_arg.maps, p, Traits::kHeadDim);
-    if (err != cudaSuccess) return err;
+  using DType = typename Traits::DType;
+  KvMapsPagedArg tma_arg{};
+  if (p.num_work > 0 && p.num_kv_heads > 0) {
+    if constexpr (Traits::kPaged) {
+      // Pages by TMA where the page size allows and the driver encodes the maps; else every tile is gathered.
+      const int rows = fa3_page_box_rows<Traits::kKeysPerTile>(p.page_size);
+      if (rows > 0 && tma::encode_paged_kv_maps<DType>(&tma_arg.maps, p, Traits::kHeadDim, rows) == cudaSuccess)
+        tma_arg.page_box_rows = rows;
+    } else {
+      const int err = tma::encode_kv_maps<DType, Traits::kKeysPerTile>(&tma_arg.maps, p, Traits::kHeadDim);
+      if (err != cudaSuccess) return err;
+    }
   }
   const int max_ctas = Traits::kPersistent ? multiprocessors() : 0;
   if (max_ctas < 0) return cudaErrorUnknown;
