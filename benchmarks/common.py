@@ -1,7 +1,10 @@
 """Shared by the benchmark scripts (run as `python benchmarks/NAME.py`) and by the
-instruments in benchmarks/dev/, which put benchmarks/ on sys.path to import it."""
+instruments in benchmarks/dev/, which put benchmarks/ on sys.path to import it.
+The timing itself lives in flashjit.bench.timing, where `flashjit bench` uses it too."""
 
 from __future__ import annotations
+
+from flashjit.bench.timing import event_ms, round_orders  # noqa: F401 (the scripts import them from here)
 
 
 def emit(text: str, out: str | None) -> None:
@@ -10,19 +13,6 @@ def emit(text: str, out: str | None) -> None:
     if out:
         with open(out, "a") as f:
             f.write(text + "\n")
-
-
-def event_ms(fn, inner: int = 1) -> float:
-    """Milliseconds between two CUDA events around `inner` back-to-back calls of fn."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(inner):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def kernel_times(fn, calls: int = 20) -> dict[str, float]:
@@ -42,16 +32,6 @@ def kernel_times(fn, calls: int = 20) -> dict[str, float]:
         if event.device_time_total > 0:
             times[event.key] += event.device_time_total / calls
     return dict(times)
-
-
-def round_orders(items: list, rounds: int):
-    """The order in which to time `items` in each of `rounds` rounds: as given,
-    then reversed, alternately. Timed once each in a fixed order, identical
-    kernels differed by 0-4% with their place in it
-    (results/2026-11-22-h200-interleaved-timing.md); alternated, drift during a
-    run falls on every item alike."""
-    for rnd in range(rounds):
-        yield list(items) if rnd % 2 == 0 else list(reversed(items))
 
 
 def use_templates(folder) -> None:

@@ -1,4 +1,5 @@
-"""The `flashjit` command: prewarm the cache, inspect it, describe this machine.
+"""The `flashjit` command: prewarm the cache, inspect it, describe this machine,
+benchmark this GPU.
 
 Exit codes: 0 done; 1 a failure while working (a build, the cache, the
 toolchain); 2 bad input (flags, a selection that does not exist, or a FLASHJIT_*
@@ -21,6 +22,7 @@ import warnings
 from pathlib import Path
 
 from .arch import choose_backend
+from .bench import BENCHMARKS, PEERS
 from .errors import CacheError, FlashjitError, JitDisabledError, SettingError
 from .spec import DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, UTILITY_OPS, KernelSpec, canonical_dtype
 
@@ -255,6 +257,12 @@ def cmd_info(args) -> int:
     return 2 if problems else 0
 
 
+def cmd_bench(args) -> int:
+    from . import bench
+
+    return bench.run(args)
+
+
 # ---------------------------------------------------------------------------
 # Settings: each command reads the FLASHJIT_* variables it depends on before it
 # acts, so that a bad value is one line naming the variable, what it takes and
@@ -348,6 +356,22 @@ def build_parser() -> argparse.ArgumentParser:
     cac.set_defaults(func=cmd_cache)
     inf = sub.add_parser("info", help="versions, toolchain, GPU, cache directory")
     inf.set_defaults(func=cmd_info)
+    ben = sub.add_parser("bench", help="prefill and paged-decode benchmarks on this GPU, beside the peers that import",
+                         description="Times flashjit beside PyTorch SDPA and FlashInfer (where importable) on the "
+                                     "visible GPU; writes bench.md, bench.json and bench.png (with matplotlib) to "
+                                     "--out and prints the tables. Exit 1 where a flashjit output was wrong or a "
+                                     "benchmark failed, 2 where no GPU is visible.")
+    ben.add_argument("--quick", action="store_true",
+                     help="about a minute once the kernels are cached: prefill head_dim 128 at 1k and 4k tokens, "
+                          "decode GQA 64x4k and 1x32k, no append rows")
+    ben.add_argument("--out", default="flashjit-bench", help="folder for the reports (default: ./flashjit-bench)")
+    ben.add_argument("--only", nargs="+", choices=BENCHMARKS, help="the benchmarks to run (default: all)")
+    ben.add_argument("--peers", nargs="*", choices=PEERS,
+                     help="the other libraries to time (default: every one that imports; --peers alone: flashjit "
+                          "alone); decode has no SDPA column (SDPA reads no paged cache)")
+    ben.add_argument("--rounds", type=_positive_int, default=3, help="prefill: interleaved timing rounds per row")
+    ben.add_argument("--reps", type=_positive_int, default=50, help="decode: timed samples per cell (median)")
+    ben.set_defaults(func=cmd_bench)
     return parser
 
 

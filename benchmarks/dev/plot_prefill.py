@@ -22,7 +22,12 @@ def parse(path: str):
 
 
 def main() -> int:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("plot_prefill.py: needs matplotlib (pip install matplotlib); `flashjit bench` writes its tables "
+              "without it", file=sys.stderr)
+        return 2
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

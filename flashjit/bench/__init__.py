@@ -1,0 +1,95 @@
+"""`flashjit bench`: the prefill and paged-decode benchmarks on the visible GPU,
+flashjit beside whichever peers import (PyTorch SDPA always, FlashInfer when
+installed), written as markdown, JSON and a PNG.
+
+Importing this package imports neither torch nor the benchmarks (the CLI reads
+BENCHMARKS and PEERS to build its parser); run() loads them. The timing method
+is the one benchmarks/prefill.py and benchmarks/decode.py have always used
+(timing.py), and those scripts now call these modules, so their tables and
+these are the same tables.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import traceback
+from pathlib import Path
+
+# MLA joins this list when flashjit generates it (spec.PLANNED_OPS still names it).
+BENCHMARKS = ("prefill", "decode")
+PEERS = ("sdpa", "flashinfer")
+
+
+def no_gpu_reason() -> str | None:
+    """Why the benchmarks cannot run here, or None."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
+    return None
+
+
+def _meta(quick: bool, flashinfer_version) -> dict:
+    import torch
+
+    from .._version import __version__
+    from .report import git_commit
+
+    return {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "commit": git_commit(), "flashjit": __version__, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "flashinfer": flashinfer_version, "quick": quick, "argv": sys.argv[1:]}
+
+
+def run(args) -> int:
+    """The `flashjit bench` command (cli.py parses its arguments). Exit 2 where
+    no GPU is visible; 1 where a benchmark failed or a flashjit output was
+    wrong (the reports are written either way); 0 otherwise."""
+    reason = no_gpu_reason()
+    if reason:
+        print(f"flashjit bench: {reason}; the benchmarks need an NVIDIA GPU (SM80 or newer)", file=sys.stderr)
+        return 2
+    import torch
+
+    from flashjit import jit
+
+    from . import decode, prefill
+    from .report import Progress, markdown, write_all
+
+    only = args.only or list(BENCHMARKS)
+    plans, specs = {}, []
+    if "prefill" in only:
+        impls = prefill.implementations(peers=args.peers)
+        rows = prefill.rows(quick=args.quick)
+        plans["prefill"] = (rows, impls)
+        specs += prefill.specs(rows, impls)
+    if "decode" in only:
+        rows = decode.rows(quick=args.quick)
+        plans["decode"] = (rows, decode.libraries(peers=args.peers))
+        specs += decode.specs(rows)
+    # Every configuration in one parallel build, so that no row waits for nvcc
+    # (and a cache miss under FLASHJIT_DISABLE_JIT stops here, naming the prewarm).
+    print(f"flashjit bench: {', '.join(plans)} on {torch.cuda.get_device_name()}; building or loading "
+          f"{len(specs)} configuration(s)", file=sys.stderr, flush=True)
+    jit.build_many(specs, progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    progress = Progress(sum(len(rows) for rows, _ in plans.values()))
+    sections, status = {}, 0
+    for name, (rows, peers) in plans.items():
+        try:
+            if name == "prefill":
+                sections[name] = prefill.run(rows, peers, rounds=args.rounds, progress=progress)
+            else:
+                sections[name] = decode.run(rows, peers, reps=args.reps, progress=progress)
+                status |= bool(sections[name]["failures"])
+        except Exception as exc:  # the other benchmark still runs and the reports are still written
+            traceback.print_exc()
+            sections[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            status = 1
+    flashinfer = sys.modules.get("flashinfer")  # imported above where a peer
+    results = {"meta": _meta(args.quick, getattr(flashinfer, "__version__", None)), "sections": sections}
+    print(markdown(results))
+    for line in write_all(results, Path(args.out)):
+        print(f"flashjit bench: {line}", file=sys.stderr)
+    return 1 if status else 0

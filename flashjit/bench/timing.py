@@ -1,0 +1,80 @@
+"""How the benchmarks time a call: CUDA events around back-to-back calls,
+implementations of a row interleaved in rounds of alternating order. The
+instruments in benchmarks/dev/ time the same way (they import these through
+benchmarks/common.py), so that their numbers compare with the tables'."""
+
+from __future__ import annotations
+
+import sys
+
+
+def event_ms(fn, inner: int = 1) -> float:
+    """Milliseconds between two CUDA events around `inner` back-to-back calls of fn."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(inner):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def round_orders(items: list, rounds: int):
+    """The order in which to time `items` in each of `rounds` rounds: as given,
+    then reversed, alternately. Timed once each in a fixed order, identical
+    kernels differed by 0-4% with their place in it
+    (benchmarks/results/2026-11-22-h200-interleaved-timing.md); alternated,
+    drift during a run falls on every item alike."""
+    for rnd in range(rounds):
+        yield list(items) if rnd % 2 == 0 else list(reversed(items))
+
+
+def bench_ms(fn, reps: int = 10, sample_ms: float = 2.0) -> float:
+    """Median ms per call over `reps` samples (CUDA events) after two warm-ups.
+    A sample times enough back-to-back calls to last about `sample_ms`, so that
+    the host's launch work overlaps the GPU's as in a serving loop, instead of
+    adding to a lone call's time."""
+    for _ in range(2):
+        fn()
+    calls = max(1, min(50, int(sample_ms / max(event_ms(fn, 1), 1e-3))))
+    times = sorted(event_ms(fn, calls) / calls for _ in range(reps))
+    return times[len(times) // 2]
+
+
+# Calls per timing sample, at least: a sample starts on an idle GPU, and its
+# first launch costs tens of µs that a lone call would carry whole (on the
+# 1 ms MHA row, a 1-call sample read 1005 µs where 50 back-to-back calls ran
+# at 965 µs each, while the other library, estimated a little faster, got
+# 2-call samples: benchmarks/results/2026-11-22-h200-decode-mha-loop.md).
+MIN_CALLS_PER_SAMPLE = 4
+
+
+def time_us(fn, reps: int, target_us: float = 2000.0) -> tuple[float, str, int]:
+    """(median µs per call, 'graph' or 'eager', calls per sample): each sample
+    replays a CUDA graph of N calls (an eager loop where capture fails) / N."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    est = event_ms(fn, 5) * 1e3 / 5
+    inner = max(MIN_CALLS_PER_SAMPLE, min(500, int(target_us / max(est, 1.0))))
+    runner, mode, graph = (lambda: event_ms(fn, inner)), "eager", None
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        graph.replay()
+        runner, mode = (lambda: event_ms(graph.replay)), "graph"
+    except Exception as exc:
+        print(f"  graph capture failed, timing eager: {type(exc).__name__}: {str(exc)[:150]}", file=sys.stderr)
+    torch.cuda.synchronize()
+    times = sorted(runner() for _ in range(reps))
+    return times[len(times) // 2] * 1e3 / inner, mode, inner
