@@ -442,7 +442,7 @@ def test_gpu_compiled_decoder_layer_is_bit_identical(backend, prewarmed):
         assert torch.equal(a, b)
     assert results[0][-1].abs().sum() > 0 and not torch.isnan(results[0][0]).any()
 
-    q = torch.randn(2, heads, dim, device="cuda").to(BF16)
+    q, cache = torch.randn(2, heads, dim, device="cuda").to(BF16), results[0][-1]
     for return_lse in (False, True):
         opcheck(_op("batch_decode_paged_run"), (decode._handle, q, cache, None, return_lse, None), test_utils=OPCHECK)
     opcheck(_op("batch_decode_paged_run_out"), (decode._handle, q, cache, None, torch.empty_like(q),
