@@ -1,9 +1,16 @@
 """The public attention ops (FlashInfer-compatible names). Importing this
-module imports torch; `import flashjit` alone does not load it."""
+module imports torch and registers the ops as torch.ops.flashjit.* (see
+_library); `import flashjit` alone does neither."""
 
+from . import _library
+from .append import append_paged_kv_cache
 from .decode import single_decode_with_kv_cache
+from .merge import merge_state, merge_state_in_place, merge_states
 from .paged import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithRaggedKVCacheWrapper, single_prefill_with_kv_cache
 
+_library.register()
+
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
-           "BatchPrefillWithRaggedKVCacheWrapper", "single_decode_with_kv_cache", "single_prefill_with_kv_cache"]
+           "BatchPrefillWithRaggedKVCacheWrapper", "append_paged_kv_cache", "merge_state", "merge_state_in_place",
+           "merge_states", "single_decode_with_kv_cache", "single_prefill_with_kv_cache"]

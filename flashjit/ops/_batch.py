@@ -19,7 +19,7 @@ import torch
 
 from .. import jit
 from ..loader import KernelModule
-from . import _checks
+from . import _checks, _library
 from ._launch import PER_CALL, check_placement, fill_params, resident_ctas, run_on
 from ._plan import WorkPlan, ceil_div, plan_work
 
@@ -83,6 +83,7 @@ class BatchAttention:
         self._tails: dict = {}
         self._validated: set = set()  # run() argument signatures already checked against the plan
         self._qo_rows = "qo_indptr[-1]"  # what sets q's row count, for error messages
+        self._handle = _library.register_wrapper(self)  # how run()'s torch.ops.flashjit operator finds this
 
     @property
     def is_cuda_graph_enabled(self) -> bool:

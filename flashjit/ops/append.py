@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import HEAD_DIMS
-from . import _checks
+from . import _checks, _library
 
 
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices,
@@ -26,6 +26,41 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     kv_last_page_len must already include the appended tokens (as in FlashInfer).
     Indices are not range-checked on the host (that would read them): an index past a
     tensor's end is a device-side error. Two tokens aimed at one slot leave either value."""
+    if _library.tracing():
+        k_cache, v_cache = _library.cache_args(paged_kv_cache)
+        torch.ops.flashjit.append_paged_kv_cache.default(append_key, append_value, batch_indices, positions, k_cache,
+                                                         v_cache, kv_indices, kv_indptr, kv_last_page_len, kv_layout)
+        return
+    append_eager(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
+                 kv_last_page_len, kv_layout)
+
+
+def append_eager(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
+                 kv_last_page_len, kv_layout: str) -> None:
+    """append_paged_kv_cache's eager body."""
+    k_cache, v_cache, page_size = check_append(append_key, append_value, batch_indices, positions, paged_kv_cache,
+                                               kv_indices, kv_indptr, kv_last_page_len, kv_layout)
+    head_dim = append_key.shape[2]
+    if k_cache.device.type == "cuda" and head_dim in HEAD_DIMS and _vector_aligned(append_key, append_value, k_cache,
+                                                                                   v_cache):
+        _append_kernel(append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr,
+                       kv_layout, page_size)
+        return
+    # CPU tensors, head dims we generate no kernel for, or layouts the kernel
+    # cannot copy in 16-byte vectors: torch ops.
+    page = kv_indices[kv_indptr[batch_indices] + positions // page_size]
+    slot = positions % page_size
+    if kv_layout == "HND":
+        # A transposed view puts (page, slot) first in both layouts, and it writes through.
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    k_cache.index_put_((page, slot), append_key)
+    v_cache.index_put_((page, slot), append_value)
+
+
+def check_append(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
+                 kv_last_page_len, kv_layout: str) -> tuple:
+    """Every structural check of append_paged_kv_cache (nothing reads a tensor);
+    returns (k_cache, v_cache, page_size), the caches as 4-D views."""
     _checks.check_layout(kv_layout)
     k_cache, v_cache, cache_name = _checks.unpack_paged_cache(paged_kv_cache)
     _checks.check_tensor("append_key", append_key, 3)
@@ -57,21 +92,7 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     _checks.check_same_device(k_cache.device, cache_name, append_key=append_key, append_value=append_value,
                        batch_indices=batch_indices, positions=positions, kv_indices=kv_indices,
                        kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
-
-    if k_cache.device.type == "cuda" and head_dim in HEAD_DIMS and _vector_aligned(append_key, append_value, k_cache,
-                                                                                   v_cache):
-        _append_kernel(append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr,
-                       kv_layout, page_size)
-        return
-    # CPU tensors, head dims we generate no kernel for, or layouts the kernel
-    # cannot copy in 16-byte vectors: torch ops.
-    page = kv_indices[kv_indptr[batch_indices] + positions // page_size]
-    slot = positions % page_size
-    if kv_layout == "HND":
-        # A transposed view puts (page, slot) first in both layouts, and it writes through.
-        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    k_cache.index_put_((page, slot), append_key)
-    v_cache.index_put_((page, slot), append_value)
+    return k_cache, v_cache, page_size
 
 
 _modules: dict = {}  # (dtype, head_dim) -> the loaded append kernel

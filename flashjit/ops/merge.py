@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from . import _checks, _library
 
 _NEG_INF = float("-inf")
 
@@ -38,7 +38,7 @@ def _check_s(name: str, t, shape: tuple, v_name: str, float32_only: bool = False
         raise ValueError(f"{name}: expected a float32 log-sum-exp (float16/bfloat16 are converted), got {t.dtype}")
 
 
-def _check_pair(v_name, v, s_name, s, ov_name, ov, os_name, os, s_float32_only=False) -> None:
+def check_pair(v_name, v, s_name, s, ov_name, ov, os_name, os, s_float32_only=False) -> None:
     _check_v(v_name, v, 3)
     _check_v(ov_name, ov, 3)
     if ov.shape != v.shape:
@@ -78,7 +78,19 @@ def merge_state(v_a, s_a, v_b, s_b) -> tuple[torch.Tensor, torch.Tensor]:
     """Merges two states: v_a/v_b [seq_len, num_heads, head_dim], s_a/s_b [seq_len, num_heads]
     (base-2 log-sum-exp, float32). Returns (v in v_a's dtype, s in float32); a row where
     both states are empty (s = -inf) merges to v = 0, s = -inf."""
-    _check_pair("v_a", v_a, "s_a", s_a, "v_b", v_b, "s_b", s_b)
+    if _library.tracing() and not _needs_grad(v_a, s_a, v_b, s_b):
+        return torch.ops.flashjit.merge_state.default(v_a, s_a, v_b, s_b)
+    return merge_state_eager(v_a, s_a, v_b, s_b)
+
+
+def _needs_grad(*tensors) -> bool:
+    """The operators have no autograd formula: a traced call that needs gradients
+    traces the torch ops of the eager body instead."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def merge_state_eager(v_a, s_a, v_b, s_b) -> tuple[torch.Tensor, torch.Tensor]:
+    check_pair("v_a", v_a, "s_a", s_a, "v_b", v_b, "s_b", s_b)
     merged_v, merged_s = _merge_two(v_a, s_a, v_b, s_b)
     return merged_v.to(v_a.dtype), merged_s
 
@@ -87,12 +99,23 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
     """Merges (v_other, s_other) into (v, s), both [seq_len, num_heads(, head_dim)]; s must
     be float32 since it is written. Rows where the bool mask [seq_len] is False keep
     their state (FlashInfer uses this to capture one graph for a varying batch)."""
-    _check_pair("v", v, "s", s, "v_other", v_other, "s_other", s_other, s_float32_only=True)
+    if _library.tracing() and not _needs_grad(v, s, v_other, s_other):
+        torch.ops.flashjit.merge_state_in_place.default(v, s, v_other, s_other, mask)
+        return
+    merge_state_in_place_eager(v, s, v_other, s_other, mask)
+
+
+def check_in_place(v, s, v_other, s_other, mask) -> None:
+    check_pair("v", v, "s", s, "v_other", v_other, "s_other", s_other, s_float32_only=True)
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (v.shape[0],):
             got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise ValueError(f"mask: expected a bool tensor of shape ({v.shape[0]},) (seq_len, from v), got {got}")
         _checks.check_same_device(v.device, "v", mask=mask)
+
+
+def merge_state_in_place_eager(v, s, v_other, s_other, mask=None) -> None:
+    check_in_place(v, s, v_other, s_other, mask)
     merged_v, merged_s = _merge_two(v, s, v_other, s_other)
     if mask is not None:
         merged_v = torch.where(mask[:, None, None], merged_v, v.float())
@@ -106,9 +129,19 @@ def merge_states(v, s) -> tuple[torch.Tensor, torch.Tensor]:
     num_states, num_heads] (float32). Returns v [seq_len, num_heads, head_dim] in v's dtype
     and s [seq_len, num_heads] in float32; empty rows (all s = -inf, or no state) give
     v = 0, s = -inf."""
+    if _library.tracing() and not _needs_grad(v, s):
+        return torch.ops.flashjit.merge_states.default(v, s)
+    return merge_states_eager(v, s)
+
+
+def check_states(v, s) -> None:
     _check_v("v", v, 4)
     _check_s("s", s, v.shape[:3], "v")
     _checks.check_same_device(v.device, "v", s=s)
+
+
+def merge_states_eager(v, s) -> tuple[torch.Tensor, torch.Tensor]:
+    check_states(v, s)
     seq_len, num_states, num_heads, head_dim = v.shape
     if num_states == 0:  # a shape, known on the host: no state is an empty segment
         return (torch.zeros(seq_len, num_heads, head_dim, dtype=v.dtype, device=v.device),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from . import _checks, _library
 from ._batch import BatchAttention
 from .prefill import plan_spec
 
@@ -52,15 +52,22 @@ class _PagedAttention(BatchAttention):
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse: bool = False, enable_pdl=None, window_left=None, **kwargs):
+        if args or kwargs or q_scale is not None or k_scale is not None or v_scale is not None:
+            _checks.check_no_extra_args("run()", args)
+            _checks.check_unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+            raise NotImplementedError(f"{sorted(kwargs)}: not supported by flashjit's {type(self).__name__}.run()")
+        if _library.tracing():
+            k, v = _library.cache_args(paged_kv_cache)
+            return _library.run_batch(self, q, k, v, out, lse, return_lse, window_left)
+        return self._run(q, paged_kv_cache, None, out, lse, return_lse, window_left)
+
+    def _run(self, q, k, v, out, lse, return_lse: bool, window_left):
+        """run()'s eager body: the cache is k alone (a 5-D tensor or a (K, V) tuple) or (k, v)."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan()")
-        _checks.check_no_extra_args("run()", args)
-        _checks.check_unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
-        if kwargs:
-            raise NotImplementedError(f"{sorted(kwargs)}: not supported by flashjit's {type(self).__name__}.run()")
-        if window_left is not None and window_left != plan.scalars[1]:
-            raise ValueError(f"window_left: expected {plan.scalars[1]} (as planned) or None, got {window_left}")
+        paged_kv_cache = k if v is None else (k, v)
+        self._check_window(window_left, plan)
         k, v, v_offset, num_pages, page_size, heads, dim, k_strides, v_strides = _checks.paged_kv_sources(
             paged_kv_cache, self._kv_layout)
         try:
@@ -80,6 +87,20 @@ class _PagedAttention(BatchAttention):
         if key is not None:
             self._validated.add(key)
         return (out, lse) if return_lse else out
+
+    @staticmethod
+    def _check_window(window_left, plan) -> None:
+        if window_left is not None and window_left != plan.scalars[1]:
+            raise ValueError(f"window_left: expected {plan.scalars[1]} (as planned) or None, got {window_left}")
+
+    def _check_planned(self, q, k, v, plan, window_left=None) -> None:
+        """q and the cache (k alone, or k and v) against the plan, all but the token
+        counts and page ids."""
+        cache = k if v is None else (k, v)
+        self._check_window(window_left, plan)
+        k, _, _, page_size, heads, dim, _, _ = _checks.paged_kv_cache(cache, self._kv_layout)
+        self._check_q(q, plan)
+        self._check_cache(cache, k, page_size, heads, dim, plan)
 
     def _check_cache(self, cache, k, page_size: int, heads: int, dim: int, plan) -> None:
         """The cache's dtype and page geometry against the plan (paged_kv_sources
@@ -107,6 +128,8 @@ def _shape_text(cache) -> str:
 class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
     """Prefill (or append / chunked prefill) of a ragged batch of queries,
     q [qo_indptr[-1], heads, dim], against a paged KV cache."""
+
+    _op = "batch_prefill_paged"
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
@@ -139,6 +162,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
     """One query token per request, q [batch_size, heads, dim], against a paged
     KV cache. use_tensor_cores=False keeps fp32 softmax and P.V on CUDA cores;
     True packs the query heads of each KV head as the rows of the MMA."""
+
+    _op = "batch_decode_paged"
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from . import _checks, _library
 from ._batch import BatchAttention, dtype_arg
 from ._launch import Prepared, check_qkv, kv_tokens, prepare_single_request, remember, select_spec, signature
 
@@ -23,13 +23,25 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND).
     Returns o like q, and with return_lse the base-2 log-sum-exp [qo_len, num_qo_heads].
     strict=True: a backend this GPU cannot run (fa3 off sm_90a) raises instead of running fa2."""
-    options = (scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
-               use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend, return_lse, use_tensor_cores,
-               strict)
+    if _library.tracing():
+        _check_options(q, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
+                       use_fp16_qk_reduction)
+        res = torch.ops.flashjit.single_prefill.default(q, k, v, kv_layout, bool(causal), sm_scale, window_left,
+                                                        logits_soft_cap, backend, bool(return_lse),
+                                                        use_tensor_cores, strict)
+        return (res[0], res[1]) if return_lse else res[0]
+    return run_single(q, k, v, kv_layout, (scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask,
+                                           causal, pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left,
+                                           logits_soft_cap, backend, return_lse, use_tensor_cores, strict))
+
+
+def run_single(q, k, v, kv_layout: str, options: tuple):
+    """The eager body of single_prefill_with_kv_cache; options in its argument order, scale_q to strict."""
     key = signature(q, k, v, kv_layout, True, options)
     prep = _prepared.get(key) if key is not None else None
     if prep is None:
         prep = remember(_prepared, key, _prepare_single(q, k, v, kv_layout, *options))
+    return_lse = options[13]
     qo_len = q.shape[0]
     out = torch.empty((qo_len, *prep.out_shape), dtype=q.dtype, device=q.device)
     lse = torch.empty((qo_len, *prep.lse_shape), dtype=torch.float32, device=q.device) if return_lse else None
@@ -44,12 +56,25 @@ def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, cust
                               packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
                               use_fp16_qk_reduction=use_fp16_qk_reduction)
     _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout)
-    if o_dtype is not None and o_dtype != q.dtype:
-        raise ValueError(f"o_dtype: expected None or {q.dtype} (the output has q's dtype), got {o_dtype}")
+    _check_o_dtype(q, o_dtype)
     return prepare_single_request("single_prefill", q, k, v, kv_layout, head_dim, num_qo_heads, num_kv_heads,
                                   causal=causal, sm_scale=sm_scale, window_left=window_left,
                                   logits_soft_cap=logits_soft_cap, backend=backend,
                                   use_tensor_cores=use_tensor_cores, return_lse=return_lse, strict=strict)
+
+
+def _check_options(q, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
+                   use_fp16_qk_reduction) -> None:
+    """The options the operator does not take: at their defaults, or an error as in eager calls."""
+    _checks.check_unsupported(scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, custom_mask=custom_mask,
+                              packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
+                              use_fp16_qk_reduction=use_fp16_qk_reduction)
+    _check_o_dtype(q, o_dtype)
+
+
+def _check_o_dtype(q, o_dtype) -> None:
+    if o_dtype is not None and o_dtype != q.dtype:
+        raise ValueError(f"o_dtype: expected None or {q.dtype} (the output has q's dtype), got {o_dtype}")
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
@@ -84,17 +109,23 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
                          head_dim=head_dim_qk, q_dtype=q_dtype, scalars=scalars, fixed_chunk=fixed_split_size,
                          allow_split=not disable_split_kv, non_blocking=non_blocking)
 
+    _op = "batch_prefill_ragged"
+
     def run(self, q, k, v, *args, out=None, lse=None, return_lse: bool = False, enable_pdl=None):
+        if args:
+            _checks.check_no_extra_args("run()", args)
+        if _library.tracing():
+            return _library.run_batch(self, q, k, v, out, lse, return_lse)
+        return self._run(q, k, v, out, lse, return_lse)
+
+    def _run(self, q, k, v, out, lse, return_lse: bool, window_left=None):
+        """run()'s eager body (window_left: the paged wrappers' argument, never given here)."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan()")
-        _checks.check_no_extra_args("run()", args)
         key = signature(q, k, v, self._kv_layout, True, ())
         if key is None or key not in self._validated:
-            self._check_q(q, plan)
-            self._check_kv("k", k, plan)
-            self._check_kv("v", v, plan)
-            check_qkv(q, k, v, self._kv_layout)
+            self._check_planned(q, k, v, plan)
         self._check_q_rows(q, plan)
         kv_len = kv_tokens(k, v, self._kv_layout)
         if kv_len != plan.kv_tokens and not (plan.graph_tokens and kv_len > plan.kv_tokens):
@@ -108,6 +139,13 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
         if key is not None:
             self._validated.add(key)
         return (out, lse) if return_lse else out
+
+    def _check_planned(self, q, k, v, plan, window_left=None) -> None:
+        """q, k and v against the plan, all but the token counts."""
+        self._check_q(q, plan)
+        self._check_kv("k", k, plan)
+        self._check_kv("v", v, plan)
+        check_qkv(q, k, v, self._kv_layout)
 
     def _check_kv(self, name: str, t, plan) -> None:
         """k or v against the plan: rank, dtype, kv heads, head_dim in the wrapper's layout."""
