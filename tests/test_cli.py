@@ -74,11 +74,12 @@ def test_prewarm_backends_follow_the_target_arches(monkeypatch, recwarn):
     monkeypatch.delenv("FLASHJIT_STRICT_BACKEND", raising=False)
     base = ["prewarm", "--preset", "minimal", "--arch"]
     fat = _backends_of([*base, "sm_80", "sm_89", "sm_90a"])
-    assert fat[("single_prefill", True)] == fat[("batch_prefill_ragged", True)] == ["fa2", "fa3"]
-    assert fat[("batch_prefill_paged", True)] == fat[("single_decode", False)] == ["fa2"]
+    prefill = [("single_prefill", True), ("batch_prefill_ragged", True), ("batch_prefill_paged", True)]
+    assert [fat[key] for key in prefill] == [["fa2", "fa3"]] * 3
+    assert fat[("single_decode", False)] == fat[("batch_decode_paged", False)] == ["fa2"]
     hopper = _backends_of([*base, "sm_90a"])
-    assert hopper[("single_prefill", True)] == hopper[("batch_prefill_ragged", True)] == ["fa3"]
-    assert hopper[("batch_prefill_paged", True)] == ["fa2"]
+    assert [hopper[key] for key in prefill] == [["fa3"]] * 3
+    assert hopper[("single_decode", False)] == ["fa2"]
     assert all(v == ["fa2"] for v in _backends_of([*base, "sm_89"]).values())
     explicit = _backends_of([*base, "sm_80", "--backend", "fa3"])
     assert all(v == ["fa2"] for v in explicit.values())
