@@ -61,12 +61,14 @@ def wide_specs() -> list[KernelSpec]:
 
 
 # The fa3 backend (kernels.fa3.FA3_TILINGS) builds for sm_90a alone; its
-# single and ragged prefill share one kernel, so ragged stands for both.
+# single and ragged prefill share one kernel, so ragged stands for both; paged
+# prefill is the same kernel with the paged loader (other register split).
 FA3_ARCHES = tuple(sorted(kernels.fa3.ARCHES))
 
 
 def fa3_specs() -> list[KernelSpec]:
-    return [KernelSpec.make("batch_prefill_ragged", dtype, head_dim, backend="fa3", use_tensor_cores=True, **flags)
+    return [KernelSpec.make(op, dtype, head_dim, backend="fa3", use_tensor_cores=True, **flags)
+            for op in ("batch_prefill_ragged", "batch_prefill_paged")
             for head_dim in sorted(kernels.fa3.FA3_TILINGS) for dtype in ("float16", "bfloat16")
             for flags in FLAG_SETS]
 
@@ -118,7 +120,8 @@ def main() -> int:
                     "The fa3 rows (`_fa3_`, kernel \"attention (warp-specialized)\", built for sm_90a alone) are "
                     "CTAs of three warpgroups, 384 threads, one CTA per SM: ptxas reports the 168 registers a "
                     "thread holds at entry; after `setmaxnreg` the loader warpgroup runs at 40 and the two "
-                    "consumer warpgroups at 232 (128 x (40 + 2 x 232) = 64512 of the SM's 65536), and no build "
+                    "consumer warpgroups at 232 (128 x (40 + 2 x 232) = 64512 of the SM's 65536); paged prefill's "
+                    "loader, which gathers rows by cp.async, at 56 and its consumers at 224; no build "
                     "spills. Their shared memory is dynamic: the K/V ring, Q and the mbarriers from a 1024-byte "
                     "boundary (`Fa3Tiling.smem_bytes`, [fa3.md](fa3.md)). Their SASS holds HGMMA (Q.K^T from "
                     "shared memory, P.V with P from registers and V transposed, `.tnspB`): "

@@ -9,7 +9,8 @@ of --rounds interleaved rounds (common.round_orders). The last column is the
 slowest paged cell of the row's first backend against its ragged cell.
 
 Usage: python benchmarks/dev/paged_vs_ragged.py [--head-dims 128] [--seqlens 1024 4096]
-       [--backends fa3 fa2] [--page-sizes 1 16 64] [--flashinfer] [--rounds 2] [--out FILE]
+       [--backends fa3 fa2] [--page-sizes 1 16 64] [--flashinfer] [--baseline-templates DIR ...]
+       [--rounds 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ import argparse
 import math
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
-from common import emit, round_orders  # noqa: E402
-from prefill import attention_flops, bench_ms, indptr  # noqa: E402
+from common import emit, round_orders, use_templates  # noqa: E402
 
 import flashjit  # noqa: E402
+from flashjit import jit  # noqa: E402
+from flashjit.bench.prefill import attention_flops, indptr  # noqa: E402
+from flashjit.bench.timing import bench_ms  # noqa: E402
+from flashjit.spec import KernelSpec  # noqa: E402
 
 
 def workspace() -> torch.Tensor:
@@ -87,16 +92,30 @@ def main() -> int:
     parser.add_argument("--backends", nargs="+", default=["fa3", "fa2"])
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--flashinfer", action="store_true", help="FlashInfer's paged fa3 at the page sizes too")
+    parser.add_argument("--baseline-templates", type=Path, nargs="+", default=[],
+                        help="copies of other templates/ folders: their paged kernels as more columns, same run")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
-    impls = {}
+    impls, folders = {}, {}  # name -> make; name -> templates folder (None: this tree's)
     for backend in args.backends:
         impls[f"{backend} ragged"] = flashjit_ragged(backend)
         impls.update({f"{backend} paged p{p}": flashjit_paged(backend, p) for p in args.page_sizes})
+        for folder in args.baseline_templates:
+            label = folder.resolve().parent.name if folder.name == "templates" else folder.name
+            for p in args.page_sizes:
+                impls[f"{backend} paged p{p} [{label}]"] = flashjit_paged(backend, p)
+                folders[f"{backend} paged p{p} [{label}]"] = folder.resolve()
     if args.flashinfer:
         impls.update({f"flashinfer-fa3 paged p{p}": flashinfer_paged(p) for p in args.page_sizes})
+    # Every paged library of each source in one parallel build.
+    for folder in [None, *(f.resolve() for f in args.baseline_templates)]:
+        use_templates(folder)
+        jit.build_many([KernelSpec.make(op, "bfloat16", d, backend=b, use_tensor_cores=True, causal=c, return_lse=True)
+                        for op in ("batch_prefill_paged", "batch_prefill_ragged") for b in args.backends
+                        for d in args.head_dims for c in (False, True)])
+    use_templates(None)
     first = args.backends[0]
     lines = [f"device: {torch.cuda.get_device_name()}, bf16, TFLOP/s, mean of {args.rounds} interleaved rounds", "",
              "| head_dim | batch x S | causal | " + " | ".join(impls) + f" | {first} slowest paged / ragged |",
@@ -111,10 +130,16 @@ def main() -> int:
                 fns, rates = {}, {}
                 for name, make in impls.items():
                     try:
+                        # A wrapper keeps the module it first ran: load it with its sources in place.
+                        use_templates(folders.get(name))
+                        jit._modules.clear()
                         fns[name] = make([s] * b, [s] * b, h, d, causal, k, v)
+                        fns[name](q)
                         rates[name] = []
                     except Exception as exc:  # the cell reads n/a; the reason goes to stderr
                         print(f"{name} d={d} {b}x{s}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+                use_templates(None)
+                jit._modules.clear()
                 for order in round_orders(list(fns), args.rounds):
                     for name in order:
                         rates[name].append(flops / bench_ms(lambda: fns[name](q), reps=10) / 1e9)

@@ -191,22 +191,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (Traits::kPaged) {
       using Copy = fa2::PagedTileCopy<T, KvLayout, KEYS, D, Traits::kLoaderThreads, 128>;
       const int box_rows = tma_arg.page_box_rows;
-      // A whole tile by TMA (thread 0: its boxes, page by page, counted on
-      // `full`; the other threads' arrivals complete the count), or gathered by
-      // every thread's cp.async, rows past the request zero-filled.
+      // A whole tile by TMA (the first warp reads the boxes' page ids at once,
+      // lane j box j's, and lane 0 issues the boxes, counted on `full`; every
+      // other loader thread arrives to complete the count), or gathered by every
+      // thread's cp.async, rows past the request zero-filled.
       auto load = [&](const Copy& copy, const int (&pages)[Copy::R::kPerThread], const CUtensorMap* map,
                       int heads_outer, uint32_t dst, uint32_t full, const CtaWork& w, int k0, int valid) {
         if (box_rows > 0 && valid == KEYS) {
-          if (tid == 0) {
-            tma::mbar_arrive_expect_tx(full, Traits::kKvTileBytes);
-            for (int r = 0; r < KEYS; r += box_rows) {
-              const int key = k0 + r, page_at = copy.page_div.div(key), slot = copy.page_div.mod(key, page_at);
-              const int page = p.kv_page_indices[w.kv_start + page_at];
-#pragma unroll
-              for (int b = 0; b < D / 64; ++b)
-                tma::load_4d(dst + KvLayout::block(b) + r * 128, map, 64 * b, heads_outer ? slot : w.kv_head,
-                             heads_outer ? w.kv_head : slot, page, full);
+          if (tid < 32) {
+            const int boxes = KEYS / box_rows;  // at most KEYS / 8: one per lane
+            int page = 0, slot = 0;
+            if (lane < boxes) {
+              const int key = k0 + lane * box_rows, page_at = copy.page_div.div(key);
+              slot = copy.page_div.mod(key, page_at);
+              page = p.kv_page_indices[w.kv_start + page_at];
             }
+            if (lane == 0) tma::mbar_arrive_expect_tx(full, Traits::kKvTileBytes);
+            for (int j = 0; j < boxes; ++j) {
+              const int box_page = __shfl_sync(0xffffffffu, page, j), box_slot = __shfl_sync(0xffffffffu, slot, j);
+              if (lane == 0) {
+#pragma unroll
+                for (int b = 0; b < D / 64; ++b)
+                  tma::load_4d(dst + KvLayout::block(b) + j * box_rows * 128, map, 64 * b,
+                               heads_outer ? box_slot : w.kv_head, heads_outer ? w.kv_head : box_slot, box_page, full);
+              }
+            }
+            if (lane != 0) tma::mbar_arrive(full);
           } else {
             tma::mbar_arrive(full);
           }
@@ -370,11 +380,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       softmax.exp_to_p(s, pa, 0);
     };
-    // Until a slot's K or V has landed. Gathered paged tiles were written by
-    // cp.async (the generic proxy): a proxy fence orders them before wgmma's reads.
-    auto wait_full = [&](uint32_t full, uint32_t parity) {
-      tma::mbar_wait(full, parity);
-      if constexpr (Traits::kPaged) fa3::fence_async_shared();
+    // Until tile t's K (or V) has landed in its slot. A gathered paged tile
+    // (every tile without TMA boxes, and a partial last one) was written by
+    // cp.async, the generic proxy: a proxy fence orders it before wgmma's reads.
+    auto wait_full = [&](bool v, int t) {
+      tma::mbar_wait(v ? full_v(seq + t) : full_k(seq + t), ((seq + t) / STAGES) & 1);
+      if constexpr (Traits::kPaged) {
+        if (tma_arg.page_box_rows == 0 || key_begin + (t + 1) * KEYS > w.kv_len) fa3::fence_async_shared();
+      }
     };
     // This warp is done with a slot's K or V (its products waited for).
     auto release = [&](uint32_t empty) {
@@ -385,7 +398,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (!Traits::kOverlap) {
       // Each tile in turn: S, softmax, P.V, each product waited for.
       for (int t = 0; t < num_tiles; ++t) {
-        wait_full(full_k(seq + t), ((seq + t) / STAGES) & 1);
+        wait_full(false, t);
         float s[1][NT_S][4], factor[2];
         uint32_t pa[1][KSTEPS_PV][4];
         fa3::fence();
@@ -394,7 +407,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         fa3::fence_operands(s[0]);
         release(empty_k(seq + t));
         softmax_tile(s, pa, t, false, factor);
-        wait_full(full_v(seq + t), ((seq + t) / STAGES) & 1);
+        wait_full(true, t);
         fa3::fence();
         issue_pv(pa, t);
         fa3::wait<0>();
@@ -409,8 +422,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // walks two tiles per iteration with the sets swapped.
       uint32_t pa0[1][KSTEPS_PV][4], pa1[1][KSTEPS_PV][4];
       auto step = [&](int t, const uint32_t (&pa_prev)[1][KSTEPS_PV][4], uint32_t (&pa_next)[1][KSTEPS_PV][4]) {
-        wait_full(full_k(seq + t), ((seq + t) / STAGES) & 1);
-        wait_full(full_v(seq + t - 1), ((seq + t - 1) / STAGES) & 1);
+        wait_full(false, t);
+        wait_full(true, t - 1);
         float s[1][NT_S][4], factor[2];
         fa3::fence();
         issue_qk(s, t);
@@ -430,7 +443,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       };
       if (num_tiles > 0) {
-        wait_full(full_k(seq), (seq / STAGES) & 1);
+        wait_full(false, 0);
         {
           float s[1][NT_S][4], factor[2];
           fa3::fence();
@@ -447,7 +460,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         const bool last_in_pa1 = t < num_tiles;
         if (last_in_pa1) step(t, pa0, pa1);
-        wait_full(full_v(seq + num_tiles - 1), ((seq + num_tiles - 1) / STAGES) & 1);
+        wait_full(true, num_tiles - 1);
         fa3::fence();
         if (last_in_pa1) {
           issue_pv(pa1, num_tiles - 1);

@@ -8,12 +8,15 @@
 
 namespace flashjit {
 
-// The slots of one TMA box of a paged cache, or 0 where whole tiles cannot come
-// by TMA: a box lands at a multiple of 8 rows of the tile (the swizzle's
-// period), and a tile must be whole pages or lie within one.
+// The slots of one TMA box of a paged cache, or 0 where whole tiles are
+// gathered instead: a tile must be whole pages or lie within one, and a box of
+// at least 64 rows. Smaller boxes ran slower than the gather on an H200 (page
+// 16: 0.52-0.82 of ragged prefill against the gather's 0.75-0.87; page 32 on a
+// par; benchmarks/results/2026-11-25-h200-fa3-paged-prefill.md).
 template <int kKeysPerTile>
 int fa3_page_box_rows(int page_size) {
-  if (page_size % 8 != 0 || (kKeysPerTile % page_size != 0 && page_size % kKeysPerTile != 0)) return 0;
+  constexpr int kMinBoxRows = 64;
+  if (page_size < kMinBoxRows || (kKeysPerTile % page_size != 0 && page_size % kKeysPerTile != 0)) return 0;
   return page_size < kKeysPerTile ? page_size : kKeysPerTile;
 }
 
