@@ -50,9 +50,9 @@ def main() -> int:
     spec = KernelSpec.make("batch_prefill_ragged", dtype, d, backend="fa3", use_tensor_cores=True, causal=True,
                            return_lse=True)
     worst = max(worst, check(spec, out, ref, q, k, v, max(kv_lens), d))
-    # The same batch from a paged cache, pages in random order: of 16 slots (whole tiles by TMA, the last
-    # gathered) and of 3 (every tile gathered by cp.async).
-    for page in (16, 3):
+    # The same batch from a paged cache, pages in random order: of 64 slots (whole tiles by TMA boxes, the
+    # last gathered) and of 3 (every tile gathered by cp.async).
+    for page in (64, 3):
         worst = max(worst, check_paged(q, k, v, qo, kv, kv_lens, d, page, ref, spec))
     torch.cuda.synchronize()
     print(f"fa3 sanitizer cases: worst err/bound {worst:.3f}")
