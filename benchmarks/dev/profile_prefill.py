@@ -4,7 +4,8 @@ fa2 unless `--backend fa3`, for a profiler to compare:
 Shape: 4 requests x 4096 tokens, head_dim 128 (`--head-dim`), 2048 / head_dim heads, not causal;
 `--shape B S` and `--causal` change it.
 `--templates DIR` renders from another templates/ copy (as fa2_tilings.py's --baseline-templates);
-`--tiling 'Fa2Tiling(...)'` replaces the d128 default tiling; `--no-flashinfer` skips FlashInfer."""
+`--tiling 'Fa2Tiling(...)'` replaces the d128 default tiling; `--no-flashinfer` skips FlashInfer;
+`--paged P` runs flashjit's paged prefill on the same K/V in pages of P slots (random order)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, decode, prefill
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/dev/: paged_vs_ragged
 from common import use_templates
 
 import flashjit
@@ -31,6 +33,7 @@ parser.add_argument("--shape", type=int, nargs=2, default=(4, 4096), metavar=("B
 parser.add_argument("--causal", action="store_true")
 parser.add_argument("--backend", choices=["fa2", "fa3"], default="fa2")
 parser.add_argument("--head-dim", type=int, default=128)
+parser.add_argument("--paged", type=int, metavar="P", help="paged prefill, pages of P slots")
 args = parser.parse_args()
 if args.templates:
     use_templates(args.templates.resolve())
@@ -49,10 +52,19 @@ if args.templates or args.tiling:
 h = 2048 // d
 indptr = torch.arange(b + 1, dtype=torch.int32) * s
 q, k, v = (torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
-                                                  backend=args.backend)
-w.plan(indptr, indptr, h, h, d, causal=args.causal, q_data_type=torch.bfloat16)
-w.run(q, k, v)
+if args.paged:
+    from paged_vs_ragged import paged_cache  # benchmarks/dev/
+
+    cache, kv_indptr, indices, last = paged_cache(k, v, [s] * b, args.paged)
+    w = flashjit.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
+                                                     backend=args.backend)
+    w.plan(indptr, kv_indptr, indices, last, h, h, d, args.paged, causal=args.causal, q_data_type=torch.bfloat16)
+    w.run(q, cache)
+else:
+    w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
+                                                      backend=args.backend)
+    w.plan(indptr, indptr, h, h, d, causal=args.causal, q_data_type=torch.bfloat16)
+    w.run(q, k, v)
 try:
     if args.no_flashinfer:
         raise ImportError
