@@ -55,6 +55,8 @@ __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy
 __device__ __forceinline__ void warpgroup_barrier(int id) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }
+// The loader warpgroup's barrier (id 3; 1 and 2 are the consumer warpgroups').
+__device__ __forceinline__ void loader_barrier() { warpgroup_barrier(3); }
 
 // The loader's first warp: a partial tile of keys k0 .. kv_len - 1 of K and V
 // into ring slot `dst` (K, then V kKvTileBytes on), rows past the request zero.
@@ -189,6 +191,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (gt >= STAGES) tma::mbar_wait(empty, ((gt / STAGES) - 1) & 1);
     };
     if constexpr (Traits::kPaged) {
+      // Only the first warp polls a slot's empty barrier; the other three wait
+      // at a hardware barrier that it joins once the slot is free (polling warps
+      // throttled the consumers' wgmma issue:
+      // results/2026-11-24-h100-fa3-paged-prefill.md). Every warp takes each
+      // barrier generation once, so none can run a generation ahead.
+      auto wait_empty_all = [&](uint32_t empty, int gt) {
+        if (gt < STAGES) return;
+        if (tid < 32) wait_empty(empty, gt);
+        fa3::loader_barrier();
+      };
       using Copy = fa2::PagedTileCopy<T, KvLayout, KEYS, D, Traits::kLoaderThreads, 128>;
       const int box_rows = tma_arg.page_box_rows;
       // A whole tile by TMA (the first warp reads the boxes' page ids at once,
@@ -234,9 +246,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           const Copy v_copy(kv_rows<T, true>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page), tid);
           const int gt = seq + t, k0 = it.key_begin + t * KEYS, valid = min(KEYS, w.kv_len - k0);
           if (box_rows == 0 || valid < KEYS) k_copy.lookup(pages, k0, valid);
-          wait_empty(empty_k(gt), gt);
+          wait_empty_all(empty_k(gt), gt);
           load(k_copy, pages, &tma_arg.maps.k, tma_arg.maps.heads_outer_k, k_slot(gt), full_k(gt), w, k0, valid);
-          wait_empty(empty_v(gt), gt);
+          wait_empty_all(empty_v(gt), gt);
           load(v_copy, pages, &tma_arg.maps.v, tma_arg.maps.heads_outer_v, k_slot(gt) + Traits::kKvTileBytes,
                full_v(gt), w, k0, valid);
         }
