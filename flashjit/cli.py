@@ -24,16 +24,19 @@ from pathlib import Path
 from .arch import choose_backend
 from .bench import BENCHMARKS, PEERS
 from .errors import CacheError, FlashjitError, JitDisabledError, SettingError
-from .spec import DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PLANNED_OPS, UTILITY_OPS, KernelSpec, canonical_dtype
+from .spec import (DECODE_OPS, DTYPES, HEAD_DIMS, MLA_OPS, OPS, PLANNED_OPS, TENSOR_CORE_DTYPES, UTILITY_OPS,
+                   KernelSpec, canonical_dtype, mla_spec)
 
 # Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
 ALWAYS_LSE = {"batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged"}
 # Ops with no causal variant (one query token sees every key).
 NO_CAUSAL = set(DECODE_OPS)
 
+# MLA is named with --op mla_paged: only DeepSeek-style models need it.
+_PRESET_OPS = [op for op in OPS if op not in MLA_OPS]
 PRESETS = {
-    "default": dict(ops=list(OPS), dtypes=["float16", "bfloat16", "float32"], head_dims=list(HEAD_DIMS)),
-    "minimal": dict(ops=list(OPS), dtypes=["bfloat16"], head_dims=[128]),
+    "default": dict(ops=_PRESET_OPS, dtypes=["float16", "bfloat16", "float32"], head_dims=list(HEAD_DIMS)),
+    "minimal": dict(ops=_PRESET_OPS, dtypes=["bfloat16"], head_dims=[128]),
 }
 
 
@@ -65,6 +68,13 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
     for op, dtype, head_dim, backend, tc, causal, window, cap, lse in itertools.product(
             ops, dtypes, head_dims, args.backend, _switch(args.tensor_cores), _switch(args.causal),
             _switch(args.window), _switch(args.soft_cap), _switch(args.lse)):
+        if op in MLA_OPS:
+            # One geometry (ckv 512 + kpe 64) on tensor cores, fp16/bf16, with or
+            # without causal: head_dim, cores, window, soft-cap and LSE do not apply.
+            if dtype in TENSOR_CORE_DTYPES and not (window or cap):
+                specs += [mla_spec(dtype, causal=causal, backend=chosen).validate()
+                          for chosen in _backends(op, dtype, True, backend, arches)]
+            continue
         if tc is None:
             tc = False if op in UTILITY_OPS else choose_backend(op, dtype, None, "fa2")[1]
         if tc and dtype == "float32":
@@ -251,7 +261,7 @@ def cmd_info(args) -> int:
         print(f"backends      {', '.join(backends) or 'none: flashjit needs SM80+'}")
     else:
         print("gpu           none visible")
-    print(f"ops           {', '.join(OPS)} (planned: {', '.join(PLANNED_OPS)})")
+    print(f"ops           {', '.join(OPS)}" + (f" (planned: {', '.join(PLANNED_OPS)})" if PLANNED_OPS else ""))
     for problem in problems:
         print(f"flashjit info: {problem}", file=sys.stderr)
     return 2 if problems else 0

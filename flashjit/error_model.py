@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 
 from .kernels import tiling_for
-from .spec import DTYPES, UTILITY_OPS, KernelSpec, canonical_dtype
+from .spec import DTYPES, MLA_OPS, UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec
 
 MODEL_VERSION = "flashjit-error-model-2"
 U32 = 2.0**-24
@@ -149,6 +149,10 @@ def tolerance(spec: KernelSpec | None = None, *, op: str = "single_prefill", dty
     them. Magnitudes: pass q, k, v (measured), or v_absmax (and optionally
     logit_absmax; default 4*sqrt(head_dim), i.e. unit-scale inputs), and kv_len.
     """
+    if spec is None and op in MLA_OPS:
+        if dtype is None:
+            raise ValueError("tolerance: pass a KernelSpec, or dtype=")
+        spec = mla_spec(canonical_dtype(dtype))
     if spec is None:
         if dtype is None or head_dim is None:
             raise ValueError("tolerance: pass a KernelSpec, or dtype= and head_dim=")
@@ -167,3 +171,28 @@ def tolerance(spec: KernelSpec | None = None, *, op: str = "single_prefill", dty
     if logit_absmax is None:
         logit_absmax = 4.0 * math.sqrt(spec.head_dim_qk)
     return evaluate(profile(spec), kv_len=kv_len, v_absmax=v_absmax, logit_absmax=logit_absmax)
+
+
+def measure_mla(q_nope, q_pe, ckv, kpe, sm_scale: float) -> tuple[float, float]:
+    """(v_absmax, logit_absmax) of MLA inputs: V is ckv, a key is [ckv | kpe] and
+    a query [q_nope | q_pe] (576 wide), the logit bound by Cauchy-Schwarz as measure()."""
+    import torch
+
+    q = torch.cat([q_nope.float(), q_pe.float()], dim=-1)
+    k = torch.cat([ckv.float().reshape(-1, ckv.shape[-1]), kpe.float().reshape(-1, kpe.shape[-1])], dim=-1)
+    return measure(q, k, ckv, sm_scale)
+
+
+def mla_tolerance(dtype, *, kv_len: int, q_nope=None, q_pe=None, ckv=None, kpe=None, sm_scale: float | None = None,
+                  v_absmax: float | None = None, logit_absmax: float | None = None) -> Tolerance:
+    """The bound of the mla_paged kernel: the model above with D = 576 (Q.K^T over
+    [ckv | kpe]) and vmax = max|ckv|. Magnitudes measured from the tensors (the
+    whole caches: an upper bound) or given."""
+    spec = mla_spec(canonical_dtype(dtype))
+    if ckv is not None:
+        if sm_scale is None:
+            raise ValueError("mla_tolerance: pass the sm_scale the wrapper was planned with")
+        mv, ml = measure_mla(q_nope, q_pe, ckv, kpe, sm_scale)
+        v_absmax = mv if v_absmax is None else v_absmax
+        logit_absmax = ml if logit_absmax is None else logit_absmax
+    return tolerance(spec, kv_len=kv_len, v_absmax=v_absmax, logit_absmax=logit_absmax)

@@ -50,3 +50,24 @@ def ragged_reference(q, k, v, qo_indptr, kv_indptr, **kwargs) -> tuple[torch.Ten
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
+
+
+def mla_reference(q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_indices, kv_len_arr, *,
+                  causal: bool = False, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA over a paged cache in float64, request by request: keys [ckv | kpe] and
+    values ckv gathered from the request's pages in order, one KV head shared by
+    every query head. q_nope [tokens, H, 512], q_pe [tokens, H, 64], caches
+    [pages, page_size, dim] -> (o [tokens, H, 512] float64, lse [tokens, H] base 2)."""
+    outs, lses = [], []
+    for b in range(len(qo_indptr) - 1):
+        qs, qe = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        pages = kv_indices[int(kv_indptr[b]):int(kv_indptr[b + 1])].long()
+        n = int(kv_len_arr[b])
+        ckv = ckv_cache[pages].reshape(-1, ckv_cache.shape[-1])[:n]
+        kpe = kpe_cache[pages].reshape(-1, kpe_cache.shape[-1])[:n]
+        q = torch.cat([q_nope[qs:qe], q_pe[qs:qe]], dim=-1)
+        k = torch.cat([ckv, kpe], dim=-1)[:, None]
+        o, lse = attention_reference(q, k, ckv[:, None], causal=causal, sm_scale=sm_scale)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)

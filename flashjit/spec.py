@@ -24,19 +24,24 @@ _DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "f16": "float16", "bf16"
 
 ATTENTION_OPS = ("single_prefill", "single_decode", "batch_prefill_ragged", "batch_prefill_paged",
                  "batch_decode_paged")
+# Latent attention (DeepSeek MLA) over a paged cache of ckv (512 wide, K and V)
+# and kpe (64 wide, the rotary part of K): tensor cores only, one geometry.
+MLA_OPS = ("mla_paged",)
+MLA_HEAD_DIM_CKV = 512
+MLA_HEAD_DIM_KPE = 64
 # Ops that move KV data rather than attend: no tensor cores, no variant flags.
 UTILITY_OPS = ("append_paged",)
-OPS = ATTENTION_OPS + UTILITY_OPS
+OPS = ATTENTION_OPS + MLA_OPS + UTILITY_OPS
 # Ops whose keys and values live in pages (kv_page_indices), and ops with one
 # query token per request (their CUDA-core tiling splits keys across warps).
 PAGED_OPS = ("batch_prefill_paged", "batch_decode_paged")
 DECODE_OPS = ("single_decode", "batch_decode_paged")
 # Ops not generated yet, and the available op nearest to each.
-PLANNED_OPS = {"mla_paged": "batch_prefill_paged"}
+PLANNED_OPS: dict[str, str] = {}
 HEAD_DIMS = (64, 128, 256)
 BACKENDS = ("fa2", "fa3")
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
-TENSOR_CORE_OPS = ATTENTION_OPS
+TENSOR_CORE_OPS = ATTENTION_OPS + MLA_OPS
 # Ops the fa3 backend (wgmma, sm_90a) generates; the others run on fa2.
 FA3_OPS = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")
 
@@ -127,6 +132,8 @@ class KernelSpec:
         if self.dtype_kv != self.dtype_q or self.dtype_o != self.dtype_q:
             fail(f"dtype_q={self.dtype_q}, dtype_kv={self.dtype_kv}, dtype_o={self.dtype_o}",
                  "q, kv and o of one dtype", self.replace(dtype_kv=self.dtype_q, dtype_o=self.dtype_q))
+        if self.op in MLA_OPS:
+            return self._validate_mla(fail)
         for field in ("head_dim_qk", "head_dim_vo"):
             value = getattr(self, field)
             if value not in HEAD_DIMS:
@@ -158,3 +165,28 @@ class KernelSpec:
             fail(f"backend fa3 for {self.op}", f"fa3 for {', '.join(FA3_OPS)}; {self.op} on fa2",
                  self.replace(backend="fa2"))
         return self
+
+    def _validate_mla(self, fail) -> "KernelSpec":
+        qk, vo = MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE, MLA_HEAD_DIM_CKV
+        supported = (f"{self.op}: head_dim_qk={qk} (ckv {MLA_HEAD_DIM_CKV} + kpe {MLA_HEAD_DIM_KPE}), "
+                     f"head_dim_vo={vo}, fp16 or bf16 on tensor cores, backend fa2, causal and return_lse")
+        nearest = self.replace(head_dim_qk=qk, head_dim_vo=vo, use_tensor_cores=True, backend="fa2",
+                               sliding_window=False, soft_cap=False,
+                               dtype_q=self.dtype_q if self.dtype_q in TENSOR_CORE_DTYPES else "bfloat16")
+        nearest = nearest.replace(dtype_kv=nearest.dtype_q, dtype_o=nearest.dtype_q)
+        if (self.head_dim_qk, self.head_dim_vo) != (qk, vo):
+            fail(f"head_dim_qk={self.head_dim_qk}, head_dim_vo={self.head_dim_vo}", supported, nearest)
+        if self.dtype_q not in TENSOR_CORE_DTYPES or not self.use_tensor_cores:
+            fail(f"{self.dtype_q} {'on tensor cores' if self.use_tensor_cores else 'on CUDA cores'}", supported,
+                 nearest)
+        if self.backend != "fa2":
+            fail(f"backend {self.backend} for {self.op}", supported + f"; fa3 for {', '.join(FA3_OPS)}", nearest)
+        if self.sliding_window or self.soft_cap:
+            fail(f"{self.op} with {'a sliding window' if self.sliding_window else 'soft-cap'}", supported, nearest)
+        return self
+
+
+def mla_spec(dtype, *, causal: bool = False, backend: str = "fa2", return_lse: bool = True) -> KernelSpec:
+    """The mla_paged configuration of a dtype (its head dims are fixed: ckv 512 + kpe 64)."""
+    return KernelSpec.make("mla_paged", dtype, MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE, head_dim_vo=MLA_HEAD_DIM_CKV,
+                           backend=backend, use_tensor_cores=True, causal=causal, return_lse=return_lse)

@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from flashjit.spec import FA3_OPS, KernelSpec
+from flashjit.spec import FA3_OPS, KernelSpec, mla_spec
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (dtype, use_tensor_cores) pairs that exist: tensor cores take fp16/bf16 only.
@@ -21,6 +21,8 @@ DTYPE_PATHS = [(torch.float16, "cc"), (torch.float16, "fa2"), (torch.float16, "f
 DECODE_OPS = ("single_decode", "batch_decode_paged")
 BATCH_OPS = ("batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged")
 HEAD_DIMS = [64, 128, 256]
+# MLA (ckv 512 + kpe 64): tensor cores, fp16 and bf16.
+MLA_DTYPES = [torch.float16, torch.bfloat16]
 CAUSAL = [False, True]
 # (num_qo_heads, num_kv_heads): MHA, GQA 4, GQA 8 = MQA with 8 query heads.
 HEADS = [(4, 4), (8, 2), (8, 1)]
@@ -77,4 +79,5 @@ def all_specs() -> list[KernelSpec]:
         specs.append(spec_for(op, dtype, head_dim, causal, variant, tc))
         if tc and op in FA3_OPS and fa3_runs_here():
             specs.append(spec_for(op, dtype, head_dim, causal, variant, tc, backend="fa3"))
+    specs += [mla_spec(dtype, causal=causal) for dtype in MLA_DTYPES for causal in CAUSAL]
     return list(dict.fromkeys(specs))

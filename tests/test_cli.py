@@ -51,7 +51,7 @@ def test_info(tmp_path):
 
     if not torch.cuda.is_available():
         assert re.search(r"^gpu\s+none visible$", out.stdout, re.M)
-    assert "single_prefill" in out.stdout and "planned:" in out.stdout
+    assert "single_prefill" in out.stdout and "mla_paged" in out.stdout and "planned:" not in out.stdout
     assert not root.exists(), "`flashjit info` must not create the cache"
 
 

@@ -305,7 +305,7 @@ def test_validate_names_supported_set_and_nearest_choice(spec, supported, may_ch
         assert getattr(nearest, flag) == getattr(spec, flag)
 
 
-@pytest.mark.parametrize("op", ["single_prefil", "attention", "mla_paged"])
+@pytest.mark.parametrize("op", ["single_prefil", "attention", "mla_pagd"])
 def test_unknown_and_planned_ops_name_the_available_ops(op):
     with pytest.raises(ValueError) as info:
         KernelSpec.make(op, "bfloat16", 128).validate()
@@ -317,8 +317,7 @@ def test_unknown_and_planned_ops_name_the_available_ops(op):
         assert "not available yet" in message
 
 
-@pytest.mark.parametrize("op,nearest_op", [("single_prefil", "single_prefill"),
-                                           ("mla_paged", "batch_prefill_paged")])
+@pytest.mark.parametrize("op,nearest_op", [("single_prefil", "single_prefill"), ("prefill_paged", "batch_prefill_paged")])
 def test_unknown_and_planned_ops_name_a_nearest_choice(op, nearest_op):
     with pytest.raises(ValueError) as info:
         KernelSpec.make(op, "bfloat16", 128).validate()

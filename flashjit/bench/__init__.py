@@ -16,7 +16,7 @@ import sys
 import traceback
 from pathlib import Path
 
-# MLA joins this list when flashjit generates it (spec.PLANNED_OPS still names it).
+# MLA runs from benchmarks/mla.py (not yet part of `flashjit bench`).
 BENCHMARKS = ("prefill", "decode")
 PEERS = ("sdpa", "flashinfer")
 

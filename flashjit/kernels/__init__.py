@@ -12,7 +12,7 @@ module and its line in TENSOR_CORE_BACKENDS.
 
 from __future__ import annotations
 
-from ..spec import DECODE_OPS, DTYPES, PAGED_OPS, KernelSpec
+from ..spec import DECODE_OPS, DTYPES, MLA_OPS, PAGED_OPS, KernelSpec
 from . import common, cuda_core, fa2, fa3
 
 TENSOR_CORE_BACKENDS = {
@@ -45,6 +45,8 @@ def tiling_for(spec: KernelSpec, arches=None):
         return "attention_cuda_decode.cu.jinja", cuda_core.cuda_decode_tiling(spec)
     if not spec.use_tensor_cores:
         return "attention_cuda_core.cu.jinja", cuda_core.cuda_core_tiling(spec)
+    if spec.op in MLA_OPS:
+        return fa2.MLA_TEMPLATE, fa2.mla_tiling(spec)
     backend = TENSOR_CORE_BACKENDS.get(spec.backend)
     if backend is None:
         raise ValueError(f"{spec.name}: no template generates backend {spec.backend} yet")

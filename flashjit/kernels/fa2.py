@@ -11,6 +11,7 @@ from ..spec import DECODE_OPS, PAGED_OPS, KernelSpec
 from . import common
 
 TEMPLATE = "attention_fa2.cu.jinja"
+MLA_TEMPLATE = "attention_mla_fa2.cu.jinja"
 
 
 @dataclass(frozen=True)
@@ -194,3 +195,37 @@ def tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
                     and a in WIDE_TILING_ARCHES for a in arches)):
         chosen = wide
     return chosen
+
+
+@dataclass(frozen=True)
+class MlaTiling:
+    """The fa2 MLA kernel (fa2/fa2_mla.cuh): 16 packed rows per CTA shared by
+    `warps` warps, which split Q.K^T by head dims and O by columns; tiles of
+    keys_per_tile [ckv | kpe] rows (one copy serves as K and V) in `stages`."""
+    warps: int
+    keys_per_tile: int
+    stages: int
+    min_blocks_per_sm: int
+    rows_per_cta: int = 16
+
+    def rescales(self, spec: KernelSpec) -> tuple[int, int]:
+        """(keys per rescale, merge rescales): one rescale per tile; no warp merge
+        (every warp computes the same softmax state)."""
+        return self.keys_per_tile, 0
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        """Mirror of MlaTraits::kSmemBytes: Q (later the logit exchange) + stages."""
+        row = 2 * spec.head_dim_qk
+        head = max(self.rows_per_cta * row, self.warps * self.rows_per_cta * self.keys_per_tile * 4)
+        return head + self.stages * self.keys_per_tile * row
+
+
+# 32-key tiles in two stages: 18 KB of Q and 2 x 36 KB of [ckv | kpe] rows fit
+# SMEM_BUDGET (64-key tiles or 32 rows would not), two CTAs per SM on sm_90a,
+# one on sm_80 / sm_89. Correctness first; not yet tuned on a GPU.
+MLA_TILING = MlaTiling(warps=4, keys_per_tile=32, stages=2, min_blocks_per_sm=2)
+
+
+def mla_tiling(spec: KernelSpec) -> MlaTiling:
+    assert MLA_TILING.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name
+    return MLA_TILING

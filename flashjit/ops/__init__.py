@@ -6,11 +6,12 @@ from . import _library
 from .append import append_paged_kv_cache
 from .decode import single_decode_with_kv_cache
 from .merge import merge_state, merge_state_in_place, merge_states
+from .mla import BatchMLAPagedAttentionWrapper
 from .paged import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithRaggedKVCacheWrapper, single_prefill_with_kv_cache
 
 _library.register()
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper", "BatchPrefillWithPagedKVCacheWrapper",
            "BatchPrefillWithRaggedKVCacheWrapper", "append_paged_kv_cache", "merge_state", "merge_state_in_place",
            "merge_states", "single_decode_with_kv_cache", "single_prefill_with_kv_cache"]

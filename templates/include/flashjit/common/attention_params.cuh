@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FLASHJIT_ABI_VERSION 4
+#define FLASHJIT_ABI_VERSION 5
 
 extern "C" {
 
@@ -60,6 +60,13 @@ struct FlashjitAttentionParams {
   float sm_scale;
   float logits_soft_cap;      // used when the configuration has soft-cap
   int32_t window_left;        // used when the configuration has a sliding window
+
+  // MLA only (mla_paged): the rotary part of the query, [tokens, num_qo_heads,
+  // 64]; q then holds the 512-wide latent part, k the ckv cache and v the kpe
+  // cache. Last, so that the host splices the per-call pointer onto the end of
+  // the packed struct.
+  int64_t q_pe_stride_n, q_pe_stride_h;
+  const void* q_pe;
 };
 
 // Launches the configuration's kernel on `stream`; returns a cudaError_t value.

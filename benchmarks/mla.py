@@ -1,0 +1,117 @@
+"""MLA paged decode (DeepSeek latent attention, ckv 512 + kpe 64, bf16) on one
+GPU: flashjit's fa2 kernel beside FlashInfer's BatchMLAPagedAttentionWrapper
+(backend fa2 and fa3) when importable, each row timed in interleaved rounds
+(flashjit.bench.timing). GB/s counts the ckv and kpe bytes the batch reads once;
+TFLOP/s counts 2 * heads * kv_len * (576 + 512) per request. Every cell's
+output is first checked against float64 within flashjit's mla_paged profile.
+
+Usage: python benchmarks/mla.py [--reps 20] [--out results.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+
+import torch
+
+import flashjit
+from flashjit.bench.timing import bench_ms, round_orders
+from flashjit.error_model import mla_tolerance
+
+# (label, batch, kv_len, heads, page_size)
+ROWS = [("128 x 4k, 16 heads, page 64", 128, 4096, 16, 64),
+        ("128 x 4k, 128 heads, page 64", 128, 4096, 128, 64),
+        ("32 x 8k, 16 heads, page 1", 32, 8192, 16, 1)]
+SM_SCALE = 1 / math.sqrt(192)
+DTYPE = torch.bfloat16
+
+
+def make_row(batch, kv_len, heads, page_size):
+    pages_per = kv_len // page_size
+    num_pages = batch * pages_per
+    ckv = torch.randn(num_pages, page_size, 512, device="cuda").to(DTYPE)
+    kpe = torch.randn(num_pages, page_size, 64, device="cuda").to(DTYPE)
+    return dict(q_nope=torch.randn(batch, heads, 512, device="cuda").to(DTYPE),
+                q_pe=torch.randn(batch, heads, 64, device="cuda").to(DTYPE), ckv=ckv, kpe=kpe,
+                qo_indptr=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+                kv_indptr=torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages_per,
+                kv_indices=torch.randperm(num_pages, device="cuda").to(torch.int32),
+                kv_lens=torch.full((batch,), kv_len, dtype=torch.int32, device="cuda"))
+
+
+def runner(lib, backend, r, heads, page_size):
+    """A zero-argument call of one library's planned wrapper (None if it cannot plan)."""
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = lib.BatchMLAPagedAttentionWrapper(workspace, backend=backend)
+    wrapper.plan(r["qo_indptr"], r["kv_indptr"], r["kv_indices"], r["kv_lens"], heads, 512, 64, page_size, False,
+                 SM_SCALE, DTYPE, DTYPE)
+    return lambda: wrapper.run(r["q_nope"], r["q_pe"], r["ckv"], r["kpe"])
+
+
+def check(out, r, kv_len, label):
+    ref, _ = flashjit.mla_reference(r["q_nope"][:4], r["q_pe"][:4], r["ckv"], r["kpe"], list(range(5)),
+                                    r["kv_indptr"][:5].tolist(), r["kv_indices"], r["kv_lens"][:4].tolist(),
+                                    sm_scale=SM_SCALE)
+    tol = mla_tolerance(DTYPE, kv_len=kv_len, q_nope=r["q_nope"], q_pe=r["q_pe"], ckv=r["ckv"], kpe=r["kpe"],
+                        sm_scale=SM_SCALE)
+    tol.assert_close(out[:4], ref, label)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=20, help="timed samples per cell and round (median reported)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", help="append the markdown table to this file")
+    args = parser.parse_args()
+    libs = [("flashjit fa2", flashjit, "fa2")]
+    try:
+        import flashinfer
+
+        libs += [("flashinfer fa2", flashinfer, "fa2"), ("flashinfer fa3", flashinfer, "fa3")]
+    except Exception as exc:  # noqa: BLE001 (any import failure means: no FlashInfer column)
+        print(f"flashinfer not available: {type(exc).__name__}: {exc}", file=sys.stderr)
+    lines = [f"MLA paged decode, {torch.cuda.get_device_name()}, bf16; GB/s of ckv+kpe read, TFLOP/s", "",
+             "| row | " + " | ".join(f"{name} us | GB/s | TFLOP/s" for name, _, _ in libs) + " |",
+             "|---|" + "---|---|---|" * len(libs)]
+    print("\n".join(lines), flush=True)
+    status = 0
+    for label, batch, kv_len, heads, page_size in ROWS:
+        r = make_row(batch, kv_len, heads, page_size)
+        calls = {}
+        for name, lib, backend in libs:
+            try:
+                calls[name] = runner(lib, backend, r, heads, page_size)
+                out = calls[name]()
+                torch.cuda.synchronize()
+                check(out, r, kv_len, f"{name} {label}")
+            except Exception as exc:  # noqa: BLE001 (a peer that cannot run this row leaves its cell empty)
+                print(f"{name} {label}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                calls.pop(name, None)
+                status |= name.startswith("flashjit")
+        times = {name: [] for name in calls}
+        for order in round_orders(list(calls), args.rounds):
+            for name in order:
+                times[name].append(bench_ms(calls[name], reps=args.reps))
+        nbytes = batch * kv_len * (512 + 64) * 2
+        flops = 2 * batch * heads * kv_len * (576 + 512)
+        cells = []
+        for name, _, _ in libs:
+            if name not in times:
+                cells.append("- | - | -")
+                continue
+            ms = statistics.median(times[name])
+            cells.append(f"{ms * 1e3:.1f} | {nbytes / ms / 1e6:.0f} | {flops / ms / 1e9:.1f}")
+        line = f"| {label} | " + " | ".join(cells) + " |"
+        lines.append(line)
+        print(line, flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""MLA (DeepSeek multi-head latent attention) over a paged cache, with
+FlashInfer's names and semantics: BatchMLAPagedAttentionWrapper.
+
+Every token keeps ckv (512 wide: the keys' latent part and the values) and kpe
+(64 wide: the keys' rotary part), shared by all query heads:
+logits = sm_scale * (q_nope . ckv + q_pe . kpe), out = softmax(logits) . ckv.
+The kernel sees MQA with one KV head: the planner's packed rows are (query
+token x head), num_heads of them per token (fa2/fa2_mla.cuh).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import torch
+
+from ..loader import AttentionParams
+from ..spec import MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, TENSOR_CORE_DTYPES, canonical_dtype
+from . import _checks
+from ._batch import BatchAttention, dtype_arg
+from ._launch import PER_CALL, check_kv_strides, fill_params, run_on, select_spec
+
+# q_pe is the struct's last field (attention_params.cuh): the host appends it per call.
+_Q_PE = struct.Struct("=Q")
+assert AttentionParams.q_pe.offset + _Q_PE.size == ctypes.sizeof(AttentionParams)
+
+
+class BatchMLAPagedAttentionWrapper(BatchAttention):
+    """q_nope [tokens, heads, 512], q_pe [tokens, heads, 64] against ckv_cache
+    [pages, page_size, 512] and kpe_cache [pages, page_size, 64]; out [tokens,
+    heads, 512], LSE base 2. Request i's keys are kv_len_arr[i] tokens in pages
+    kv_indices[kv_indptr[i]:kv_indptr[i + 1]] (in that order, any page ids)."""
+
+    _op = "mla_paged"
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool = False, qo_indptr=None,
+                 kv_indptr=None, kv_indices=None, kv_len_arr=None, backend: str = "auto", *,
+                 strict: bool | None = None):
+        # kv_indices: with use_cuda_graph, the page-id buffer the captured launch reads.
+        super().__init__(float_workspace_buffer, "NHD", use_cuda_graph, backend, kv_indices, strict)
+        self._indices_name = "kv_indices"
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads: int, head_dim_ckv: int,
+             head_dim_kpe: int, page_size: int, causal: bool, sm_scale: float, q_data_type, kv_data_type,
+             use_profiler: bool = False, *, fixed_split_size: int | None = None, disable_split_kv: bool = False,
+             non_blocking: bool = True) -> None:
+        """fixed_split_size: pages per split-KV chunk; disable_split_kv: none."""
+        if use_profiler:
+            raise NotImplementedError("use_profiler=True: flashjit's MLA kernel has no profiler build")
+        if (head_dim_ckv, head_dim_kpe) != (MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE):
+            raise ValueError(f"head_dim_ckv / head_dim_kpe: expected {MLA_HEAD_DIM_CKV} / {MLA_HEAD_DIM_KPE} "
+                             f"(DeepSeek-V2/V3 MLA, the geometry flashjit generates), got {head_dim_ckv} / "
+                             f"{head_dim_kpe}")
+        if not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+        q_dtype = dtype_arg("q_data_type", q_data_type)
+        if dtype_arg("kv_data_type", kv_data_type) != q_dtype:
+            raise ValueError(f"kv_data_type: expected {q_dtype} (as q_data_type), got {kv_data_type}")
+        if canonical_dtype(q_dtype) not in TENSOR_CORE_DTYPES:
+            raise ValueError(f"q_data_type: MLA runs on tensor cores in float16 or bfloat16, got {q_dtype}; "
+                             f"cast q_nope, q_pe and the caches to bfloat16")
+        sm_scale = float(sm_scale)
+        if not (sm_scale > 0 and sm_scale < float("inf")):
+            raise ValueError(f"sm_scale: expected a finite positive number, got {sm_scale}")
+        qo = _checks.check_indptr("qo_indptr", qo_indptr)
+        batch = len(qo) - 1
+        kv = _checks.check_indptr("kv_indptr", kv_indptr, batch_size=batch)
+        lens_tensor = _checks.int_tensor("kv_len_arr", kv_len_arr, batch, exact=True, what=" (batch_size)")
+        kv_lens = [int(x) for x in lens_tensor.tolist()]
+        pages = [kv[i + 1] - kv[i] for i in range(batch)]
+        for i, (n, length) in enumerate(zip(pages, kv_lens)):
+            if length < 0 or -(-length // page_size) != n:
+                raise ValueError(f"kv_len_arr: request {i} has {n} pages of {page_size} (kv_indptr), which hold "
+                                 f"{(n - 1) * page_size + 1}..{n * page_size} keys, got {length}"
+                                 if n else f"kv_len_arr: request {i} has no pages (kv_indptr), got {length} keys")
+        indices = _checks.int_tensor("kv_indices", kv_indices, kv[-1], what=" (kv_indptr[-1])")
+        if indices.device != self._device:
+            raise ValueError(f"kv_indices: expected a tensor on {self._device} (the workspace's device), got "
+                             f"{indices.device}")
+        max_page = -1
+        if kv[-1]:
+            low, max_page = (int(x) for x in torch.aminmax(indices[:kv[-1]]))
+            if low < 0:
+                raise ValueError(f"kv_indices: expected page ids >= 0, got {low}")
+        spec = select_spec("mla_paged", q_dtype, MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE, backend=self._backend,
+                           use_tensor_cores=None, causal=bool(causal), window=False, soft_cap=False,
+                           return_lse=True, strict=self._strict)
+        last = [length - (n - 1) * page_size if n else 0 for n, length in zip(pages, kv_lens)]
+        fixed = fixed_split_size * page_size if fixed_split_size is not None and fixed_split_size > 0 else None
+        self._plan_batch(spec, qo, kv, kv_lens, num_qo_heads=num_heads, num_kv_heads=1, head_dim=MLA_HEAD_DIM_CKV,
+                         q_dtype=q_dtype, scalars=(sm_scale, -1, 0.0), page_size=page_size, last_page_len=last,
+                         page_indices=indices, max_page=max_page, fixed_chunk=fixed,
+                         allow_split=not disable_split_kv, non_blocking=non_blocking)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse: bool = False,
+            profiler_buffer=None, kv_len=None, page_table=None, return_lse_base_on_e: bool = False):
+        if profiler_buffer is not None or kv_len is not None or page_table is not None:
+            raise NotImplementedError("profiler_buffer / kv_len / page_table: flashjit's MLA run() reads the "
+                                      "batch from plan() only")
+        if return_lse_base_on_e:
+            raise NotImplementedError("return_lse_base_on_e=True: flashjit returns base-2 LSE, as its other ops")
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("run() called before plan()")
+        try:
+            key = (q_nope.shape, q_nope.stride(), q_nope.dtype, q_pe.shape, q_pe.stride(), ckv_cache.shape,
+                   ckv_cache.stride(), ckv_cache.dtype, kpe_cache.shape, kpe_cache.stride(), kpe_cache.dtype)
+        except AttributeError:  # something is no tensor: the checks say which
+            key = None
+        if key is None or key not in self._validated:
+            self._check_mla(q_nope, q_pe, ckv_cache, kpe_cache, plan)
+        rows = q_nope.shape[0]
+        if not (rows == plan.qo_tokens or plan.qo_tokens <= rows <= plan.graph_tokens):
+            cap = f" to {plan.graph_tokens} (use_cuda_graph=True)" if plan.graph_tokens > plan.qo_tokens else ""
+            raise ValueError(f"q_nope: expected {plan.qo_tokens}{cap} rows (qo_indptr[-1] as planned), got {rows} "
+                             f"(shape {tuple(q_nope.shape)})")
+        num_pages = ckv_cache.shape[0]
+        if plan.max_page >= num_pages:
+            raise ValueError(f"kv_indices: page id {plan.max_page} is past the caches' {num_pages} pages "
+                             f"(ckv_cache / kpe_cache: expected at least {plan.max_page + 1} pages, as planned, got "
+                             f"shape {tuple(ckv_cache.shape)})")
+        out, lse = self._outputs(q_nope, plan, out, lse, return_lse)
+        self._launch_mla(q_nope, q_pe, ckv_cache, kpe_cache, out, lse)
+        if key is not None:
+            self._validated.add(key)
+        return (out, lse) if return_lse else out
+
+    def _check_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, plan) -> None:
+        _checks.check_tensor("q_nope", q_nope, 3)
+        if tuple(q_nope.shape[1:]) != (plan.num_qo_heads, MLA_HEAD_DIM_CKV) or q_nope.dtype != plan.q_dtype:
+            raise ValueError(f"q_nope: expected a {plan.q_dtype} tensor of shape [tokens, {plan.num_qo_heads}, "
+                             f"{MLA_HEAD_DIM_CKV}] (num_heads and q_data_type as planned, head_dim_ckv), got "
+                             f"{q_nope.dtype} {tuple(q_nope.shape)}")
+        _checks.check_tensor("q_pe", q_pe, 3)
+        if tuple(q_pe.shape) != (q_nope.shape[0], plan.num_qo_heads, MLA_HEAD_DIM_KPE) or q_pe.dtype != plan.q_dtype:
+            raise ValueError(f"q_pe: expected a {plan.q_dtype} tensor of shape ({q_nope.shape[0]}, "
+                             f"{plan.num_qo_heads}, {MLA_HEAD_DIM_KPE}) (q_nope's tokens and heads, head_dim_kpe), "
+                             f"got {q_pe.dtype} {tuple(q_pe.shape)}")
+        for name, cache, dim in (("ckv_cache", ckv_cache, MLA_HEAD_DIM_CKV), ("kpe_cache", kpe_cache, MLA_HEAD_DIM_KPE)):
+            _checks.check_tensor(name, cache, 3)
+            if cache.shape[1:] != (plan.page_size, dim) or cache.dtype != plan.q_dtype:
+                raise ValueError(f"{name}: expected a {plan.q_dtype} tensor of shape [num_pages, {plan.page_size}, "
+                                 f"{dim}] (page_size and head_dim as planned), got {cache.dtype} "
+                                 f"{tuple(cache.shape)}")
+        if kpe_cache.shape[0] != ckv_cache.shape[0]:
+            raise ValueError(f"kpe_cache: expected {ckv_cache.shape[0]} pages (as ckv_cache), got "
+                             f"{kpe_cache.shape[0]}")
+
+    def _launch_mla(self, q_nope, q_pe, ckv, kpe, out, lse) -> None:
+        plan = self._plan
+        ptrs = (q_nope.data_ptr(), q_pe.data_ptr(), ckv.data_ptr(), kpe.data_ptr(), out.data_ptr())
+        key = (q_nope.stride(), q_pe.stride(), ckv.stride(), kpe.stride(), q_nope.device, q_pe.device, ckv.device,
+               kpe.device, tuple(p % 16 for p in ptrs))
+        tail = self._tails.get(key)
+        if tail is None:
+            for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv), ("kpe_cache", kpe)):
+                _checks.check_device(name, t, self._device)
+                _checks.check_vector_aligned(name, t)
+            _checks.check_vector_aligned("out", out)
+            k_strides, v_strides = (ckv.stride(1), 0, ckv.stride(0)), (kpe.stride(1), 0, kpe.stride(0))
+            for name, strides in (("ckv_cache", k_strides), ("kpe_cache", v_strides)):
+                check_kv_strides(name, strides, plan.page_size, ckv.element_size())
+            params = fill_params(q_nope, 1, k_strides, v_strides, plan.page_size,
+                                 (plan.num_qo_heads * MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_CKV), plan.num_qo_heads,
+                                 *plan.scalars)
+            params.q_pe_stride_n, params.q_pe_stride_h = q_pe.stride(0), q_pe.stride(1)
+            tail = self._tails[key] = bytes(params)[PER_CALL.size:-_Q_PE.size]
+        packed = PER_CALL.pack(ptrs[0], ptrs[2], ptrs[3], ptrs[4], 0 if lse is None else lse.data_ptr(),
+                               *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1, 0,
+                               plan.work.band_items) + tail + _Q_PE.pack(ptrs[1])
+        run_on(plan.module, packed, self._device.index)
+
+    forward = run

@@ -1,0 +1,345 @@
+// MLA (DeepSeek latent attention) on mma.sync tensor cores, fp16 / bf16, paged.
+// An MLA batch is MQA with one KV head: a CTA's 16 packed rows are (query
+// token x head) pairs of one request (row r: token r / num_heads, head
+// r % num_heads), keys are [ckv | kpe] (576 wide) and values ckv (512 wide);
+// logits = sm_scale * (q_nope.ckv + q_pe.kpe), o = softmax . ckv.
+//
+// A warp cannot hold 16 rows x 512 fp32 columns of O (256 registers per lane),
+// so the four warps share the rows and split the work differently per product:
+//   * S = Q.K^T: warp w multiplies the k-steps w, w + 4, ... (144 of the 576
+//     dims) of every key of the tile, from its Q fragments held in registers;
+//     the partial logits meet in shared memory and every warp sums all four in
+//     the same order, so every warp holds the same S, bit for bit;
+//   * every warp runs the same online softmax on it (fa2::WarpSoftmax), so the
+//     running max and row sums agree across warps without further exchange,
+//     and rounds P to the input dtype in registers as fa2 does;
+//   * O += P.V: warp w owns output columns [128 w, 128 w + 128), its V
+//     fragments read by ldmatrix.trans from the ckv part of the same tile.
+// One tile of keys lives in shared memory once and serves as K and as V. Tiles
+// stream through a kStages-deep cp.async ring from the pages (any page size,
+// pages in any order; a key's page looked up a tile ahead of its copy).
+// Barriers per tile: one after the tile lands (it also proves every warp done
+// with the previous tile, its slot and the exchange), one after the partial
+// logits are written.
+#pragma once
+#include "flashjit/common/async_copy.cuh"
+#include "flashjit/common/kernel_config.cuh"
+#include "flashjit/common/merge_states.cuh"
+#include "flashjit/common/numeric.cuh"
+#include "flashjit/common/work.cuh"
+#include "flashjit/fa2/fa2_mla_traits.cuh"
+#include "flashjit/fa2/fa2_primitives.cuh"
+#include "flashjit/fa2/fa2_softmax.cuh"
+
+namespace flashjit {
+namespace fa2 {
+
+// Every thread's cp.async of the CTA's 16 Q rows: q_nope into chunks 0..63 of a
+// row, q_pe into 64..71. Rows past the request are zero-filled.
+template <class Traits>
+__device__ __forceinline__ void copy_mla_q(const FlashjitAttentionParams& p, const CtaWork& w, uint32_t q_smem,
+                                           int rows_total, int tid) {
+  using T = typename Traits::DType;
+  using L = typename Traits::Layout;
+  constexpr int kChunks = Traits::kChunksPerRow, kTotal = Traits::kRowsPerCta * kChunks;
+  const T* q_nope = static_cast<const T*>(p.q);
+  const T* q_pe = static_cast<const T*>(p.q_pe);
+  const auto packed = w.packed_rows();
+#pragma unroll 3
+  for (int idx = tid; idx < kTotal; idx += Traits::kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const int row = w.row_begin + r;
+    const bool ok = row < rows_total;
+    const T* src = q_nope;
+    if (ok) {
+      int token, head;
+      packed.locate(row, token, head);
+      src = c < Traits::kCkvChunks
+                ? q_nope + int64_t(token) * p.q_stride_n + int64_t(head) * p.q_stride_h + c * 8
+                : q_pe + int64_t(token) * p.q_pe_stride_n + int64_t(head) * p.q_pe_stride_h + (c - Traits::kCkvChunks) * 8;
+    }
+    cp_async_16(q_smem + L::at(r, c), src, ok);
+  }
+}
+
+// One thread's copies of a tile of keys: kThreadsPerKey threads per key, thread
+// `sub` of a key copying chunks sub, sub + kThreadsPerKey, ... of its [ckv | kpe]
+// row (a warp's copy instruction reads 64 contiguous bytes of 8 keys). Byte
+// strides are 32-bit (the host keeps them below 2 GiB).
+template <class Traits>
+struct MlaTileCopy {
+  using T = typename Traits::DType;
+  static constexpr int kTpk = Traits::kThreadsPerKey, kPer = Traits::kChunksPerThread;
+  static constexpr int kCkvPer = Traits::kCkvChunks / kTpk;  // of a thread's chunks, those in ckv
+  const char* ckv;
+  const char* kpe;
+  uint32_t ckv_page_bytes, ckv_row_bytes, kpe_page_bytes, kpe_row_bytes;
+  const int32_t* pages;  // the request's page ids
+  FastDivmod page_div;
+  int key, sub;          // this thread's key within a tile, its chunk phase
+
+  __device__ __forceinline__ MlaTileCopy(const FlashjitAttentionParams& p, const CtaWork& w, int tid)
+      : page_div(p.page_size) {
+    key = tid / kTpk;
+    sub = tid % kTpk;
+    ckv = static_cast<const char*>(p.k) + sub * 16;
+    kpe = static_cast<const char*>(p.v) + sub * 16;
+    ckv_page_bytes = uint32_t(p.k_stride_page * int64_t(sizeof(T)));
+    ckv_row_bytes = uint32_t(p.k_stride_n * int64_t(sizeof(T)));
+    kpe_page_bytes = uint32_t(p.v_stride_page * int64_t(sizeof(T)));
+    kpe_row_bytes = uint32_t(p.v_stride_n * int64_t(sizeof(T)));
+    pages = p.kv_page_indices + w.kv_start;
+  }
+
+  // The page of this thread's key in the tile at `first` (0 past `valid` keys).
+  __device__ __forceinline__ int lookup(int first, int valid) const {
+    return key < valid ? pages[page_div.div(first + key)] : 0;
+  }
+
+  // Copies this thread's chunks of the tile at `first` into `dst`; keys at or
+  // past `valid` are zero-filled, reading nothing.
+  __device__ __forceinline__ void issue(uint32_t dst, int page, int first, int valid) const {
+    const int k = first + key;
+    const bool ok = key < valid;
+    const uint32_t slot = uint32_t(page_div.mod(k, page_div.div(k)));
+    const uint64_t pg = uint64_t(uint32_t(page));
+    const char* c_src = ckv + (pg * ckv_page_bytes + slot * ckv_row_bytes);
+    const char* k_src = kpe + (pg * kpe_page_bytes + slot * kpe_row_bytes);
+    const uint32_t row = dst + key * Traits::kRowBytes;
+    const int r7 = key & 7;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int c = sub + kTpk * i;  // the XOR meets only the low 3 bits: c stays in its 128-byte block
+      const char* src = i < kCkvPer ? c_src + i * kTpk * 16 : k_src + (i - kCkvPer) * kTpk * 16;
+      cp_async_16(row + ((c ^ r7) << 4), ok ? src : ckv, ok);
+    }
+  }
+};
+
+}  // namespace fa2
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
+    fa2_mla_kernel(const __grid_constant__ FlashjitAttentionParams p) {
+  using T = typename Traits::DType;
+  using L = typename Traits::Layout;
+  using SoftmaxTraits = typename Traits::Softmax;
+  constexpr int KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages, ROW_BYTES = Traits::kRowBytes;
+  constexpr int ROWS = Traits::kRowsPerCta, WARPS = Traits::kWarps;
+  constexpr int NT_S = KEYS / 8;                       // n8 tiles of S (the whole tile's keys)
+  constexpr int NT_O = Traits::kVoColsPerWarp / 8;     // n8 tiles of this warp's O columns
+  constexpr int KSTEPS_PV = KEYS / 16;
+  constexpr int QK_STEPS = Traits::kQkStepsPerWarp;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float kNegInf = -CUDART_INF_F;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t q_smem = smem_addr(smem);
+  const uint32_t kv_smem = q_smem + Traits::kHeadBytes;
+  float* xchg = reinterpret_cast<float*>(smem);  // over Q, once Q is in registers
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, tq = lane % 4;
+  const CtaWork w = decode_work<true>(p, ROWS);
+  const int rows_total = w.qo_len * w.group;
+  if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
+  const int offset = w.kv_len - w.qo_len;
+  const Mask<Traits::kCausal, false> mask{offset, 0};
+  const int cta_q_first = w.row_begin / w.group;
+  const int cta_q_last = (min(w.row_begin + ROWS, rows_total) - 1) / w.group;
+  // kv_begin: 0, or a split chunk's start (a multiple of KEYS, the split align).
+  const int key_begin = w.kv_begin;
+  const int key_end = min(mask.key_end(cta_q_last, w.kv_len), w.kv_end);
+  const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
+
+  float o[1][NT_O][4];
+  fa2::WarpSoftmax<SoftmaxTraits> softmax;
+  softmax.scale = p.sm_scale * kLog2e;
+  softmax.cap_in = 0.f;
+  softmax.cap_out = 0.f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    softmax.m[0][r] = kNegInf;
+    softmax.l[0][r] = 0.f;
+  }
+#pragma unroll
+  for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[0][n][e] = 0.f;
+
+  if (num_tiles > 0) {
+    fa2::copy_mla_q<Traits>(p, w, q_smem, rows_total, tid);
+    const fa2::MlaTileCopy<Traits> copy(p, w, tid);
+    int page = 0;  // of this thread's key in the next tile to issue
+    auto lookup = [&](int tile) {
+      if (tile < num_tiles) {
+        const int k0 = key_begin + tile * KEYS;
+        page = copy.lookup(k0, min(KEYS, w.kv_len - k0));
+      }
+    };
+    // Commits one group per tile, empty past the last, so the counts stay uniform.
+    auto issue = [&](int tile) {
+      if (tile < num_tiles) {
+        const int k0 = key_begin + tile * KEYS;
+        copy.issue(kv_smem + (tile % STAGES) * Traits::kTileBytes, page, k0, min(KEYS, w.kv_len - k0));
+      }
+      cp_async_commit();
+    };
+    // Groups: [Q + tile 0], [tile 1], ..., [tile S-2]; before tile t the groups
+    // after tile t's are S - 2, so wait_group(S - 2) completes it.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      lookup(s);
+      issue(s);
+    }
+    lookup(STAGES - 1);
+
+    // Lane offsets (fa2_primitives.cuh): A pattern for Q and for V
+    // (ldmatrix.trans), B pattern for K. This warp's k-steps are warp + 4 i, at
+    // swizzle phase `warp` and block i: one XOR here, then + i * 128 per step.
+    // Its O columns start at block 2 * warp (the XOR leaves the block bits alone).
+    const uint32_t a_off0 = L::at(lane % 16, lane / 16, lane % 8);
+    const uint32_t b_off0 = L::at(8 * (lane / 16) + lane % 8, (lane / 8) % 2, lane % 8);
+    const uint32_t a_warp = a_off0 ^ (uint32_t(warp) << 5);
+    const uint32_t b_warp = b_off0 ^ (uint32_t(warp) << 5);
+    const uint32_t v_warp = a_off0 + L::block(2 * warp);
+
+    uint32_t q_frag[QK_STEPS][4];
+    cp_async_wait<STAGES - 2>();  // [Q + tile 0] landed for this thread ...
+    __syncthreads();              // ... and for all (Q rows come from every thread)
+#pragma unroll
+    for (int i = 0; i < QK_STEPS; ++i) fa2::ldmatrix_x4(q_frag[i], q_smem + a_warp + L::block(i));
+
+    // Element mask of S for the tile at k0: s[j][e] is row g + 8 (e / 2) of the
+    // CTA, key k0 + 8 j + 2 tq + e % 2.
+    auto mask_tile = [&](float (&sf)[NT_S][4], int, int k0) {
+      int q_off[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) q_off[r] = min(w.row_begin + g + 8 * r, rows_total - 1) / w.group + offset;
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + 8 * j + 2 * tq + (e & 1);
+          if (key >= w.kv_len || (Traits::kCausal && key > q_off[e >> 1])) sf[j][e] = kNegInf;
+        }
+    };
+
+    for (int t = 0; t < num_tiles; ++t) {
+      const uint32_t tile_s = kv_smem + (t % STAGES) * Traits::kTileBytes;
+      const int t0 = key_begin + t * KEYS;
+      cp_async_wait<STAGES - 2>();
+      // Tile t landed for every thread; every warp is done with tile t - 1 (its
+      // ring slot, refilled next) and with the exchange it read.
+      __syncthreads();
+      issue(t + STAGES - 1);
+      lookup(t + STAGES);
+
+      // This warp's share of S: k-steps warp + 4 i of every key of the tile.
+      float s[1][NT_S][4];
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][j][e] = 0.f;
+#pragma unroll
+      for (int i = 0; i < QK_STEPS; ++i)
+#pragma unroll
+        for (int jn = 0; jn < KEYS / 16; ++jn) {
+          uint32_t b[4];
+          fa2::ldmatrix_x4(b, tile_s + jn * 16 * ROW_BYTES + b_warp + L::block(i));
+          fa2::mma_16816<T>(s[0][2 * jn], q_frag[i], b[0], b[1]);
+          fa2::mma_16816<T>(s[0][2 * jn + 1], q_frag[i], b[2], b[3]);
+        }
+      float* mine = xchg + warp * Traits::kXchgFloatsPerWarp + lane;
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * 32] = s[0][j][e];
+      __syncthreads();
+      // The full logits, summed over the warps in one fixed order (identical in
+      // every warp; 0 + x is exact).
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float sum = 0.f;
+#pragma unroll
+          for (int v = 0; v < WARPS; ++v) {
+            const float part = xchg[v * Traits::kXchgFloatsPerWarp + (j * 4 + e) * 32 + lane];
+            sum += v == warp ? s[0][j][e] : part;
+          }
+          s[0][j][e] = sum;
+        }
+
+      const bool need_mask =
+          t0 + KEYS > w.kv_len || (Traits::kCausal && t0 + KEYS - 1 > cta_q_first + offset);
+      uint32_t pa[1][KSTEPS_PV][4];
+      softmax.update_max(s, o, t0, need_mask, t == 0, mask_tile);
+      softmax.exp_to_p(s, pa, 0);
+
+      // O[:, 128 warp ...] += P . V, V = the ckv part of the tile.
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS_PV; ++kk)
+#pragma unroll
+        for (int dn = 0; dn < NT_O / 2; ++dn) {
+          uint32_t b[4];
+          fa2::ldmatrix_x4_trans(b, tile_s + kk * 16 * ROW_BYTES + L::pair(v_warp, dn));
+          fa2::mma_16816<T>(o[0][2 * dn], pa[0][kk], b[0], b[1]);
+          fa2::mma_16816<T>(o[0][2 * dn + 1], pa[0][kk], b[2], b[3]);
+        }
+    }
+    cp_async_wait<0>();  // only empty groups can still be pending
+  }
+
+  // Epilogue: every warp holds the same m and l; it writes its own columns.
+  float inv_l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    softmax.l[0][r] += __shfl_xor_sync(0xffffffffu, softmax.l[0][r], 1);
+    softmax.l[0][r] += __shfl_xor_sync(0xffffffffu, softmax.l[0][r], 2);
+    // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
+    inv_l[r] = softmax.l[0][r] > 0.f ? 1.f / softmax.l[0][r] : 0.f;
+  }
+  auto lse_of = [&](int r) {
+    return softmax.l[0][r] > 0.f ? softmax.m[0][r] * softmax.scale + log2f(softmax.l[0][r]) : kNegInf;
+  };
+  const auto packed = w.packed_rows();
+  const int col0 = warp * Traits::kVoColsPerWarp + 2 * tq;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = w.row_begin + g + 8 * r;
+    if (row >= rows_total) continue;
+    int token, head;
+    packed.locate(row, token, head);
+    if (w.split >= 0) {
+      // Split-KV chunk: fp32 normalised output and LSE; the merge pass rounds once.
+      const int64_t idx = partial_row(p, token, w.split) * p.num_qo_heads + head;
+      float* dst = p.partial_o + idx * Traits::kVoDim + col0;
+#pragma unroll
+      for (int n = 0; n < NT_O; ++n)
+        *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[0][n][2 * r] * inv_l[r], o[0][n][2 * r + 1] * inv_l[r]);
+      if (warp == 0 && tq == 0) p.partial_lse[idx] = lse_of(r);
+    } else {
+      T* dst = static_cast<T*>(p.o) + int64_t(token) * p.o_stride_n + int64_t(head) * p.o_stride_h + col0;
+#pragma unroll
+      for (int n = 0; n < NT_O; ++n)
+        *reinterpret_cast<uint32_t*>(dst + 8 * n) =
+            fa2::pack2<T>(o[0][n][2 * r] * inv_l[r], o[0][n][2 * r + 1] * inv_l[r]);
+      if (Traits::kLse && p.lse != nullptr && warp == 0 && tq == 0)
+        p.lse[int64_t(token) * p.lse_stride_n + head] = lse_of(r);
+    }
+  }
+}
+
+template <class Traits>
+int launch_fa2_mla(const FlashjitAttentionParams& p, cudaStream_t stream) {
+  return launch_attention<fa2_mla_kernel<Traits>, typename Traits::DType, Traits::kVoDim, Traits::kLse>(
+      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream);
+}
+
+template <class Traits>
+int fa2_mla_ctas_per_sm() {
+  return ctas_per_sm<fa2_mla_kernel<Traits>>(Traits::kThreads, static_cast<int>(Traits::kSmemBytes));
+}
+
+}  // namespace flashjit

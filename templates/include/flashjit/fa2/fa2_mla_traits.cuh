@@ -1,0 +1,78 @@
+// Compile-time shape of the fa2 MLA kernel (fa2_mla.cuh): DeepSeek-style latent
+// attention over a paged cache of ckv (512 wide, both K and V) and kpe (64 wide,
+// the rotary part of K), shared by every query head. Rendered from
+// flashjit/kernels/fa2.py's MlaTiling.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stddef.h>
+#include <type_traits>
+#include "flashjit/fa2/fa2_primitives.cuh"
+
+namespace flashjit {
+
+template <class DType_, int kWarps_, int kKeysPerTile_, int kStages_, int kMinBlocksPerSm_, bool kCausal_,
+          bool kLse_>
+struct MlaTraits {
+  using DType = DType_;
+  static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = 32 * kWarps;
+  // One m16 fragment of packed rows (query token x head), shared by every warp:
+  // the warps split Q.K^T by head dims and O by columns, not the rows.
+  static constexpr int kRowsPerCta = 16;
+  static constexpr int kKeysPerTile = kKeysPerTile_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kLse = kLse_;
+
+  // A key row in shared memory is [ckv | kpe] (72 16-byte chunks); Q rows are
+  // [q_nope | q_pe] the same way, so Q.K^T is one 576-wide product.
+  static constexpr int kRowBytes = kQkDim * 2;
+  static constexpr int kChunksPerRow = kQkDim / 8;
+  static constexpr int kCkvChunks = kCkvDim / 8;
+  using Layout = fa2::RowMajorTile<kRowBytes>;
+  // Q.K^T k-steps (16 dims each): warp w takes steps w, w + 4, ..., so that
+  // every step of a warp sits at the same swizzle phase (step % 4 == w) and its
+  // ldmatrix addresses differ only by whole 128-byte blocks.
+  static constexpr int kQkSteps = kQkDim / 16;
+  static constexpr int kQkStepsPerWarp = kQkSteps / kWarps;
+  static constexpr int kVoColsPerWarp = kVoDim / kWarps;
+  static constexpr int kThreadsPerKey = kThreads / kKeysPerTile;
+  static constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerKey;
+
+  // What fa2::WarpSoftmax reads: one fragment over a whole tile of keys, O as
+  // wide as a warp's columns, the lazy max of rows-split prefill (every warp
+  // sees the same logits, so they all take the same decisions), no soft-cap.
+  struct Softmax {
+    using DType = DType_;
+    static constexpr int kFragsM = 1;
+    static constexpr int kKeysPerStep = kKeysPerTile_;
+    static constexpr int kHeadDim = kVoDim / kWarps_;
+    static constexpr bool kSplitKeys = false;
+    static constexpr bool kSoftCap = false;
+  };
+
+  static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
+                "fa2 MLA takes __half or __nv_bfloat16");
+  static_assert(kWarps == 4, "the Q.K^T k-step split (step % 4 == warp) needs four warps");
+  static_assert(kQkSteps % kWarps == 0 && kVoDim % (16 * kWarps) == 0, "whole k-steps and n16 blocks per warp");
+  static_assert(kKeysPerTile % 16 == 0 && kThreads % kKeysPerTile == 0 && kChunksPerRow % kThreadsPerKey == 0,
+                "a tile of whole k16 steps; whole chunk sets per copying thread");
+  static_assert(kCkvChunks % kThreadsPerKey == 0, "a thread's chunks: ckv ones first, then kpe ones");
+  static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
+
+  // Shared memory: [Q, later the logit exchange | stage 0 | stage 1 ...]. Q
+  // lives in registers once loaded, so its bytes then hold each warp's partial
+  // logits, laid out [warp][value][lane] (conflict-free).
+  static constexpr int kQBytes = kRowsPerCta * kRowBytes;
+  static constexpr int kXchgFloatsPerWarp = kRowsPerCta * kKeysPerTile;
+  static constexpr int kXchgBytes = kWarps * kXchgFloatsPerWarp * 4;
+  static constexpr int kHeadBytes = kQBytes > kXchgBytes ? kQBytes : kXchgBytes;
+  static constexpr int kTileBytes = kKeysPerTile * kRowBytes;
+  static constexpr size_t kSmemBytes = size_t(kHeadBytes) + size_t(kStages) * kTileBytes;
+  static_assert(kHeadBytes % 128 == 0 && kTileBytes % 128 == 0, "128-byte aligned stages");
+};
+
+}  // namespace flashjit

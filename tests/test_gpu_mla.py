@@ -1,0 +1,207 @@
+"""MLA paged attention on a GPU: BatchMLAPagedAttentionWrapper against float64
+(flashjit.mla_reference) within the mla_paged profile, output and LSE, over
+dtype x heads x page size x (decode, causal chunk of 4) on ragged lengths with
+page boundaries and an empty request; split-KV fixed and automatic; CUDA-graph
+replay after re-planning; out= and return_lse=False; a page id past the caches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flashjit
+from flashjit.error_model import evaluate_lse, measure_mla, mla_tolerance, profile
+from flashjit.spec import mla_spec
+from sweep import MLA_DTYPES
+from test_gpu_attention import poison_allocator, randn
+
+pytestmark = pytest.mark.gpu
+
+SM_SCALE = 1 / math.sqrt(192)  # DeepSeek-V2/V3: (qk_nope 128 + rope 64) ** -0.5
+CKV, KPE = 512, 64
+# Ragged, with 1, page boundaries of 16 and 64 (and one past them) and an empty request.
+KV_LENS = [1, 16, 17, 64, 65, 300, 0, 1000]
+
+
+def workspace(nbytes: int = 128 << 20) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+
+def indptr_of(lengths) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+class MlaBatch:
+    """q_nope / q_pe for qo_lens tokens and a paged ckv / kpe cache whose pages
+    are handed out in random order (the spare ones random too)."""
+
+    def __init__(self, qo_lens, kv_lens, page_size, num_heads, dtype, spare_pages=3):
+        self.qo_lens, self.kv_lens, self.page_size, self.num_heads, self.dtype = qo_lens, kv_lens, page_size, \
+            num_heads, dtype
+        pages = [math.ceil(n / page_size) for n in kv_lens]
+        num_pages = sum(pages) + spare_pages
+        self.ckv = randn(num_pages, page_size, CKV, dtype=dtype)
+        self.kpe = randn(num_pages, page_size, KPE, dtype=dtype)
+        self.qo_indptr = torch.tensor(indptr_of(qo_lens), dtype=torch.int32, device="cuda")
+        self.kv_indptr = torch.tensor(indptr_of(pages), dtype=torch.int32, device="cuda")
+        self.kv_indices = torch.randperm(num_pages, device="cuda")[:sum(pages)].to(torch.int32)
+        self.kv_len_arr = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+        self.new_queries()
+
+    def new_queries(self):
+        tokens = sum(self.qo_lens)
+        self.q_nope = randn(tokens, self.num_heads, CKV, dtype=self.dtype)
+        self.q_pe = randn(tokens, self.num_heads, KPE, dtype=self.dtype)
+
+    def plan(self, wrapper, causal, **kw):
+        wrapper.plan(self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_len_arr, self.num_heads, CKV, KPE,
+                     self.page_size, causal, SM_SCALE, self.dtype, self.dtype, **kw)
+
+    def run(self, wrapper, **kw):
+        return wrapper.run(self.q_nope, self.q_pe, self.ckv, self.kpe, **kw)
+
+    def check(self, out, lse, causal, report, what, **info):
+        """out (and lse, when given) against float64 within the profile."""
+        torch.cuda.synchronize()
+        ref, ref_lse = flashjit.mla_reference(self.q_nope, self.q_pe, self.ckv, self.kpe, self.qo_indptr,
+                                              self.kv_indptr, self.kv_indices, self.kv_lens, causal=causal,
+                                              sm_scale=SM_SCALE)
+        assert out.shape == ref.shape and out.dtype == self.dtype
+        assert not torch.isnan(out).any(), f"{what}: NaN in the output (unwritten or invalid)"
+        kv_len = max(max(self.kv_lens), 1)
+        tol = mla_tolerance(self.dtype, kv_len=kv_len, q_nope=self.q_nope, q_pe=self.q_pe, ckv=self.ckv,
+                            kpe=self.kpe, sm_scale=SM_SCALE)
+        spec = mla_spec(self.dtype, causal=causal)
+        row = {"config": spec.name, "what": what, "ratio": tol.assert_close(out, ref, what), "rtol": tol.rtol,
+               "atol": tol.atol, "max_err": float((out.double() - ref).abs().max()) if out.numel() else 0.0,
+               "heads": self.num_heads, "page_size": self.page_size, **info}
+        if lse is not None:
+            _, logit_absmax = measure_mla(self.q_nope, self.q_pe, self.ckv, self.kpe, SM_SCALE)
+            lse_tol = evaluate_lse(profile(spec), kv_len=kv_len, logit_absmax=logit_absmax)
+            row["lse_ratio"] = lse_tol.assert_close(lse, ref_lse, f"{what} LSE")
+        report.append(row)
+        return ref
+
+
+MODES = [(1, False), (4, True)]  # (qo_len per request, causal): decode; a causal chunk / speculative step
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["decode", "qo4_causal"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("dtype", MLA_DTYPES, ids=str)
+def test_mla_against_float64(prewarmed, error_report, dtype, num_heads, page_size, mode):
+    qo_len, causal = mode
+    batch = MlaBatch([qo_len] * len(KV_LENS), KV_LENS, page_size, num_heads, dtype)
+    wrapper = flashjit.BatchMLAPagedAttentionWrapper(workspace())
+    batch.plan(wrapper, causal)
+    poison_allocator()
+    out, lse = batch.run(wrapper, return_lse=True)
+    batch.check(out, lse, causal, error_report, "mla", qo_len=qo_len)
+
+
+@pytest.mark.parametrize("split", ["fixed", "auto"])
+@pytest.mark.parametrize("mode", MODES, ids=["decode", "qo4_causal"])
+@pytest.mark.parametrize("dtype", MLA_DTYPES, ids=str)
+def test_mla_split_kv(prewarmed, error_report, dtype, mode, split):
+    """fixed: 64-key chunks over every request; auto: two long requests leave the
+    GPU idle unless the planner splits them."""
+    qo_len, causal = mode
+    page_size, num_heads = 16, 16
+    kv_lens = [2000, 1, 777, 0, 64] if split == "fixed" else [20000, 9000]
+    batch = MlaBatch([qo_len] * len(kv_lens), kv_lens, page_size, num_heads, dtype)
+    wrapper = flashjit.BatchMLAPagedAttentionWrapper(workspace())
+    batch.plan(wrapper, causal, **({"fixed_split_size": 64 // page_size} if split == "fixed" else {}))
+    assert wrapper._plan.work.merge_indptr is not None, "the plan did not split"
+    if split == "fixed":
+        assert wrapper._plan.work.kv_chunk == 64
+    poison_allocator()
+    out, lse = batch.run(wrapper, return_lse=True)
+    batch.check(out, lse, causal, error_report, f"mla_split_{split}", qo_len=qo_len)
+    # Unsplit, the same batch agrees with the reference as well (and so within two profiles of the split one).
+    batch.plan(wrapper, causal, disable_split_kv=True)
+    assert wrapper._plan.work.merge_indptr is None
+    out2 = batch.run(wrapper)
+    batch.check(out2, None, causal, error_report, "mla_unsplit", qo_len=qo_len)
+
+
+@pytest.mark.parametrize("dtype", MLA_DTYPES, ids=str)
+def test_mla_out_buffer_without_lse(prewarmed, error_report, dtype):
+    batch = MlaBatch([1, 3, 2], [40, 3, 700], 16, 32, dtype)
+    wrapper = flashjit.BatchMLAPagedAttentionWrapper(workspace())
+    batch.plan(wrapper, True)
+    out = torch.full((6, 32, CKV), float("nan"), dtype=dtype, device="cuda")
+    result = batch.run(wrapper, out=out)
+    assert result is out
+    batch.check(out, None, True, error_report, "mla_out_buffer")
+
+
+def test_mla_cuda_graph_replays_after_replanning(prewarmed, error_report):
+    """Capture once; plan() new lengths (short, long enough to split, one empty)
+    within the batch size; replay; check each."""
+    dtype, num_heads, page_size, bsz, num_pages = torch.bfloat16, 16, 16, 4, 4096
+    ckv = randn(num_pages, page_size, CKV, dtype=dtype)
+    kpe = randn(num_pages, page_size, KPE, dtype=dtype)
+    page_buf = torch.zeros(num_pages, dtype=torch.int32, device="cuda")
+    wrapper = flashjit.BatchMLAPagedAttentionWrapper(workspace(), use_cuda_graph=True, kv_indices=page_buf)
+    q_nope = randn(bsz, num_heads, CKV, dtype=dtype)
+    q_pe = randn(bsz, num_heads, KPE, dtype=dtype)
+    out = torch.empty_like(q_nope)
+    qo_indptr = torch.arange(bsz + 1, dtype=torch.int32, device="cuda")
+
+    def plan(kv_lens):
+        pages = [math.ceil(n / page_size) for n in kv_lens]
+        batch = MlaBatch.__new__(MlaBatch)
+        batch.qo_lens, batch.kv_lens, batch.page_size, batch.num_heads, batch.dtype = [1] * bsz, kv_lens, \
+            page_size, num_heads, dtype
+        batch.ckv, batch.kpe, batch.q_nope, batch.q_pe, batch.qo_indptr = ckv, kpe, q_nope, q_pe, qo_indptr
+        batch.kv_indptr = torch.tensor(indptr_of(pages), dtype=torch.int32, device="cuda")
+        batch.kv_indices = torch.randperm(num_pages, device="cuda")[:sum(pages)].to(torch.int32)
+        batch.kv_len_arr = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+        batch.plan(wrapper, False)
+        return batch
+
+    plan([100, 7, 300, 64])
+    wrapper.run(q_nope, q_pe, ckv, kpe, out=out)  # warm-up outside the capture (loads the kernel)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+    for kv_lens in ([100, 7, 300, 64], [30000, 1, 12000, 17], [0, 5000, 33, 1]):
+        batch = plan(kv_lens)
+        q_nope.copy_(randn(bsz, num_heads, CKV, dtype=dtype))
+        q_pe.copy_(randn(bsz, num_heads, KPE, dtype=dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        batch.check(out, None, False, error_report, "mla_cuda_graph_replay", shape=str(kv_lens))
+
+
+def test_mla_fa3_request_runs_fa2_with_a_warning(prewarmed, error_report, monkeypatch):
+    from flashjit import arch
+
+    monkeypatch.setattr(arch, "_warned_fallbacks", set())
+    batch = MlaBatch([1, 1], [33, 200], 16, 16, torch.bfloat16)
+    wrapper = flashjit.BatchMLAPagedAttentionWrapper(workspace(), backend="fa3")
+    with pytest.warns(UserWarning, match="backend='fa3' requested for mla_paged"):
+        batch.plan(wrapper, False)
+    assert wrapper._plan.module.spec.backend == "fa2"
+    out, lse = batch.run(wrapper, return_lse=True)
+    batch.check(out, lse, False, error_report, "mla_fa3_fallback")
+    strict = flashjit.BatchMLAPagedAttentionWrapper(workspace(), backend="fa3", strict=True)
+    with pytest.raises(ValueError, match="backend='fa3' cannot run here"):
+        batch.plan(strict, False)
+
+
+def test_mla_page_id_past_the_caches_is_an_error(prewarmed):
+    batch = MlaBatch([1], [40], 16, 16, torch.float16)
+    wrapper = flashjit.BatchMLAPagedAttentionWrapper(workspace())
+    batch.plan(wrapper, False)
+    with pytest.raises(ValueError, match=r"^kv_indices: page id \d+ is past the caches' 2 pages"):
+        wrapper.run(batch.q_nope, batch.q_pe, batch.ckv[:2], batch.kpe[:2])
+    with pytest.raises(ValueError, match=r"^q_pe: expected a torch.float16 tensor of shape \(1, 16, 64\)"):
+        wrapper.run(batch.q_nope, batch.q_pe[:, :8], batch.ckv, batch.kpe)
