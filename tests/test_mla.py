@@ -191,3 +191,17 @@ def test_mla_builds_for_sm80_and_sm89_without_spills_or_wgmma(monkeypatch, tmp_p
             assert 0 < u["registers"] <= 255 and u["spill_stores"] == 0 and u["spill_loads"] == 0, (spec.name, u)
     text = sass(results[0].entry.artifact)
     assert "sm_89" in text and "HMMA.16816.F32.BF16" in text and "GMMA" not in text
+
+
+@pytest.mark.usefixtures("no_compile")
+def test_plan_selects_the_mla_configuration(monkeypatch):
+    """plan() resolves the one MLA configuration (Q.K^T 576 wide, V 512) and hands it to the batch planner."""
+    from flashjit.ops import _batch
+
+    seen = []
+    monkeypatch.setattr(_batch.BatchAttention, "_plan_batch", lambda self, spec, *a, **kw: seen.append((spec, kw)))
+    wrapper = flashjit.BatchMLAPagedAttentionWrapper(_workspace())
+    wrapper.plan(**_plan_args(causal=True))
+    (spec, kw), = seen
+    assert spec == mla_spec("bfloat16", causal=True)
+    assert (spec.head_dim_qk, spec.head_dim_vo, kw["num_kv_heads"], kw["page_size"]) == (576, 512, 1, 16)

@@ -20,14 +20,16 @@ _announced: set = set()
 
 
 def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use_tensor_cores: bool | None,
-                causal: bool, window: bool, soft_cap: bool, return_lse: bool, strict: bool | None = None) -> KernelSpec:
+                causal: bool, window: bool, soft_cap: bool, return_lse: bool, strict: bool | None = None,
+                head_dim_vo: int | None = None) -> KernelSpec:
     """Resolves backend/tensor cores (logging the choice once per configuration) and validates.
     strict: an explicit backend this GPU or op cannot run raises instead of running fa2
-    (None: FLASHJIT_STRICT_BACKEND)."""
+    (None: FLASHJIT_STRICT_BACKEND). head_dim_vo: V's width where it differs from head_dim (MLA)."""
     name = canonical_dtype(dtype)
     chosen_backend, tc, reason = arch.choose_backend(op, name, use_tensor_cores, backend, strict=strict)
-    spec = KernelSpec.make(op, name, head_dim, backend=chosen_backend, use_tensor_cores=tc, causal=bool(causal),
-                           sliding_window=window, soft_cap=soft_cap, return_lse=return_lse).validate()
+    spec = KernelSpec.make(op, name, head_dim, head_dim_vo=head_dim_vo, backend=chosen_backend, use_tensor_cores=tc,
+                           causal=bool(causal), sliding_window=window, soft_cap=soft_cap,
+                           return_lse=return_lse).validate()
     if (backend == "auto" or use_tensor_cores is None) and spec not in _announced:
         _announced.add(spec)
         log.info("flashjit: %s -> %s (%s)", op, spec.name, reason)

@@ -87,7 +87,7 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
                 raise ValueError(f"kv_indices: expected page ids >= 0, got {low}")
         spec = select_spec("mla_paged", q_dtype, MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE, backend=self._backend,
                            use_tensor_cores=None, causal=bool(causal), window=False, soft_cap=False,
-                           return_lse=True, strict=self._strict)
+                           return_lse=True, strict=self._strict, head_dim_vo=MLA_HEAD_DIM_CKV)
         last = [length - (n - 1) * page_size if n else 0 for n, length in zip(pages, kv_lens)]
         fixed = fixed_split_size * page_size if fixed_split_size is not None and fixed_split_size > 0 else None
         self._plan_batch(spec, qo, kv, kv_lens, num_qo_heads=num_heads, num_kv_heads=1, head_dim=MLA_HEAD_DIM_CKV,
