@@ -114,7 +114,8 @@ def test_summary_names_loose_and_worst_by_dtype_and_path():
     assert report.exit_code(ROWS) == 0
 
 
-@pytest.mark.parametrize("bad", [row(case="v_outliers", ratio=1.3), row(case="long", ratio=0.5, lse_ratio=1.01, status="over"),
+@pytest.mark.parametrize("bad", [row(case="v_outliers", ratio=1.3),
+                                 row(case="long", ratio=0.5, lse_ratio=1.01, status="over"),
                                  row(case="near_empty", ratio=math.inf, nan=4, status="over"),
                                  {**row(case="long"), "status": "error", "reason": "RuntimeError: boom"}])
 def test_any_case_over_its_bound_or_failed_exits_1_and_is_named(bad, capsys):
