@@ -36,15 +36,20 @@ _LAZY = {
     "KernelLaunchError": "flashjit.errors",
 }
 
-__all__ = ["__version__", *_LAZY]
+# Subpackages reached as attributes (flashjit.numerics.measure) without an import of their own.
+_SUBPACKAGES = ("numerics",)
+
+__all__ = ["__version__", *_LAZY, *_SUBPACKAGES]
 
 
 def __getattr__(name: str):
+    import importlib
+
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"flashjit.{name}")
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module 'flashjit' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module_name), name)
     globals()[name] = value
     return value

@@ -1,5 +1,5 @@
 """The `flashjit` command: prewarm the cache, inspect it, describe this machine,
-benchmark this GPU.
+benchmark this GPU, measure its numerics.
 
 Exit codes: 0 done; 1 a failure while working (a build, the cache, the
 toolchain); 2 bad input (flags, a selection that does not exist, or a FLASHJIT_*
@@ -273,6 +273,12 @@ def cmd_bench(args) -> int:
     return bench.run(args)
 
 
+def cmd_numerics(args) -> int:
+    from . import numerics
+
+    return numerics.run(args)
+
+
 # ---------------------------------------------------------------------------
 # Settings: each command reads the FLASHJIT_* variables it depends on before it
 # acts, so that a bad value is one line naming the variable, what it takes and
@@ -340,22 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashjit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     pre = sub.add_parser("prewarm", help="build the cache for a set of configurations, in parallel")
-    pre.add_argument("--op", nargs="+", choices=list(OPS) + list(PLANNED_OPS))
-    pre.add_argument("--dtype", nargs="+", help=f"of {', '.join(DTYPES)} (or fp16, bf16, fp32)")
-    pre.add_argument("--head-dim", nargs="+", type=int)
-    pre.add_argument("--backend", nargs="+", default=["auto"], choices=["auto", "fa2", "fa3"],
-                     help="auto (default): what the ops pick on each target arch (fa3 on sm_90a for the prefill "
-                          "ops it generates, fa2 elsewhere)")
-    pre.add_argument("--tensor-cores", default="auto", choices=["auto", "on", "off", "both"],
-                     help="auto (default): what the ops pick when not told: tensor cores for fp16/bf16 prefill")
-    pre.add_argument("--causal", default="both", choices=["on", "off", "both"])
-    pre.add_argument("--window", default="off", choices=["on", "off", "both"])
-    pre.add_argument("--soft-cap", default="off", choices=["on", "off", "both"])
-    pre.add_argument("--lse", default="off", choices=["on", "off", "both"])
+    _add_selection(pre)
     pre.add_argument("--arch", nargs="+", help="e.g. sm_80 sm_89 sm_90a (default: this GPU, else all three)")
     pre.add_argument("--jobs", type=_positive_int,
                      help="parallel nvcc jobs (default: $FLASHJIT_JOBS, else by cores/memory)")
-    pre.add_argument("--preset", default="default", choices=sorted(PRESETS))
     pre.add_argument("-v", "--verbose", action="store_true", help="list every configuration's name before building")
     pre.set_defaults(func=cmd_prewarm)
     cac = sub.add_parser("cache", help="list, verify, clear, export or import the cache")
@@ -382,8 +376,34 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--rounds", type=_positive_int, default=3, help="prefill: interleaved timing rounds per row")
     ben.add_argument("--reps", type=_positive_int, default=50, help="decode: timed samples per cell (median)")
     ben.set_defaults(func=cmd_bench)
+    _add_numerics(sub)
     return parser
 
+
+def _add_selection(parser) -> None:
+    """The configuration selectors prewarm and numerics share (specs_from_args reads them)."""
+    parser.add_argument("--op", nargs="+", choices=list(OPS) + list(PLANNED_OPS))
+    parser.add_argument("--dtype", nargs="+", help=f"of {', '.join(DTYPES)} (or fp16, bf16, fp32)")
+    parser.add_argument("--head-dim", nargs="+", type=int)
+    parser.add_argument("--backend", nargs="+", default=["auto"], choices=["auto", "fa2", "fa3"],
+                        help="auto (default): what the ops pick on each target arch (fa3 on sm_90a for the prefill "
+                             "ops it generates, fa2 elsewhere)")
+    parser.add_argument("--tensor-cores", default="auto", choices=["auto", "on", "off", "both"],
+                        help="auto (default): what the ops pick when not told: tensor cores for fp16/bf16 prefill")
+    parser.add_argument("--causal", default="both", choices=["on", "off", "both"])
+    parser.add_argument("--window", default="off", choices=["on", "off", "both"])
+    parser.add_argument("--soft-cap", default="off", choices=["on", "off", "both"])
+    parser.add_argument("--lse", default="off", choices=["on", "off", "both"])
+    parser.add_argument("--preset", default="default", choices=sorted(PRESETS))
+
+
+def _add_numerics(sub) -> None:
+    from . import numerics
+
+    num = sub.add_parser("numerics", help=numerics.HELP, description=numerics.DESCRIPTION)
+    _add_selection(num)
+    numerics.add_arguments(num, _positive_int)
+    num.set_defaults(func=cmd_numerics, arch=None)
 
 def _positive_int(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:

@@ -1,0 +1,188 @@
+"""Runs one configuration on a case's inputs through the public op that selects
+exactly that configuration, and measures its output against the float64
+reference within the configuration's own tolerance profile."""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+
+import torch
+
+import flashjit
+from ..error_model import evaluate_lse, measure as magnitudes, profile
+from ..ops._launch import select_spec
+from ..reference import attention_reference, ragged_reference
+from ..spec import KernelSpec
+from .catalog import describe
+from .cases import HEADS, Problem, applies, indptr, make_problems, paged
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+WINDOW_LEFT = 70          # as the GPU tests: wider than a tile, shorter than most requests
+SOFT_CAP = 30.0
+WORKSPACE_BYTES = 64 << 20
+P999 = 0.999
+
+
+def poison_allocator(nbytes: int = 1 << 26) -> None:
+    """NaN into a block the caching allocator hands out next: an output element
+    a kernel forgets to write stays NaN and counts as over its bound."""
+    torch.full((nbytes // 4,), float("nan"), device="cuda").data_ptr()
+    torch.cuda.synchronize()
+
+
+def not_runnable(spec: KernelSpec) -> str | None:
+    """Why the ops cannot run exactly this configuration on this GPU (strict: no
+    fallback to another backend), or None. A selection that differs is a bug, raised."""
+    try:
+        chosen = select_spec(spec.op, TORCH_DTYPES[spec.dtype_q], spec.head_dim_qk, backend=spec.backend,
+                             use_tensor_cores=spec.use_tensor_cores, causal=spec.causal, window=spec.sliding_window,
+                             soft_cap=spec.soft_cap, return_lse=spec.return_lse, strict=True)
+    except ValueError as exc:
+        return str(exc)
+    if chosen != spec:
+        raise RuntimeError(f"the ops select {chosen.name} for the arguments of {spec.name}")
+    return None
+
+
+def _variant(spec: KernelSpec) -> dict:
+    return {"window_left": WINDOW_LEFT if spec.sliding_window else -1,
+            "logits_soft_cap": SOFT_CAP if spec.soft_cap else None}
+
+
+def _check_planned(wrapper, spec: KernelSpec) -> None:
+    ran = wrapper._plan.module.spec
+    if ran != spec:
+        raise RuntimeError(f"plan() selected {ran.name}, not {spec.name}")
+
+
+def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> tuple:
+    """(out, lse or None) of the op for `spec` on problem p."""
+    var, dtype = _variant(spec), TORCH_DTYPES[spec.dtype_q]
+    num_qo, num_kv, head_dim = p.q.shape[1], p.k.shape[1], spec.head_dim_qk
+    picks = {"backend": spec.backend, "strict": True}
+    if spec.op == "single_prefill":
+        poison_allocator()
+        res = flashjit.single_prefill_with_kv_cache(p.q, p.k, p.v, causal=spec.causal, return_lse=spec.return_lse,
+                                                    use_tensor_cores=spec.use_tensor_cores, **picks, **var)
+        return res if spec.return_lse else (res, None)
+    if spec.op == "single_decode":
+        poison_allocator()
+        res = flashjit.single_decode_with_kv_cache(p.q[0], p.k, p.v, use_tensor_cores=spec.use_tensor_cores,
+                                                   return_lse=spec.return_lse, **picks, **var)
+        out, lse = res if spec.return_lse else (res, None)
+        return out[None], (lse[None] if lse is not None else None)
+    if spec.op == "batch_prefill_ragged":
+        wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, **picks)
+        wrapper.plan(torch.tensor(indptr(p.qo_lens), dtype=torch.int32),
+                     torch.tensor(indptr(p.kv_lens), dtype=torch.int32), num_qo, num_kv, head_dim,
+                     causal=spec.causal, q_data_type=dtype, use_tensor_cores=spec.use_tensor_cores, **var)
+        _check_planned(wrapper, spec)
+        poison_allocator()
+        return wrapper.run(p.q, p.k, p.v, return_lse=True)
+    pages = paged(p, generator)
+    if spec.op == "batch_prefill_paged":
+        wrapper = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", **picks)
+        wrapper.plan(torch.tensor(indptr(p.qo_lens), dtype=torch.int32), pages.indptr, pages.indices,
+                     pages.last_page_len, num_qo, num_kv, head_dim, pages.cache.shape[2], causal=spec.causal,
+                     q_data_type=dtype, use_tensor_cores=spec.use_tensor_cores, **var)
+    elif spec.op == "batch_decode_paged":
+        wrapper = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=spec.use_tensor_cores,
+                                                              **picks)
+        wrapper.plan(pages.indptr, pages.indices, pages.last_page_len, num_qo, num_kv, head_dim,
+                     pages.cache.shape[2], q_data_type=dtype, **var)
+    else:
+        raise ValueError(f"{spec.op} is not an attention op: nothing to measure")
+    _check_planned(wrapper, spec)
+    poison_allocator()
+    return wrapper.run(p.q, pages.cache, return_lse=True)
+
+
+def reference(spec: KernelSpec, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    var = _variant(spec)
+    causal = spec.causal and spec.op not in ("single_decode", "batch_decode_paged")
+    if len(p.qo_lens) == 1:
+        return attention_reference(p.q, p.k, p.v, causal=causal, **var)
+    return ragged_reference(p.q, p.k, p.v, indptr(p.qo_lens), indptr(p.kv_lens), causal=causal, **var)
+
+
+class Accumulator:
+    """Every call of one (configuration, case): the errors for the quantiles,
+    and the call that came closest to its bound."""
+
+    def __init__(self):
+        self.errors: list[torch.Tensor] = []
+        self.calls = self.nan = 0
+        self.ratio, self.lse_ratio, self.worst = 0.0, None, None
+
+    def add(self, spec: KernelSpec, p: Problem, out, lse, ref, ref_lse) -> None:
+        kv_len = max(max(p.kv_lens), 1)
+        sm_scale = 1.0 / math.sqrt(spec.head_dim_qk)
+        tol = flashjit.tolerance(spec, q=p.q, k=p.k, v=p.v, kv_len=kv_len, sm_scale=sm_scale)
+        out_d, ref_d = out.double(), ref.double()
+        # Equal values (infinities included) agree; NaN is as far off as it gets.
+        err = torch.where(out_d == ref_d, torch.zeros_like(ref_d), (out_d - ref_d).abs()).nan_to_num(math.inf)
+        ratio = err / tol.bound(ref_d)
+        self.calls += 1
+        self.nan += int(torch.isnan(out).sum())
+        self.errors.append(err.flatten())
+        if ratio.numel():
+            at = int(ratio.flatten().argmax())
+            worst = float(ratio.flatten()[at])
+            if self.worst is None or worst > self.ratio:
+                self.ratio = worst
+                bound = tol.atol + tol.rtol * float(ref_d.flatten()[at].abs())
+                self.worst = {"worst_err": float(err.flatten()[at]), "worst_bound": bound, "atol": tol.atol,
+                              "rtol": tol.rtol, "kv_len": kv_len}
+        if lse is not None:
+            _, logit_absmax = magnitudes(p.q, p.k, p.v, sm_scale)
+            lse_tol = evaluate_lse(profile(spec), kv_len=kv_len, logit_absmax=logit_absmax)
+            r = lse_tol.ratio(lse, ref_lse)
+            self.lse_ratio = r if self.lse_ratio is None else max(self.lse_ratio, r)
+
+    def row(self) -> dict:
+        err = torch.cat(self.errors) if self.errors else torch.zeros(0, dtype=torch.float64)
+        n = err.numel()
+        stats = {"elements": n, "max_err": float(err.max()) if n else 0.0,
+                 "p999_err": float(err.kthvalue(max(1, math.ceil(P999 * n))).values) if n else 0.0,
+                 "mean_err": float(err.mean()) if n else 0.0}
+        over = not self.ratio <= 1.0 or (self.lse_ratio is not None and not self.lse_ratio <= 1.0) or self.nan > 0
+        return {"status": "over" if over else "ok", "calls": self.calls, **stats, "ratio": self.ratio,
+                "lse_ratio": self.lse_ratio, "nan": self.nan, **(self.worst or {})}
+
+
+def seed_for(base: int, spec: KernelSpec, case: str, draw: int) -> int:
+    # zlib.crc32, not hash(): string hashes change from one process to the next.
+    return (base * 1_000_003 + zlib.crc32(f"{spec.name}/{case}/{draw}".encode())) % 2**63
+
+
+def measure_spec(spec: KernelSpec, cases, seeds: int, base_seed: int, workspace) -> list[dict]:
+    """One row per case that applies to the op; one 'skipped' row where the op
+    cannot run this configuration here."""
+    head = describe(spec)
+    try:
+        why_not = not_runnable(spec)
+    except (RuntimeError, ValueError) as exc:
+        return [{**head, "case": "-", "status": "error", "reason": str(exc)}]
+    if why_not is not None:
+        return [{**head, "case": "-", "status": "skipped", "reason": why_not}]
+    rows = []
+    for case in cases:
+        if not applies(case, spec.op):
+            continue
+        started, acc = time.monotonic(), Accumulator()
+        try:
+            for draw in range(seeds):
+                generator = torch.Generator(device="cuda").manual_seed(seed_for(base_seed, spec, case, draw))
+                for p in make_problems(case, spec.op, spec.head_dim_qk, TORCH_DTYPES[spec.dtype_q],
+                                       generator=generator, device="cuda", heads=HEADS):
+                    out, lse = run_op(spec, p, workspace, generator)
+                    torch.cuda.synchronize()
+                    ref, ref_lse = reference(spec, p)
+                    acc.add(spec, p, out, lse, ref, ref_lse if lse is not None else None)
+            row = acc.row()
+        except Exception as exc:  # the other cases and configurations still run; the row says what failed
+            row = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        rows.append({**head, "case": case, "seeds": seeds, **row, "seconds": round(time.monotonic() - started, 3)})
+    return rows
