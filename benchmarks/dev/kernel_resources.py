@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from flashjit import jit, kernels
-from flashjit.spec import KernelSpec
+from flashjit.spec import KernelSpec, mla_spec
 
 ARCHES = ("sm_80", "sm_89", "sm_90a")
 
@@ -39,6 +39,7 @@ def specs() -> list[KernelSpec]:
                                    soft_cap=True, return_lse=True))
     out += [KernelSpec.make("append_paged", dtype, head_dim) for head_dim in (64, 128, 256)
             for dtype in ("bfloat16", "float32")]
+    out.append(mla_spec("bfloat16", causal=True))
     return out
 
 
@@ -94,11 +95,12 @@ def main() -> int:
         for r, arches in results:
             for row in r.entry.manifest["resources"]:
                 kind = ("attention (warp-specialized)" if "fa3_attention_kernel" in row["kernel"] else
+                        "MLA attention" if "mla" in row["kernel"] else
                         "attention" if "attention_kernel" in row["kernel"] else
                         "append" if "append_paged_kernel" in row["kernel"] else
                         "split-KV merge, warp per row" if "warp_kernel" in row["kernel"] else
                         "split-KV merge, CTA per row")
-                smem = smem_bytes(r.spec, arches) if kind.startswith("attention") else 0
+                smem = smem_bytes(r.spec, arches) if "attention" in kind else 0
                 spills += row["spill_stores"] + row["spill_loads"]
                 lines.append(f"| {r.spec.name} | {kind} | {row['arch']} | {row.get('registers', '?')} | "
                              f"{row['spill_stores']}/{row['spill_loads']} | {row['stack']} | {smem} |")
