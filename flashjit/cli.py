@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 
 from .arch import choose_backend
-from .bench import BENCHMARKS, PEERS
+from . import bench
 from .errors import CacheError, FlashjitError, JitDisabledError, SettingError
 from .spec import (DECODE_OPS, DTYPES, HEAD_DIMS, MLA_OPS, OPS, PLANNED_OPS, TENSOR_CORE_DTYPES, UTILITY_OPS,
                    KernelSpec, canonical_dtype, mla_spec)
@@ -268,8 +268,6 @@ def cmd_info(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
-
     return bench.run(args)
 
 
@@ -360,21 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     cac.set_defaults(func=cmd_cache)
     inf = sub.add_parser("info", help="versions, toolchain, GPU, cache directory")
     inf.set_defaults(func=cmd_info)
-    ben = sub.add_parser("bench", help="prefill and paged-decode benchmarks on this GPU, beside the peers that import",
-                         description="Times flashjit beside PyTorch SDPA and FlashInfer (where importable) on the "
-                                     "visible GPU; writes bench.md, bench.json and bench.png (with matplotlib) to "
-                                     "--out and prints the tables. Exit 1 where a flashjit output was wrong or a "
-                                     "benchmark failed, 2 where no GPU is visible.")
-    ben.add_argument("--quick", action="store_true",
-                     help="about a minute once the kernels are cached: prefill head_dim 128 at 1k and 4k tokens, "
-                          "decode GQA 64x4k and 1x32k, no append rows")
-    ben.add_argument("--out", default="flashjit-bench", help="folder for the reports (default: ./flashjit-bench)")
-    ben.add_argument("--only", nargs="+", choices=BENCHMARKS, help="the benchmarks to run (default: all)")
-    ben.add_argument("--peers", nargs="*", choices=PEERS,
-                     help="the other libraries to time (default: every one that imports; --peers alone: flashjit "
-                          "alone); decode has no SDPA column (SDPA reads no paged cache)")
-    ben.add_argument("--rounds", type=_positive_int, default=3, help="prefill: interleaved timing rounds per row")
-    ben.add_argument("--reps", type=_positive_int, default=50, help="decode: timed samples per cell (median)")
+    ben = sub.add_parser("bench", help=bench.HELP, description=bench.DESCRIPTION)
+    bench.add_arguments(ben, _positive_int)
     ben.set_defaults(func=cmd_bench)
     _add_numerics(sub)
     return parser
@@ -404,6 +389,7 @@ def _add_numerics(sub) -> None:
     _add_selection(num)
     numerics.add_arguments(num, _positive_int)
     num.set_defaults(func=cmd_numerics, arch=None)
+
 
 def _positive_int(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:

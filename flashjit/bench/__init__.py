@@ -19,6 +19,24 @@ from pathlib import Path
 # MLA runs from benchmarks/mla.py (not yet part of `flashjit bench`).
 BENCHMARKS = ("prefill", "decode")
 PEERS = ("sdpa", "flashinfer")
+HELP = "prefill and paged-decode benchmarks on this GPU, beside the peers that import"
+DESCRIPTION = ("Times flashjit beside PyTorch SDPA and FlashInfer (where importable) on the visible GPU; writes "
+               "bench.md, bench.json and bench.png (with matplotlib) to --out and prints the tables. Exit 1 where a "
+               "flashjit output was wrong or a benchmark failed, 2 where no GPU is visible.")
+
+
+def add_arguments(parser, positive_int) -> None:
+    """`flashjit bench`'s options (positive_int: the CLI's argument type)."""
+    parser.add_argument("--quick", action="store_true",
+                        help="about a minute once the kernels are cached: prefill head_dim 128 at 1k and 4k tokens, "
+                             "decode GQA 64x4k and 1x32k, no append rows")
+    parser.add_argument("--out", default="flashjit-bench", help="folder for the reports (default: ./flashjit-bench)")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="the benchmarks to run (default: all)")
+    parser.add_argument("--peers", nargs="*", choices=PEERS,
+                        help="the other libraries to time (default: every one that imports; --peers alone: "
+                             "flashjit alone); decode has no SDPA column (SDPA reads no paged cache)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="prefill: interleaved timing rounds per row")
+    parser.add_argument("--reps", type=positive_int, default=50, help="decode: timed samples per cell (median)")
 
 
 def no_gpu_reason() -> str | None:
