@@ -307,10 +307,16 @@ def run(args) -> int:
     return 1 if bad else 0
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prewarm", action="store_true", help="run the three flashjit prewarm commands first")
-    parser.add_argument("--requests", type=int, default=64, help="requests in the timed stream (default 64)")
+    parser.add_argument("--requests", type=positive_int, default=64, help="requests in the timed stream (default 64)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -53,6 +53,16 @@ def test_no_gpu_is_one_line_and_exit_2(tmp_path):
     assert not out.exists() and not (tmp_path / "cache").exists()
 
 
+def test_out_naming_a_file_is_exit_2_before_anything_runs(tmp_path, monkeypatch, capsys):
+    import flashjit.bench
+
+    target = tmp_path / "a-file"
+    target.write_text("")
+    monkeypatch.setattr(flashjit.bench, "no_gpu_reason", lambda: None)
+    assert cli.main(["bench", "--quick", "--out", str(target)]) == 2
+    assert f"--out: expected a folder (made if missing), got the file {target}" in capsys.readouterr().err
+
+
 def test_rows_keep_the_tables_rows():
     quick = prefill.rows(quick=True)
     assert [(r["head_dim"], r["label"], r.get("causal")) for r in quick] == [

@@ -205,3 +205,15 @@ def test_plan_selects_the_mla_configuration(monkeypatch):
     (spec, kw), = seen
     assert spec == mla_spec("bfloat16", causal=True)
     assert (spec.head_dim_qk, spec.head_dim_vo, kw["num_kv_heads"], kw["page_size"]) == (576, 512, 1, 16)
+
+
+def test_run_under_tracing_says_it_is_no_operator_yet():
+    """MLA's run() has no torch.library operator: under a dispatch mode it says so
+    instead of failing inside the launch on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    wrapper = flashjit.BatchMLAPagedAttentionWrapper(_workspace())
+    with FakeTensorMode():
+        q = torch.empty(2, 16, 512, dtype=torch.bfloat16)
+        with pytest.raises(NotImplementedError, match="not a torch.library operator yet"):
+            wrapper.run(q, q[..., :64], q, q[..., :64])

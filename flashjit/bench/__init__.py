@@ -69,6 +69,9 @@ def run(args) -> int:
     if reason:
         print(f"flashjit bench: {reason}; the benchmarks need an NVIDIA GPU (SM80 or newer)", file=sys.stderr)
         return 2
+    if Path(args.out).exists() and not Path(args.out).is_dir():  # before anything is built or timed
+        print(f"flashjit bench: --out: expected a folder (made if missing), got the file {args.out}", file=sys.stderr)
+        return 2
     import torch
 
     from flashjit import jit

@@ -5,11 +5,11 @@ break (see docs/torch_compile.md).
 The public functions and the wrappers' run() ask `tracing()` first. Under
 dynamo or a torch dispatch mode (FakeTensorMode, make_fx, torch.export) they
 call torch.ops.flashjit.*; otherwise they run their Python body directly,
-because a trip through the dispatcher costs host time on every call: about
-3 us for an operator defined with Library.define, 18 us for one made with the
-torch.library.custom_op decorator (its Python autograd and view kernels; both
-measured on the CPU). That is also why the operators are defined here with
-Library.define and not with the decorator. The real kernels (CPU and CUDA)
+because a trip through the dispatcher costs host time on every call (paged
+decode run() on an H200 host: 25.5 us eager, 32.1 us through its operator,
+benchmarks/results/2026-11-25-h200-jit-overhead.md). The operators are defined
+with Library.define and not with the torch.library.custom_op decorator, whose
+Python autograd and view kernels add host time to every call. The real kernels (CPU and CUDA)
 run the same eager bodies, so compiled and eager outputs are bit-identical;
 the fake kernels check structure and return outputs of the eager shapes.
 

@@ -17,7 +17,7 @@ import torch
 
 from ..loader import AttentionParams
 from ..spec import MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, TENSOR_CORE_DTYPES, canonical_dtype
-from . import _checks
+from . import _checks, _library
 from ._batch import BatchAttention, dtype_arg
 from ._launch import PER_CALL, check_kv_strides, fill_params, run_on, select_spec
 
@@ -102,11 +102,15 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
                                       "batch from plan() only")
         if return_lse_base_on_e:
             raise NotImplementedError("return_lse_base_on_e=True: flashjit returns base-2 LSE, as its other ops")
+        if _library.tracing():
+            raise NotImplementedError("BatchMLAPagedAttentionWrapper.run() is not a torch.library operator yet: "
+                                      "call it outside torch.compile / torch.export (e.g. behind "
+                                      "torch.compiler.disable)")
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan()")
         try:
-            key = (q_nope.shape, q_nope.stride(), q_nope.dtype, q_pe.shape, q_pe.stride(), ckv_cache.shape,
+            key = (q_nope.shape, q_nope.stride(), q_nope.dtype, q_pe.shape, q_pe.stride(), q_pe.dtype, ckv_cache.shape,
                    ckv_cache.stride(), ckv_cache.dtype, kpe_cache.shape, kpe_cache.stride(), kpe_cache.dtype)
         except AttributeError:  # something is no tensor: the checks say which
             key = None
