@@ -166,8 +166,8 @@ def test_paged_and_ragged_prefill_identical_after_late_spikes(prewarmed, error_r
 
 @pytest.mark.parametrize("form", ["5d", "tuple"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-# 3, 7: the page division without a shift; 1, 3, 7: fa3 gathers rows, 16-256: fa3 loads pages by TMA (whole pages
-# per tile, or a tile within a page).
+# 3, 7: the page division without a shift; 1-32: fa3 gathers rows, 64-256: fa3 loads pages by TMA boxes (whole
+# pages per tile, or a tile within a page).
 @pytest.mark.parametrize("page_size", [1, 3, 7, 16, 32, 64, 256])
 @pytest.mark.parametrize("op,path", [("decode", "cc"), ("decode", "tc"), ("prefill", "cc"), ("prefill", "fa2"),
                                      ("prefill", "fa3")], ids=lambda x: x)

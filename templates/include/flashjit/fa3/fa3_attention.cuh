@@ -11,10 +11,12 @@
 //   the request TMA would read from the next request, is copied by the
 //   loader's first warp with plain loads, zero-filled, then fenced for the
 //   async proxy and published by one arrival on the slot's full barrier.
-//   From a paged cache (kPaged), the whole loader warpgroup gathers every
-//   tile by cp.async instead (fa2::PagedTileCopy: pages looked up per row,
-//   rows past the request zero-filled), each thread arriving on the full
-//   barrier when its copies land (cp.async.mbarrier.arrive.noinc).
+//   From a paged cache (kPaged), whole tiles come by TMA too, one box per page
+//   (or a tile's worth of a larger page) where boxes are 64 rows or more
+//   (fa3_launch.cuh); otherwise, and for a partial last tile, the whole loader
+//   warpgroup gathers the tile by cp.async (fa2::PagedTileCopy: pages looked up
+//   per row, rows past the request zero-filled), each thread arriving on the
+//   full barrier when its copies land (cp.async.mbarrier.arrive.noinc).
 // - two consumers (warpgroups 1 and 2), 64 rows each: per tile, S = Q.K^T by
 //   wgmma from shared memory (Q and K K-major), the online softmax of the fa2
 //   family on the accumulators (fa2_softmax.cuh: same lazy max, P rounded to
@@ -146,7 +148,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // Only the first warp polls a slot's empty barrier; the other three wait
       // at a hardware barrier that it joins once the slot is free (polling warps
       // throttled the consumers' wgmma issue:
-      // results/2026-11-24-h100-fa3-paged-prefill.md). Every warp takes each
+      // results/2026-11-25-h200-fa3-paged-ncu-vs-ragged.md). Every warp takes each
       // barrier generation once, so none can run a generation ahead.
       auto wait_empty_all = [&](uint32_t empty, int gt) {
         if (gt < STAGES) return;

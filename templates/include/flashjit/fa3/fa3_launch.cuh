@@ -12,7 +12,7 @@ namespace flashjit {
 // gathered instead: a tile must be whole pages or lie within one, and a box of
 // at least 64 rows. Smaller boxes ran slower than the gather on an H200 (page
 // 16: 0.52-0.82 of ragged prefill against the gather's 0.75-0.87; page 32 on a
-// par; benchmarks/results/2026-11-25-h200-fa3-paged-prefill.md).
+// par; benchmarks/results/2026-11-24-h200-fa3-paged-tma-box-rows.md).
 template <int kKeysPerTile>
 int fa3_page_box_rows(int page_size) {
   constexpr int kMinBoxRows = 64;

@@ -25,8 +25,9 @@ struct Fa3Traits {
   // starts the next position's tiles while the consumers finish the last
   // one's (fa3_launch.cuh; otherwise one CTA per position).
   static constexpr bool kPersistent = kPersistent_;
-  // K/V from a paged cache: the loader warpgroup gathers each tile's rows by
-  // cp.async (pages in any order, any page size) instead of TMA.
+  // K/V from a paged cache (pages in any order, any page size): whole tiles by
+  // TMA page boxes where the page size allows, else gathered by the loader
+  // warpgroup's cp.async.
   static constexpr bool kPaged = kPaged_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kWindow = kWindow_;
