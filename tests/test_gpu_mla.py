@@ -16,6 +16,7 @@ from flashjit.error_model import evaluate_lse, measure_mla, mla_tolerance, profi
 from flashjit.spec import mla_spec
 from sweep import MLA_DTYPES
 from test_gpu_attention import poison_allocator, randn
+from test_gpu_paged import indptr_of
 
 pytestmark = pytest.mark.gpu
 
@@ -27,13 +28,6 @@ KV_LENS = [1, 16, 17, 64, 65, 300, 0, 1000]
 
 def workspace(nbytes: int = 128 << 20) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-
-
-def indptr_of(lengths) -> list[int]:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
 
 
 class MlaBatch:

@@ -3,10 +3,9 @@ flashjit beside whichever peers import (PyTorch SDPA always, FlashInfer when
 installed), written as markdown, JSON and a PNG.
 
 Importing this package imports neither torch nor the benchmarks (the CLI reads
-BENCHMARKS and PEERS to build its parser); run() loads them. The timing method
-is the one benchmarks/prefill.py and benchmarks/decode.py have always used
-(timing.py), and those scripts now call these modules, so their tables and
-these are the same tables.
+BENCHMARKS and PEERS to build its parser); run() loads them. benchmarks/prefill.py
+and benchmarks/decode.py call these modules, so their tables and these are
+the same tables, timed the same way (timing.py).
 """
 
 from __future__ import annotations

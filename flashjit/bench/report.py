@@ -1,5 +1,5 @@
-"""What the benchmarks write: markdown tables (the same as benchmarks/prefill.py
-and benchmarks/decode.py have always printed, so that results stay comparable),
+"""What the benchmarks write: markdown tables (those benchmarks/prefill.py and
+benchmarks/decode.py print, so that their results files compare with these),
 JSON with every number, a PNG of both (where matplotlib is installed), and the
 progress lines on stderr. Plain Python: the CPU tests render synthetic results."""
 
