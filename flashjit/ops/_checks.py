@@ -253,3 +253,17 @@ def last_page_lens(name: str, values: list[int], pages: list[int], page_size: in
         if n > 0 and not 1 <= last <= page_size:
             raise ValueError(f"{name}: expected 1..{page_size} (page_size) for request {i}, which has "
                              f"{n} pages, got {last}")
+
+
+def page_ids(name: str, indices, count: int, device) -> int:
+    """The first `count` page ids of a page table on the wrapper's `device`,
+    none negative; returns the largest (-1 when there are none), which run()
+    compares with the cache it is given."""
+    if indices.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the workspace's device), got {indices.device}")
+    if not count:
+        return -1
+    low, high = (int(x) for x in torch.aminmax(indices[:count]))
+    if low < 0:
+        raise ValueError(f"{name}: expected page ids >= 0, got {low}")
+    return high

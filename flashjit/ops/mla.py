@@ -77,14 +77,7 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
                                  f"{(n - 1) * page_size + 1}..{n * page_size} keys, got {length}"
                                  if n else f"kv_len_arr: request {i} has no pages (kv_indptr), got {length} keys")
         indices = _checks.int_tensor("kv_indices", kv_indices, kv[-1], what=" (kv_indptr[-1])")
-        if indices.device != self._device:
-            raise ValueError(f"kv_indices: expected a tensor on {self._device} (the workspace's device), got "
-                             f"{indices.device}")
-        max_page = -1
-        if kv[-1]:
-            low, max_page = (int(x) for x in torch.aminmax(indices[:kv[-1]]))
-            if low < 0:
-                raise ValueError(f"kv_indices: expected page ids >= 0, got {low}")
+        max_page = _checks.page_ids("kv_indices", indices, kv[-1], self._device)
         spec = select_spec("mla_paged", q_dtype, MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE, backend=self._backend,
                            use_tensor_cores=None, causal=bool(causal), window=False, soft_cap=False,
                            return_lse=True, strict=self._strict, head_dim_vo=MLA_HEAD_DIM_CKV)

@@ -33,14 +33,7 @@ class _PagedAttention(BatchAttention):
             raise ValueError(f"{names[2]}: expected {len(pages)} elements (batch_size), got {last_tensor.shape[0]}")
         last = last_tensor.tolist()
         _checks.last_page_lens(names[2], last, pages, page_size)
-        if indices.device != self._device:
-            raise ValueError(f"{names[1]}: expected a tensor on {self._device} (the workspace's device), got "
-                             f"{indices.device}")
-        max_page = -1
-        if kv[-1]:
-            low, max_page = (int(x) for x in torch.aminmax(indices[:kv[-1]]))
-            if low < 0:
-                raise ValueError(f"{names[1]}: expected page ids >= 0, got {low}")
+        max_page = _checks.page_ids(names[1], indices, kv[-1], self._device)
         self._indices_name = names[1]
         kv_lens = [(n - 1) * page_size + l if n > 0 else 0 for n, l in zip(pages, last)]
         # Split-KV chunk sizes come in pages, as FlashInfer's fixed_split_size does.
