@@ -19,6 +19,7 @@ import torch
 import flashjit
 from flashjit.reference import attention_reference, ragged_reference
 from flashjit.spec import KernelSpec
+from paged_vs_ragged import paged_cache  # benchmarks/dev/, this script's folder
 
 
 def check(spec, out, ref, q, k, v, kv_len, d):
@@ -53,26 +54,18 @@ def main() -> int:
     # The same batch from a paged cache, pages in random order: of 64 slots (whole tiles by TMA boxes, the
     # last gathered) and of 3 (every tile gathered by cp.async).
     for page in (64, 3):
-        worst = max(worst, check_paged(q, k, v, qo, kv, kv_lens, d, page, ref, spec))
+        worst = max(worst, check_paged(q, k, v, qo, kv_lens, d, page, ref, spec))
     torch.cuda.synchronize()
     print(f"fa3 sanitizer cases: worst err/bound {worst:.3f}")
     return 0
 
 
-def check_paged(q, k, v, qo, kv, kv_lens, d, page, ref, spec):
-    dtype = q.dtype
-    pages = [math.ceil(n / page) for n in kv_lens]
-    order = torch.randperm(sum(pages), device="cuda")
-    cache = torch.randn(sum(pages), 2, page, 4, d, device="cuda").to(dtype)
-    for r, n in enumerate(kv_lens):
-        pos = torch.arange(n, device="cuda")
-        ids = order[sum(pages[:r]) + pos // page]
-        cache[ids, 0, pos % page], cache[ids, 1, pos % page] = k[kv[r]:kv[r + 1]], v[kv[r]:kv[r + 1]]
-    last = torch.tensor([(n - 1) % page + 1 for n in kv_lens], dtype=torch.int32)
+def check_paged(q, k, v, qo, kv_lens, d, page, ref, spec):
+    cache, kv_indptr, indices, last = paged_cache(k, v, kv_lens, page)
     paged = flashjit.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"),
                                                          backend="fa3", strict=True)
-    paged.plan(qo, torch.tensor([0, *pages]).cumsum(0).to(torch.int32), order.to(torch.int32), last, 4, 4, d, page,
-               causal=True, q_data_type=dtype, fixed_split_size=512 // page)
+    paged.plan(qo, kv_indptr, indices, last, 4, 4, d, page, causal=True, q_data_type=q.dtype,
+               fixed_split_size=512 // page)
     out = paged.run(q, cache)
     return check(spec.replace(op="batch_prefill_paged"), out, ref, q, k, v, max(kv_lens), d)
 

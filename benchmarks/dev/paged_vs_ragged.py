@@ -38,11 +38,12 @@ def workspace() -> torch.Tensor:
 
 
 def paged_cache(k: torch.Tensor, v: torch.Tensor, kv_lens, page_size: int):
-    """K/V scattered over pages in random order: (cache [pages, 2, page, H, D], indptr, indices, last lengths)."""
+    """K/V scattered over pages in random order, the slots past a request random:
+    (cache [pages, 2, page, H, D], indptr, indices, last lengths)."""
     pages = [math.ceil(n / page_size) for n in kv_lens]
     total = sum(pages)
     order = torch.randperm(total, device="cuda")
-    cache = torch.empty(total, 2, page_size, k.shape[1], k.shape[2], dtype=k.dtype, device="cuda")
+    cache = torch.randn(total, 2, page_size, k.shape[1], k.shape[2], device="cuda").to(k.dtype)
     page_of, slot_of, first_page = [], [], 0
     for n, p in zip(kv_lens, pages):
         pos = torch.arange(n, device="cuda")
@@ -109,12 +110,12 @@ def main() -> int:
                 folders[f"{backend} paged p{p} [{label}]"] = folder.resolve()
     if args.flashinfer:
         impls.update({f"flashinfer-fa3 paged p{p}": flashinfer_paged(p) for p in args.page_sizes})
-    # Every paged library of each source in one parallel build.
+    # Every library of each source in one parallel build: ragged prefill runs from this tree's sources alone.
     for folder in [None, *(f.resolve() for f in args.baseline_templates)]:
         use_templates(folder)
+        ops = ("batch_prefill_paged", "batch_prefill_ragged") if folder is None else ("batch_prefill_paged",)
         jit.build_many([KernelSpec.make(op, "bfloat16", d, backend=b, use_tensor_cores=True, causal=c, return_lse=True)
-                        for op in ("batch_prefill_paged", "batch_prefill_ragged") for b in args.backends
-                        for d in args.head_dims for c in (False, True)])
+                        for op in ops for b in args.backends for d in args.head_dims for c in (False, True)])
     use_templates(None)
     first = args.backends[0]
     lines = [f"device: {torch.cuda.get_device_name()}, bf16, TFLOP/s, mean of {args.rounds} interleaved rounds", "",
@@ -142,7 +143,7 @@ def main() -> int:
                 jit._modules.clear()
                 for order in round_orders(list(fns), args.rounds):
                     for name in order:
-                        rates[name].append(flops / bench_ms(lambda: fns[name](q), reps=10) / 1e9)
+                        rates[name].append(flops / bench_ms(lambda fn=fns[name], q=q: fn(q), reps=10) / 1e9)
                 mean = {name: sum(r) / len(r) for name, r in rates.items()}
                 cells = [f"{mean[name]:.0f}" if name in mean else "n/a" for name in impls]
                 paged = [mean[n] for n in mean if n.startswith(f"{first} paged")]
