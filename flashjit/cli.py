@@ -32,10 +32,11 @@ ALWAYS_LSE = {"batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged
 # Ops with no causal variant (one query token sees every key).
 NO_CAUSAL = set(DECODE_OPS)
 
-# MLA is named with --op mla_paged: only DeepSeek-style models need it.
+# MLA (only DeepSeek-style models need it) is in the default preset where a
+# target is sm_90a, the GPUs such models are served on; elsewhere --op mla_paged.
 _PRESET_OPS = [op for op in OPS if op not in MLA_OPS]
 PRESETS = {
-    "default": dict(ops=_PRESET_OPS, dtypes=["float16", "bfloat16", "float32"], head_dims=list(HEAD_DIMS)),
+    "default": dict(ops=list(OPS), dtypes=["float16", "bfloat16", "float32"], head_dims=list(HEAD_DIMS)),
     "minimal": dict(ops=_PRESET_OPS, dtypes=["bfloat16"], head_dims=[128]),
 }
 
@@ -71,7 +72,8 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
         if op in MLA_OPS:
             # One geometry (ckv 512 + kpe 64) on tensor cores, fp16/bf16, with or
             # without causal: head_dim, cores, window, soft-cap and LSE do not apply.
-            if dtype in TENSOR_CORE_DTYPES and not (window or cap):
+            by_preset = not args.op and "sm_90a" not in arches
+            if dtype in TENSOR_CORE_DTYPES and not (window or cap or by_preset):
                 specs += [mla_spec(dtype, causal=causal, backend=chosen).validate()
                           for chosen in _backends(op, dtype, True, backend, arches)]
             continue
@@ -106,7 +108,8 @@ def _summary(specs: list[KernelSpec], arches) -> list[str]:
     return [f"flashjit prewarm: {len(specs)} configuration(s) for {', '.join(arches)}",
             f"  ops        {axis(s.op for s in specs)}",
             f"  dtypes     {axis(s.dtype_q for s in specs)}",
-            f"  head_dims  {axis(s.head_dim_qk for s in specs)}",
+            f"  head_dims  {axis(s.head_dim_qk for s in specs if s.op not in MLA_OPS)}"
+            + (" (mla_paged: ckv 512 + kpe 64)" if any(s.op in MLA_OPS for s in specs) else ""),
             f"  cores      {cores.count(True)} on tensor cores, {cores.count(False)} on CUDA cores"]
 
 

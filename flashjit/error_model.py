@@ -184,11 +184,12 @@ def measure_mla(q_nope, q_pe, ckv, kpe, sm_scale: float) -> tuple[float, float]:
 
 
 def mla_tolerance(dtype, *, kv_len: int, q_nope=None, q_pe=None, ckv=None, kpe=None, sm_scale: float | None = None,
-                  v_absmax: float | None = None, logit_absmax: float | None = None) -> Tolerance:
-    """The bound of the mla_paged kernel: the model above with D = 576 (Q.K^T over
-    [ckv | kpe]) and vmax = max|ckv|. Magnitudes measured from the tensors (the
-    whole caches: an upper bound) or given."""
-    spec = mla_spec(canonical_dtype(dtype))
+                  v_absmax: float | None = None, logit_absmax: float | None = None,
+                  backend: str = "fa2") -> Tolerance:
+    """The bound of the mla_paged kernel of `backend`: the model above with D =
+    576 (Q.K^T over [ckv | kpe]) and vmax = max|ckv|. Magnitudes measured from
+    the tensors (the whole caches: an upper bound) or given."""
+    spec = mla_spec(canonical_dtype(dtype), backend=backend)
     if ckv is not None:
         if sm_scale is None:
             raise ValueError("mla_tolerance: pass the sm_scale the wrapper was planned with")

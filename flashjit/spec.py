@@ -43,7 +43,7 @@ BACKENDS = ("fa2", "fa3")
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 TENSOR_CORE_OPS = ATTENTION_OPS + MLA_OPS
 # Ops the fa3 backend (wgmma, sm_90a) generates; the others run on fa2.
-FA3_OPS = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")
+FA3_OPS = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged", "mla_paged")
 
 
 def canonical_dtype(dtype) -> str:
@@ -169,8 +169,9 @@ class KernelSpec:
     def _validate_mla(self, fail) -> "KernelSpec":
         qk, vo = MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE, MLA_HEAD_DIM_CKV
         supported = (f"{self.op}: head_dim_qk={qk} (ckv {MLA_HEAD_DIM_CKV} + kpe {MLA_HEAD_DIM_KPE}), "
-                     f"head_dim_vo={vo}, fp16 or bf16 on tensor cores, backend fa2, causal and return_lse")
-        nearest = self.replace(head_dim_qk=qk, head_dim_vo=vo, use_tensor_cores=True, backend="fa2",
+                     f"head_dim_vo={vo}, fp16 or bf16 on tensor cores, backend fa2 or fa3, causal and return_lse")
+        nearest = self.replace(head_dim_qk=qk, head_dim_vo=vo, use_tensor_cores=True,
+                               backend=self.backend if self.backend in BACKENDS else "fa2",
                                sliding_window=False, soft_cap=False,
                                dtype_q=self.dtype_q if self.dtype_q in TENSOR_CORE_DTYPES else "bfloat16")
         nearest = nearest.replace(dtype_kv=nearest.dtype_q, dtype_o=nearest.dtype_q)
@@ -179,8 +180,6 @@ class KernelSpec:
         if self.dtype_q not in TENSOR_CORE_DTYPES or not self.use_tensor_cores:
             fail(f"{self.dtype_q} {'on tensor cores' if self.use_tensor_cores else 'on CUDA cores'}", supported,
                  nearest)
-        if self.backend != "fa2":
-            fail(f"backend {self.backend} for {self.op}", supported + f"; fa3 for {', '.join(FA3_OPS)}", nearest)
         if self.sliding_window or self.soft_cap:
             fail(f"{self.op} with {'a sliding window' if self.sliding_window else 'soft-cap'}", supported, nearest)
         return self

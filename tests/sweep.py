@@ -21,8 +21,9 @@ DTYPE_PATHS = [(torch.float16, "cc"), (torch.float16, "fa2"), (torch.float16, "f
 DECODE_OPS = ("single_decode", "batch_decode_paged")
 BATCH_OPS = ("batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged")
 HEAD_DIMS = [64, 128, 256]
-# MLA (ckv 512 + kpe 64): tensor cores, fp16 and bf16.
+# MLA (ckv 512 + kpe 64): tensor cores, fp16 and bf16; fa2 everywhere, fa3 on sm_90a.
 MLA_DTYPES = [torch.float16, torch.bfloat16]
+MLA_BACKENDS = ["fa2", "fa3"]
 CAUSAL = [False, True]
 # (num_qo_heads, num_kv_heads): MHA, GQA 4, GQA 8 = MQA with 8 query heads.
 HEADS = [(4, 4), (8, 2), (8, 1)]
@@ -79,5 +80,6 @@ def all_specs() -> list[KernelSpec]:
         specs.append(spec_for(op, dtype, head_dim, causal, variant, tc))
         if tc and op in FA3_OPS and fa3_runs_here():
             specs.append(spec_for(op, dtype, head_dim, causal, variant, tc, backend="fa3"))
-    specs += [mla_spec(dtype, causal=causal) for dtype in MLA_DTYPES for causal in CAUSAL]
+    specs += [mla_spec(dtype, causal=causal, backend=backend) for dtype in MLA_DTYPES for causal in CAUSAL
+              for backend in MLA_BACKENDS if backend == "fa2" or fa3_runs_here()]
     return list(dict.fromkeys(specs))

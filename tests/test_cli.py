@@ -294,7 +294,7 @@ def test_prewarm_prints_a_count_and_a_summary(fake_compiler, capsys):
     header = _header(err)
     assert header[0] == f"flashjit prewarm: {len(specs)} configuration(s) for sm_80, sm_89, sm_90a"
     assert re.search(r"^  dtypes +float16, bfloat16, float32$", err, re.M)
-    assert re.search(r"^  head_dims +64, 128, 256$", err, re.M)
+    assert re.search(r"^  head_dims +64, 128, 256 \(mla_paged: ckv 512 \+ kpe 64\)$", err, re.M)
     assert not [line for line in header if any(s.name in line for s in specs)], "names listed without -v"
     assert f"flashjit: compiling {len(specs)} configuration(s) with 4 parallel nvcc job(s)\n" in err
     progress = [line for line in err.splitlines() if re.match(r"  \[\d+/\d+\] nvcc \S+$", line)]

@@ -1,6 +1,7 @@
 """MLA (mla_paged) without a GPU: its configuration and validation, the rendered
-source, plan()'s argument checks, the fa3 fallback, its tolerance profile, and
-a build for sm_80 / sm_89 (0 spills, no wgmma in the SASS)."""
+source of each backend, plan()'s argument checks, the backend choice and fa3
+fallback, its tolerance profile, and builds: fa2 for sm_80 / sm_89 (0 spills,
+no wgmma in the SASS), fa3 for sm_90a (0 spills, wgmma not serialized)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import flashjit
 from flashjit import arch, jit
 from flashjit.error_model import mla_tolerance, profile
-from flashjit.kernels import common, fa2, tiling_for
+from flashjit.kernels import common, fa2, fa3, tiling_for
 from flashjit.render import render
 from flashjit.spec import KernelSpec, mla_spec
 from helpers_cache import needs_nvcc, no_compile, set_cache_env  # noqa: F401 (fixtures)
@@ -41,12 +42,24 @@ def test_mla_spec_validates_renders_and_fits_the_smem_budget(dtype, causal):
     assert f"/*kKeysPerTile=*/{tiling.keys_per_tile}" in text and f"/*kCausal=*/{str(causal).lower()}" in text
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa3_mla_spec_renders_its_own_template_and_fits_sm90(causal):
+    spec = mla_spec("bfloat16", causal=causal, backend="fa3").validate()
+    assert spec.name == "mla_paged_bf16_qk576_vo512_fa3_tc" + ("_causal" if causal else "") + "_lse"
+    template, tiling = tiling_for(spec)
+    assert template == fa3.MLA_TEMPLATE and (tiling.rows_per_cta, tiling.keys_per_tile) == (64, 64)
+    assert tiling.smem_bytes(spec) + common.SMEM_RESERVED_PER_CTA <= common.SMEM_PER_SM["sm_90a"]
+    text = render(spec).text
+    assert "flashjit::Fa3MlaTraits<" in text and "flashjit/fa3/fa3_mla.cuh" in text
+    assert f"/*kCausal=*/{str(causal).lower()}" in text
+    assert profile(spec)["keys_per_rescale"] == 64
+
+
 @pytest.mark.parametrize("change,what", [
     ({"head_dim_qk": 128, "head_dim_vo": 128}, "head_dim_qk=128"),
     ({"head_dim_vo": 576}, "head_dim_vo=576"),
     ({"dtype_q": "float32", "dtype_kv": "float32", "dtype_o": "float32"}, "float32"),
     ({"use_tensor_cores": False}, "on CUDA cores"),
-    ({"backend": "fa3"}, "backend fa3"),
     ({"sliding_window": True}, "sliding window"),
     ({"soft_cap": True}, "soft-cap"),
 ])
@@ -69,11 +82,15 @@ def test_mla_is_available_and_public():
 # Backend choice
 
 
-def test_auto_and_fa3_run_fa2_for_mla(monkeypatch):
+def test_auto_runs_fa3_on_sm90a_and_fa2_elsewhere(monkeypatch):
+    """The seed's failure: an fa3 MLA kernel picked on an SM89 GPU. auto picks
+    fa3 only where every target is sm_90a; an explicit fa3 elsewhere runs fa2
+    with a one-time warning, or raises under strict."""
     monkeypatch.setattr(arch, "_warned_fallbacks", set())
-    assert arch.choose_backend("mla_paged", "bfloat16", None, "auto", targets=("sm_90a",))[:2] == ("fa2", True)
-    with pytest.warns(UserWarning, match="fa3 does not generate mla_paged"):
-        assert arch.choose_backend("mla_paged", "bfloat16", None, "fa3", targets=("sm_90a",))[:2] == ("fa2", True)
+    assert arch.choose_backend("mla_paged", "bfloat16", None, "auto", targets=("sm_90a",))[:2] == ("fa3", True)
+    assert arch.choose_backend("mla_paged", "bfloat16", None, "fa3", targets=("sm_90a",))[:2] == ("fa3", True)
+    for targets in (("sm_89",), ("sm_80",), ("sm_80", "sm_90a")):
+        assert arch.choose_backend("mla_paged", "float16", None, "auto", targets=targets)[:2] == ("fa2", True)
     with pytest.warns(UserWarning, match=r"fa3 needs wgmma \(sm_90a"):
         assert arch.choose_backend("mla_paged", "float16", None, "fa3", targets=("sm_89",))[0] == "fa2"
     with warnings.catch_warnings():
@@ -82,8 +99,8 @@ def test_auto_and_fa3_run_fa2_for_mla(monkeypatch):
     with pytest.raises(ValueError, match="backend='fa3' cannot run here: fa3 needs wgmma"):
         arch.choose_backend("mla_paged", "bfloat16", None, "fa3", targets=("sm_89",), strict=True)
     monkeypatch.setenv("FLASHJIT_STRICT_BACKEND", "1")
-    with pytest.raises(ValueError, match="fa3 does not generate mla_paged"):
-        arch.choose_backend("mla_paged", "bfloat16", None, "fa3", targets=("sm_90a",))
+    with pytest.raises(ValueError, match="fa3 needs wgmma"):
+        arch.choose_backend("mla_paged", "bfloat16", None, "fa3", targets=("sm_89",))
 
 
 # ---------------------------------------------------------------------------
@@ -193,6 +210,26 @@ def test_mla_builds_for_sm80_and_sm89_without_spills_or_wgmma(monkeypatch, tmp_p
     assert "sm_89" in text and "HMMA.16816.F32.BF16" in text and "GMMA" not in text
 
 
+@pytest.mark.nvcc
+@needs_nvcc
+def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch, tmp_path):
+    """S by 64x32 wgmma, P.V by 64x256 with V transposed; a wgmma whose
+    accumulators ptxas cannot track gets a wait of its own (C7515): every
+    HGMMA would then carry gsb0. Here only the last of each group does."""
+    set_cache_env(monkeypatch, tmp_path / "cache")
+    spec = mla_spec("bfloat16", causal=True, backend="fa3")
+    result, = jit.build_many([spec], arches=("sm_90a",))
+    assert result.entry is not None
+    for u in result.entry.manifest["resources"]:
+        assert u["spill_stores"] == 0 and u["spill_loads"] == 0, u
+    text = sass(result.entry.artifact)
+    hgmma = [line for line in text.splitlines() if "HGMMA" in line]
+    assert any("HGMMA.64x32x16.F32.BF16" in line for line in hgmma)
+    assert any("HGMMA.64x256x16.F32.BF16" in line and "tnspB" in line for line in hgmma)
+    waited = sum("gsb0" in line for line in hgmma)
+    assert len(hgmma) >= 40 and waited <= 4, f"{waited} of {len(hgmma)} HGMMA wait for their own results"
+
+
 @pytest.mark.usefixtures("no_compile")
 def test_plan_selects_the_mla_configuration(monkeypatch):
     """plan() resolves the one MLA configuration (Q.K^T 576 wide, V 512) and hands it to the batch planner."""
@@ -217,3 +254,19 @@ def test_run_under_tracing_says_it_is_no_operator_yet():
         q = torch.empty(2, 16, 512, dtype=torch.bfloat16)
         with pytest.raises(NotImplementedError, match="not a torch.library operator yet"):
             wrapper.run(q, q[..., :64], q, q[..., :64])
+
+
+def test_prewarm_default_preset_builds_fa3_mla_for_sm90a_and_op_mla_paged_anywhere():
+    from flashjit import cli
+
+    def mla(argv):
+        return sorted((s.backend, s.dtype_q, s.causal) for s in cli.specs_from_args(cli.build_parser().parse_args(argv))
+                      if s.op == "mla_paged")
+
+    default = ["prewarm", "--preset", "default", "--arch"]
+    assert mla([*default, "sm_90a"]) == [("fa3", d, c) for d in ("bfloat16", "float16") for c in (False, True)]
+    assert mla([*default, "sm_80", "sm_90a"]) == sorted(
+        (b, d, c) for b in ("fa2", "fa3") for d in ("bfloat16", "float16") for c in (False, True))
+    assert mla([*default, "sm_80", "sm_89"]) == []
+    assert mla(["prewarm", "--op", "mla_paged", "--arch", "sm_89"]) == [
+        ("fa2", d, c) for d in ("bfloat16", "float16") for c in (False, True)]

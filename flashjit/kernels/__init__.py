@@ -46,7 +46,8 @@ def tiling_for(spec: KernelSpec, arches=None):
     if not spec.use_tensor_cores:
         return "attention_cuda_core.cu.jinja", cuda_core.cuda_core_tiling(spec)
     if spec.op in MLA_OPS:
-        return fa2.MLA_TEMPLATE, fa2.mla_tiling(spec)
+        family = fa3 if spec.backend == "fa3" else fa2
+        return family.MLA_TEMPLATE, family.mla_tiling(spec)
     backend = TENSOR_CORE_BACKENDS.get(spec.backend)
     if backend is None:
         raise ValueError(f"{spec.name}: no template generates backend {spec.backend} yet")

@@ -10,6 +10,7 @@ from ..spec import KernelSpec
 from . import common
 
 TEMPLATE = "attention_fa3.cu.jinja"
+MLA_TEMPLATE = "attention_mla_fa3.cu.jinja"
 # wgmma and setmaxnreg exist only in the arch-specific sm_90a target.
 ARCHES = frozenset({"sm_90a"})
 
@@ -59,3 +60,35 @@ def tiling(spec: KernelSpec, arches=None) -> Fa3Tiling:
     chosen = FA3_TILINGS[spec.head_dim_qk]
     assert chosen.smem_bytes(spec) + common.SMEM_RESERVED_PER_CTA <= common.SMEM_PER_SM["sm_90a"], spec.name
     return chosen
+
+
+@dataclass(frozen=True)
+class Fa3MlaTiling:
+    """The fa3 MLA kernel (fa3/fa3_mla.cuh): one loader and two consumer
+    warpgroups over 64 packed rows; the consumers split each 64-key tile's
+    Q.K^T by keys and O's 512 columns in halves. Keys per tile and rows per CTA
+    are fixed by the wgmma shapes (the template checks them)."""
+    stages: int
+    keys_per_tile: int = 64
+    rows_per_cta: int = 64
+
+    def rescales(self, spec: KernelSpec) -> tuple[int, int]:
+        """(keys per online-softmax rescale, merge rescales): one step per tile;
+        the consumers' halves share one max, so there is no merge."""
+        return self.keys_per_tile, 0
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        """Mirror of Fa3MlaTraits::kSmemBytes: alignment slack, Q, the K/V ring,
+        P, the row max and row sum exchanges, mbarriers."""
+        tile = self.keys_per_tile * 2 * spec.head_dim_qk
+        return 1024 + (1 + self.stages) * tile + self.rows_per_cta * 128 + 2 * 2 * self.rows_per_cta * 4 \
+            + 16 * self.stages
+
+
+# Two stages: Q and two 72 KB tiles of [ckv | kpe] rows fill the SM's shared memory.
+MLA_TILING = Fa3MlaTiling(stages=2)
+
+
+def mla_tiling(spec: KernelSpec) -> Fa3MlaTiling:
+    assert MLA_TILING.smem_bytes(spec) + common.SMEM_RESERVED_PER_CTA <= common.SMEM_PER_SM["sm_90a"], spec.name
+    return MLA_TILING

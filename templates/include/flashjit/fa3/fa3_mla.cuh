@@ -1,0 +1,402 @@
+// MLA (DeepSeek latent attention) on warpgroup MMA (sm_90a), fp16 / bf16,
+// paged. As in fa2_mla.cuh, an MLA batch is MQA with one KV head: a CTA's 64
+// packed rows are (query token x head) pairs of one request, keys are [ckv |
+// kpe] (576 wide) and values ckv (512 wide); logits = sm_scale * (q_nope.ckv +
+// q_pe.kpe), o = softmax . ckv.
+//
+// Three warpgroups:
+// - the loader (warpgroup 0) gathers each tile of 64 keys from the pages by
+//   cp.async into a ring of kStages slots (any page size, pages in any order),
+//   every thread arriving on the slot's "full" mbarrier once its copies land;
+//   only its first warp polls the slot's "empty" mbarrier before a refill.
+// - two consumers share the 64 rows. One warpgroup cannot hold O (64 x 512
+//   fp32: 256 registers a thread), so per tile:
+//   * S = Q.K^T: consumer c multiplies Q by keys 32c .. 32c + 31 of the tile
+//     (wgmma N 32, Q and K K-major in shared memory);
+//   * the online softmax: each consumer takes its keys' row max, the two meet
+//     in shared memory, and both take the same new max (the fa2 family's lazy
+//     max: a row moves only once it has grown by 2^8) from the same numbers, so
+//     their O halves and row sums stay on one reference; each rounds its P to
+//     the input dtype into its half of a shared 64 x 64 P tile;
+//   * O += P.V: consumer c multiplies the whole P by columns 256c .. 256c + 255
+//     of the tile's ckv part (wgmma N 256, V MN-major) into its O half.
+//   The next tile's Q.K^T is issued behind this tile's P.V, so the tensor cores
+//   take both back to back; the softmax waits for both.
+// Row sums meet once at the end (in a fixed order); each consumer writes its
+// output columns, or, for a split-KV chunk, fp32 partial rows and the LSE.
+#pragma once
+#include <math_constants.h>
+#include <stdint.h>
+#include "flashjit/common/async_copy.cuh"
+#include "flashjit/common/kernel_config.cuh"
+#include "flashjit/common/merge_states.cuh"
+#include "flashjit/common/numeric.cuh"
+#include "flashjit/common/tma.cuh"
+#include "flashjit/common/work.cuh"
+#include "flashjit/fa2/fa2_primitives.cuh"
+#include "flashjit/fa3/fa3_mla_traits.cuh"
+#include "flashjit/fa3/fa3_primitives.cuh"
+#include "flashjit/fa3/fa3_wgmma.cuh"
+
+namespace flashjit {
+namespace fa3 {
+
+// The two consumer warpgroups' barrier (id 1; the loader's is 3).
+__device__ __forceinline__ void consumers_barrier() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+
+// One loader thread's share of a tile: chunk `sub` of each 128-byte block of
+// keys key0, key0 + 16, ... (kLoaderPasses rows), into the blocked layout.
+// Byte strides are 32-bit (the host keeps them below 2 GiB).
+template <class Traits>
+struct MlaGather {
+  static constexpr int kPasses = Traits::kLoaderPasses, kRowsPerPass = Traits::kLoaderRowsPerPass;
+  const char* ckv;
+  const char* kpe;
+  uint32_t ckv_page_bytes, ckv_row_bytes, kpe_page_bytes, kpe_row_bytes;
+  const int32_t* pages;  // the request's page ids
+  FastDivmod page_div;
+  int key0, sub;
+
+  __device__ __forceinline__ MlaGather(const FlashjitAttentionParams& p, const CtaWork& w, int tid)
+      : page_div(p.page_size) {
+    using T = typename Traits::DType;
+    key0 = tid / 8;
+    sub = tid % 8;
+    ckv = static_cast<const char*>(p.k) + sub * 16;
+    kpe = static_cast<const char*>(p.v) + sub * 16;
+    ckv_page_bytes = uint32_t(p.k_stride_page * int64_t(sizeof(T)));
+    ckv_row_bytes = uint32_t(p.k_stride_n * int64_t(sizeof(T)));
+    kpe_page_bytes = uint32_t(p.v_stride_page * int64_t(sizeof(T)));
+    kpe_row_bytes = uint32_t(p.v_stride_n * int64_t(sizeof(T)));
+    pages = p.kv_page_indices + w.kv_start;
+  }
+
+  // Copies this thread's chunks of the tile of keys k0 .. k0 + 63 into `dst`;
+  // keys at or past `valid` are zero-filled, reading nothing (their logits are
+  // masked, and a zero V row keeps 0 * V finite).
+  __device__ __forceinline__ void issue(uint32_t dst, int k0, int valid) const {
+    using Tile = typename Traits::Tile;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int key = key0 + i * kRowsPerPass;
+      const bool ok = key < valid;
+      const char* c_src = ckv;
+      const char* k_src = kpe;
+      if (ok) {
+        const int page_at = page_div.div(k0 + key);
+        const uint32_t slot = uint32_t(page_div.mod(k0 + key, page_at));
+        const uint64_t pg = uint64_t(uint32_t(pages[page_at]));
+        c_src += pg * ckv_page_bytes + slot * ckv_row_bytes;
+        k_src += pg * kpe_page_bytes + slot * kpe_row_bytes;
+      }
+      const uint32_t row = dst + Tile::at(key, sub);
+#pragma unroll
+      for (int b = 0; b < Traits::kBlocks; ++b)
+        cp_async_16(row + Tile::block(b), b + 1 < Traits::kBlocks ? c_src + b * 128 : k_src, ok);
+    }
+  }
+};
+
+// The consumers' 64 Q rows ([q_nope | q_pe], rows past the request zero).
+template <class Traits>
+__device__ __forceinline__ void copy_mla_q(const FlashjitAttentionParams& p, const CtaWork& w, uint32_t q_smem,
+                                           int rows_total, int ctid) {
+  using T = typename Traits::DType;
+  using Tile = typename Traits::Tile;
+  constexpr int kChunks = Traits::kQkDim / 8, kCkvChunks = Traits::kCkvDim / 8;
+  const T* q_nope = static_cast<const T*>(p.q);
+  const T* q_pe = static_cast<const T*>(p.q_pe);
+  const auto packed = w.packed_rows();
+  for (int idx = ctid; idx < Traits::kRowsPerCta * kChunks; idx += Traits::kConsumerThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const int row = w.row_begin + r;
+    const bool ok = row < rows_total;
+    const T* src = q_nope;
+    if (ok) {
+      int token, head;
+      packed.locate(row, token, head);
+      src = c < kCkvChunks
+                ? q_nope + int64_t(token) * p.q_stride_n + int64_t(head) * p.q_stride_h + c * 8
+                : q_pe + int64_t(token) * p.q_pe_stride_n + int64_t(head) * p.q_pe_stride_h + (c - kCkvChunks) * 8;
+    }
+    cp_async_16(q_smem + Tile::at(r, c), src, ok);
+  }
+}
+
+}  // namespace fa3
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    fa3_mla_kernel(const __grid_constant__ FlashjitAttentionParams p) {
+  using T = typename Traits::DType;
+  using Tile = typename Traits::Tile;
+  constexpr int KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages, ROWS = Traits::kRowsPerCta;
+  constexpr int WG_KEYS = Traits::kKeysPerWarpgroup, WG_COLS = Traits::kColsPerWarpgroup;
+  constexpr int NT_S = WG_KEYS / 8, NT_O = WG_COLS / 8;
+  constexpr int KSTEPS_QK = Traits::kQkDim / 16, KSTEPS_PV = KEYS / 16;
+  constexpr float kLog2e = 1.4426950408889634f, kLazyLog2 = 8.f;
+  const float kNegInf = -CUDART_INF_F;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  unsigned char* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
+  const uint32_t base = smem_addr(smem);
+  const uint32_t q_smem = base + Traits::kQOffset, p_smem = base + Traits::kPOffset;
+  const uint32_t bars = base + Traits::kBarOffset;
+  auto slot_of = [&](int t) { return base + Traits::kKvOffset + (t % STAGES) * Traits::kTileBytes; };
+  auto full = [&](int t) { return bars + 8 * (t % STAGES); };
+  auto empty = [&](int t) { return bars + 8 * (STAGES + t % STAGES); };
+
+  const int tid = threadIdx.x, warpgroup = tid / 128, lane = tid % 32;
+  const CtaWork w = decode_work<true>(p, ROWS);
+  const int rows_total = w.qo_len * w.group;
+  if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
+  const int offset = w.kv_len - w.qo_len;
+  const Mask<Traits::kCausal, false> mask{offset, 0};
+  const int cta_q_first = w.row_begin / w.group;
+  const int cta_q_last = (min(w.row_begin + ROWS, rows_total) - 1) / w.group;
+  // kv_begin: 0, or a split chunk's start (a multiple of KEYS, the split align).
+  const int key_begin = w.kv_begin;
+  const int key_end = min(mask.key_end(cta_q_last, w.kv_len), w.kv_end);
+  const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      tma::mbar_init(full(s), Traits::kLoaderThreads);
+      tma::mbar_init(empty(s), Traits::kConsumerWarps);
+    }
+    tma::fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---- Loader.
+    fa3::set_max_registers_dec<Traits::kLoaderRegs>();
+    const fa3::MlaGather<Traits> gather(p, w, tid);
+    for (int t = 0; t < num_tiles; ++t) {
+      if (t >= STAGES) {
+        // The slot's previous tile (t - STAGES) completed phase t / STAGES - 1.
+        if (tid < 32) tma::mbar_wait(empty(t), ((t / STAGES) - 1) & 1);
+        fa3::loader_barrier();
+      }
+      const int k0 = key_begin + t * KEYS;
+      gather.issue(slot_of(t), k0, min(KEYS, w.kv_len - k0));
+      cp_async_arrive_noinc(full(t));
+    }
+    cp_async_commit();
+    cp_async_wait<0>();  // exits with no copy of this thread in flight
+    return;
+  }
+
+  // ---- Consumers: warpgroup c = 0, 1; warp wq of it holds rows 16 wq .. 16 wq + 15.
+  fa3::set_max_registers_inc<Traits::kConsumerRegs>();
+  const int c = warpgroup - 1, ctid = tid - 128, wq = (tid % 128) / 32;
+  const int g = lane / 4, tq = lane % 4;
+  fa3::copy_mla_q<Traits>(p, w, q_smem, rows_total, ctid);
+  cp_async_commit();
+  cp_async_wait<0>();
+  fa3::fence_async_shared();
+  fa3::consumers_barrier();
+
+  float* max_xchg = reinterpret_cast<float*>(smem + Traits::kMaxXchgOffset);
+  float* sum_xchg = reinterpret_cast<float*>(smem + Traits::kSumXchgOffset);
+  const int row_in_cta[2] = {16 * wq + g, 16 * wq + g + 8};
+  int q_pos[2];  // query position of this thread's rows (clamped past the request)
+#pragma unroll
+  for (int r = 0; r < 2; ++r) q_pos[r] = min(w.row_begin + row_in_cta[r], rows_total - 1) / w.group + offset;
+
+  const float scale = p.sm_scale * kLog2e;
+  float m[2] = {kNegInf, kNegInf}, m_ref[2] = {0.f, 0.f}, l[2] = {0.f, 0.f};
+  float o[NT_O][4];
+#pragma unroll
+  for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+  float s[NT_S][4];
+
+  // S = Q.K^T of tile t over this consumer's keys (issued and committed). Its
+  // own wgmma.fence: S's registers were last written by the softmax.
+  auto issue_qk = [&](int t) {
+    fa3::fence();
+    const uint64_t q_desc = fa3::fresh(fa3::smem_desc(q_smem, 16, 1024));
+    const uint64_t k_desc = fa3::smem_desc(slot_of(t) + c * WG_KEYS * 128, 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS_QK; ++kk) {
+      const uint32_t at = Tile::block(kk / 4) + (kk % 4) * 32;
+      fa3::mma_ss<T, WG_KEYS>(s, fa3::advance(q_desc, at), fa3::advance(k_desc, at), kk > 0);
+    }
+    fa3::commit();
+  };
+  // Until tile t's keys have landed; the gather wrote them through the generic
+  // proxy, so a proxy fence orders them before wgmma's reads.
+  auto wait_full = [&](int t) {
+    tma::mbar_wait(full(t), (t / STAGES) & 1);
+    fa3::fence_async_shared();
+  };
+
+  // No product is left in flight across the loop's back edge: ptxas
+  // serializes every wgmma of a kernel whose accumulators it cannot track
+  // through one (C7515).
+  if (num_tiles > 0) {
+    wait_full(0);
+    issue_qk(0);
+    fa3::wait<0>();
+    fa3::fence_operands(s);
+  }
+  for (int t = 0; t < num_tiles; ++t) {
+    const int k0 = key_begin + t * KEYS;
+
+    // Mask, then this consumer's row max over its keys.
+    const bool need_mask = k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > cta_q_first + offset);
+    if (need_mask) {
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + c * WG_KEYS + 8 * j + 2 * tq + (e & 1);
+          if (key >= w.kv_len || (Traits::kCausal && key > q_pos[e >> 1])) s[j][e] = kNegInf;
+        }
+    }
+    float mx[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) mx[r] = fa2::row_max<NT_S>(s, r);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+#pragma unroll
+    for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    // The two consumers' maxima meet. One buffer serves every tile: a
+    // consumer writes tile t + 1's only after the barrier that publishes P_t,
+    // which the other passes only after reading tile t's.
+    float* xm = max_xchg;
+    if (tq == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) xm[c * ROWS + row_in_cta[r]] = mx[r];
+    }
+    fa3::consumers_barrier();
+
+    // The same new max in both consumers: max(m, max(mx_0, mx_1)); the lazy
+    // rule moves a row only when it grew by more than kLazyLog2 in log2 units
+    // (fa2_softmax.cuh); (-inf) - (-inf) = NaN compares false, so a row that
+    // sees no key yet never moves, and a first visible key always does.
+    bool moves[2];
+    float factor[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float both = fmaxf(xm[row_in_cta[r]], xm[ROWS + row_in_cta[r]]);
+      const float next = fmaxf(m[r], both);
+      moves[r] = (next - m[r]) * scale > kLazyLog2;
+      const float ref = next == kNegInf ? 0.f : next * scale;
+      // From m itself, not m_ref: a first move (m = -inf) gives 0, never 2^-ref.
+      factor[r] = moves[r] ? fa2::exp2_fast(m[r] * scale - ref) : 1.f;
+      if (moves[r]) {
+        m[r] = next;
+        m_ref[r] = ref;
+        l[r] *= factor[r];
+      }
+    }
+    if (__any_sync(0xffffffffu, moves[0] || moves[1])) {
+#pragma unroll
+      for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[n][e] *= factor[e >> 1];
+    }
+
+    // P = 2^(s * scale - m_ref): fp32 sums into l, rounded to T into this
+    // consumer's columns 32c .. 32c + 31 of P (chunk 4c + j of row r, word tq;
+    // rows r and r + 8 share r % 8 = g, so the swizzle is g for both).
+    unsigned char* prow = smem + Traits::kPOffset;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j) {
+        s[j][2 * r] = fa2::exp2_fast(fmaf(s[j][2 * r], scale, -m_ref[r]));
+        s[j][2 * r + 1] = fa2::exp2_fast(fmaf(s[j][2 * r + 1], scale, -m_ref[r]));
+      }
+      l[r] += fa2::row_sum<NT_S>(s, r);
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j)
+        *reinterpret_cast<uint32_t*>(prow + row_in_cta[r] * 128 + (((c * NT_S + j) ^ g) << 4) + 4 * tq) =
+            fa2::pack2<T>(s[j][2 * r], s[j][2 * r + 1]);
+    }
+    fa3::fence_async_shared();
+    fa3::consumers_barrier();  // P whole; also: both consumers done with the max buffer
+
+    // O[:, 256c ...] += P.V, then the next tile's S behind it.
+    fa3::fence();
+    {
+      const uint64_t p_desc = fa3::smem_desc(p_smem, 16, 1024);
+      const uint64_t v_desc = fa3::smem_desc(slot_of(t) + c * (WG_COLS / 64) * Tile::kBlockBytes,
+                                             Tile::kBlockBytes, 1024);
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS_PV; ++kk)
+        fa3::mma_ss_vt<T, WG_COLS>(o, fa3::advance(p_desc, kk * 32), fa3::advance(v_desc, kk * 16 * 128), 1);
+      fa3::commit();
+    }
+    if (t + 1 < num_tiles) {
+      wait_full(t + 1);
+      issue_qk(t + 1);
+    }
+    fa3::wait<0>();  // P.V_t and S_{t+1} landed
+    fa3::fence_operands(s);
+    fa3::fence_operands(o);
+    __syncwarp();
+    if (lane == 0) tma::mbar_arrive(empty(t));
+  }
+
+  // Row sums: this lane's partials over its quad, then both consumers', added
+  // in one order so that both normalise by the same l.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    if (tq == 0) sum_xchg[c * ROWS + row_in_cta[r]] = l[r];
+  }
+  fa3::consumers_barrier();
+  float inv_l[2], lse[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum = sum_xchg[row_in_cta[r]] + sum_xchg[ROWS + row_in_cta[r]];
+    // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
+    inv_l[r] = sum > 0.f ? 1.f / sum : 0.f;
+    lse[r] = sum > 0.f ? m_ref[r] + log2f(sum) : kNegInf;
+  }
+
+  const auto packed = w.packed_rows();
+  const int col0 = c * WG_COLS + 2 * tq;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = w.row_begin + row_in_cta[r];
+    if (row >= rows_total) continue;
+    int token, head;
+    packed.locate(row, token, head);
+    if (w.split >= 0) {
+      // Split-KV chunk: fp32 normalised output and LSE; the merge pass rounds once.
+      const int64_t idx = partial_row(p, token, w.split) * p.num_qo_heads + head;
+      float* dst = p.partial_o + idx * Traits::kVoDim + col0;
+#pragma unroll
+      for (int n = 0; n < NT_O; ++n)
+        *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[n][2 * r] * inv_l[r], o[n][2 * r + 1] * inv_l[r]);
+      if (c == 0 && tq == 0) p.partial_lse[idx] = lse[r];
+    } else {
+      T* dst = static_cast<T*>(p.o) + int64_t(token) * p.o_stride_n + int64_t(head) * p.o_stride_h + col0;
+#pragma unroll
+      for (int n = 0; n < NT_O; ++n)
+        *reinterpret_cast<uint32_t*>(dst + 8 * n) = fa2::pack2<T>(o[n][2 * r] * inv_l[r], o[n][2 * r + 1] * inv_l[r]);
+      if (Traits::kLse && p.lse != nullptr && c == 0 && tq == 0) p.lse[int64_t(token) * p.lse_stride_n + head] = lse[r];
+    }
+  }
+}
+
+template <class Traits>
+int launch_fa3_mla(const FlashjitAttentionParams& p, cudaStream_t stream) {
+  return launch_attention<fa3_mla_kernel<Traits>, typename Traits::DType, Traits::kVoDim, Traits::kLse>(
+      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream);
+}
+
+template <class Traits>
+int fa3_mla_ctas_per_sm() {
+  return ctas_per_sm<fa3_mla_kernel<Traits>>(Traits::kThreads, static_cast<int>(Traits::kSmemBytes));
+}
+
+}  // namespace flashjit

@@ -1,0 +1,72 @@
+// Compile-time shape of the fa3 MLA kernel (fa3_mla.cuh): DeepSeek-style latent
+// attention on warpgroup MMA over a paged cache of ckv (512 wide, both K and V)
+// and kpe (64 wide, the rotary part of K). Rendered from flashjit/kernels/fa3.py's
+// Fa3MlaTiling.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stddef.h>
+#include <type_traits>
+#include "flashjit/fa2/fa2_primitives.cuh"
+
+namespace flashjit {
+
+template <class DType_, int kStages_, bool kCausal_, bool kLse_>
+struct Fa3MlaTraits {
+  using DType = DType_;
+  static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
+  // 64-column blocks of a [ckv | kpe] row: 8 of ckv, then the one of kpe.
+  static constexpr int kBlocks = kQkDim / 64;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kLse = kLse_;
+
+  // One wgmma M of packed rows (query token x head) per CTA, shared by both
+  // consumer warpgroups: each takes half of a tile's keys in S = Q.K^T (N 32)
+  // and half of O's columns in O += P.V (N 256, 128 fp32 registers a thread),
+  // since one warpgroup cannot hold 64 x 512 fp32 accumulators.
+  static constexpr int kRowsPerCta = 64;
+  static constexpr int kKeysPerTile = 64;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kKeysPerWarpgroup = kKeysPerTile / kConsumerWarpgroups;
+  static constexpr int kColsPerWarpgroup = kVoDim / kConsumerWarpgroups;
+  static constexpr int kLoaderThreads = 128;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kThreads = kLoaderThreads + kConsumerThreads;
+  // After setmaxnreg: the loader keeps four rows' page addresses; the consumers
+  // hold O (128), S (16) and the softmax state.
+  static constexpr int kLoaderRegs = 56;
+  static constexpr int kConsumerRegs = 224;
+  static_assert(kLoaderThreads * (kLoaderRegs + kConsumerWarpgroups * kConsumerRegs) <= 65536, "the SM's registers");
+
+  // Q, each K/V tile and P as 64-row blocked tiles ([block][row][128 B], the
+  // 128-byte swizzle the wgmma descriptors describe: fa3_wgmma.cuh).
+  using Tile = fa2::BlockedTile<64>;
+  static constexpr int kTileBytes = kBlocks * Tile::kBlockBytes;
+
+  // Shared memory from a 1024-byte boundary: [Q | stage 0 | stage 1 ... | P |
+  // the row max exchange and the final row sums ([warpgroup][row] each) |
+  // mbarriers].
+  static constexpr int kQOffset = 0;
+  static constexpr int kKvOffset = kTileBytes;
+  static constexpr int kPOffset = kKvOffset + kStages * kTileBytes;
+  static constexpr int kPBytes = kRowsPerCta * 128;
+  static constexpr int kMaxXchgOffset = kPOffset + kPBytes;
+  static constexpr int kSumXchgOffset = kMaxXchgOffset + kConsumerWarpgroups * kRowsPerCta * 4;
+  static constexpr int kBarOffset = kSumXchgOffset + kConsumerWarpgroups * kRowsPerCta * 4;
+  // Per stage: "full" (the tile landed) and "empty" (every consumer warp done).
+  static constexpr size_t kSmemBytes = 1024 + size_t(kBarOffset) + 16 * kStages;
+
+  // Each loader thread copies 16-byte chunk `sub` of every 128-byte block of
+  // its key rows: 8 threads a key row, 16 rows a pass.
+  static constexpr int kLoaderRowsPerPass = kLoaderThreads / 8;
+  static constexpr int kLoaderPasses = kKeysPerTile / kLoaderRowsPerPass;
+
+  static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
+                "fa3 MLA takes __half or __nv_bfloat16");
+  static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
+  static_assert(kKeysPerTile * 2 == 128, "P's row of keys is one 128-byte block");
+};
+
+}  // namespace flashjit
