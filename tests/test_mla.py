@@ -213,7 +213,7 @@ def test_mla_builds_for_sm80_and_sm89_without_spills_or_wgmma(monkeypatch, tmp_p
 @pytest.mark.nvcc
 @needs_nvcc
 def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch, tmp_path):
-    """S by 64x32 wgmma, P.V by 64x256 with V transposed; a wgmma whose
+    """S by 64x64 wgmma, P.V by 64x256 with V transposed; a wgmma whose
     accumulators ptxas cannot track gets a wait of its own (C7515): every
     HGMMA would then carry gsb0. Here only the last of each group does."""
     set_cache_env(monkeypatch, tmp_path / "cache")
@@ -224,7 +224,7 @@ def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch
         assert u["spill_stores"] == 0 and u["spill_loads"] == 0, u
     text = sass(result.entry.artifact)
     hgmma = [line for line in text.splitlines() if "HGMMA" in line]
-    assert any("HGMMA.64x32x16.F32.BF16" in line for line in hgmma)
+    assert any("HGMMA.64x64x16.F32.BF16" in line for line in hgmma)
     assert any("HGMMA.64x256x16.F32.BF16" in line and "tnspB" in line for line in hgmma)
     waited = sum("gsb0" in line for line in hgmma)
     assert len(hgmma) >= 40 and waited <= 4, f"{waited} of {len(hgmma)} HGMMA wait for their own results"

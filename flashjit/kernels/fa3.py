@@ -65,24 +65,25 @@ def tiling(spec: KernelSpec, arches=None) -> Fa3Tiling:
 @dataclass(frozen=True)
 class Fa3MlaTiling:
     """The fa3 MLA kernel (fa3/fa3_mla.cuh): one loader and two consumer
-    warpgroups over 64 packed rows; the consumers split each 64-key tile's
-    Q.K^T by keys and O's 512 columns in halves. Keys per tile and rows per CTA
-    are fixed by the wgmma shapes (the template checks them)."""
+    warpgroups over 64 packed rows; one consumer computes each 64-key tile's
+    Q.K^T and softmax, both multiply P by their half of O's 512 columns. Keys
+    per tile and rows per CTA are fixed by the wgmma shapes (the template
+    checks them)."""
     stages: int
     keys_per_tile: int = 64
     rows_per_cta: int = 64
 
     def rescales(self, spec: KernelSpec) -> tuple[int, int]:
         """(keys per online-softmax rescale, merge rescales): one step per tile;
-        the consumers' halves share one max, so there is no merge."""
+        both halves of O take the softmax consumer's factors: no merge."""
         return self.keys_per_tile, 0
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of Fa3MlaTraits::kSmemBytes: alignment slack, Q, the K/V ring,
-        P, the row max and row sum exchanges, mbarriers."""
+        """Mirror of Fa3MlaTraits::kSmemBytes: alignment slack, Q, the K/V ring
+        (P lives in a slot's kpe block), the rescale factors and row sums,
+        mbarriers."""
         tile = self.keys_per_tile * 2 * spec.head_dim_qk
-        return 1024 + (1 + self.stages) * tile + self.rows_per_cta * 128 + 2 * 2 * self.rows_per_cta * 4 \
-            + 16 * self.stages
+        return 1024 + (1 + self.stages) * tile + 3 * self.rows_per_cta * 4 + 16 * self.stages
 
 
 # Two stages: Q and two 72 KB tiles of [ckv | kpe] rows fill the SM's shared memory.

@@ -8,22 +8,20 @@
 // - the loader (warpgroup 0) gathers each tile of 64 keys from the pages by
 //   cp.async into a ring of kStages slots (any page size, pages in any order),
 //   every thread arriving on the slot's "full" mbarrier once its copies land;
-//   only its first warp polls the slot's "empty" mbarrier before a refill.
+//   it looks up the next tile's pages while this one's copies fly, and only
+//   its first warp polls the slot's "empty" mbarrier before a refill.
 // - two consumers share the 64 rows. One warpgroup cannot hold O (64 x 512
-//   fp32: 256 registers a thread), so per tile:
-//   * S = Q.K^T: consumer c multiplies Q by keys 32c .. 32c + 31 of the tile
-//     (wgmma N 32, Q and K K-major in shared memory);
-//   * the online softmax: each consumer takes its keys' row max, the two meet
-//     in shared memory, and both take the same new max (the fa2 family's lazy
-//     max: a row moves only once it has grown by 2^8) from the same numbers, so
-//     their O halves and row sums stay on one reference; each rounds its P to
-//     the input dtype into its half of a shared 64 x 64 P tile;
-//   * O += P.V: consumer c multiplies the whole P by columns 256c .. 256c + 255
-//     of the tile's ckv part (wgmma N 256, V MN-major) into its O half.
-//   The next tile's Q.K^T is issued behind this tile's P.V, so the tensor cores
-//   take both back to back; the softmax waits for both.
-// Row sums meet once at the end (in a fixed order); each consumer writes its
-// output columns, or, for a split-KV chunk, fp32 partial rows and the LSE.
+//   fp32: 256 registers a thread), so each owns half of O's columns; the
+//   softmax consumer (warpgroup 2) also computes S = Q.K^T over the whole tile
+//   (wgmma N 64, Q and K K-major in shared memory: Q is read once a tile) and
+//   runs the online softmax of the fa2 family on it (lazy max, P rounded to
+//   the input dtype). P goes to the slot's kpe block, which S no longer
+//   needs, and the rows' rescale factors to shared memory; one barrier hands
+//   both to the other consumer. Then each multiplies P by its 256 columns of
+//   the tile's ckv part (wgmma N 256, P and V from shared memory, V
+//   MN-major), the softmax consumer issuing the next tile's S behind its P.V.
+// Row sums meet once at the end; each consumer writes its output columns, or,
+// for a split-KV chunk, fp32 partial rows (and the softmax consumer the LSE).
 #pragma once
 #include <math_constants.h>
 #include <stdint.h>
@@ -71,25 +69,39 @@ struct MlaGather {
     pages = p.kv_page_indices + w.kv_start;
   }
 
-  // Copies this thread's chunks of the tile of keys k0 .. k0 + 63 into `dst`;
-  // keys at or past `valid` are zero-filled, reading nothing (their logits are
-  // masked, and a zero V row keeps 0 * V finite).
-  __device__ __forceinline__ void issue(uint32_t dst, int k0, int valid) const {
-    using Tile = typename Traits::Tile;
+  // This thread's rows of the tile of keys k0 .. k0 + 63: page ids and slots,
+  // page -1 at or past `valid` (looked up a tile ahead, so that the page-table
+  // reads are off the copies' path).
+  struct Rows {
+    int page[kPasses], slot[kPasses];
+  };
+  __device__ __forceinline__ void lookup(Rows& rows, int k0, int valid) const {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int key = key0 + i * kRowsPerPass;
-      const bool ok = key < valid;
-      const char* c_src = ckv;
-      const char* k_src = kpe;
-      if (ok) {
+      rows.page[i] = -1;
+      rows.slot[i] = 0;
+      if (key < valid) {
         const int page_at = page_div.div(k0 + key);
-        const uint32_t slot = uint32_t(page_div.mod(k0 + key, page_at));
-        const uint64_t pg = uint64_t(uint32_t(pages[page_at]));
-        c_src += pg * ckv_page_bytes + slot * ckv_row_bytes;
-        k_src += pg * kpe_page_bytes + slot * kpe_row_bytes;
+        rows.slot[i] = page_div.mod(k0 + key, page_at);
+        rows.page[i] = pages[page_at];
       }
-      const uint32_t row = dst + Tile::at(key, sub);
+    }
+  }
+
+  // Copies this thread's chunks of the looked-up rows into `dst`; rows past
+  // the request are zero-filled, reading nothing (their logits are masked, and
+  // a zero V row keeps 0 * V finite).
+  __device__ __forceinline__ void issue(uint32_t dst, const Rows& rows) const {
+    using Tile = typename Traits::Tile;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const bool ok = rows.page[i] >= 0;
+      const uint64_t pg = uint64_t(uint32_t(ok ? rows.page[i] : 0));
+      const uint32_t slot = uint32_t(rows.slot[i]);
+      const char* c_src = ckv + (pg * ckv_page_bytes + slot * ckv_row_bytes);
+      const char* k_src = kpe + (pg * kpe_page_bytes + slot * kpe_row_bytes);
+      const uint32_t row = dst + Tile::at(key0 + i * kRowsPerPass, sub);
 #pragma unroll
       for (int b = 0; b < Traits::kBlocks; ++b)
         cp_async_16(row + Tile::block(b), b + 1 < Traits::kBlocks ? c_src + b * 128 : k_src, ok);
@@ -131,8 +143,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using T = typename Traits::DType;
   using Tile = typename Traits::Tile;
   constexpr int KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages, ROWS = Traits::kRowsPerCta;
-  constexpr int WG_KEYS = Traits::kKeysPerWarpgroup, WG_COLS = Traits::kColsPerWarpgroup;
-  constexpr int NT_S = WG_KEYS / 8, NT_O = WG_COLS / 8;
+  constexpr int WG_COLS = Traits::kColsPerWarpgroup;
+  constexpr int NT_S = KEYS / 8, NT_O = WG_COLS / 8;
   constexpr int KSTEPS_QK = Traits::kQkDim / 16, KSTEPS_PV = KEYS / 16;
   constexpr float kLog2e = 1.4426950408889634f, kLazyLog2 = 8.f;
   const float kNegInf = -CUDART_INF_F;
@@ -141,7 +153,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint32_t raw = smem_addr(smem_raw);
   unsigned char* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
   const uint32_t base = smem_addr(smem);
-  const uint32_t q_smem = base + Traits::kQOffset, p_smem = base + Traits::kPOffset;
+  const uint32_t q_smem = base + Traits::kQOffset;
   const uint32_t bars = base + Traits::kBarOffset;
   auto slot_of = [&](int t) { return base + Traits::kKvOffset + (t % STAGES) * Traits::kTileBytes; };
   auto full = [&](int t) { return bars + 8 * (t % STAGES); };
@@ -173,39 +185,46 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warpgroup == 0) {
     // ---- Loader.
     fa3::set_max_registers_dec<Traits::kLoaderRegs>();
-    const fa3::MlaGather<Traits> gather(p, w, tid);
+    using Gather = fa3::MlaGather<Traits>;
+    const Gather gather(p, w, tid);
+    typename Gather::Rows rows;
+    auto lookup = [&](int t) {
+      const int k0 = key_begin + t * KEYS;
+      gather.lookup(rows, k0, min(KEYS, w.kv_len - k0));
+    };
+    if (num_tiles > 0) lookup(0);
     for (int t = 0; t < num_tiles; ++t) {
       if (t >= STAGES) {
         // The slot's previous tile (t - STAGES) completed phase t / STAGES - 1.
         if (tid < 32) tma::mbar_wait(empty(t), ((t / STAGES) - 1) & 1);
         fa3::loader_barrier();
       }
-      const int k0 = key_begin + t * KEYS;
-      gather.issue(slot_of(t), k0, min(KEYS, w.kv_len - k0));
+      gather.issue(slot_of(t), rows);
       cp_async_arrive_noinc(full(t));
+      if (t + 1 < num_tiles) lookup(t + 1);
     }
     cp_async_commit();
     cp_async_wait<0>();  // exits with no copy of this thread in flight
     return;
   }
 
-  // ---- Consumers: warpgroup c = 0, 1; warp wq of it holds rows 16 wq .. 16 wq + 15.
+  // ---- Consumers: warpgroup c = 0, 1 owns O's columns 256c .. 256c + 255;
+  // c = 1 also computes S and the softmax. Warp wq of each holds rows 16 wq .. 16 wq + 15.
   fa3::set_max_registers_inc<Traits::kConsumerRegs>();
   const int c = warpgroup - 1, ctid = tid - 128, wq = (tid % 128) / 32;
   const int g = lane / 4, tq = lane % 4;
+  const bool softmax_wg = c == 1;
   fa3::copy_mla_q<Traits>(p, w, q_smem, rows_total, ctid);
   cp_async_commit();
   cp_async_wait<0>();
   fa3::fence_async_shared();
   fa3::consumers_barrier();
 
-  float* max_xchg = reinterpret_cast<float*>(smem + Traits::kMaxXchgOffset);
-  float* sum_xchg = reinterpret_cast<float*>(smem + Traits::kSumXchgOffset);
+  // Per tile parity, the factor each row's O takes (1 where the max stays): a
+  // buffer is rewritten two tiles on, after a barrier the reader has passed.
+  float* factors = reinterpret_cast<float*>(smem + Traits::kFactorOffset);
+  float* row_sums = reinterpret_cast<float*>(smem + Traits::kSumOffset);
   const int row_in_cta[2] = {16 * wq + g, 16 * wq + g + 8};
-  int q_pos[2];  // query position of this thread's rows (clamped past the request)
-#pragma unroll
-  for (int r = 0; r < 2; ++r) q_pos[r] = min(w.row_begin + row_in_cta[r], rows_total - 1) / w.group + offset;
-
   const float scale = p.sm_scale * kLog2e;
   float m[2] = {kNegInf, kNegInf}, m_ref[2] = {0.f, 0.f}, l[2] = {0.f, 0.f};
   float o[NT_O][4];
@@ -213,18 +232,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int n = 0; n < NT_O; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
-  float s[NT_S][4];
+  float s[NT_S][4];  // the other consumer's stay 0: see the loop
+#pragma unroll
+  for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
 
-  // S = Q.K^T of tile t over this consumer's keys (issued and committed). Its
-  // own wgmma.fence: S's registers were last written by the softmax.
+  // S = Q.K^T of tile t (issued and committed). Its own wgmma.fence: S's
+  // registers were last written by the softmax.
   auto issue_qk = [&](int t) {
     fa3::fence();
     const uint64_t q_desc = fa3::fresh(fa3::smem_desc(q_smem, 16, 1024));
-    const uint64_t k_desc = fa3::smem_desc(slot_of(t) + c * WG_KEYS * 128, 16, 1024);
+    const uint64_t k_desc = fa3::smem_desc(slot_of(t), 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < KSTEPS_QK; ++kk) {
       const uint32_t at = Tile::block(kk / 4) + (kk % 4) * 32;
-      fa3::mma_ss<T, WG_KEYS>(s, fa3::advance(q_desc, at), fa3::advance(k_desc, at), kk > 0);
+      fa3::mma_ss<T, KEYS>(s, fa3::advance(q_desc, at), fa3::advance(k_desc, at), kk > 0);
     }
     fa3::commit();
   };
@@ -234,129 +257,134 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     tma::mbar_wait(full(t), (t / STAGES) & 1);
     fa3::fence_async_shared();
   };
+  // O[:, 256c ...] += P.V of tile t: P in the slot's kpe block, V its ckv part.
+  auto issue_pv = [&](int t) {
+    fa3::fence();
+    const uint64_t p_desc = fa3::smem_desc(slot_of(t) + Tile::block(Traits::kBlocks - 1), 16, 1024);
+    const uint64_t v_desc =
+        fa3::smem_desc(slot_of(t) + Tile::block(c * (WG_COLS / 64)), Tile::kBlockBytes, 1024);
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS_PV; ++kk)
+      fa3::mma_ss_vt<T, WG_COLS>(o, fa3::advance(p_desc, kk * 32), fa3::advance(v_desc, kk * 16 * 128), 1);
+    fa3::commit();
+  };
 
   // No product is left in flight across the loop's back edge: ptxas
   // serializes every wgmma of a kernel whose accumulators it cannot track
   // through one (C7515).
-  if (num_tiles > 0) {
+  if (softmax_wg && num_tiles > 0) {
     wait_full(0);
     issue_qk(0);
     fa3::wait<0>();
     fa3::fence_operands(s);
   }
   for (int t = 0; t < num_tiles; ++t) {
-    const int k0 = key_begin + t * KEYS;
-
-    // Mask, then this consumer's row max over its keys.
-    const bool need_mask = k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > cta_q_first + offset);
-    if (need_mask) {
-#pragma unroll
-      for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + c * WG_KEYS + 8 * j + 2 * tq + (e & 1);
-          if (key >= w.kv_len || (Traits::kCausal && key > q_pos[e >> 1])) s[j][e] = kNegInf;
-        }
-    }
-    float mx[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) mx[r] = fa2::row_max<NT_S>(s, r);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-#pragma unroll
-    for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    // The two consumers' maxima meet. One buffer serves every tile: a
-    // consumer writes tile t + 1's only after the barrier that publishes P_t,
-    // which the other passes only after reading tile t's.
-    float* xm = max_xchg;
-    if (tq == 0) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) xm[c * ROWS + row_in_cta[r]] = mx[r];
-    }
-    fa3::consumers_barrier();
-
-    // The same new max in both consumers: max(m, max(mx_0, mx_1)); the lazy
-    // rule moves a row only when it grew by more than kLazyLog2 in log2 units
-    // (fa2_softmax.cuh); (-inf) - (-inf) = NaN compares false, so a row that
-    // sees no key yet never moves, and a first visible key always does.
-    bool moves[2];
+    float* factor_t = factors + (t & 1) * ROWS;
+    // Both consumers run the softmax arithmetic; only the softmax consumer's S
+    // holds the tile's logits, and only its results are kept. (With the
+    // arithmetic on one warpgroup's path alone, ptxas serializes every wgmma
+    // of the kernel, C7515; the other consumer would wait at the barrier
+    // below meanwhile anyway.)
     float factor[2];
+    {
+      const int k0 = key_begin + t * KEYS;
+      const bool need_mask = k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > cta_q_first + offset);
+      if (need_mask) {
+        int q_pos[2];  // query position of this thread's rows (clamped past the request)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float both = fmaxf(xm[row_in_cta[r]], xm[ROWS + row_in_cta[r]]);
-      const float next = fmaxf(m[r], both);
-      moves[r] = (next - m[r]) * scale > kLazyLog2;
-      const float ref = next == kNegInf ? 0.f : next * scale;
-      // From m itself, not m_ref: a first move (m = -inf) gives 0, never 2^-ref.
-      factor[r] = moves[r] ? fa2::exp2_fast(m[r] * scale - ref) : 1.f;
-      if (moves[r]) {
-        m[r] = next;
-        m_ref[r] = ref;
-        l[r] *= factor[r];
+        for (int r = 0; r < 2; ++r) q_pos[r] = min(w.row_begin + row_in_cta[r], rows_total - 1) / w.group + offset;
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = k0 + 8 * j + 2 * tq + (e & 1);
+            if (key >= w.kv_len || (Traits::kCausal && key > q_pos[e >> 1])) s[j][e] = kNegInf;
+          }
       }
+      // The lazy max of the fa2 family (fa2_softmax.cuh): a row moves only once
+      // it has grown by more than kLazyLog2 in log2 units; (-inf) - (-inf) =
+      // NaN compares false, so a row that sees no key yet never moves, and a
+      // first visible key always does.
+      float mx[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) mx[r] = fmaxf(m[r], fa2::row_max<NT_S>(s, r));
+#pragma unroll
+      for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+#pragma unroll
+      for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const bool moves = (mx[r] - m[r]) * scale > kLazyLog2;
+        const float ref = mx[r] == kNegInf ? 0.f : mx[r] * scale;
+        // From m itself, not m_ref: a first move (m = -inf) gives 0, never 2^-ref.
+        factor[r] = moves ? fa2::exp2_fast(m[r] * scale - ref) : 1.f;
+        if (moves) {
+          m[r] = mx[r];
+          m_ref[r] = ref;
+          l[r] *= factor[r];
+        }
+        if (softmax_wg && tq == 0) factor_t[row_in_cta[r]] = factor[r];
+      }
+      // P = 2^(s * scale - m_ref): fp32 sums into l, rounded to T into the
+      // slot's kpe block (a 64 x 64 tile: chunk j of row r at j ^ (r % 8), and
+      // rows r and r + 8 share r % 8 = g).
+      unsigned char* p_tile = smem + Traits::kKvOffset + (t % STAGES) * Traits::kTileBytes +
+                              Tile::block(Traits::kBlocks - 1);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j) {
+          s[j][2 * r] = fa2::exp2_fast(fmaf(s[j][2 * r], scale, -m_ref[r]));
+          s[j][2 * r + 1] = fa2::exp2_fast(fmaf(s[j][2 * r + 1], scale, -m_ref[r]));
+        }
+        l[r] += fa2::row_sum<NT_S>(s, r);
+        if (softmax_wg) {
+#pragma unroll
+          for (int j = 0; j < NT_S; ++j)
+            *reinterpret_cast<uint32_t*>(p_tile + row_in_cta[r] * 128 + ((j ^ g) << 4) + 4 * tq) =
+                fa2::pack2<T>(s[j][2 * r], s[j][2 * r + 1]);
+        }
+      }
+      fa3::fence_async_shared();
     }
-    if (__any_sync(0xffffffffu, moves[0] || moves[1])) {
+    fa3::consumers_barrier();  // P_t and its factors published
+    if (!softmax_wg) {
+      wait_full(t);  // passes at once (tile t landed before P_t); orders it before this warpgroup's wgmma
+#pragma unroll
+      for (int r = 0; r < 2; ++r) factor[r] = factor_t[row_in_cta[r]];
+    }
+    if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) {
 #pragma unroll
       for (int n = 0; n < NT_O; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[n][e] *= factor[e >> 1];
     }
-
-    // P = 2^(s * scale - m_ref): fp32 sums into l, rounded to T into this
-    // consumer's columns 32c .. 32c + 31 of P (chunk 4c + j of row r, word tq;
-    // rows r and r + 8 share r % 8 = g, so the swizzle is g for both).
-    unsigned char* prow = smem + Traits::kPOffset;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#pragma unroll
-      for (int j = 0; j < NT_S; ++j) {
-        s[j][2 * r] = fa2::exp2_fast(fmaf(s[j][2 * r], scale, -m_ref[r]));
-        s[j][2 * r + 1] = fa2::exp2_fast(fmaf(s[j][2 * r + 1], scale, -m_ref[r]));
-      }
-      l[r] += fa2::row_sum<NT_S>(s, r);
-#pragma unroll
-      for (int j = 0; j < NT_S; ++j)
-        *reinterpret_cast<uint32_t*>(prow + row_in_cta[r] * 128 + (((c * NT_S + j) ^ g) << 4) + 4 * tq) =
-            fa2::pack2<T>(s[j][2 * r], s[j][2 * r + 1]);
-    }
-    fa3::fence_async_shared();
-    fa3::consumers_barrier();  // P whole; also: both consumers done with the max buffer
-
-    // O[:, 256c ...] += P.V, then the next tile's S behind it.
-    fa3::fence();
-    {
-      const uint64_t p_desc = fa3::smem_desc(p_smem, 16, 1024);
-      const uint64_t v_desc = fa3::smem_desc(slot_of(t) + c * (WG_COLS / 64) * Tile::kBlockBytes,
-                                             Tile::kBlockBytes, 1024);
-#pragma unroll
-      for (int kk = 0; kk < KSTEPS_PV; ++kk)
-        fa3::mma_ss_vt<T, WG_COLS>(o, fa3::advance(p_desc, kk * 32), fa3::advance(v_desc, kk * 16 * 128), 1);
-      fa3::commit();
-    }
-    if (t + 1 < num_tiles) {
+    issue_pv(t);
+    if (softmax_wg && t + 1 < num_tiles) {
       wait_full(t + 1);
       issue_qk(t + 1);
     }
-    fa3::wait<0>();  // P.V_t and S_{t+1} landed
+    fa3::wait<0>();  // P.V_t (and S_{t+1}) landed
     fa3::fence_operands(s);
     fa3::fence_operands(o);
     __syncwarp();
     if (lane == 0) tma::mbar_arrive(empty(t));
   }
 
-  // Row sums: this lane's partials over its quad, then both consumers', added
-  // in one order so that both normalise by the same l.
+  // Row sums: the softmax consumer's partials over each quad, published once.
+  if (softmax_wg) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    if (tq == 0) sum_xchg[c * ROWS + row_in_cta[r]] = l[r];
+    for (int r = 0; r < 2; ++r) {
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+      if (tq == 0) row_sums[row_in_cta[r]] = l[r];
+    }
   }
   fa3::consumers_barrier();
   float inv_l[2], lse[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float sum = sum_xchg[row_in_cta[r]] + sum_xchg[ROWS + row_in_cta[r]];
+    const float sum = row_sums[row_in_cta[r]];
     // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
     inv_l[r] = sum > 0.f ? 1.f / sum : 0.f;
     lse[r] = sum > 0.f ? m_ref[r] + log2f(sum) : kNegInf;
@@ -377,13 +405,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int n = 0; n < NT_O; ++n)
         *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[n][2 * r] * inv_l[r], o[n][2 * r + 1] * inv_l[r]);
-      if (c == 0 && tq == 0) p.partial_lse[idx] = lse[r];
+      if (softmax_wg && tq == 0) p.partial_lse[idx] = lse[r];
     } else {
       T* dst = static_cast<T*>(p.o) + int64_t(token) * p.o_stride_n + int64_t(head) * p.o_stride_h + col0;
 #pragma unroll
       for (int n = 0; n < NT_O; ++n)
         *reinterpret_cast<uint32_t*>(dst + 8 * n) = fa2::pack2<T>(o[n][2 * r] * inv_l[r], o[n][2 * r + 1] * inv_l[r]);
-      if (Traits::kLse && p.lse != nullptr && c == 0 && tq == 0) p.lse[int64_t(token) * p.lse_stride_n + head] = lse[r];
+      if (Traits::kLse && p.lse != nullptr && softmax_wg && tq == 0)
+        p.lse[int64_t(token) * p.lse_stride_n + head] = lse[r];
     }
   }
 }

@@ -22,20 +22,19 @@ struct Fa3MlaTraits {
   static constexpr bool kLse = kLse_;
 
   // One wgmma M of packed rows (query token x head) per CTA, shared by both
-  // consumer warpgroups: each takes half of a tile's keys in S = Q.K^T (N 32)
-  // and half of O's columns in O += P.V (N 256, 128 fp32 registers a thread),
-  // since one warpgroup cannot hold 64 x 512 fp32 accumulators.
+  // consumer warpgroups: one warpgroup cannot hold 64 x 512 fp32 accumulators,
+  // so each takes half of O's columns (wgmma N 256, 128 registers a thread);
+  // the second also computes S = Q.K^T over the whole tile (N 64).
   static constexpr int kRowsPerCta = 64;
   static constexpr int kKeysPerTile = 64;
   static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kKeysPerWarpgroup = kKeysPerTile / kConsumerWarpgroups;
   static constexpr int kColsPerWarpgroup = kVoDim / kConsumerWarpgroups;
   static constexpr int kLoaderThreads = 128;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = kLoaderThreads + kConsumerThreads;
-  // After setmaxnreg: the loader keeps four rows' page addresses; the consumers
-  // hold O (128), S (16) and the softmax state.
+  // After setmaxnreg: the loader keeps four rows' pages (and the next tile's);
+  // the consumers hold O (128), S (32) and the softmax state.
   static constexpr int kLoaderRegs = 56;
   static constexpr int kConsumerRegs = 224;
   static_assert(kLoaderThreads * (kLoaderRegs + kConsumerWarpgroups * kConsumerRegs) <= 65536, "the SM's registers");
@@ -45,16 +44,14 @@ struct Fa3MlaTraits {
   using Tile = fa2::BlockedTile<64>;
   static constexpr int kTileBytes = kBlocks * Tile::kBlockBytes;
 
-  // Shared memory from a 1024-byte boundary: [Q | stage 0 | stage 1 ... | P |
-  // the row max exchange and the final row sums ([warpgroup][row] each) |
-  // mbarriers].
+  // Shared memory from a 1024-byte boundary: [Q | stage 0 | stage 1 ... | the
+  // rows' rescale factors (two tiles' worth) | the final row sums | mbarriers].
+  // A tile's P (64 x 64) lives in its slot's kpe block once S has read it.
   static constexpr int kQOffset = 0;
   static constexpr int kKvOffset = kTileBytes;
-  static constexpr int kPOffset = kKvOffset + kStages * kTileBytes;
-  static constexpr int kPBytes = kRowsPerCta * 128;
-  static constexpr int kMaxXchgOffset = kPOffset + kPBytes;
-  static constexpr int kSumXchgOffset = kMaxXchgOffset + kConsumerWarpgroups * kRowsPerCta * 4;
-  static constexpr int kBarOffset = kSumXchgOffset + kConsumerWarpgroups * kRowsPerCta * 4;
+  static constexpr int kFactorOffset = kKvOffset + kStages * kTileBytes;
+  static constexpr int kSumOffset = kFactorOffset + 2 * kRowsPerCta * 4;
+  static constexpr int kBarOffset = kSumOffset + kRowsPerCta * 4;
   // Per stage: "full" (the tile landed) and "empty" (every consumer warp done).
   static constexpr size_t kSmemBytes = 1024 + size_t(kBarOffset) + 16 * kStages;
 
@@ -66,7 +63,7 @@ struct Fa3MlaTraits {
   static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
                 "fa3 MLA takes __half or __nv_bfloat16");
   static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
-  static_assert(kKeysPerTile * 2 == 128, "P's row of keys is one 128-byte block");
+  static_assert(kKeysPerTile * 2 == 128 && kKpeDim == 64, "P's row of keys is one 128-byte block, as a kpe row");
 };
 
 }  // namespace flashjit

@@ -1,0 +1,77 @@
+"""A few small MLA launches per backend, each checked against float64 within
+its profile: decode and a causal chunk of 4, 16 and 128 heads, pages of 1, 16
+and 64 in random order, ragged lengths with an empty request and a split-KV
+plan. Small enough for compute-sanitizer (memcheck, racecheck, synccheck), so
+that a clean sanitizer run is also a correct one; with a time limit per launch
+set by the caller (`timeout`), a hang shows as such.
+
+Usage: python benchmarks/dev/mla_check.py [--backends fa2 fa3] [--small]
+       compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/dev/mla_check.py --small
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+import flashjit
+from flashjit.error_model import mla_tolerance
+
+SM_SCALE = 1 / math.sqrt(192)
+
+
+def case(backend, dtype, heads, page_size, qo_len, causal, kv_lens, **plan_kw) -> float:
+    pages = [math.ceil(n / page_size) for n in kv_lens]
+    num_pages = sum(pages) + 2
+    ckv = torch.randn(num_pages, page_size, 512, device="cuda").to(dtype)
+    kpe = torch.randn(num_pages, page_size, 64, device="cuda").to(dtype)
+    tokens = qo_len * len(kv_lens)
+    q_nope = torch.randn(tokens, heads, 512, device="cuda").to(dtype)
+    q_pe = torch.randn(tokens, heads, 64, device="cuda").to(dtype)
+    qo_indptr = torch.arange(len(kv_lens) + 1, dtype=torch.int32, device="cuda") * qo_len
+    kv_indptr = torch.tensor([0, *pages], device="cuda").cumsum(0).to(torch.int32)
+    kv_indices = torch.randperm(num_pages, device="cuda")[:sum(pages)].to(torch.int32)
+    wrapper = flashjit.BatchMLAPagedAttentionWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"),
+                                                     backend=backend, strict=True)
+    wrapper.plan(qo_indptr, kv_indptr, kv_indices, torch.tensor(kv_lens, dtype=torch.int32, device="cuda"), heads,
+                 512, 64, page_size, causal, SM_SCALE, dtype, dtype, **plan_kw)
+    assert wrapper._plan.module.spec.backend == backend
+    out = torch.full_like(q_nope, float("nan"))
+    wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+    torch.cuda.synchronize()
+    ref, _ = flashjit.mla_reference(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_lens,
+                                    causal=causal, sm_scale=SM_SCALE)
+    tol = mla_tolerance(dtype, kv_len=max(max(kv_lens), 1), q_nope=q_nope, q_pe=q_pe, ckv=ckv, kpe=kpe,
+                        sm_scale=SM_SCALE, backend=backend)
+    label = f"{backend} {str(dtype)[6:]} heads {heads} page {page_size} qo {qo_len} {plan_kw or ''}"
+    ratio = tol.assert_close(out, ref, label)
+    print(f"{label}: max err / bound {ratio:.3f}", flush=True)
+    return ratio
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", nargs="+", default=["fa2", "fa3"])
+    parser.add_argument("--small", action="store_true", help="two cases per backend (for compute-sanitizer)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    worst = 0.0
+    for backend in args.backends:
+        cases = [(torch.bfloat16, 16, 16, 1, False, [70, 0, 200]),
+                 (torch.float16, 128, 3, 4, True, [5, 130])]
+        if not args.small:
+            cases += [(torch.bfloat16, 128, 64, 1, False, [1, 64, 65, 1000]),
+                      (torch.bfloat16, 16, 1, 4, True, [4, 17, 300]),
+                      (torch.float16, 32, 16, 2, True, [2, 2000])]
+        for dtype, heads, page_size, qo_len, causal, kv_lens in cases:
+            worst = max(worst, case(backend, dtype, heads, page_size, qo_len, causal, kv_lens))
+        worst = max(worst, case(backend, torch.bfloat16, 16, 16, 1, False, [3000, 1, 700], fixed_split_size=4))
+    print(f"worst max err / bound: {worst:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
