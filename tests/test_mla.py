@@ -139,6 +139,11 @@ def _plan_args(**changes) -> dict:
     ({"kv_len_arr": torch.tensor([49, 16], dtype=torch.int32)}, ValueError,
      r"^kv_len_arr: request 0 has 3 pages of 16 \(kv_indptr\), which hold 33..48 keys, got 49"),
     ({"kv_len_arr": torch.tensor([40, 17], dtype=torch.int32)}, ValueError, r"^kv_len_arr: request 1 has 1 pages"),
+    # Extra trailing pages: FlashInfer 0.7.2 refuses them as well.
+    ({"kv_len_arr": torch.tensor([32, 16], dtype=torch.int32)}, ValueError,
+     r"^kv_len_arr: request 0 has 3 pages of 16 \(kv_indptr\), which hold 33..48 keys, got 32"),
+    ({"kv_len_arr": torch.tensor([40, 0], dtype=torch.int32)}, ValueError,
+     r"^kv_len_arr: request 1 has 1 pages of 16 \(kv_indptr\), which hold 1..16 keys, got 0"),
     ({"kv_indices": _i32([5, 0, 2])}, ValueError, r"^kv_indices: expected at least 4 elements"),
     ({"kv_indices": _i32([5, -1, 2, 7])}, ValueError, r"^kv_indices: expected page ids >= 0, got -1"),
     ({"kv_indices": torch.tensor([5, 0, 2, 7], dtype=torch.int32)}, ValueError, r"^kv_indices: expected a tensor on cuda:0"),

@@ -71,6 +71,9 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
         lens_tensor = _checks.int_tensor("kv_len_arr", kv_len_arr, batch, exact=True, what=" (batch_size)")
         kv_lens = [int(x) for x in lens_tensor.tolist()]
         pages = [kv[i + 1] - kv[i] for i in range(batch)]
+        # Exactly ceil(kv_len / page_size) pages each: FlashInfer 0.7.2 refuses extra
+        # trailing pages too ("page counts in kv_indptr must equal ceil(kv_len_arr /
+        # page_size)"), so code written for one runs on the other.
         for i, (n, length) in enumerate(zip(pages, kv_lens)):
             if length < 0 or -(-length // page_size) != n:
                 raise ValueError(f"kv_len_arr: request {i} has {n} pages of {page_size} (kv_indptr), which hold "
