@@ -1,6 +1,7 @@
 """The torch.ops.flashjit operators on a GPU (configurations the prewarmed sweep
-builds: bf16, head_dim 64): opcheck on CUDA tensors, the single-request ops
-compiled against eager, and a compiled decoder layer against eager, bit for bit."""
+builds: bf16, head_dim 64, and MLA): opcheck on CUDA tensors, the single-request
+ops compiled against eager, and a compiled decoder layer and a compiled MLA
+attention step against eager, bit for bit."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import torch._dynamo
 from torch.library import opcheck
 
 import flashjit
+from sweep import MLA_BACKENDS
+from test_gpu_attention import randn
+from test_gpu_mla import CKV, KPE, MODES, MlaBatch, mla_wrapper
 from test_torch_ops import BF16, OPCHECK, _op, _qkv, _single_ops
 
 pytestmark = pytest.mark.gpu
@@ -81,3 +85,48 @@ def test_gpu_compiled_decoder_layer_is_bit_identical(backend, prewarmed):
         opcheck(_op("batch_decode_paged_run"), (decode._handle, q, cache, None, return_lse, None), test_utils=OPCHECK)
     opcheck(_op("batch_decode_paged_run_out"), (decode._handle, q, cache, None, torch.empty_like(q),
                                                 torch.empty(2, heads, device="cuda"), None), test_utils=OPCHECK)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("mode", MODES, ids=["decode", "qo4_causal"])
+@pytest.mark.parametrize("mla_backend", MLA_BACKENDS)
+def test_gpu_compiled_mla_is_bit_identical(mla_backend, backend, mode, prewarmed, error_report):
+    """An absorbed MLA attention step (q_nope and q_pe as views of one projection,
+    MLA over a paged latent cache with ragged lengths and an empty request, the
+    output projected back) compiled with fullgraph=True against eager, on each
+    MLA kernel (fa3 where it runs): every output and the out= / lse= form equal
+    bit for bit, and within the kernel's profile of float64; then opcheck of both
+    operators on CUDA tensors."""
+    torch.manual_seed(0)
+    qo_len, causal = mode
+    heads, hidden = 16, 256
+    batch = MlaBatch([qo_len] * 5, [1, 300, 0, 2000, 65], 16, heads, BF16)
+    wrapper = mla_wrapper(mla_backend)
+    batch.plan(wrapper, causal)
+    assert wrapper._plan.module.spec.backend == mla_backend
+    w_q = randn(hidden, heads * (CKV + KPE), dtype=torch.float32).div(hidden ** 0.5).to(BF16)
+    w_o = randn(heads * CKV, hidden, dtype=torch.float32).div((heads * CKV) ** 0.5).to(BF16)
+    x = randn(5 * qo_len, hidden, dtype=BF16)
+
+    def step(x, ckv, kpe):
+        q_nope, q_pe = (x @ w_q).view(x.shape[0], heads, CKV + KPE).split([CKV, KPE], dim=-1)
+        o, lse = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True)
+        out = torch.empty(q_nope.shape, dtype=BF16, device="cuda")
+        out_lse = torch.empty(q_nope.shape[:2], dtype=torch.float32, device="cuda")
+        wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=out_lse, return_lse=True)
+        return x + o.reshape(x.shape[0], -1) @ w_o, o, lse, out, out_lse, q_nope, q_pe
+
+    eager = step(x, batch.ckv, batch.kpe)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=backend)(x, batch.ckv, batch.kpe)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+    batch.q_nope, batch.q_pe = eager[-2], eager[-1]  # strided views of the projection, as the kernel read them
+    batch.check(eager[1], eager[2], causal, error_report, f"mla_compiled_{backend}", mla_backend, qo_len=qo_len)
+
+    q_nope, q_pe = batch.q_nope.contiguous(), batch.q_pe.contiguous()
+    for return_lse in (False, True):
+        opcheck(_op("mla_paged_run"), (wrapper._handle, q_nope, q_pe, batch.ckv, batch.kpe, return_lse),
+                test_utils=OPCHECK)
+    opcheck(_op("mla_paged_run_out"), (wrapper._handle, q_nope, q_pe, batch.ckv, batch.kpe, torch.empty_like(q_nope),
+                                       torch.empty(q_nope.shape[:2], device="cuda")), test_utils=OPCHECK)

@@ -17,9 +17,13 @@ from flashjit.error_model import mla_tolerance, profile
 from flashjit.kernels import common, fa2, fa3, tiling_for
 from flashjit.render import render
 from flashjit.spec import KernelSpec, mla_spec
-from helpers_cache import needs_nvcc, no_compile, set_cache_env  # noqa: F401 (fixtures)
+import helpers_cache
+from helpers_cache import needs_nvcc, set_cache_env
 from test_backend_choice import sass
 from test_bad_input_wrappers import _on_fake_cuda, _workspace
+
+# A fixture: pytest looks fixtures up by name in the test module.
+no_compile = helpers_cache.no_compile
 
 SM_SCALE = 1 / math.sqrt(192)
 
@@ -139,6 +143,11 @@ def _plan_args(**changes) -> dict:
     ({"kv_len_arr": torch.tensor([49, 16], dtype=torch.int32)}, ValueError,
      r"^kv_len_arr: request 0 has 3 pages of 16 \(kv_indptr\), which hold 33..48 keys, got 49"),
     ({"kv_len_arr": torch.tensor([40, 17], dtype=torch.int32)}, ValueError, r"^kv_len_arr: request 1 has 1 pages"),
+    # Extra trailing pages: FlashInfer 0.7.2 refuses them as well.
+    ({"kv_len_arr": torch.tensor([32, 16], dtype=torch.int32)}, ValueError,
+     r"^kv_len_arr: request 0 has 3 pages of 16 \(kv_indptr\), which hold 33..48 keys, got 32"),
+    ({"kv_len_arr": torch.tensor([40, 0], dtype=torch.int32)}, ValueError,
+     r"^kv_len_arr: request 1 has 1 pages of 16 \(kv_indptr\), which hold 1..16 keys, got 0"),
     ({"kv_indices": _i32([5, 0, 2])}, ValueError, r"^kv_indices: expected at least 4 elements"),
     ({"kv_indices": _i32([5, -1, 2, 7])}, ValueError, r"^kv_indices: expected page ids >= 0, got -1"),
     ({"kv_indices": torch.tensor([5, 0, 2, 7], dtype=torch.int32)}, ValueError, r"^kv_indices: expected a tensor on cuda:0"),
@@ -242,18 +251,6 @@ def test_plan_selects_the_mla_configuration(monkeypatch):
     (spec, kw), = seen
     assert spec == mla_spec("bfloat16", causal=True)
     assert (spec.head_dim_qk, spec.head_dim_vo, kw["num_kv_heads"], kw["page_size"]) == (576, 512, 1, 16)
-
-
-def test_run_under_tracing_says_it_is_no_operator_yet():
-    """MLA's run() has no torch.library operator: under a dispatch mode it says so
-    instead of failing inside the launch on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    wrapper = flashjit.BatchMLAPagedAttentionWrapper(_workspace())
-    with FakeTensorMode():
-        q = torch.empty(2, 16, 512, dtype=torch.bfloat16)
-        with pytest.raises(NotImplementedError, match="not a torch.library operator yet"):
-            wrapper.run(q, q[..., :64], q, q[..., :64])
 
 
 def test_prewarm_default_preset_builds_fa3_mla_for_sm90a_and_op_mla_paged_anywhere():

@@ -1,7 +1,7 @@
 """`flashjit numerics` and flashjit.numerics: its arguments and selection, its
 one-line error without a GPU, the reports and the exit status from synthetic
 rows, the case generators and the error statistics on CPU tensors, and on a GPU
-a small selection end to end within its bounds."""
+a small selection end to end within its bounds (MLA's: test_numerics_mla.py)."""
 
 from __future__ import annotations
 
@@ -219,19 +219,6 @@ def test_report_paths_are_checked_before_anything_is_built(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     assert cli.main(["numerics", *SMALL, flag, path]) == 2
     assert f"{flag}: expected a file in an existing folder, got {path}" in capsys.readouterr().err
-
-
-def test_mla_is_left_out_and_alone_is_exit_2(tmp_path, monkeypatch, capsys):
-    """MLA's inputs are not among the cases: left out with a note, never reported as measured."""
-    import flashjit.bench
-    from flashjit import arch, jit
-
-    monkeypatch.setenv("FLASHJIT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(flashjit.bench, "no_gpu_reason", lambda: None)
-    monkeypatch.setattr(arch, "device_arch", lambda: "sm_80")
-    monkeypatch.setattr(jit, "build_many", lambda *a, **k: pytest.fail("nothing to build"))
-    assert cli.main(["numerics", "--op", "mla_paged", "--dtype", "bf16"]) == 2
-    assert "MLA is checked by tests/test_gpu_mla.py" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------

@@ -3,8 +3,8 @@ annotations, tracing with fake tensors and torch.compile(fullgraph=True)
 without a graph break, torch.library.opcheck, errors that read as in eager
 calls, and compiled outputs bit-identical to eager ones. On the CPU the
 attention kernels run on meta / fake tensors, or (wrappers) against a plan made
-on the host with a stand-in launch; append and merge run for real. On a GPU:
-test_gpu_torch_ops.py."""
+on the host with a stand-in launch; append and merge run for real. MLA's
+operators: test_torch_ops_mla.py. On a GPU: test_gpu_torch_ops.py."""
 
 from __future__ import annotations
 
@@ -21,15 +21,18 @@ from torch.library import opcheck
 import flashjit
 from flashjit import jit
 from flashjit.ops import _batch, _library
-from helpers_cache import no_compile  # noqa: F401 (a fixture)
+import helpers_cache
 from test_bad_input_wrappers import _i32, _workspace
+
+# A fixture: pytest looks fixtures up by name in the test module.
+no_compile = helpers_cache.no_compile
 
 BF16 = torch.bfloat16
 OPCHECK = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 # The arguments each operator writes (its schema's (a!) annotations).
 MUTATED = {"append_paged_kv_cache": {"k_cache", "v_cache"}, "merge_state_in_place": {"v", "s"},
            **{f"{op}_run_out": {"out", "lse"} for op in ("batch_prefill_ragged", "batch_prefill_paged",
-                                                         "batch_decode_paged")}}
+                                                         "batch_decode_paged", "mla_paged")}}
 KIND_OPS = {"ragged": "batch_prefill_ragged", "paged_prefill": "batch_prefill_paged", "decode": "batch_decode_paged"}
 
 
@@ -63,7 +66,7 @@ def _targets(graphs) -> list[str]:
 
 def test_every_public_op_is_an_operator_with_its_mutations():
     assert set(_library.OP_NAMES) == {"single_prefill", "single_decode", "append_paged_kv_cache", "merge_state",
-                                      "merge_state_in_place", "merge_states", *MUTATED,
+                                      "merge_state_in_place", "merge_states", *MUTATED, "mla_paged_run",
                                       *(f"{op}_run" for op in KIND_OPS.values())}
     for name in _library.OP_NAMES:
         op = _op(name)

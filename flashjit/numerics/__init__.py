@@ -115,7 +115,7 @@ def run(args) -> int:
     from .. import arch, build, cache_ship, jit
     from ..bench import no_gpu_reason
     from ..cli import cache_root, specs_from_args
-    from ..spec import MLA_OPS, UTILITY_OPS
+    from ..spec import UTILITY_OPS
     from . import report
 
     reason = no_gpu_reason()
@@ -141,17 +141,13 @@ def run(args) -> int:
         print(f"flashjit numerics: {exc}", file=sys.stderr)
         return 2
     left_out = [s for s in specs if s.op in UTILITY_OPS]
-    # MLA's inputs (q_nope, q_pe, a latent cache) are not among the cases yet; its
-    # float64 checks are tests/test_gpu_mla.py's.
-    mla = [s for s in specs if s.op in MLA_OPS]
-    specs = [s for s in specs if s.op not in UTILITY_OPS and s.op not in MLA_OPS]
+    specs = [s for s in specs if s.op not in UTILITY_OPS]
     if not specs:
-        print("flashjit numerics: the selection has no configuration this command measures (attention ops other "
-              "than mla_paged; MLA is checked by tests/test_gpu_mla.py)", file=sys.stderr)
+        print("flashjit numerics: the selection has no configuration this command measures (attention ops and "
+              "mla_paged; append_paged copies K/V exactly)", file=sys.stderr)
         return 2
     print(f"flashjit numerics: {len(specs)} configuration(s) on {arch.device_name()}, cases {', '.join(cases)}, "
-          f"{args.seeds} seed(s)" + (f"; {len(left_out)} append_paged left out (an exact copy)" if left_out else "")
-          + (f"; {len(mla)} mla_paged left out (not measured by this command yet)" if mla else ""),
+          f"{args.seeds} seed(s)" + (f"; {len(left_out)} append_paged left out (an exact copy)" if left_out else ""),
           file=sys.stderr, flush=True)
     built = jit.build_many(specs, jobs=args.jobs, root=cache_root(create=True), raise_first=False,
                            progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))

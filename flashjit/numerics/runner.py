@@ -1,6 +1,7 @@
 """Runs one configuration on a case's inputs through the public op that selects
 exactly that configuration, and measures its output against the float64
-reference within the configuration's own tolerance profile."""
+reference within the configuration's own tolerance profile (MLA's inputs,
+call, reference and bound: numerics.mla)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import flashjit
 from ..error_model import evaluate_lse, measure as magnitudes, profile
 from ..ops._launch import select_spec
 from ..reference import attention_reference, ragged_reference
-from ..spec import KernelSpec
+from ..spec import MLA_OPS, KernelSpec
+from . import mla
 from .catalog import describe
 from .cases import HEADS, Problem, applies, indptr, make_problems, paged
 
@@ -38,7 +40,8 @@ def not_runnable(spec: KernelSpec) -> str | None:
     try:
         chosen = select_spec(spec.op, TORCH_DTYPES[spec.dtype_q], spec.head_dim_qk, backend=spec.backend,
                              use_tensor_cores=spec.use_tensor_cores, causal=spec.causal, window=spec.sliding_window,
-                             soft_cap=spec.soft_cap, return_lse=spec.return_lse, strict=True)
+                             soft_cap=spec.soft_cap, return_lse=spec.return_lse, strict=True,
+                             head_dim_vo=spec.head_dim_vo)
     except ValueError as exc:
         return str(exc)
     if chosen != spec:
@@ -57,8 +60,25 @@ def _check_planned(wrapper, spec: KernelSpec) -> None:
         raise RuntimeError(f"plan() selected {ran.name}, not {spec.name}")
 
 
+def applies_to(case: str, spec: KernelSpec) -> bool:
+    return mla.applies(case) if spec.op in MLA_OPS else applies(case, spec.op)
+
+
+def problems(spec: KernelSpec, case: str, generator, device="cuda") -> list:
+    """Fresh inputs for each call `case` makes on spec's op."""
+    dtype = TORCH_DTYPES[spec.dtype_q]
+    if spec.op in MLA_OPS:
+        return mla.make_problems(case, spec.causal, dtype, generator=generator, device=device)
+    return make_problems(case, spec.op, spec.head_dim_qk, dtype, generator=generator, device=device, heads=HEADS)
+
+
 def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> tuple:
-    """(out, lse or None) of the op for `spec` on problem p."""
+    """(out, lse or None) of the op for `spec` on problem p (an MlaProblem for MLA)."""
+    if spec.op in MLA_OPS:
+        wrapper = mla.planned_wrapper(spec, p, workspace)
+        _check_planned(wrapper, spec)
+        poison_allocator()
+        return mla.run(wrapper, p)
     var, dtype = _variant(spec), TORCH_DTYPES[spec.dtype_q]
     num_qo, num_kv, head_dim = p.q.shape[1], p.k.shape[1], spec.head_dim_qk
     picks = {"backend": spec.backend, "strict": True}
@@ -100,11 +120,24 @@ def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> 
 
 
 def reference(spec: KernelSpec, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    if spec.op in MLA_OPS:
+        return mla.reference(spec, p)
     var = _variant(spec)
     causal = spec.causal and spec.op not in ("single_decode", "batch_decode_paged")
     if len(p.qo_lens) == 1:
         return attention_reference(p.q, p.k, p.v, causal=causal, **var)
     return ragged_reference(p.q, p.k, p.v, indptr(p.qo_lens), indptr(p.kv_lens), causal=causal, **var)
+
+
+def bounds(spec: KernelSpec, p: Problem) -> tuple:
+    """(kv_len, output bound, LSE bound) of one call, each from the call's own inputs."""
+    if spec.op in MLA_OPS:
+        return mla.bounds(spec, p)
+    kv_len = max(max(p.kv_lens), 1)
+    sm_scale = 1.0 / math.sqrt(spec.head_dim_qk)
+    tol = flashjit.tolerance(spec, q=p.q, k=p.k, v=p.v, kv_len=kv_len, sm_scale=sm_scale)
+    _, logit_absmax = magnitudes(p.q, p.k, p.v, sm_scale)
+    return kv_len, tol, evaluate_lse(profile(spec), kv_len=kv_len, logit_absmax=logit_absmax)
 
 
 class Accumulator:
@@ -117,9 +150,7 @@ class Accumulator:
         self.ratio, self.lse_ratio, self.worst = 0.0, None, None
 
     def add(self, spec: KernelSpec, p: Problem, out, lse, ref, ref_lse) -> None:
-        kv_len = max(max(p.kv_lens), 1)
-        sm_scale = 1.0 / math.sqrt(spec.head_dim_qk)
-        tol = flashjit.tolerance(spec, q=p.q, k=p.k, v=p.v, kv_len=kv_len, sm_scale=sm_scale)
+        kv_len, tol, lse_tol = bounds(spec, p)
         out_d, ref_d = out.double(), ref.double()
         # Equal values (infinities included) agree; NaN is as far off as it gets.
         err = torch.where(out_d == ref_d, torch.zeros_like(ref_d), (out_d - ref_d).abs()).nan_to_num(math.inf)
@@ -136,8 +167,6 @@ class Accumulator:
                 self.worst = {"worst_err": float(err.flatten()[at]), "worst_bound": bound, "atol": tol.atol,
                               "rtol": tol.rtol, "kv_len": kv_len}
         if lse is not None:
-            _, logit_absmax = magnitudes(p.q, p.k, p.v, sm_scale)
-            lse_tol = evaluate_lse(profile(spec), kv_len=kv_len, logit_absmax=logit_absmax)
             r = lse_tol.ratio(lse, ref_lse)
             self.lse_ratio = r if self.lse_ratio is None else max(self.lse_ratio, r)
 
@@ -169,14 +198,13 @@ def measure_spec(spec: KernelSpec, cases, seeds: int, base_seed: int, workspace)
         return [{**head, "case": "-", "status": "skipped", "reason": why_not}]
     rows = []
     for case in cases:
-        if not applies(case, spec.op):
+        if not applies_to(case, spec):
             continue
         started, acc = time.monotonic(), Accumulator()
         try:
             for draw in range(seeds):
                 generator = torch.Generator(device="cuda").manual_seed(seed_for(base_seed, spec, case, draw))
-                for p in make_problems(case, spec.op, spec.head_dim_qk, TORCH_DTYPES[spec.dtype_q],
-                                       generator=generator, device="cuda", heads=HEADS):
+                for p in problems(spec, case, generator):
                     out, lse = run_op(spec, p, workspace, generator)
                     torch.cuda.synchronize()
                     ref, ref_lse = reference(spec, p)

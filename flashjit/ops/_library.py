@@ -78,13 +78,24 @@ def _cache_of(k, v):
 
 
 def run_batch(wrapper, q, k, v, out, lse, return_lse: bool, window_left=None):
-    """The traced run() of a batch wrapper (k, v as cache_args gives them for a paged cache).
-    out / lse given: the in-place operator, with what is missing allocated in the graph."""
-    ops = _RUN_OPS[wrapper._op]
+    """The traced run() of a batch wrapper (k, v as cache_args gives them for a paged cache)."""
     extra = () if wrapper._op == "batch_prefill_ragged" else (window_left,)
+    return _run_traced(wrapper, (q, k, v), extra, out, lse, return_lse)
+
+
+def run_mla(wrapper, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse: bool):
+    """The traced run() of BatchMLAPagedAttentionWrapper."""
+    return _run_traced(wrapper, (q_nope, q_pe, ckv_cache, kpe_cache), (), out, lse, return_lse)
+
+
+def _run_traced(wrapper, inputs: tuple, extra: tuple, out, lse, return_lse: bool):
+    """out / lse given: the in-place operator, with what is missing allocated in the
+    graph, shaped as the eager outputs: o like inputs[0] (q, or MLA's q_nope, whose
+    width is V's), LSE without its head_dim."""
+    ops, q = _RUN_OPS[wrapper._op], inputs[0]
     return_lse = bool(return_lse)
     if out is None and lse is None:
-        res = ops[0](wrapper._handle, q, k, v, return_lse, *extra)
+        res = ops[0](wrapper._handle, *inputs, return_lse, *extra)
         return (res[0], res[1]) if return_lse else res[0]
     if out is None:
         out = q.new_empty(q.shape)
@@ -92,7 +103,7 @@ def run_batch(wrapper, q, k, v, out, lse, return_lse: bool, window_left=None):
         lse = None
     elif lse is None:
         lse = q.new_empty(q.shape[:2], dtype=torch.float32)
-    ops[1](wrapper._handle, q, k, v, out, lse, *extra)
+    ops[1](wrapper._handle, *inputs, out, lse, *extra)
     return (out, lse) if return_lse else out
 
 
@@ -147,16 +158,24 @@ def _run_out(handle, q, k, v, out, lse, window_left=None):
     wrapper_of(handle)._run(q, k, v, out, lse, lse is not None, window_left)
 
 
+def _planned(handle):
+    wrapper = wrapper_of(handle)
+    if wrapper._plan is None:
+        raise RuntimeError("run() called before plan()")
+    return wrapper, wrapper._plan
+
+
 def _check_run(handle, q, k, v, out=None, lse=None, window_left=None) -> None:
     """What run() checks against the plan without reading token counts (which
     are symbolic while tracing) or page ids (device data)."""
+    wrapper, plan = _planned(handle)
+    wrapper._check_planned(q, k, v, plan, window_left)
+    _check_out_lse(q, plan, out, lse)
+
+
+def _check_out_lse(q, plan, out, lse) -> None:
     from ._batch import check_out_buffer
 
-    wrapper = wrapper_of(handle)
-    plan = wrapper._plan
-    if plan is None:
-        raise RuntimeError("run() called before plan()")
-    wrapper._check_planned(q, k, v, plan, window_left)
     shape = (q.shape[0], plan.num_qo_heads, plan.head_dim)
     if out is not None:
         check_out_buffer("out", out, shape, q.dtype, q.device, "q's rows x num_qo_heads x head_dim, q's dtype")
@@ -171,6 +190,30 @@ def _run_fake(handle, q, k, v, return_lse, window_left=None):
 
 def _run_out_fake(handle, q, k, v, out, lse, window_left=None):
     _check_run(handle, q, k, v, out, lse, window_left)
+
+
+def _mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache, return_lse):
+    res = wrapper_of(handle)._run(q_nope, q_pe, ckv_cache, kpe_cache, None, None, return_lse)
+    return list(res) if return_lse else [res]
+
+
+def _mla_run_out(handle, q_nope, q_pe, ckv_cache, kpe_cache, out, lse):
+    wrapper_of(handle)._run(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, lse is not None)
+
+
+def _check_mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None) -> None:
+    wrapper, plan = _planned(handle)
+    wrapper._check_mla(q_nope, q_pe, ckv_cache, kpe_cache, plan)
+    _check_out_lse(q_nope, plan, out, lse)
+
+
+def _mla_run_fake(handle, q_nope, q_pe, ckv_cache, kpe_cache, return_lse):
+    _check_mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache)
+    return _outputs(q_nope, return_lse, 2)
+
+
+def _mla_run_out_fake(handle, q_nope, q_pe, ckv_cache, kpe_cache, out, lse):
+    _check_mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache, out, lse)
 
 
 def _append(append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr,
@@ -227,6 +270,7 @@ def _merge_states_fake(v, s):
 # Registration
 
 _PAGED_RUN = "int handle, Tensor q, Tensor k_cache, Tensor? v_cache"
+_MLA_RUN = "int handle, Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache"
 _SCHEMAS = {
     "single_prefill": ("single_prefill(Tensor q, Tensor k, Tensor v, str kv_layout, bool causal, float? sm_scale, "
                        "int? window_left, float? logits_soft_cap, str backend, bool return_lse, "
@@ -242,6 +286,9 @@ _SCHEMAS = {
        for op in ("batch_prefill_paged", "batch_decode_paged")},
     **{f"{op}_run_out": (f"{op}_run_out({_PAGED_RUN}, Tensor(a!) out, Tensor(b!)? lse, int? window_left) -> ()",
                          _run_out, _run_out_fake) for op in ("batch_prefill_paged", "batch_decode_paged")},
+    "mla_paged_run": (f"mla_paged_run({_MLA_RUN}, bool return_lse) -> Tensor[]", _mla_run, _mla_run_fake),
+    "mla_paged_run_out": (f"mla_paged_run_out({_MLA_RUN}, Tensor(a!) out, Tensor(b!)? lse) -> ()", _mla_run_out,
+                          _mla_run_out_fake),
     "append_paged_kv_cache": ("append_paged_kv_cache(Tensor append_key, Tensor append_value, Tensor batch_indices, "
                               "Tensor positions, Tensor(a!) k_cache, Tensor(b!)? v_cache, Tensor kv_indices, "
                               "Tensor kv_indptr, Tensor kv_last_page_len, str kv_layout) -> ()", _append,
@@ -285,6 +332,6 @@ def register() -> None:
         lib.impl(name, impl, "CUDA")
         torch.library.register_fake(f"flashjit::{name}", fake, lib=lib)
     _lib = lib
-    for op in ("batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged"):
+    for op in ("batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged", "mla_paged"):
         _RUN_OPS[op] = (getattr(torch.ops.flashjit, f"{op}_run").default,
                         getattr(torch.ops.flashjit, f"{op}_run_out").default)

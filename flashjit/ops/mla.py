@@ -71,6 +71,9 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
         lens_tensor = _checks.int_tensor("kv_len_arr", kv_len_arr, batch, exact=True, what=" (batch_size)")
         kv_lens = [int(x) for x in lens_tensor.tolist()]
         pages = [kv[i + 1] - kv[i] for i in range(batch)]
+        # Exactly ceil(kv_len / page_size) pages each: FlashInfer 0.7.2 refuses extra
+        # trailing pages too ("page counts in kv_indptr must equal ceil(kv_len_arr /
+        # page_size)"), so code written for one runs on the other.
         for i, (n, length) in enumerate(zip(pages, kv_lens)):
             if length < 0 or -(-length // page_size) != n:
                 raise ValueError(f"kv_len_arr: request {i} has {n} pages of {page_size} (kv_indptr), which hold "
@@ -96,9 +99,11 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
         if return_lse_base_on_e:
             raise NotImplementedError("return_lse_base_on_e=True: flashjit returns base-2 LSE, as its other ops")
         if _library.tracing():
-            raise NotImplementedError("BatchMLAPagedAttentionWrapper.run() is not a torch.library operator yet: "
-                                      "call it outside torch.compile / torch.export (e.g. behind "
-                                      "torch.compiler.disable)")
+            return _library.run_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse)
+        return self._run(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse)
+
+    def _run(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse: bool):
+        """run()'s eager body, which the torch.ops.flashjit.mla_paged_run* operators call too."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan()")
@@ -126,6 +131,8 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
         return (out, lse) if return_lse else out
 
     def _check_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, plan) -> None:
+        """The inputs against the plan, all but q_nope's row count and the page ids
+        (what the operator's fake kernel checks too: no token counts, no device data)."""
         _checks.check_tensor("q_nope", q_nope, 3)
         if tuple(q_nope.shape[1:]) != (plan.num_qo_heads, MLA_HEAD_DIM_CKV) or q_nope.dtype != plan.q_dtype:
             raise ValueError(f"q_nope: expected a {plan.q_dtype} tensor of shape [tokens, {plan.num_qo_heads}, "
