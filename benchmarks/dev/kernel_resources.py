@@ -71,7 +71,7 @@ def fa3_specs() -> list[KernelSpec]:
     return [KernelSpec.make(op, dtype, head_dim, backend="fa3", use_tensor_cores=True, **flags)
             for op in ("batch_prefill_ragged", "batch_prefill_paged")
             for head_dim in sorted(kernels.fa3.FA3_TILINGS) for dtype in ("float16", "bfloat16")
-            for flags in FLAG_SETS]
+            for flags in FLAG_SETS] + [mla_spec(dtype, causal=True, backend="fa3") for dtype in ("float16", "bfloat16")]
 
 
 def smem_bytes(spec: KernelSpec, arches) -> int:
@@ -95,6 +95,7 @@ def main() -> int:
         for r, arches in results:
             for row in r.entry.manifest["resources"]:
                 kind = ("attention (warp-specialized)" if "fa3_attention_kernel" in row["kernel"] else
+                        "MLA attention (warp-specialized)" if "fa3_mla_kernel" in row["kernel"] else
                         "MLA attention" if "mla" in row["kernel"] else
                         "attention" if "attention_kernel" in row["kernel"] else
                         "append" if "append_paged_kernel" in row["kernel"] else
@@ -128,7 +129,10 @@ def main() -> int:
                     "boundary (`Fa3Tiling.smem_bytes`, [fa3.md](fa3.md)). Their SASS holds HGMMA (Q.K^T from "
                     "shared memory, P.V with P from registers and V transposed, `.tnspB`): "
                     "`tests/test_backend_choice.py` checks that with cuobjdump on a bf16 d128 build, and that "
-                    "the sm_80/sm_89 fa2 build holds no GMMA.\n\n"
+                    "the sm_80/sm_89 fa2 build holds no GMMA. The fa3 MLA rows (`mla_paged_*_fa3_*`) are CTAs of "
+                    "the same shape (loader at 56 registers, consumers at 224), 64 rows and two 72 KB slots of "
+                    "[ckv | kpe] rows; `tests/test_mla.py` checks their SASS (HGMMA 64x64 and 64x256, not "
+                    "serialized).\n\n"
                     + text + "\n")
     return 1 if spills else 0
 
