@@ -1,0 +1,113 @@
+// What the fa3 MLA kernel (fa3_mla.cuh) copies into shared memory: the loader
+// warpgroup's gather of [ckv | kpe] key rows from the pages, the consumers' Q
+// rows, and the consumers' barrier.
+#pragma once
+#include <stdint.h>
+#include "flashjit/common/async_copy.cuh"
+#include "flashjit/common/attention_params.cuh"
+#include "flashjit/common/numeric.cuh"
+#include "flashjit/common/work.cuh"
+#include "flashjit/fa3/fa3_mla_traits.cuh"
+
+namespace flashjit {
+namespace fa3 {
+
+// The two consumer warpgroups' barrier (id 1; the loader's is 3).
+__device__ __forceinline__ void consumers_barrier() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+
+// One loader thread's share of a tile: chunk `sub` of each 128-byte block of
+// keys key0, key0 + 16, ... (kLoaderPasses rows), into the blocked layout.
+// Byte strides are 32-bit (the host keeps them below 2 GiB).
+template <class Traits>
+struct MlaGather {
+  static constexpr int kPasses = Traits::kLoaderPasses, kRowsPerPass = Traits::kLoaderRowsPerPass;
+  const char* ckv;
+  const char* kpe;
+  uint32_t ckv_page_bytes, ckv_row_bytes, kpe_page_bytes, kpe_row_bytes;
+  const int32_t* pages;  // the request's page ids
+  FastDivmod page_div;
+  int key0, sub;
+
+  __device__ __forceinline__ MlaGather(const FlashjitAttentionParams& p, const CtaWork& w, int tid)
+      : page_div(p.page_size) {
+    using T = typename Traits::DType;
+    key0 = tid / 8;
+    sub = tid % 8;
+    ckv = static_cast<const char*>(p.k) + sub * 16;
+    kpe = static_cast<const char*>(p.v) + sub * 16;
+    ckv_page_bytes = uint32_t(p.k_stride_page * int64_t(sizeof(T)));
+    ckv_row_bytes = uint32_t(p.k_stride_n * int64_t(sizeof(T)));
+    kpe_page_bytes = uint32_t(p.v_stride_page * int64_t(sizeof(T)));
+    kpe_row_bytes = uint32_t(p.v_stride_n * int64_t(sizeof(T)));
+    pages = p.kv_page_indices + w.kv_start;
+  }
+
+  // This thread's rows of the tile of keys k0 .. k0 + 63: page ids and slots,
+  // page -1 at or past `valid` (looked up a tile ahead, so that the page-table
+  // reads are off the copies' path).
+  struct Rows {
+    int page[kPasses], slot[kPasses];
+  };
+  __device__ __forceinline__ void lookup(Rows& rows, int k0, int valid) const {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int key = key0 + i * kRowsPerPass;
+      rows.page[i] = -1;
+      rows.slot[i] = 0;
+      if (key < valid) {
+        const int page_at = page_div.div(k0 + key);
+        rows.slot[i] = page_div.mod(k0 + key, page_at);
+        rows.page[i] = pages[page_at];
+      }
+    }
+  }
+
+  // Copies this thread's chunks of the looked-up rows into `dst`; rows past
+  // the request are zero-filled, reading nothing (their logits are masked, and
+  // a zero V row keeps 0 * V finite).
+  __device__ __forceinline__ void issue(uint32_t dst, const Rows& rows) const {
+    using Tile = typename Traits::Tile;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const bool ok = rows.page[i] >= 0;
+      const uint64_t pg = uint64_t(uint32_t(ok ? rows.page[i] : 0));
+      const uint32_t slot = uint32_t(rows.slot[i]);
+      const char* c_src = ckv + (pg * ckv_page_bytes + slot * ckv_row_bytes);
+      const char* k_src = kpe + (pg * kpe_page_bytes + slot * kpe_row_bytes);
+      const uint32_t row = dst + Tile::at(key0 + i * kRowsPerPass, sub);
+#pragma unroll
+      for (int b = 0; b < Traits::kBlocks; ++b)
+        cp_async_16(row + Tile::block(b), b + 1 < Traits::kBlocks ? c_src + b * 128 : k_src, ok);
+    }
+  }
+};
+
+// The consumers' 64 Q rows ([q_nope | q_pe], rows past the request zero).
+template <class Traits>
+__device__ __forceinline__ void copy_mla_q(const FlashjitAttentionParams& p, const CtaWork& w, uint32_t q_smem,
+                                           int rows_total, int ctid) {
+  using T = typename Traits::DType;
+  using Tile = typename Traits::Tile;
+  constexpr int kChunks = Traits::kQkDim / 8, kCkvChunks = Traits::kCkvDim / 8;
+  const T* q_nope = static_cast<const T*>(p.q);
+  const T* q_pe = static_cast<const T*>(p.q_pe);
+  const auto packed = w.packed_rows();
+  for (int idx = ctid; idx < Traits::kRowsPerCta * kChunks; idx += Traits::kConsumerThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const int row = w.row_begin + r;
+    const bool ok = row < rows_total;
+    const T* src = q_nope;
+    if (ok) {
+      int token, head;
+      packed.locate(row, token, head);
+      src = c < kCkvChunks
+                ? q_nope + int64_t(token) * p.q_stride_n + int64_t(head) * p.q_stride_h + c * 8
+                : q_pe + int64_t(token) * p.q_pe_stride_n + int64_t(head) * p.q_pe_stride_h + (c - kCkvChunks) * 8;
+    }
+    cp_async_16(q_smem + Tile::at(r, c), src, ok);
+  }
+}
+
+}  // namespace fa3
+
+}  // namespace flashjit
