@@ -168,5 +168,30 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
   }
 }
 
+// One packed row of an MLA CTA (fa2_mla.cuh, fa3/fa3_mla.cuh): this lane's
+// columns col0 + 8n, col0 + 8n + 1 of O (o[n][2r], o[n][2r + 1]) times inv_l,
+// rounded into the output, or, for a split-KV chunk, as fp32 partial state;
+// with `writes_lse`, this lane also writes the row's LSE.
+template <class T, int kVoDim, bool kLse, int NT>
+__device__ __forceinline__ void store_mla_row(const FlashjitAttentionParams& p, const CtaWork& w, int token, int head,
+                                              const float (&o)[NT][4], int r, float inv_l, float lse, int col0,
+                                              bool writes_lse) {
+  if (w.split >= 0) {
+    // Split-KV chunk: fp32 normalised output and LSE; the merge pass rounds once.
+    const int64_t idx = partial_row(p, token, w.split) * p.num_qo_heads + head;
+    float* dst = p.partial_o + idx * kVoDim + col0;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+      *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[n][2 * r] * inv_l, o[n][2 * r + 1] * inv_l);
+    if (writes_lse) p.partial_lse[idx] = lse;
+  } else {
+    T* dst = static_cast<T*>(p.o) + int64_t(token) * p.o_stride_n + int64_t(head) * p.o_stride_h + col0;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+      *reinterpret_cast<uint32_t*>(dst + 8 * n) = pack2<T>(o[n][2 * r] * inv_l, o[n][2 * r + 1] * inv_l);
+    if (kLse && p.lse != nullptr && writes_lse) p.lse[int64_t(token) * p.lse_stride_n + head] = lse;
+  }
+}
+
 }  // namespace fa2
 }  // namespace flashjit

@@ -27,6 +27,7 @@
 #include "flashjit/common/merge_states.cuh"
 #include "flashjit/common/numeric.cuh"
 #include "flashjit/common/work.cuh"
+#include "flashjit/fa2/fa2_epilogue.cuh"
 #include "flashjit/fa2/fa2_mla_traits.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/fa2/fa2_softmax.cuh"
@@ -311,23 +312,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     if (row >= rows_total) continue;
     int token, head;
     packed.locate(row, token, head);
-    if (w.split >= 0) {
-      // Split-KV chunk: fp32 normalised output and LSE; the merge pass rounds once.
-      const int64_t idx = partial_row(p, token, w.split) * p.num_qo_heads + head;
-      float* dst = p.partial_o + idx * Traits::kVoDim + col0;
-#pragma unroll
-      for (int n = 0; n < NT_O; ++n)
-        *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[0][n][2 * r] * inv_l[r], o[0][n][2 * r + 1] * inv_l[r]);
-      if (warp == 0 && tq == 0) p.partial_lse[idx] = lse_of(r);
-    } else {
-      T* dst = static_cast<T*>(p.o) + int64_t(token) * p.o_stride_n + int64_t(head) * p.o_stride_h + col0;
-#pragma unroll
-      for (int n = 0; n < NT_O; ++n)
-        *reinterpret_cast<uint32_t*>(dst + 8 * n) =
-            fa2::pack2<T>(o[0][n][2 * r] * inv_l[r], o[0][n][2 * r + 1] * inv_l[r]);
-      if (Traits::kLse && p.lse != nullptr && warp == 0 && tq == 0)
-        p.lse[int64_t(token) * p.lse_stride_n + head] = lse_of(r);
-    }
+    fa2::store_mla_row<T, Traits::kVoDim, Traits::kLse>(p, w, token, head, o[0], r, inv_l[r], lse_of(r), col0,
+                                                        warp == 0 && tq == 0);
   }
 }
 

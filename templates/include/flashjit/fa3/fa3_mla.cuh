@@ -31,6 +31,7 @@
 #include "flashjit/common/numeric.cuh"
 #include "flashjit/common/tma.cuh"
 #include "flashjit/common/work.cuh"
+#include "flashjit/fa2/fa2_epilogue.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/fa3/fa3_mla_copy.cuh"
 #include "flashjit/fa3/fa3_mla_traits.cuh"
@@ -300,22 +301,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (row >= rows_total) continue;
     int token, head;
     packed.locate(row, token, head);
-    if (w.split >= 0) {
-      // Split-KV chunk: fp32 normalised output and LSE; the merge pass rounds once.
-      const int64_t idx = partial_row(p, token, w.split) * p.num_qo_heads + head;
-      float* dst = p.partial_o + idx * Traits::kVoDim + col0;
-#pragma unroll
-      for (int n = 0; n < NT_O; ++n)
-        *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[n][2 * r] * inv_l[r], o[n][2 * r + 1] * inv_l[r]);
-      if (softmax_wg && tq == 0) p.partial_lse[idx] = lse[r];
-    } else {
-      T* dst = static_cast<T*>(p.o) + int64_t(token) * p.o_stride_n + int64_t(head) * p.o_stride_h + col0;
-#pragma unroll
-      for (int n = 0; n < NT_O; ++n)
-        *reinterpret_cast<uint32_t*>(dst + 8 * n) = fa2::pack2<T>(o[n][2 * r] * inv_l[r], o[n][2 * r + 1] * inv_l[r]);
-      if (Traits::kLse && p.lse != nullptr && softmax_wg && tq == 0)
-        p.lse[int64_t(token) * p.lse_stride_n + head] = lse[r];
-    }
+    fa2::store_mla_row<T, Traits::kVoDim, Traits::kLse>(p, w, token, head, o, r, inv_l[r], lse[r], col0,
+                                                        softmax_wg && tq == 0);
   }
 }
 
