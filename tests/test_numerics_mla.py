@@ -17,7 +17,7 @@ from flashjit.error_model import evaluate_lse, measure_mla, mla_tolerance, profi
 from flashjit.numerics import catalog, mla, runner
 from flashjit.reference import attention_reference
 from flashjit.spec import mla_spec
-from test_numerics_cli import parse
+from test_numerics_cli import check_accumulator_bounds, parse
 
 SPECS = [mla_spec("bfloat16"), mla_spec("bfloat16", causal=True)]
 FA3_SPECS = [mla_spec("bfloat16", backend="fa3"), mla_spec("float16", causal=True, backend="fa3")]
@@ -167,14 +167,7 @@ def test_bounds_are_mla_tolerance_at_the_rows_read(spec):
 def test_rounded_reference_is_within_its_bound_and_a_shift_past_it_is_not(spec):
     (p,) = draw("near_empty", spec, dtype=torch.bfloat16)
     ref, ref_lse = runner.reference(spec, p)
-    acc = runner.Accumulator()
-    acc.add(spec, p, ref.to(torch.bfloat16), ref_lse.float(), ref, ref_lse)
-    good = acc.row()
-    assert good["status"] == "ok" and 0 < good["ratio"] <= 1 and good["lse_ratio"] <= 1 and good["nan"] == 0
-    assert good["elements"] == ref.numel() and good["worst_err"] <= good["worst_bound"]
-    bad = runner.Accumulator()
-    bad.add(spec, p, ref + 3 * good["atol"], ref_lse.float(), ref, ref_lse)
-    assert bad.row()["status"] == "over" and bad.row()["ratio"] > 1
+    check_accumulator_bounds(spec, p, ref, ref_lse)
     lse_off = runner.Accumulator()
     lse_off.add(spec, p, ref.to(torch.bfloat16), ref_lse.float() + 0.01, ref, ref_lse)
     assert lse_off.row()["status"] == "over" and lse_off.row()["lse_ratio"] > 1
