@@ -79,11 +79,20 @@ class KernelModule:
         return self._occupancy[device_index]
 
     def run(self, params: bytes, stream: int) -> None:
-        """params: the bytes of an AttentionParams (see ops._launch.Prepared)."""
+        """params: the bytes of an AttentionParams (see ops._calls)."""
         code = self._run(params, stream)
         if code != 0:
-            message = self._error_string(code).decode(errors="replace")
-            raise KernelLaunchError(f"{self.spec.name}: CUDA error {code} ({message}) at launch")
+            raise self.launch_error(code)
+
+    @property
+    def launcher(self):
+        """The bare C entry point, (params bytes, stream) -> cudaError_t value: the
+        prepared calls of ops._launch keep it and skip run()'s Python frame."""
+        return self._run
+
+    def launch_error(self, code: int) -> KernelLaunchError:
+        message = self._error_string(code).decode(errors="replace")
+        return KernelLaunchError(f"{self.spec.name}: CUDA error {code} ({message}) at launch")
 
 
 def load_library(spec: KernelSpec, path: Path, manifest: dict) -> KernelModule:

@@ -1,6 +1,10 @@
 """What every batch wrapper shares: plan() turns a batch description into a
 work plan (ops._plan) and one device array of int32 metadata; run() packs one
 params struct and launches, allocating nothing but the output when none is given.
+The first run() of an argument signature (every tensor's shape, strides, dtype
+and device, out / lse, the options) checks it against the plan and leaves a
+prepared call (ops._calls.batch_call) in `_launches`, which the next run()
+with that signature calls directly; plan() empties it.
 
 CUDA graphs (use_cuda_graph=True): a captured launch keeps its params struct,
 so every pointer and count in it must stay valid across plans. The wrapper
@@ -20,7 +24,8 @@ import torch
 from .. import jit
 from ..loader import KernelModule
 from . import _checks, _library
-from ._launch import PER_CALL, check_placement, fill_params, resident_ctas, run_on
+from ._calls import PER_CALL, Signatures, batch_call, check_placement, resident_ctas
+from ._launch import fill_params
 from ._plan import WorkPlan, ceil_div, plan_work
 
 
@@ -82,6 +87,7 @@ class BatchAttention:
         self._capacity: tuple | None = None  # graph mode: (batch, tokens, work items)
         self._tails: dict = {}
         self._validated: set = set()  # run() argument signatures already checked against the plan
+        self._launches = Signatures()  # argument signature -> prepared run() (ops._calls), for the current plan
         self._qo_rows = "qo_indptr[-1]"  # what sets q's row count, for error messages
         self._handle = _library.register_wrapper(self)  # how run()'s torch.ops.flashjit operator finds this
 
@@ -165,6 +171,7 @@ class BatchAttention:
                                merge_tokens, work, graph_tokens=self._capacity[1] if self._use_cuda_graph else 0)
         self._tails = {}
         self._validated = set()
+        self._launches = Signatures()
 
     def _check_q(self, q, plan: BatchPlan) -> None:
         """Everything about q but its row count (see _check_q_rows)."""
@@ -195,37 +202,40 @@ class BatchAttention:
     def _outputs(self, q, plan: BatchPlan, out, lse, return_lse: bool):
         tokens = q.shape[0]
         shape = (tokens, plan.num_qo_heads, plan.head_dim)
-        if out is None:
-            out = torch.empty(shape, dtype=q.dtype, device=q.device)
+        if out is None:  # q has the output's shape (the checks saw to it); empty_like is the cheaper call
+            out = torch.empty_like(q) if q.is_contiguous() else torch.empty(shape, dtype=q.dtype, device=q.device)
         else:
             check_out_buffer("out", out, shape, q.dtype, q.device, "q's rows x num_qo_heads x head_dim, q's dtype")
         if return_lse:
             if lse is None:
-                lse = torch.empty(shape[:2], dtype=torch.float32, device=q.device)
+                lse = torch.empty(tokens, plan.num_qo_heads, dtype=torch.float32, device=q.device)
             else:
                 check_out_buffer("lse", lse, shape[:2], torch.float32, q.device, "q's rows x num_qo_heads")
         else:
             lse = None
         return out, lse
 
-    def _launch(self, q, k, v, k_strides: tuple, v_strides: tuple, out, lse, v_offset: int = 0) -> None:
-        """v_offset: bytes from v's address to V's first element (one 5-D paged cache passes itself as k and v)."""
+    def _launch(self, q, k, v, k_strides: tuple, v_strides: tuple, out, lse, v_offset: int = 0):
+        """The first run() of a signature, after its checks against the plan:
+        placement, the params, the launch. Returns the prepared call that
+        repeats it for that signature (ops._calls.batch_call). v_offset: bytes
+        from v's address to V's first element (one 5-D paged cache passes
+        itself as k and v)."""
         plan = self._plan
-        q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr() + v_offset
-        # Devices and alignment are checked once per key.
-        key = (q.stride(), q.device, k.device, v.device, k_strides, v_strides, q_ptr % 16, k_ptr % 16, v_ptr % 16)
-        tail = self._tails.get(key)
-        if tail is None:
-            check_placement(q, k, v, plan.module.spec)
-            if q.device != self._device:
-                raise ValueError(f"q: expected a tensor on {self._device} (the workspace's device), got {q.device}")
-            params = fill_params(q, plan.num_kv_heads, k_strides, v_strides, plan.page_size,
-                                 (plan.num_qo_heads * plan.head_dim, plan.head_dim), plan.num_qo_heads, *plan.scalars)
-            tail = self._tails[key] = bytes(params)[PER_CALL.size:]
-        packed = PER_CALL.pack(q_ptr, k_ptr, v_ptr, out.data_ptr(),
-                               0 if lse is None else lse.data_ptr(), *plan.pointers, *plan.partials, plan.num_work,
-                               plan.merge_tokens, 0, 1, 0, plan.work.band_items) + tail
-        run_on(plan.module, packed, self._device.index)
+        spec = plan.module.spec
+        check_placement(q, k, v, spec)
+        if q.device != self._device:
+            raise ValueError(f"q: expected a tensor on {self._device} (the workspace's device), got {q.device}")
+        if spec.use_tensor_cores:  # its kernels write O in 16-byte vectors too
+            _checks.check_vector_aligned("out", out)
+        params = fill_params(q, plan.num_kv_heads, k_strides, v_strides, plan.page_size,
+                             (plan.num_qo_heads * plan.head_dim, plan.head_dim), plan.num_qo_heads, *plan.scalars)
+        head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1,
+                             0, plan.work.band_items)
+        call = batch_call(plan.module, head + bytes(params)[PER_CALL.size:], self._device.index, v_offset, q,
+                          plan.num_qo_heads, plan.head_dim, lse is not None)
+        call(q, k, v, out, lse)
+        return call
 
 
 def check_out_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device, what: str = "") -> None:

@@ -1,19 +1,21 @@
 """Shared by every attention op: choose the configuration, fill the C params
-from tensors, launch on torch's current stream."""
+from tensors, prepare the call of a signature (ops._calls) and launch it on
+torch's current stream."""
 
 from __future__ import annotations
 
 import logging
-import struct
-from dataclasses import dataclass
 
 import torch
 
 from .. import arch, jit
-from ..loader import AttentionParams, KernelModule
+from ..loader import AttentionParams
 from ..spec import KernelSpec, canonical_dtype
-from . import _checks
-from ._plan import CHUNK_ALIGN, MIN_CHUNK_KEYS, ceil_div, single_request_band_items
+from . import _calls, _checks
+from ._calls import Signatures, check_placement, remember, single_request_call
+
+# For the ops that pack their own params (mla, append), which import them from here.
+PER_CALL, run_on = _calls.PER_CALL, _calls.run_on
 
 log = logging.getLogger("flashjit")
 _announced: set = set()
@@ -34,14 +36,6 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
         _announced.add(spec)
         log.info("flashjit: %s -> %s (%s)", op, spec.name, reason)
     return spec
-
-
-# FlashjitAttentionParams starts with thirteen pointers and six per-call counts
-# (num_work, qo_len, kv_len, num_splits, kv_chunk, band_items); everything after them is fixed
-# per call signature (configuration, heads, strides, scalars): packed once into `tail`.
-PER_CALL = struct.Struct("=13Q6i")
-NO_BATCH = (0, 0, 0, 0, 0, 0)  # qo/kv indptr, page indices, last page lens, work, merge indptr
-_CACHE_LIMIT = 4096
 
 
 def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_strides: tuple[int, int],
@@ -84,105 +78,12 @@ def fill_params(q: torch.Tensor, num_kv_heads: int, k_strides: tuple, v_strides:
     return p
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """Everything a call needs beyond the tensors' addresses and token counts,
-    computed once per call signature (heads, dims, strides, dtypes, devices,
-    scalars), so a repeated call costs a dict lookup, the output allocations and
-    one packed struct."""
-
-    module: KernelModule
-    tail: bytes
-    out_shape: tuple
-    lse_shape: tuple | None
-    device_index: int
-    group: int = 1                         # query heads per KV head
-    split_ctas: int = 0                    # split the keys while fewer CTAs than this; 0: never
-    aligned_args: tuple = ("k", "v")       # tensors the kernel reads with 16-byte vectors
-
-    @staticmethod
-    def make(module: KernelModule, params: AttentionParams, out_shape, lse_shape, device: torch.device,
-             group: int = 1) -> "Prepared":
-        """A single-request launch; it splits the keys across CTAs (flash-decoding)
-        when the grid would not fill one full wave of the GPU (as ops._plan)."""
-        split_ctas = resident_ctas(module, device)
-        # Tensor-core kernels also copy Q (and write O) in 16-byte vectors.
-        aligned = ("q", "k", "v", "out") if module.spec.use_tensor_cores else ("k", "v")
-        return Prepared(module, bytes(params)[PER_CALL.size:], tuple(out_shape) if out_shape else (),
-                        tuple(lse_shape) if lse_shape is not None else None, device.index, group, split_ctas,
-                        aligned)
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.out_shape[-2] // self.group
-
-    def num_work(self, qo_len: int) -> int:
-        """CTAs per KV head for one request of qo_len tokens (single-request launches)."""
-        return ceil_div(qo_len * self.group, self.module.rows_per_cta)
-
-    def _split(self, num_work: int, kv_len: int) -> tuple[int, int]:
-        """(num_splits, kv_chunk): enough splits to reach split_ctas CTAs, each of
-        at least MIN_CHUNK_KEYS keys; (1, 0) when the grid is large enough."""
-        ctas = num_work * self.num_kv_heads
-        if not 0 < ctas < self.split_ctas or kv_len < 2 * MIN_CHUNK_KEYS:
-            return 1, 0
-        splits = min(ceil_div(self.split_ctas, ctas), kv_len // MIN_CHUNK_KEYS)
-        chunk = ceil_div(ceil_div(kv_len, splits), CHUNK_ALIGN) * CHUNK_ALIGN
-        return ceil_div(kv_len, chunk), chunk
-
-    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor | None, num_work: int = 0, qo_len: int = 0, kv_len: int = 0) -> None:
-        qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-        if (kp | vp | (qp | op if len(self.aligned_args) > 2 else 0)) & 15:
-            for name, ptr in zip(("q", "k", "v", "out"), (qp, kp, vp, op)):
-                if name in self.aligned_args and ptr & 15:
-                    raise ValueError(f"{name}: expected a 16-byte aligned tensor (e.g. .contiguous()), "
-                                     f"got data_ptr % 16 = {ptr % 16}")
-        splits, chunk = self._split(num_work, kv_len)
-        if splits > 1:
-            # Freed when this call returns: the caching allocator hands the block out
-            # again only to work queued after this kernel on the same stream.
-            rows, dim = qo_len * self.out_shape[-2], self.out_shape[-1]
-            partial = torch.empty(rows * splits * (dim + 1), dtype=torch.float32, device=q.device)
-            partial_o = partial.data_ptr()
-            partial_lse = partial_o + 4 * rows * splits * dim
-        else:
-            partial_o = partial_lse = 0
-        # One row tile (every decode) launches in the same order whatever the bands.
-        bands = single_request_band_items(qo_len, kv_len, group=self.group, rows_per_cta=self.module.rows_per_cta,
-                                          num_kv_heads=self.num_kv_heads, resident_ctas=self.split_ctas,
-                                          causal=self.module.spec.causal) if num_work > 1 else 0
-        params = PER_CALL.pack(qp, kp, vp, op, 0 if lse is None else lse.data_ptr(), *NO_BATCH, partial_o,
-                               partial_lse, num_work, qo_len, kv_len, splits, chunk, bands) + self.tail
-        run_on(self.module, params, self.device_index)
-
-
-def run_on(module: KernelModule, params: bytes, device_index: int) -> None:
-    """Launches on torch's current stream of the tensors' device."""
-    if device_index != _current_device():
-        with torch.cuda.device(device_index):
-            module.run(params, _raw_stream(device_index))
-    else:
-        module.run(params, _raw_stream(device_index))
-
-
-_SM_COUNTS: dict = {}
-
-
-def resident_ctas(module: KernelModule, device: torch.device) -> int:
-    """CTAs of the module's kernel that run at once on the device: one full wave."""
-    if device.index not in _SM_COUNTS:
-        _SM_COUNTS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    with torch.cuda.device(device):  # the occupancy query asks the current device
-        return _SM_COUNTS[device.index] * module.ctas_per_sm(device.index)
-
-
 def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_qo_heads: int, num_kv_heads: int,
                            *, causal: bool, sm_scale, window_left, logits_soft_cap, backend: str,
-                           use_tensor_cores, return_lse: bool, strict: bool | None = None) -> Prepared:
+                           use_tensor_cores, return_lse: bool, strict: bool | None = None):
     """The shared end of single_prefill / single_decode preparation, after their
     own structural checks: scalars, configuration, placement, kernel, params.
-    The output is allocated [tokens, heads, dim] (decode: [heads, dim]) contiguous."""
+    Returns the prepared call (ops._calls.single_request_call)."""
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
     spec = select_spec(op, q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,
@@ -191,30 +92,34 @@ def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_
     module = jit.get_module(spec)
     params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
                          window_left, cap)
-    return Prepared.make(module, params, (num_qo_heads, head_dim), (num_qo_heads,) if return_lse else None,
-                         q.device, group=num_qo_heads // num_kv_heads)
+    return single_request_call(module, params, q, num_qo_heads // num_kv_heads, q.dim() == 3, bool(return_lse))
 
 
-def remember(cache: dict, key, prep: Prepared) -> Prepared:
-    """Stores a prepared call; a cache that outgrows its bound starts over."""
-    if key is not None:
-        if len(cache) >= _CACHE_LIMIT:
-            cache.clear()
-        cache[key] = prep
-    return prep
-
-
-def signature(q, k, v, kv_layout: str, q_has_tokens: bool, options: tuple) -> tuple | None:
-    """What a prepared call depends on: everything but the token counts (which
-    only enter the per-call counts), or None for arguments we cannot hash."""
+def run_single_request(cache: Signatures, prepare, q, k, v, kv_layout: str, options: tuple, q_tokens: bool):
+    """single_prefill / single_decode past the tracing test: the prepared call of
+    the arguments' signature, made by prepare(q, k, v, kv_layout, *options) (every
+    check) on its first call, then the call. The signature leaves out the token
+    counts, which only enter the per-call counts and are checked here.
+    q_tokens: q is [tokens, heads, dim] (prefill)."""
+    heads = 1 if kv_layout == "NHD" else 0  # HND: heads first, tokens second
     try:
-        # NHD: drop the token count from K/V shapes. HND: the head stride holds
-        # it anyway, so the full shape costs nothing more.
-        ks, vs = (k.shape[1:], v.shape[1:]) if kv_layout == "NHD" else (k.shape, v.shape)
-        return (q.shape[1:] if q_has_tokens else q.shape, q.stride(), q.dtype, q.device, ks, k.stride(), k.dtype,
-                k.device, vs, v.stride(), v.dtype, v.device, kv_layout, options)
-    except (AttributeError, TypeError):
-        return None
+        qs, ks, vs, device = q.shape, k.shape, v.shape, q.device
+        key = (kv_layout, options, qs[-2], qs[-1], q.stride(), q.dtype, device, ks[heads], ks[2], k.stride(), k.dtype,
+               k.device, vs[heads], vs[2], v.stride(), v.dtype, v.device)
+        last_key, call = cache.last
+        if key != last_key:
+            call = cache.get(key)
+            if call is not None:
+                cache.last = (key, call)
+    except (AttributeError, IndexError, TypeError):  # no tensors, too few dims, unhashable options
+        key = call = None
+    if call is None:
+        call = remember(cache, key, prepare(q, k, v, kv_layout, *options))
+        qs, ks, vs, device = q.shape, k.shape, v.shape, q.device
+    kv_len = ks[1 - heads]
+    if vs[1 - heads] != kv_len:
+        raise ValueError(f"v: expected {kv_len} tokens (as k) in layout {kv_layout}, got shape {tuple(vs)}")
+    return call(q, k, v, device, qs[0] if q_tokens else 1, kv_len)
 
 
 def kv_tokens(k: torch.Tensor, v: torch.Tensor, kv_layout: str) -> int:
@@ -223,25 +128,6 @@ def kv_tokens(k: torch.Tensor, v: torch.Tensor, kv_layout: str) -> int:
     if v.shape[token_dim] != n:
         raise ValueError(f"v: expected {n} tokens (as k) in layout {kv_layout}, got shape {tuple(v.shape)}")
     return n
-
-
-# torch's raw getters answer what current_device() and current_stream(i).cuda_stream
-# do, several times cheaper (no lazy-init check, no Stream object).
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda device_index: torch.cuda.current_stream(device_index).cuda_stream)
-
-
-def check_placement(q, k, v, spec: KernelSpec) -> None:
-    """After every structural and scalar check: devices, then 16-byte alignment of
-    what the kernel reads with vectors (K/V; Q too on tensor cores)."""
-    _checks.check_device("q", q)
-    _checks.check_device("k", k, q.device)
-    _checks.check_device("v", v, q.device)
-    if spec.use_tensor_cores:
-        _checks.check_vector_aligned("q", q)
-    _checks.check_vector_aligned("k", k)
-    _checks.check_vector_aligned("v", v)
 
 
 def check_qkv(q, k, v, kv_layout: str, q_ndim: int = 3) -> tuple[int, int, int, int]:

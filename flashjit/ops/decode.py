@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _library
-from ._launch import Prepared, check_qkv, kv_tokens, prepare_single_request, remember, signature
+from ._calls import Signatures
+from ._launch import check_qkv, prepare_single_request, run_single_request
 
-_prepared: dict[tuple, Prepared] = {}
+_prepared = Signatures()  # signature -> prepared call (ops._calls)
 
 
 def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
@@ -24,26 +25,19 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
         res = torch.ops.flashjit.single_decode.default(q, k, v, kv_layout, use_tensor_cores, sm_scale, window_left,
                                                        logits_soft_cap, backend, bool(return_lse), strict)
         return (res[0], res[1]) if return_lse else res[0]
-    return run_single(q, k, v, kv_layout, (pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale,
-                                           window_left, logits_soft_cap, sm_scale, return_lse, backend, strict))
+    return run_single_request(_prepared, _prepare, q, k, v, kv_layout, (
+        pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left, logits_soft_cap, sm_scale,
+        return_lse, backend, strict), False)
 
 
 def run_single(q, k, v, kv_layout: str, options: tuple):
     """The eager body of single_decode_with_kv_cache; options in its argument order,
     pos_encoding_mode to strict."""
-    key = signature(q, k, v, kv_layout, False, options)
-    prep = _prepared.get(key) if key is not None else None
-    if prep is None:
-        prep = remember(_prepared, key, _prepare(q, k, v, kv_layout, *options))
-    return_lse = options[8]
-    out = torch.empty(prep.out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(prep.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
-    prep.launch(q, k, v, out, lse, prep.num_work(1), 1, kv_tokens(k, v, kv_layout))
-    return (out, lse) if return_lse else out
+    return run_single_request(_prepared, _prepare, q, k, v, kv_layout, options, False)
 
 
 def _prepare(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
-             logits_soft_cap, sm_scale, return_lse, backend, strict) -> Prepared:
+             logits_soft_cap, sm_scale, return_lse, backend, strict):
     _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, q_scale=q_scale, k_scale=k_scale,
                               v_scale=v_scale)
     _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout, q_ndim=2)

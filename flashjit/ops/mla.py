@@ -19,7 +19,8 @@ from ..loader import AttentionParams
 from ..spec import MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, TENSOR_CORE_DTYPES, canonical_dtype
 from . import _checks, _library
 from ._batch import BatchAttention, dtype_arg
-from ._launch import PER_CALL, check_kv_strides, fill_params, run_on, select_spec
+from ._calls import mla_call
+from ._launch import PER_CALL, check_kv_strides, fill_params, select_spec
 
 # q_pe is the struct's last field (attention_params.cuh): the host appends it per call.
 _Q_PE = struct.Struct("=Q")
@@ -155,15 +156,11 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
 
     def _launch_mla(self, q_nope, q_pe, ckv, kpe, out, lse) -> None:
         plan = self._plan
-        ptrs = (q_nope.data_ptr(), q_pe.data_ptr(), ckv.data_ptr(), kpe.data_ptr(), out.data_ptr())
         key = (q_nope.stride(), q_pe.stride(), ckv.stride(), kpe.stride(), q_nope.device, q_pe.device, ckv.device,
-               kpe.device, tuple(p % 16 for p in ptrs))
-        tail = self._tails.get(key)
-        if tail is None:
-            for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv), ("kpe_cache", kpe)):
-                _checks.check_device(name, t, self._device)
-                _checks.check_vector_aligned(name, t)
-            _checks.check_vector_aligned("out", out)
+               kpe.device)
+        launch = self._tails.get(key)
+        if launch is None:
+            self._check_placement(q_nope, q_pe, ckv, kpe, out)
             k_strides, v_strides = (ckv.stride(1), 0, ckv.stride(0)), (kpe.stride(1), 0, kpe.stride(0))
             for name, strides in (("ckv_cache", k_strides), ("kpe_cache", v_strides)):
                 check_kv_strides(name, strides, plan.page_size, ckv.element_size())
@@ -171,10 +168,16 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
                                  (plan.num_qo_heads * MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_CKV), plan.num_qo_heads,
                                  *plan.scalars)
             params.q_pe_stride_n, params.q_pe_stride_h = q_pe.stride(0), q_pe.stride(1)
-            tail = self._tails[key] = bytes(params)[PER_CALL.size:-_Q_PE.size]
-        packed = PER_CALL.pack(ptrs[0], ptrs[2], ptrs[3], ptrs[4], 0 if lse is None else lse.data_ptr(),
-                               *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1, 0,
-                               plan.work.band_items) + tail + _Q_PE.pack(ptrs[1])
-        run_on(plan.module, packed, self._device.index)
+            head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1,
+                                 0, plan.work.band_items)
+            launch = self._tails[key] = mla_call(plan.module, head + bytes(params)[PER_CALL.size:],
+                                                 self._device.index, self._check_placement)
+        launch(q_nope, q_pe, ckv, kpe, out, lse)  # checks the addresses' alignment on every call
+
+    def _check_placement(self, q_nope, q_pe, ckv, kpe, out) -> None:
+        for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv), ("kpe_cache", kpe)):
+            _checks.check_device(name, t, self._device)
+            _checks.check_vector_aligned(name, t)
+        _checks.check_vector_aligned("out", out)
 
     forward = run

@@ -15,6 +15,7 @@ import torch
 
 from . import _checks, _library
 from ._batch import BatchAttention
+from ._calls import remember, tensor_signature
 from .prefill import plan_spec
 
 
@@ -56,29 +57,41 @@ class _PagedAttention(BatchAttention):
 
     def _run(self, q, k, v, out, lse, return_lse: bool, window_left):
         """run()'s eager body: the cache is k alone (a 5-D tensor or a (K, V) tuple) or (k, v)."""
+        paged_kv_cache = k if v is None else (k, v)
+        try:
+            if isinstance(paged_kv_cache, torch.Tensor):
+                k_src = v_src = paged_kv_cache
+                cache_key = (paged_kv_cache.shape, paged_kv_cache.stride(), paged_kv_cache.dtype, paged_kv_cache.device)
+            else:
+                k_src, v_src = paged_kv_cache
+                cache_key = (tensor_signature(k_src), tensor_signature(v_src))
+            key = (q.shape, q.stride(), q.dtype, q.device, cache_key, return_lse, window_left,
+                   out if out is None else tensor_signature(out), lse if lse is None else tensor_signature(lse))
+            launches = self._launches
+            last_key, launch = launches.last
+            if key != last_key:
+                launch = launches.get(key)
+                if launch is not None:
+                    launches.last = (key, launch)
+        except (AttributeError, TypeError, ValueError):  # the checks below say what is wrong
+            key = launch = None
+        if launch is not None:
+            return launch(q, k_src, v_src, out, lse)
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan()")
-        paged_kv_cache = k if v is None else (k, v)
         self._check_window(window_left, plan)
         k, v, v_offset, num_pages, page_size, heads, dim, k_strides, v_strides = _checks.paged_kv_sources(
             paged_kv_cache, self._kv_layout)
-        try:
-            key = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.stride())
-        except AttributeError:  # q is no tensor: _check_q says so
-            key = None
-        if key is None or key not in self._validated:
-            self._check_q(q, plan)
-            self._check_cache(paged_kv_cache, k, page_size, heads, dim, plan)
+        self._check_q(q, plan)
+        self._check_cache(paged_kv_cache, k, page_size, heads, dim, plan)
         self._check_q_rows(q, plan)
         if plan.max_page >= num_pages:
             raise ValueError(f"{self._indices_name}: page id {plan.max_page} is past the cache's {num_pages} pages "
                              f"(paged_kv_cache: expected at least {plan.max_page + 1} pages, as planned, got "
                              f"{_shape_text(paged_kv_cache)})")
         out, lse = self._outputs(q, plan, out, lse, return_lse)
-        self._launch(q, k, v, k_strides, v_strides, out, lse, v_offset)
-        if key is not None:
-            self._validated.add(key)
+        remember(self._launches, key, self._launch(q, k, v, k_strides, v_strides, out, lse, v_offset))
         return (out, lse) if return_lse else out
 
     @staticmethod

@@ -7,10 +7,11 @@ import torch
 
 from . import _checks, _library
 from ._batch import BatchAttention, dtype_arg
-from ._launch import Prepared, check_qkv, kv_tokens, prepare_single_request, remember, select_spec, signature
+from ._calls import Signatures, remember, tensor_signature
+from ._launch import check_qkv, kv_tokens, prepare_single_request, run_single_request, select_spec
 
 
-_prepared: dict[tuple, Prepared] = {}
+_prepared = Signatures()  # signature -> prepared call (ops._calls)
 
 
 def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=None, o_dtype=None, custom_mask=None,
@@ -30,28 +31,20 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
                                                         logits_soft_cap, backend, bool(return_lse),
                                                         use_tensor_cores, strict)
         return (res[0], res[1]) if return_lse else res[0]
-    return run_single(q, k, v, kv_layout, (scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask,
-                                           causal, pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left,
-                                           logits_soft_cap, backend, return_lse, use_tensor_cores, strict))
+    return run_single_request(_prepared, _prepare_single, q, k, v, kv_layout, (
+        scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
+        use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend, return_lse, use_tensor_cores, strict),
+        True)
 
 
 def run_single(q, k, v, kv_layout: str, options: tuple):
     """The eager body of single_prefill_with_kv_cache; options in its argument order, scale_q to strict."""
-    key = signature(q, k, v, kv_layout, True, options)
-    prep = _prepared.get(key) if key is not None else None
-    if prep is None:
-        prep = remember(_prepared, key, _prepare_single(q, k, v, kv_layout, *options))
-    return_lse = options[13]
-    qo_len = q.shape[0]
-    out = torch.empty((qo_len, *prep.out_shape), dtype=q.dtype, device=q.device)
-    lse = torch.empty((qo_len, *prep.lse_shape), dtype=torch.float32, device=q.device) if return_lse else None
-    prep.launch(q, k, v, out, lse, prep.num_work(qo_len), qo_len, kv_tokens(k, v, kv_layout))
-    return (out, lse) if return_lse else out
+    return run_single_request(_prepared, _prepare_single, q, k, v, kv_layout, options, True)
 
 
 def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal,
                     pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend,
-                    return_lse, use_tensor_cores, strict) -> Prepared:
+                    return_lse, use_tensor_cores, strict):
     _checks.check_unsupported(scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, custom_mask=custom_mask,
                               packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
                               use_fp16_qk_reduction=use_fp16_qk_reduction)
@@ -120,12 +113,24 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
 
     def _run(self, q, k, v, out, lse, return_lse: bool, window_left=None):
         """run()'s eager body (window_left: the paged wrappers' argument, never given here)."""
+        try:
+            key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+                   v.dtype, v.device, return_lse, out if out is None else tensor_signature(out),
+                   lse if lse is None else tensor_signature(lse))
+            launches = self._launches
+            last_key, launch = launches.last
+            if key != last_key:
+                launch = launches.get(key)
+                if launch is not None:
+                    launches.last = (key, launch)
+        except (AttributeError, TypeError):  # no tensors, or an unhashable option: the checks say which
+            key = launch = None
+        if launch is not None:
+            return launch(q, k, v, out, lse)
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan()")
-        key = signature(q, k, v, self._kv_layout, True, ())
-        if key is None or key not in self._validated:
-            self._check_planned(q, k, v, plan)
+        self._check_planned(q, k, v, plan)
         self._check_q_rows(q, plan)
         kv_len = kv_tokens(k, v, self._kv_layout)
         if kv_len != plan.kv_tokens and not (plan.graph_tokens and kv_len > plan.kv_tokens):
@@ -135,9 +140,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
         out, lse = self._outputs(q, plan, out, lse, return_lse)
         _, _, _, k_sn, k_sh = _checks.kv_dims("k", k, self._kv_layout)
         _, _, _, v_sn, v_sh = _checks.kv_dims("v", v, self._kv_layout)
-        self._launch(q, k, v, (k_sn, k_sh, 0), (v_sn, v_sh, 0), out, lse)
-        if key is not None:
-            self._validated.add(key)
+        remember(self._launches, key, self._launch(q, k, v, (k_sn, k_sh, 0), (v_sn, v_sh, 0), out, lse))
         return (out, lse) if return_lse else out
 
     def _check_planned(self, q, k, v, plan, window_left=None) -> None:

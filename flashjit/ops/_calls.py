@@ -1,0 +1,268 @@
+"""Prepared calls: what a call repeats once its signature has been checked.
+
+A signature is everything the checks and the params depend on but the
+tensors' addresses and, for single requests, the token counts: shapes,
+strides, dtypes, devices, options (and for a batch wrapper, its plan). The
+first call of a signature runs every check and packs the params struct but its
+leading pointers (and counts) once; the ops keep the result, a closure over
+those bytes, in a dict keyed by the signature. A repeated call reads the
+signature's attributes, looks the closure up and calls it: it allocates the
+outputs the caller did not pass, checks the addresses' 16-byte alignment
+(addresses change between calls; a misaligned one gets the first call's
+error), packs the addresses in front of the fixed bytes and launches on torch's
+current stream. Closures rather than objects: their constants are cell reads,
+not attribute lookups, on a path measured in microseconds.
+
+What is not cached, because nothing cheaper tells when it changes: torch's
+current device and current stream, read on every call through torch's raw
+getters (about 0.1 us together).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from ..loader import AttentionParams, KernelModule
+from ..spec import KernelSpec
+from . import _checks
+from ._plan import CHUNK_ALIGN, MIN_CHUNK_KEYS, ceil_div, single_request_band_items
+
+# FlashjitAttentionParams starts with thirteen pointers and six per-call counts
+# (num_work, qo_len, kv_len, num_splits, kv_chunk, band_items); everything after them is fixed
+# per call signature (configuration, heads, strides, scalars): packed once into `tail`.
+PER_CALL = struct.Struct("=13Q6i")
+# The first five (q, k, v, o, lse) are all that changes between a batch wrapper's
+# calls with one plan and signature.
+ADDRESSES = struct.Struct("=5Q")
+NO_BATCH = (0, 0, 0, 0, 0, 0)  # qo/kv indptr, page indices, last page lens, work, merge indptr
+CACHE_LIMIT = 4096
+_BANDS_LIMIT = 1024
+_SPLIT_KEYS = 2 * MIN_CHUNK_KEYS  # fewer keys are never split
+
+# torch's raw getters answer what current_device() and current_stream(i).cuda_stream
+# do, several times cheaper (no lazy-init check, no Stream object).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device_index: torch.cuda.current_stream(device_index).cuda_stream)
+
+
+class Signatures(dict):
+    """Prepared calls by signature, bounded, the last one found kept aside in
+    `last` (key, call): a loop repeats one signature, and one comparison with it
+    costs half of what hashing the key and comparing in the dict does."""
+
+    __slots__ = ("last",)
+
+    def __init__(self):
+        super().__init__()
+        self.last = (None, None)
+
+
+def remember(cache: Signatures, key, value):
+    """Stores a prepared call (not None: one a test double did not make); a
+    cache that outgrows its bound starts over."""
+    if key is not None and value is not None:
+        if len(cache) >= CACHE_LIMIT:
+            cache.clear()
+        cache[key] = value
+        cache.last = (key, value)
+    return value
+
+
+def tensor_signature(t) -> tuple:
+    """What a prepared call depends on of a tensor whose every dimension is fixed by the signature."""
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether t's strides are the contiguous ones for its trailing dims, whatever
+    its leading (token) count: torch.empty_like then gives a contiguous tensor of
+    t's shape for every t of the signature."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if stride != expected:
+            return False
+        expected *= size
+    return t.dim() < 2 or t.stride(0) == expected
+
+
+def check_placement(q, k, v, spec: KernelSpec) -> None:
+    """After every structural and scalar check: devices, then 16-byte alignment of
+    what the kernel reads with vectors (K/V; Q too on tensor cores)."""
+    _checks.check_device("q", q)
+    _checks.check_device("k", k, q.device)
+    _checks.check_device("v", v, q.device)
+    if spec.use_tensor_cores:
+        _checks.check_vector_aligned("q", q)
+    _checks.check_vector_aligned("k", k)
+    _checks.check_vector_aligned("v", v)
+
+
+def misaligned(module: KernelModule, q, k, v, out) -> None:
+    """A prepared call found an address off 16 bytes: the first call's checks name
+    the tensor (a tensor without elements is read by nobody: no error then)."""
+    check_placement(q, k, v, module.spec)
+    if module.spec.use_tensor_cores:  # tensor-core kernels write O in 16-byte vectors too
+        _checks.check_vector_aligned("out", out)
+
+
+def run_on(module: KernelModule, params: bytes, device_index: int) -> None:
+    """Launches on torch's current stream of the tensors' device."""
+    if device_index == _current_device():
+        code = module.launcher(params, _raw_stream(device_index))
+    else:
+        code = launch_elsewhere(module.launcher, params, device_index)
+    if code:
+        raise module.launch_error(code)
+
+
+def launch_elsewhere(launcher, params: bytes, device_index: int) -> int:
+    """The launch when the current device is not the tensors' (kernels run on the current one)."""
+    with torch.cuda.device(device_index):
+        return launcher(params, _raw_stream(device_index))
+
+
+_SM_COUNTS: dict = {}
+
+
+def resident_ctas(module: KernelModule, device: torch.device) -> int:
+    """CTAs of the module's kernel that run at once on the device: one full wave."""
+    if device.index not in _SM_COUNTS:
+        _SM_COUNTS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    with torch.cuda.device(device):  # the occupancy query asks the current device
+        return _SM_COUNTS[device.index] * module.ctas_per_sm(device.index)
+
+
+def single_request_call(module: KernelModule, params: AttentionParams, q: torch.Tensor, group: int,
+                        q_tokens: bool, return_lse: bool):
+    """The prepared call of a single_prefill / single_decode signature:
+    call(q, k, v, device, qo_len, kv_len) -> out, or (out, lse) with return_lse.
+    q_tokens: q is [tokens, heads, dim] (else [heads, dim], decode). The keys are
+    split across CTAs (flash-decoding) when the grid would not fill one wave of
+    the GPU (as ops._plan does for batches); the output is contiguous."""
+    launcher, launch_error, tail = module.launcher, module.launch_error, bytes(params)[PER_CALL.size:]
+    device = q.device
+    device_index, split_ctas = device.index, resident_ctas(module, device)
+    heads, dim, rows_per_cta = q.shape[-2], q.shape[-1], module.rows_per_cta
+    num_kv_heads, causal = heads // group, module.spec.causal
+    dense_out, align_qo = dense(q), -1 if module.spec.use_tensor_cores else 0
+    pack, empty, empty_like, f32 = PER_CALL.pack, torch.empty, torch.empty_like, torch.float32
+    band_memo: dict = {}
+
+    def split_and_bands(num_work: int, qo_len: int, kv_len: int, device) -> tuple:
+        """(partial buffer or None, partial_o, partial_lse, num_splits, kv_chunk, band_items)."""
+        ctas = num_work * num_kv_heads
+        partial, partial_o, partial_lse, splits, chunk, bands = None, 0, 0, 1, 0, 0
+        if 0 < ctas < split_ctas and kv_len >= _SPLIT_KEYS:
+            splits = min(ceil_div(split_ctas, ctas), kv_len // MIN_CHUNK_KEYS)
+            chunk = ceil_div(ceil_div(kv_len, splits), CHUNK_ALIGN) * CHUNK_ALIGN
+            splits = ceil_div(kv_len, chunk)
+            # Freed when the call returns: the caching allocator hands the block out
+            # again only to work queued after this kernel on the same stream.
+            rows = qo_len * heads
+            partial = empty(rows * splits * (dim + 1), dtype=f32, device=device)
+            partial_o = partial.data_ptr()
+            partial_lse = partial_o + 4 * rows * splits * dim
+        if num_work > 1:  # one row tile (every decode) launches in the same order whatever the bands
+            bands = band_memo.get((qo_len, kv_len))
+            if bands is None:
+                if len(band_memo) >= _BANDS_LIMIT:
+                    band_memo.clear()
+                bands = band_memo[(qo_len, kv_len)] = single_request_band_items(
+                    qo_len, kv_len, group=group, rows_per_cta=rows_per_cta, num_kv_heads=num_kv_heads,
+                    resident_ctas=split_ctas, causal=causal)
+        return partial, partial_o, partial_lse, splits, chunk, bands
+
+    def call(q, k, v, device, qo_len: int, kv_len: int):
+        out = empty_like(q) if dense_out else empty(q.shape, dtype=q.dtype, device=device)
+        lse = None
+        if return_lse:
+            lse = empty(qo_len, heads, dtype=f32, device=device) if q_tokens else empty(heads, dtype=f32,
+                                                                                        device=device)
+        qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if (kp | vp | (qp | op) & align_qo) & 15:
+            misaligned(module, q, k, v, out)
+        lp = 0 if lse is None else lse.data_ptr()
+        num_work = -(-qo_len * group // rows_per_cta)
+        if num_work > 1 or kv_len >= _SPLIT_KEYS:
+            partial, *counts = split_and_bands(num_work, qo_len, kv_len, device)
+            partial_o, partial_lse, splits, chunk, bands = counts
+            params = pack(qp, kp, vp, op, lp, 0, 0, 0, 0, 0, 0, partial_o, partial_lse, num_work, qo_len, kv_len,
+                          splits, chunk, bands) + tail
+        else:
+            params = pack(qp, kp, vp, op, lp, 0, 0, 0, 0, 0, 0, 0, 0, num_work, qo_len, kv_len, 1, 0, 0) + tail
+        if device_index == _current_device():
+            code = launcher(params, _raw_stream(device_index))
+        else:
+            code = launch_elsewhere(launcher, params, device_index)
+        if code:
+            raise launch_error(code)
+        return (out, lse) if return_lse else out
+
+    call.module = module
+    return call
+
+
+def batch_call(module: KernelModule, params: bytes, device_index: int, v_offset: int, q: torch.Tensor,
+               heads: int, dim: int, return_lse: bool):
+    """The prepared run() of a batch wrapper for one plan and one argument signature:
+    call(q, k, v, out, lse) -> out, or (out, lse) with return_lse; out / lse None
+    are allocated. params: the whole struct, its first five pointers unread;
+    v_offset: bytes from v's address to V's first element (one 5-D paged cache is
+    both k and v)."""
+    launcher, launch_error, suffix = module.launcher, module.launch_error, params[ADDRESSES.size:]
+    dense_out, align_qo = dense(q), -1 if module.spec.use_tensor_cores else 0
+    pack, empty, empty_like, f32 = ADDRESSES.pack, torch.empty, torch.empty_like, torch.float32
+
+    def call(q, k, v, out, lse):
+        if out is None:
+            out = empty_like(q) if dense_out else empty(q.shape[0], heads, dim, dtype=q.dtype, device=q.device)
+        if not return_lse:
+            lse = None
+        elif lse is None:
+            lse = empty(q.shape[0], heads, dtype=f32, device=q.device)
+        qp, kp, op = q.data_ptr(), k.data_ptr(), out.data_ptr()
+        vp = (kp if v is k else v.data_ptr()) + v_offset
+        if (kp | vp | (qp | op) & align_qo) & 15:
+            misaligned(module, q, k, v, out)
+        params = pack(qp, kp, vp, op, 0 if lse is None else lse.data_ptr()) + suffix
+        if device_index == _current_device():
+            code = launcher(params, _raw_stream(device_index))
+        else:
+            code = launch_elsewhere(launcher, params, device_index)
+        if code:
+            raise launch_error(code)
+        return (out, lse) if return_lse else out
+
+    call.module = module
+    return call
+
+
+_Q_PE = struct.Struct("=Q")
+
+
+def mla_call(module: KernelModule, params: bytes, device_index: int, check):
+    """The prepared launch of an MLA wrapper's plan and argument signature:
+    call(q_nope, q_pe, ckv, kpe, out, lse) with the outputs allocated. params: the
+    whole struct, its first five pointers and its last (q_pe: the struct's last
+    field) unread; check(q_nope, q_pe, ckv, kpe, out): the first call's placement
+    checks, which name a tensor whose address is off 16 bytes."""
+    launcher, launch_error, middle = module.launcher, module.launch_error, params[ADDRESSES.size:-_Q_PE.size]
+    pack, pack_q_pe = ADDRESSES.pack, _Q_PE.pack
+
+    def call(q_nope, q_pe, ckv, kpe, out, lse) -> None:
+        qp, pp, kp, vp, op = q_nope.data_ptr(), q_pe.data_ptr(), ckv.data_ptr(), kpe.data_ptr(), out.data_ptr()
+        if (qp | pp | kp | vp | op) & 15:
+            check(q_nope, q_pe, ckv, kpe, out)
+        params = pack(qp, kp, vp, op, 0 if lse is None else lse.data_ptr()) + middle + pack_q_pe(pp)
+        if device_index == _current_device():
+            code = launcher(params, _raw_stream(device_index))
+        else:
+            code = launch_elsewhere(launcher, params, device_index)
+        if code:
+            raise launch_error(code)
+
+    call.module = module
+    return call

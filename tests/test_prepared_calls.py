@@ -1,0 +1,417 @@
+"""Prepared calls (ops._calls): a call with the signature of an earlier one
+skips the checks and the packing; a call whose signature changed in any way
+(shape, stride, dtype, device, a pointer's alignment, out) after a cached call
+gets the first call's check and its error; plan() and torch's current stream
+and device are read anew. No GPU: tensors that claim to live on cuda:0 or
+cuda:1, a stand-in kernel module whose launch records its params, torch's
+device and stream getters replaced."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import flashjit
+from flashjit import jit, loader
+from flashjit.errors import KernelLaunchError
+from flashjit.ops import _batch, _calls, decode, prefill
+import helpers_cache
+
+no_compile = helpers_cache.no_compile  # a fixture: pytest finds it here
+BF16 = torch.bfloat16
+_real_empty = torch.empty
+
+
+class _OnCuda0(torch.Tensor):
+    """A CPU tensor that claims to live on cuda:0 (what torch makes from it claims so too)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+class _OnCuda1(torch.Tensor):
+    @property
+    def device(self):
+        return torch.device("cuda", 1)
+
+
+def cuda(t: torch.Tensor, index: int = 0) -> torch.Tensor:
+    return torch.Tensor._make_subclass(_OnCuda1 if index else _OnCuda0, t)
+
+
+def bf16(*shape, index: int = 0) -> torch.Tensor:
+    return cuda(torch.randn(*shape).to(BF16), index)
+
+
+def misaligned(*shape) -> torch.Tensor:
+    """A bf16 tensor on cuda:0 whose address is 2 bytes off 16 (contiguous strides)."""
+    n = 1
+    for s in shape:
+        n *= s
+    return cuda(torch.randn(n + 8).to(BF16)[1:n + 1].view(*shape))
+
+
+def _empty(*size, dtype=None, device=None, **kwargs):
+    """torch.empty where a device named cuda gives a CPU tensor that claims it."""
+    device = torch.device(device) if device is not None else None
+    t = _real_empty(*size, dtype=dtype, **kwargs)
+    return cuda(t, device.index or 0) if device is not None and device.type == "cuda" else t
+
+
+@pytest.fixture
+def gpu(request, monkeypatch):
+    """Launches recorded as (params bytes, stream); state.device: torch's current
+    device, state.stream: its current stream; state.code: what the launch returns.
+    No kernel is built (no_compile) before jit.get_module is replaced."""
+    request.getfixturevalue("no_compile")
+    state = SimpleNamespace(launches=[], code=0, device=0, stream=7, elsewhere=[], modules=0)
+
+    def record(params, stream):
+        state.launches.append((params, stream))
+        return state.code
+
+    def get_module(spec):
+        state.modules += 1
+        return loader.KernelModule(spec=spec, path=Path("stand-in"), manifest={}, rows_per_cta=64, split_align=64,
+                                   _run=record, _error_string=lambda code: b"an injected error",
+                                   _ctas_per_sm=lambda: 2)
+
+    def launch_elsewhere(launcher, params, device_index):
+        state.elsewhere.append(device_index)
+        return launcher(params, state.stream)
+
+    monkeypatch.setattr(jit, "get_module", get_module)
+    monkeypatch.setattr(_calls, "resident_ctas", lambda module, device: 132)
+    monkeypatch.setattr(_batch, "resident_ctas", lambda module, device: 132)
+    monkeypatch.setattr(_calls, "_current_device", lambda: state.device)
+    monkeypatch.setattr(_calls, "_raw_stream", lambda device_index: state.stream)
+    monkeypatch.setattr(_calls, "launch_elsewhere", launch_elsewhere)
+    monkeypatch.setattr(torch, "empty", _empty)
+    caches = (prefill._prepared, decode._prepared)
+    for cache in caches:  # prepared calls of stand-in modules must not outlive the test
+        cache.clear()
+        cache.last = (None, None)
+    yield state
+    for cache in caches:
+        cache.clear()
+        cache.last = (None, None)
+
+
+def pointers(launch) -> tuple:
+    """(q, k, v, o, lse) addresses and (num_work, qo_len, kv_len) of a recorded launch."""
+    values = _calls.PER_CALL.unpack_from(launch[0])
+    return values[:5], values[13:16]
+
+
+# ---------------------------------------------------------------------------
+# single_prefill / single_decode
+
+
+def _decode_args():
+    return bf16(8, 128), bf16(16, 2, 128), bf16(16, 2, 128)
+
+
+def _prefill_args():
+    return bf16(4, 8, 128), bf16(16, 2, 128), bf16(16, 2, 128)
+
+
+SINGLE = {"decode": (flashjit.single_decode_with_kv_cache, _decode_args),
+          "prefill": (flashjit.single_prefill_with_kv_cache, _prefill_args)}
+
+
+@pytest.mark.parametrize("op", SINGLE)
+def test_a_repeated_call_prepares_once_and_packs_each_calls_addresses(op, gpu):
+    fn, make = SINGLE[op]
+    q, k, v = make()
+    out = fn(q, k, v)
+    assert gpu.modules == 1 and len(gpu.launches) == 1
+    k2, v2 = bf16(40, 2, 128), bf16(40, 2, 128)  # other tensors, other token count: same signature
+    out2 = fn(q, k2, v2)
+    assert gpu.modules == 1 and len(gpu.launches) == 2
+    addresses, counts = pointers(gpu.launches[1])
+    assert addresses == (q.data_ptr(), k2.data_ptr(), v2.data_ptr(), out2.data_ptr(), 0)
+    assert counts[2] == 40 and out2.shape == q.shape and out2.is_contiguous() and out.data_ptr() != 0
+    assert gpu.launches[1][1] == 7
+
+
+def _change(name, index, make, match):
+    return pytest.param(index, make, match, id=name)
+
+
+# (which argument, its replacement) after a cached call; the first call's check must answer.
+SINGLE_CHANGES = [
+    _change("k-dtype", 1, lambda t: cuda(t.half()), r"^k: expected dtype torch.bfloat16 \(the dtype of q\), got "
+                                                    r"torch.float16"),
+    _change("k-device", 1, lambda t: cuda(t, 1), r"^k: expected a tensor on cuda:0 \(where q is\), got cuda:1"),
+    _change("v-on-cpu", 2, lambda t: t.as_subclass(torch.Tensor), r"^v: expected a CUDA tensor, got a tensor on cpu"),
+    _change("q-on-cpu", 0, lambda t: t.as_subclass(torch.Tensor), r"^q: expected a CUDA tensor, got a tensor on cpu"),
+    _change("k-stride", 1, lambda t: cuda(torch.randn(t.shape[0], 2, 132).to(BF16)[..., :128]),
+            r"^k: expected a 16-byte aligned tensor with strides that are multiples of 8 elements"),
+    _change("k-head_dim-not-contiguous", 1, lambda t: cuda(t.transpose(1, 2).contiguous().transpose(1, 2)),
+            r"^k: the last \(head_dim\) dimension must be contiguous"),
+    _change("k-misaligned", 1, lambda t: misaligned(*t.shape), r"^k: expected a 16-byte aligned tensor"),
+    _change("v-misaligned", 2, lambda t: misaligned(*t.shape), r"^v: expected a 16-byte aligned tensor"),
+    _change("k-heads", 1, lambda t: bf16(t.shape[0], 3, 128), r"^v: expected 16 tokens x 3 heads in layout NHD "
+                                                              r"\(as k\), got shape \(16, 2, 128\)"),
+    _change("v-tokens", 2, lambda t: bf16(t.shape[0] + 1, 2, 128), r"^v: expected 16 tokens \(as k\) in layout NHD"),
+    _change("q-head_dim", 0, lambda t: cuda(t[..., :64].contiguous()), r"^k: expected head_dim 64 \(as q\), got 128"),
+]
+
+
+@pytest.mark.parametrize("index,make,match", SINGLE_CHANGES)
+@pytest.mark.parametrize("op", SINGLE)
+def test_a_changed_signature_after_a_cached_call_gets_its_check(op, index, make, match, gpu):
+    fn, make_args = SINGLE[op]
+    args = list(make_args())
+    fn(*args)
+    fn(*args)
+    changed = list(args)
+    changed[index] = make(args[index])
+    with pytest.raises(ValueError, match=match):
+        fn(*changed)
+    assert len(gpu.launches) == 2
+    fn(*args)  # the cached signature still runs
+    assert len(gpu.launches) == 3
+
+
+def test_q_misaligned_on_tensor_cores_only(gpu):
+    q, k, v = _prefill_args()
+    flashjit.single_prefill_with_kv_cache(q, k, v, use_tensor_cores=True)
+    with pytest.raises(ValueError, match=r"^q: expected a 16-byte aligned tensor"):
+        flashjit.single_prefill_with_kv_cache(misaligned(*q.shape), k, v, use_tensor_cores=True)
+    flashjit.single_prefill_with_kv_cache(q, k, v, use_tensor_cores=False)
+    flashjit.single_prefill_with_kv_cache(misaligned(*q.shape), k, v, use_tensor_cores=False)  # CUDA cores: scalar Q
+    assert len(gpu.launches) == 3
+
+
+def test_options_are_part_of_the_signature(gpu):
+    q, k, v = _decode_args()
+    flashjit.single_decode_with_kv_cache(q, k, v)
+    with pytest.raises(ValueError, match=r"^window_left: expected -1"):
+        flashjit.single_decode_with_kv_cache(q, k, v, window_left=-2)
+    with pytest.raises(NotImplementedError, match=r"^pos_encoding_mode='ROPE_LLAMA'"):
+        flashjit.single_decode_with_kv_cache(q, k, v, pos_encoding_mode="ROPE_LLAMA")
+    out, lse = flashjit.single_decode_with_kv_cache(q, k, v, return_lse=True)
+    assert lse.shape == (8,) and lse.dtype == torch.float32
+    assert pointers(gpu.launches[-1])[0][4] == lse.data_ptr() and gpu.modules == 2  # the LSE variant
+
+
+def test_stream_and_device_are_read_on_every_call(gpu):
+    q, k, v = _decode_args()
+    flashjit.single_decode_with_kv_cache(q, k, v)
+    gpu.stream = 99
+    flashjit.single_decode_with_kv_cache(q, k, v)
+    assert [stream for _, stream in gpu.launches] == [7, 99] and gpu.elsewhere == []
+    gpu.device = 1  # torch's current device is not the tensors': the launch goes through a device guard
+    flashjit.single_decode_with_kv_cache(q, k, v)
+    assert gpu.elsewhere == [0] and len(gpu.launches) == 3
+
+
+def test_a_failed_launch_raises_naming_the_configuration(gpu):
+    q, k, v = _decode_args()
+    flashjit.single_decode_with_kv_cache(q, k, v)
+    gpu.code = 700
+    with pytest.raises(KernelLaunchError, match=r"single_decode_bf16_d128.*: CUDA error 700 \(an injected error\)"):
+        flashjit.single_decode_with_kv_cache(q, k, v)
+
+
+# ---------------------------------------------------------------------------
+# The batch wrappers
+
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _wrapper(cls, *plan_args, ctor=None, **plan_kwargs):
+    """Planned on the host (metadata and page ids on the CPU), then run on cuda:0."""
+    w = cls(cuda(torch.empty(1 << 16, dtype=torch.uint8)), **(ctor or {}))
+    _plan(w, *plan_args, **plan_kwargs)
+    return w
+
+
+def _plan(w, *plan_args, **plan_kwargs) -> None:
+    w._device = torch.device("cpu")
+    w.plan(*plan_args, **plan_kwargs)
+    w._device = torch.device("cuda", 0)
+
+
+def ragged():
+    w = _wrapper(flashjit.BatchPrefillWithRaggedKVCacheWrapper, [0, 3, 8], [0, 10, 30], 8, 2, 128,
+                 q_data_type=BF16)
+    return w, [bf16(8, 8, 128), bf16(30, 2, 128), bf16(30, 2, 128)]
+
+
+def paged_decode(use_tensor_cores=False):
+    w = _wrapper(flashjit.BatchDecodeWithPagedKVCacheWrapper, _i32(0, 2, 5), _i32(4, 0, 1, 2, 3), _i32(7, 16), 8, 2,
+                 128, 16, q_data_type=BF16, ctor={"use_tensor_cores": use_tensor_cores})
+    return w, [bf16(2, 8, 128), bf16(5, 2, 16, 2, 128)]
+
+
+def paged_prefill():
+    w = _wrapper(flashjit.BatchPrefillWithPagedKVCacheWrapper, _i32(0, 3, 8), _i32(0, 2, 5), _i32(4, 0, 1, 2, 3),
+                 _i32(7, 16), 8, 2, 128, 16, q_data_type=BF16)
+    return w, [bf16(8, 8, 128), bf16(5, 2, 16, 2, 128)]
+
+
+WRAPPERS = {"ragged": ragged, "paged_prefill": paged_prefill, "decode": paged_decode}
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_a_repeated_run_launches_with_each_calls_addresses(kind, gpu):
+    w, args = WRAPPERS[kind]()
+    out = w.run(*args)
+    given = cuda(torch.empty_like(args[0]))
+    assert w.run(*args, out=given) is given
+    out3, lse = w.run(*args, return_lse=True)
+    w.run(*args)
+    assert len(gpu.launches) == 4
+    for (params, _), o, lse_ptr in zip(gpu.launches, (out, given, out3, None), (0, 0, lse.data_ptr(), 0)):
+        addresses, _ = pointers((params,))
+        assert addresses[0] == args[0].data_ptr() and addresses[1] == args[1].data_ptr()
+        if o is not None:
+            assert addresses[3] == o.data_ptr()
+        assert addresses[4] == lse_ptr
+    if kind != "ragged":  # one 5-D cache: V is the second half of each page
+        cache = args[1]
+        assert pointers(gpu.launches[0])[0][2] == cache[:, 1].data_ptr()
+    assert len(w._launches) == 3  # without out, with out, with LSE
+
+
+def _batch_change(name, kinds, change, match):
+    return pytest.param(kinds, change, match, id=name)
+
+
+# change(args) -> (args, run() keywords) after a cached run(); the first run's check must answer.
+BATCH_CHANGES = [
+    _batch_change("q-dtype", ["ragged", "decode"], lambda a: ([cuda(a[0].half()), *a[1:]], {}),
+                  r"^q: expected dtype torch.bfloat16 as planned \(q_data_type\), got torch.float16"),
+    _batch_change("q-rows", ["ragged", "decode"], lambda a: ([bf16(a[0].shape[0] + 1, 8, 128), *a[1:]], {}),
+                  r"^q: expected \d+ rows"),
+    _batch_change("q-device", ["ragged", "decode"], lambda a: ([cuda(a[0], 1), *a[1:]], {}),
+                  r"^k: expected a tensor on cuda:1 \(where q is\), got cuda:0"),
+    _batch_change("q-on-cpu", ["ragged", "decode"], lambda a: ([a[0].as_subclass(torch.Tensor), *a[1:]], {}),
+                  r"^q: expected a CUDA tensor, got a tensor on cpu"),
+    _batch_change("kv-device", ["ragged", "decode"], lambda a: ([a[0], *(cuda(t, 1) for t in a[1:])], {}),
+                  r"^k: expected a tensor on cuda:0 \(where q is\), got cuda:1"),
+    _batch_change("all-on-another-device", ["ragged", "decode"], lambda a: ([cuda(t, 1) for t in a], {}),
+                  r"^q: expected a tensor on cuda:0 \(the workspace's device\), got cuda:1"),
+    _batch_change("cache-dtype", ["decode"], lambda a: ([a[0], cuda(a[1].half())], {}),
+                  r"^paged_kv_cache: expected dtype torch.bfloat16 as planned"),
+    _batch_change("cache-pages", ["decode"], lambda a: ([a[0], bf16(4, 2, 16, 2, 128)], {}),
+                  r"^indices: page id 4 is past the cache's 4 pages"),
+    _batch_change("cache-stride", ["decode"],
+                  lambda a: ([a[0], cuda(torch.randn(5, 2, 16, 2, 132).to(BF16)[..., :128])], {}),
+                  r"^k: expected a 16-byte aligned tensor with strides that are multiples of 8 elements"),
+    _batch_change("cache-misaligned", ["decode"], lambda a: ([a[0], misaligned(5, 2, 16, 2, 128)], {}),
+                  r"^k: expected a 16-byte aligned tensor"),
+    _batch_change("k-misaligned", ["ragged"], lambda a: ([a[0], misaligned(30, 2, 128), a[2]], {}),
+                  r"^k: expected a 16-byte aligned tensor"),
+    _batch_change("k-tokens", ["ragged"], lambda a: ([a[0], bf16(31, 2, 128), bf16(31, 2, 128)], {}),
+                  r"^k: expected 30 tokens \(kv_indptr\[-1\] as planned\)"),
+    _batch_change("v-stride", ["ragged"], lambda a: ([*a[:2], cuda(a[2].transpose(1, 2).contiguous().transpose(1, 2))],
+                                                      {}), r"^v: the last \(head_dim\) dimension must be contiguous"),
+    _batch_change("out-dtype", ["ragged", "decode"], lambda a: (a, {"out": cuda(torch.empty(a[0].shape))}),
+                  r"^out: expected a contiguous torch.bfloat16 tensor .* got torch.float32"),
+    _batch_change("out-strided", ["ragged", "decode"],
+                  lambda a: (a, {"out": cuda(torch.empty_like(a[0]).transpose(0, 1).contiguous().transpose(0, 1))}),
+                  r"^out: expected a contiguous .*contiguous=False"),
+    _batch_change("out-device", ["ragged", "decode"], lambda a: (a, {"out": cuda(torch.empty_like(a[0]), 1)}),
+                  r"^out: expected .* on cuda:0, got .* on cuda:1"),
+    _batch_change("lse-shape", ["ragged", "decode"],
+                  lambda a: (a, {"lse": cuda(torch.empty(a[0].shape[0], 4)), "return_lse": True}),
+                  r"^lse: expected a contiguous torch.float32 tensor of shape"),
+    _batch_change("window_left", ["decode"], lambda a: (a, {"window_left": 8}),
+                  r"^window_left: expected -1 \(as planned\) or None, got 8"),
+]
+
+
+@pytest.mark.parametrize("kinds,change,match", BATCH_CHANGES)
+def test_a_changed_run_signature_after_a_cached_run_gets_its_check(kinds, change, match, gpu):
+    for kind in kinds:
+        w, args = WRAPPERS[kind]()
+        out = cuda(torch.empty_like(args[0]))
+        w.run(*args)
+        w.run(*args, out=out)
+        w.run(*args, out=out)
+        launches = len(gpu.launches)
+        changed, kwargs = change(args)
+        with pytest.raises(ValueError, match=match):
+            w.run(*changed, **kwargs)
+        assert len(gpu.launches) == launches
+        w.run(*args, out=out)  # the cached signature still runs
+        assert len(gpu.launches) == launches + 1
+
+
+def test_out_must_be_aligned_on_tensor_cores(gpu):
+    w, args = paged_decode(use_tensor_cores=True)
+    w.run(*args, out=cuda(torch.empty_like(args[0])))
+    with pytest.raises(ValueError, match=r"^out: expected a 16-byte aligned tensor"):
+        w.run(*args, out=misaligned(*args[0].shape))
+    with pytest.raises(ValueError, match=r"^q: expected a 16-byte aligned tensor"):
+        w.run(misaligned(*args[0].shape), args[1])
+
+
+def test_plan_drops_the_prepared_runs(gpu):
+    w, args = paged_decode()
+    w.run(*args)
+    w.run(*args)
+    _plan(w, _i32(0, 2, 5), _i32(4, 0, 1, 2, 3), _i32(7, 16), 16, 2, 128, 16, q_data_type=BF16)
+    assert len(w._launches) == 0
+    with pytest.raises(ValueError, match=r"^q: expected 16 qo heads \(num_qo_heads\) as planned, got 8"):
+        w.run(*args)
+
+
+def test_a_kv_tuple_and_a_5d_cache_are_other_signatures(gpu):
+    w, (q, cache) = paged_decode()
+    w.run(q, cache)
+    w.run(q, (cuda(cache[:, 0]), cuda(cache[:, 1])))
+    addresses = [pointers(launch)[0] for launch in gpu.launches]
+    assert addresses[0][1:3] == addresses[1][1:3]
+    with pytest.raises(ValueError, match=r"^paged_kv_cache\[1\]: expected dtype torch.bfloat16"):
+        w.run(q, (cuda(cache[:, 0]), cuda(cache[:, 1].half())))
+
+
+def test_compiled_graph_operator_takes_the_prepared_run(gpu):
+    w, (q, cache) = paged_decode()
+    op = torch.ops.flashjit.batch_decode_paged_run.default
+    w.run(q, cache)
+    (out,) = op(w._handle, q, cache, None, False, None)
+    assert len(gpu.launches) == 2 and len(w._launches) == 1
+    with pytest.raises(ValueError, match=r"^paged_kv_cache: expected dtype"):
+        op(w._handle, q, cuda(cache.half()), None, False, None)
+
+
+# ---------------------------------------------------------------------------
+# MLA
+
+
+def mla():
+    w = _wrapper(flashjit.BatchMLAPagedAttentionWrapper, _i32(0, 1, 2), _i32(0, 1, 2), _i32(1, 0), _i32(64, 30), 16,
+                 512, 64, 64, False, 0.1, BF16, BF16)
+    return w, [bf16(2, 16, 512), bf16(2, 16, 64), bf16(2, 64, 512), bf16(2, 64, 64)]
+
+
+@pytest.mark.parametrize("index,make,match", [
+    _change("q_pe-misaligned", 1, lambda t: misaligned(*t.shape), r"^q_pe: expected a 16-byte aligned tensor"),
+    _change("ckv-device", 2, lambda t: cuda(t, 1), r"^ckv_cache: expected a tensor on cuda:0"),
+    _change("kpe-dtype", 3, lambda t: cuda(t.half()), r"^kpe_cache: expected a torch.bfloat16 tensor"),
+    _change("q_nope-stride", 0, lambda t: cuda(torch.randn(2, 16, 516).to(BF16)[..., :512]),
+            r"^q_nope: expected a 16-byte aligned tensor with strides"),
+])
+def test_mla_run_after_a_cached_run_checks_a_changed_signature(index, make, match, gpu):
+    w, args = mla()
+    w.run(*args)
+    w.run(*args)
+    addresses = _calls.PER_CALL.unpack_from(gpu.launches[-1][0])[:4]
+    assert addresses == (args[0].data_ptr(), args[2].data_ptr(), args[3].data_ptr(), addresses[3])
+    assert gpu.launches[-1][0][-8:] == args[1].data_ptr().to_bytes(8, "little")  # q_pe, the struct's last field
+    changed = list(args)
+    changed[index] = make(args[index])
+    with pytest.raises(ValueError, match=match):
+        w.run(*changed)
+    assert len(gpu.launches) == 2
