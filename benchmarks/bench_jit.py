@@ -1,6 +1,9 @@
 """JIT costs against their targets: `import flashjit` after torch (< 50 ms, CUDA
 untouched), one configuration compiled cold (< 10 s), a cached configuration
-loaded and ready in a fresh process (< 50 ms), host overhead per call (< 10 us).
+loaded and ready in a fresh process (< 50 ms), the host time of a call of every
+op and wrapper run() (< 10 us: flashjit.bench.host, the rows of `flashjit bench
+--only host`, each the median of 3 rounds of the mean of 3000 calls with tiny
+inputs), the part of it that the C entry point alone takes, and plan().
 
 Usage: python benchmarks/bench_jit.py [--out results.md]
 """
@@ -52,51 +55,53 @@ def cached_load(cache_dir: str) -> float:
     return sorted(runs)[2]
 
 
-def host_overhead(cache_dir: str) -> dict:
-    os.environ["FLASHJIT_CACHE_DIR"] = cache_dir
+def launch_alone() -> float:
+    """Mean us per call of single decode's C entry point alone, its params packed
+    beforehand: the ctypes call and what the library does around the driver's
+    launch, the floor under every host row."""
     import torch
 
-    import flashjit
+    from flashjit import jit
+    from flashjit.bench import host
+    from flashjit.ops._launch import make_params, select_spec
+
     q = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(16, 8, 128, device="cuda", dtype=torch.bfloat16)
-    flashjit.single_decode_with_kv_cache(q, k, k)
-    torch.cuda.synchronize()
-    n = 2000
-    t = time.perf_counter()
-    for _ in range(n):
-        flashjit.single_decode_with_kv_cache(q, k, k)
-    per_op = (time.perf_counter() - t) / n
-    torch.cuda.synchronize()
-    from flashjit.ops import decode
-
-    (prep,) = decode._prepared.values()
-    out = torch.empty(prep.out_shape, device="cuda", dtype=torch.bfloat16)
-    t = time.perf_counter()
-    for _ in range(n):
-        prep.launch(q, k, k, out, None, 1, 1, 16)
-    per_launch = (time.perf_counter() - t) / n
-    torch.cuda.synchronize()
-    return {"op_us": per_op * 1e6, "raw_launch_us": per_launch * 1e6}
+    k, v = (torch.randn(16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(q)
+    spec = select_spec("single_decode", torch.bfloat16, 128, backend="auto", use_tensor_cores=False, causal=False,
+                       window=False, soft_cap=False, return_lse=False)
+    p = make_params(q, k, v, (8 * 128, 128), 8, "NHD", 128 ** -0.5, -1, 0.0)
+    p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+    p.num_work, p.qo_len, p.kv_len, p.num_splits = 1, 1, 16, 1
+    params, launcher = bytes(p), jit.get_module(spec).launcher
+    stream = torch.cuda.current_stream().cuda_stream
+    return host.measure(lambda: launcher(params, stream), sync=torch.cuda.synchronize)
 
 
-def paged_decode_host(cache_dir: str) -> dict:
-    """Host time of a serving step's calls, with GPU work too small to matter:
-    plan() for 64 decode requests, and run() on a 5-D paged cache."""
-    os.environ["FLASHJIT_CACHE_DIR"] = cache_dir
+def stream_and_device() -> float:
+    """Mean us of what every call reads anew: torch's current device and its raw current stream."""
+    import torch
+
+    from flashjit.bench import host
+    from flashjit.ops import _calls
+
+    device, stream = _calls._current_device, _calls._raw_stream
+    return host.measure(lambda: stream(device()), sync=torch.cuda.synchronize)
+
+
+def plan_ms() -> float:
+    """Host time of plan() for 64 decode requests (page-table checks, split plan, metadata upload)."""
     import torch
 
     import flashjit
     batch, page, qo_heads, kv_heads, dim = 64, 16, 32, 8, 128
-    cache = torch.randn(batch, 2, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     indptr = torch.arange(batch + 1, dtype=torch.int32)
     indices = torch.arange(batch, dtype=torch.int32, device="cuda")
     last = torch.full((batch,), page, dtype=torch.int32)
-    q = torch.randn(batch, qo_heads, dim, device="cuda", dtype=torch.bfloat16)
     w = flashjit.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"),
                                                     use_tensor_cores=True)
     plan = lambda: w.plan(indptr, indices, last, qo_heads, kv_heads, dim, page, q_data_type=torch.bfloat16)  # noqa: E731
     plan()
-    w.run(q, cache)
     torch.cuda.synchronize()
     n = 200
     t = time.perf_counter()
@@ -104,20 +109,25 @@ def paged_decode_host(cache_dir: str) -> dict:
         plan()
     per_plan = (time.perf_counter() - t) / n
     torch.cuda.synchronize()
-    n = 2000
-    t = time.perf_counter()
-    for _ in range(n):
-        w.run(q, cache)
-    per_run = (time.perf_counter() - t) / n
-    torch.cuda.synchronize()
-    # What a compiled graph calls: the same run() through the dispatcher.
-    op = torch.ops.flashjit.batch_decode_paged_run.default
-    t = time.perf_counter()
-    for _ in range(n):
-        op(w._handle, q, cache, None, False, None)
-    per_op = (time.perf_counter() - t) / n
-    torch.cuda.synchronize()
-    return {"plan_ms": per_plan * 1e3, "run_us": per_run * 1e6, "op_us": per_op * 1e6}
+    return per_plan * 1e3
+
+
+def host_rows(cache_dir: str) -> list[tuple]:
+    os.environ["FLASHJIT_CACHE_DIR"] = cache_dir
+    from flashjit import jit
+    from flashjit.bench import host
+
+    jit.build_many(host.specs())  # in parallel, before the first call of each case would build it alone
+    section = host.run()
+    rows = [(f"host time per call: {row['op']}", f"{row['us']:.1f} us", "< 10 us", row["note"])
+            for row in section["rows"]]
+    rows.append(("C entry point alone", f"{launch_alone():.1f} us", "",
+                 "single_decode's launch through ctypes, params packed beforehand: the floor under the rows above"))
+    rows.append(("current device and stream", f"{stream_and_device() * 1e3:.0f} ns", "",
+                 "torch's raw getters, read on every call (not cached: nothing cheaper tells when they change)"))
+    rows.append(("host time of paged decode plan()", f"{plan_ms():.2f} ms", "",
+                 "64 requests: page-table checks, split plan, metadata upload"))
+    return rows
 
 
 def main() -> int:
@@ -133,16 +143,7 @@ def main() -> int:
                      "single_decode bf16 d128, this GPU's arch"))
         rows.append(("cached configuration ready (fresh process)", f"{cached_load(cache_dir):.1f} ms", "< 50 ms",
                      "render + key + manifest/sha256 check + dlopen"))
-        host = host_overhead(cache_dir)
-        rows.append(("host overhead per op call", f"{host['op_us']:.1f} us", "< 10 us",
-                     f"single_decode_with_kv_cache incl. checks; packed params + ctypes launch {host['raw_launch_us']:.1f} us"))
-        paged = paged_decode_host(cache_dir)
-        rows.append(("host time of paged decode run()", f"{paged['run_us']:.1f} us", "< 10 us",
-                     "64 requests x 16 keys, 32/8 heads, tensor cores, 5-D cache, eager"))
-        rows.append(("host time of paged decode run() in a compiled graph", f"{paged['op_us']:.1f} us", "",
-                     "torch.ops.flashjit.batch_decode_paged_run: run() plus the dispatcher round trip"))
-        rows.append(("host time of paged decode plan()", f"{paged['plan_ms']:.2f} ms", "",
-                     "64 requests: page-table checks, split plan, metadata upload"))
+        rows += host_rows(cache_dir)
     lines = ["| measure | value | target | note |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     emit("\n".join(lines), args.out)

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from flashjit import cli
-from flashjit.bench import decode, prefill, report
+from flashjit.bench import decode, host, prefill, report
 from helpers_cache import REPO, subprocess_env
 
 
@@ -192,6 +192,40 @@ def test_reports_written_and_png_skipped_without_matplotlib(tmp_path, monkeypatc
     assert "## Paged decode" in md
 
 
+def test_host_table():
+    section = {"device": "NVIDIA H200", "calls": 3000, "rounds": 3, "target_us": 10.0,
+               "rows": [{"op": "single_decode_with_kv_cache", "us": 6.25, "rounds_us": [6.2, 6.25, 7.0], "note": "n"},
+                        {"op": "BatchDecodeWithPagedKVCacheWrapper.run", "us": 12.0, "rounds_us": [12.0], "note": "m"}]}
+    results = synthetic()
+    results["sections"]["host"] = section
+    md = report.markdown(results)
+    assert "## Host time per call (NVIDIA H200, bf16, tiny inputs; median of 3 rounds, each the mean of 3000 calls)" in md
+    assert "| single_decode_with_kv_cache | 6.2 | < 10 us | n |" in md
+    assert "| BatchDecodeWithPagedKVCacheWrapper.run | 12.0 (over) | < 10 us | m |" in md
+    assert [title for title, *_ in report.plot_series(results)][:1] == ["Prefill (0 = not applicable)"]
+
+
+@pytest.mark.nvcc
+def test_host_cases_run_on_the_cpu_stub_and_load_what_bench_builds(tmp_path):
+    """benchmarks/host_cost_cpu.py's stub: every case runs (launch stubbed) and
+    the configurations they load are host.specs(), which `flashjit bench` builds first."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import host_cost_cpu
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from flashjit import jit
+
+    loaded = []
+    with host_cost_cpu.stubbed(host_cost_cpu.build_stub(tmp_path)):  # restores jit.get_module on exit
+        stub_module = jit.get_module
+        jit.get_module = lambda spec: loaded.append(spec) or stub_module(spec)
+        section = host.run(calls=5, device="cpu", workspace=host_cost_cpu._workspace, rounds=1)
+        assert set(loaded) == set(host.specs())
+    assert [row["op"] for row in section["rows"]] == [label for label, _ in host.CASES]
+    assert all(row["us"] > 0 for row in section["rows"])
+
+
 def test_failed_section_is_reported():
     results = synthetic()
     results["sections"]["decode"] = {"error": "RuntimeError: CUDA out of memory"}
@@ -224,14 +258,14 @@ def test_bench_quick_writes_three_reports(tmp_path):
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     md = (out / "bench.md").read_text()
     assert "| head_dim | batch x S | causal | flashjit fa2" in md and "## Paged decode" in md
+    assert "## Host time per call" in md
     results = json.loads((out / "bench.json").read_text())
     pre, dec = results["sections"]["prefill"], results["sections"]["decode"]
+    assert [row["op"] for row in results["sections"]["host"]["rows"]] == [label for label, _ in host.CASES]
     assert all(row["values"]["flashjit fa2"] > 0 for row in pre["rows"])
     assert all(rec["ok"] and rec["gbps"] > 0 for rec in dec["decode"]) and not dec["failures"]
     assert "[1/" in run.stderr  # the progress lines
-    try:
-        import matplotlib  # noqa: F401
-
+    if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
-    except ImportError:
+    else:
         assert report.MATPLOTLIB_MISSING in run.stderr and not (out / "bench.png").exists()

@@ -1,6 +1,7 @@
 """`flashjit bench`: the prefill and paged-decode benchmarks on the visible GPU,
 flashjit beside whichever peers import (PyTorch SDPA always, FlashInfer when
-installed), written as markdown, JSON and a PNG.
+installed), and the host time per call of every op (host.py), written as
+markdown, JSON and a PNG.
 
 Importing this package imports neither torch nor the benchmarks (the CLI reads
 BENCHMARKS and PEERS to build its parser); run() loads them. benchmarks/prefill.py
@@ -16,12 +17,13 @@ import traceback
 from pathlib import Path
 
 # MLA runs from benchmarks/mla.py (not yet part of `flashjit bench`).
-BENCHMARKS = ("prefill", "decode")
+BENCHMARKS = ("prefill", "decode", "host")
 PEERS = ("sdpa", "flashinfer")
-HELP = "prefill and paged-decode benchmarks on this GPU, beside the peers that import"
-DESCRIPTION = ("Times flashjit beside PyTorch SDPA and FlashInfer (where importable) on the visible GPU; writes "
-               "bench.md, bench.json and bench.png (with matplotlib) to --out and prints the tables. Exit 1 where a "
-               "flashjit output was wrong or a benchmark failed, 2 where no GPU is visible.")
+HELP = "prefill and paged-decode benchmarks on this GPU, beside the peers that import; host time per call"
+DESCRIPTION = ("Times flashjit beside PyTorch SDPA and FlashInfer (where importable) on the visible GPU, and the host "
+               "time of a call of each op; writes bench.md, bench.json and bench.png (with matplotlib) to --out and "
+               "prints the tables. Exit 1 where a flashjit output was wrong or a benchmark failed, 2 where no GPU is "
+               "visible.")
 
 
 def add_arguments(parser, positive_int) -> None:
@@ -75,7 +77,7 @@ def run(args) -> int:
 
     from flashjit import jit
 
-    from . import decode, prefill
+    from . import decode, host, prefill
     from .report import Progress, markdown, write_all
 
     only = args.only or list(BENCHMARKS)
@@ -89,6 +91,10 @@ def run(args) -> int:
         rows = decode.rows(quick=args.quick)
         plans["decode"] = (rows, decode.libraries(peers=args.peers))
         specs += decode.specs(rows)
+    if "host" in only:
+        plans["host"] = (host.CASES, None)
+        specs += host.specs()
+    specs = list(dict.fromkeys(specs))  # the host cases share configurations with the others
     # Every configuration in one parallel build, so that no row waits for nvcc
     # (and a cache miss under FLASHJIT_DISABLE_JIT stops here, naming the prewarm).
     print(f"flashjit bench: {', '.join(plans)} on {torch.cuda.get_device_name()}; building or loading "
@@ -100,6 +106,8 @@ def run(args) -> int:
         try:
             if name == "prefill":
                 sections[name] = prefill.run(rows, peers, rounds=args.rounds, progress=progress)
+            elif name == "host":
+                sections[name] = host.run(progress=progress)
             else:
                 sections[name] = decode.run(rows, peers, reps=args.reps, progress=progress)
                 status |= bool(sections[name]["failures"])

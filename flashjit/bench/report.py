@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from . import host
+
 MATPLOTLIB_MISSING = "matplotlib is not installed (pip install matplotlib); the markdown and JSON hold every number"
 
 
@@ -140,7 +142,7 @@ def decode_table(section: dict) -> str:
 # ---------------------------------------------------------------------------
 # The files `flashjit bench` writes
 
-TABLES = {"prefill": prefill_table, "decode": decode_table}
+TABLES = {"prefill": prefill_table, "decode": decode_table, "host": host.table}
 
 
 def markdown(results: dict) -> str:
