@@ -178,6 +178,25 @@ def test_a_changed_signature_after_a_cached_call_gets_its_check(op, index, make,
     assert len(gpu.launches) == 3
 
 
+def test_long_decode_splits_its_keys_and_prefill_tiles_get_bands(gpu):
+    q, k, v = bf16(8, 128), bf16(4096, 2, 128), bf16(4096, 2, 128)
+    flashjit.single_decode_with_kv_cache(q, k, v)
+    flashjit.single_decode_with_kv_cache(q, k, v)
+    values = _calls.PER_CALL.unpack_from(gpu.launches[-1][0])
+    partial_o, partial_lse, (num_work, qo_len, kv_len, splits, chunk, _) = values[11], values[12], values[13:]
+    assert (num_work, qo_len, kv_len) == (1, 1, 4096) and splits > 1 and chunk * splits >= 4096
+    assert partial_o and partial_lse == partial_o + 4 * 8 * splits * 128  # after the partial outputs
+    q = bf16(64, 8, 128)  # 256 rows of 64: four row tiles
+    flashjit.single_prefill_with_kv_cache(q, k[:64], v[:64], causal=True)
+    flashjit.single_prefill_with_kv_cache(q, k[:64], v[:64], causal=True)
+    assert _calls.PER_CALL.unpack_from(gpu.launches[-1][0])[13:16] == (4, 64, 64)
+
+
+def test_the_unsplit_head_is_the_struct_head_with_null_batch_pointers():
+    assert _calls._UNSPLIT.pack(1, 2, 3, 4, 5, 6, 7, 8, 1, 0, 0) == \
+        _calls.PER_CALL.pack(1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0, 0, 0, 6, 7, 8, 1, 0, 0)
+
+
 def test_q_misaligned_on_tensor_cores_only(gpu):
     q, k, v = _prefill_args()
     flashjit.single_prefill_with_kv_cache(q, k, v, use_tensor_cores=True)

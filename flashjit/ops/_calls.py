@@ -33,6 +33,10 @@ from ._plan import CHUNK_ALIGN, MIN_CHUNK_KEYS, ceil_div, single_request_band_it
 # (num_work, qo_len, kv_len, num_splits, kv_chunk, band_items); everything after them is fixed
 # per call signature (configuration, heads, strides, scalars): packed once into `tail`.
 PER_CALL = struct.Struct("=13Q6i")
+# An unsplit single request's head: its five addresses, eight null pointers (pad
+# bytes pack as zeros), num_work, qo_len, kv_len and the rest of the counts.
+_UNSPLIT = struct.Struct("=5Q64x6i")
+assert _UNSPLIT.size == PER_CALL.size
 # The first five (q, k, v, o, lse) are all that changes between a batch wrapper's
 # calls with one plan and signature.
 ADDRESSES = struct.Struct("=5Q")
@@ -148,8 +152,11 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
     heads, dim, rows_per_cta = q.shape[-2], q.shape[-1], module.rows_per_cta
     num_kv_heads, causal = heads // group, module.spec.causal
     dense_out, align_qo = dense(q), -1 if module.spec.use_tensor_cores else 0
-    pack, empty, empty_like, f32 = PER_CALL.pack, torch.empty, torch.empty_like, torch.float32
+    pack, pack_unsplit = PER_CALL.pack, _UNSPLIT.pack
+    empty, empty_like, f32 = torch.empty, torch.empty_like, torch.float32
     band_memo: dict = {}
+    one_token_work = -(-group // rows_per_cta)  # decode's num_work
+    split_keys = _SPLIT_KEYS  # fewer keys in one row tile: never split, no bands
 
     def split_and_bands(num_work: int, qo_len: int, kv_len: int, device) -> tuple:
         """(partial buffer or None, partial_o, partial_lse, num_splits, kv_chunk, band_items)."""
@@ -185,14 +192,14 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
         if (kp | vp | (qp | op) & align_qo) & 15:
             misaligned(module, q, k, v, out)
         lp = 0 if lse is None else lse.data_ptr()
-        num_work = -(-qo_len * group // rows_per_cta)
-        if num_work > 1 or kv_len >= _SPLIT_KEYS:
+        num_work = -(-qo_len * group // rows_per_cta) if q_tokens else one_token_work
+        if num_work > 1 or kv_len >= split_keys:
             partial, *counts = split_and_bands(num_work, qo_len, kv_len, device)
             partial_o, partial_lse, splits, chunk, bands = counts
             params = pack(qp, kp, vp, op, lp, 0, 0, 0, 0, 0, 0, partial_o, partial_lse, num_work, qo_len, kv_len,
                           splits, chunk, bands) + tail
         else:
-            params = pack(qp, kp, vp, op, lp, 0, 0, 0, 0, 0, 0, 0, 0, num_work, qo_len, kv_len, 1, 0, 0) + tail
+            params = pack_unsplit(qp, kp, vp, op, lp, num_work, qo_len, kv_len, 1, 0, 0) + tail
         if device_index == _current_device():
             code = launcher(params, _raw_stream(device_index))
         else:
