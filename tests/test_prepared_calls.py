@@ -426,6 +426,7 @@ def test_mla_run_after_a_cached_run_checks_a_changed_signature(index, make, matc
     w, args = mla()
     w.run(*args)
     w.run(*args)
+    assert len(w._launches) == 1 and gpu.modules == 1
     addresses = _calls.PER_CALL.unpack_from(gpu.launches[-1][0])[:4]
     assert addresses == (args[0].data_ptr(), args[2].data_ptr(), args[3].data_ptr(), addresses[3])
     assert gpu.launches[-1][0][-8:] == args[1].data_ptr().to_bytes(8, "little")  # q_pe, the struct's last field
@@ -434,3 +435,5 @@ def test_mla_run_after_a_cached_run_checks_a_changed_signature(index, make, matc
     with pytest.raises(ValueError, match=match):
         w.run(*changed)
     assert len(gpu.launches) == 2
+    out, lse = w.run(*args, return_lse=True)
+    assert out.shape == (2, 16, 512) and lse.shape == (2, 16) and pointers(gpu.launches[-1])[0][4] == lse.data_ptr()

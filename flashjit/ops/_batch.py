@@ -85,8 +85,6 @@ class BatchAttention:
         self._ints: torch.Tensor | None = None
         self._pages: torch.Tensor | None = None
         self._capacity: tuple | None = None  # graph mode: (batch, tokens, work items)
-        self._tails: dict = {}
-        self._validated: set = set()  # run() argument signatures already checked against the plan
         self._launches = Signatures()  # argument signature -> prepared run() (ops._calls), for the current plan
         self._qo_rows = "qo_indptr[-1]"  # what sets q's row count, for error messages
         self._handle = _library.register_wrapper(self)  # how run()'s torch.ops.flashjit operator finds this
@@ -169,8 +167,6 @@ class BatchAttention:
         self._plan = BatchPlan(module, num_qo_heads, num_kv_heads, head_dim, q_dtype, tokens, page_size, max_page,
                                kv_indptr[-1] if page_indices is None else 0, scalars, pointers, partials, len(items),
                                merge_tokens, work, graph_tokens=self._capacity[1] if self._use_cuda_graph else 0)
-        self._tails = {}
-        self._validated = set()
         self._launches = Signatures()
 
     def _check_q(self, q, plan: BatchPlan) -> None:

@@ -250,16 +250,26 @@ def batch_call(module: KernelModule, params: bytes, device_index: int, v_offset:
 _Q_PE = struct.Struct("=Q")
 
 
-def mla_call(module: KernelModule, params: bytes, device_index: int, check):
-    """The prepared launch of an MLA wrapper's plan and argument signature:
-    call(q_nope, q_pe, ckv, kpe, out, lse) with the outputs allocated. params: the
-    whole struct, its first five pointers and its last (q_pe: the struct's last
-    field) unread; check(q_nope, q_pe, ckv, kpe, out): the first call's placement
-    checks, which name a tensor whose address is off 16 bytes."""
+def mla_call(module: KernelModule, params: bytes, device_index: int, q_nope: torch.Tensor, heads: int,
+             return_lse: bool, check):
+    """The prepared run() of an MLA wrapper for one plan and argument signature:
+    call(q_nope, q_pe, ckv, kpe, out, lse) -> out, or (out, lse) with return_lse;
+    out / lse None are allocated (out like q_nope). params: the whole struct, its
+    first five pointers and its last (q_pe: the struct's last field) unread;
+    check(q_nope, q_pe, ckv, kpe, out): the first call's placement checks, which
+    name a tensor whose address is off 16 bytes."""
     launcher, launch_error, middle = module.launcher, module.launch_error, params[ADDRESSES.size:-_Q_PE.size]
-    pack, pack_q_pe = ADDRESSES.pack, _Q_PE.pack
+    dense_out, dim = dense(q_nope), q_nope.shape[-1]
+    pack, pack_q_pe, empty, empty_like, f32 = ADDRESSES.pack, _Q_PE.pack, torch.empty, torch.empty_like, torch.float32
 
-    def call(q_nope, q_pe, ckv, kpe, out, lse) -> None:
+    def call(q_nope, q_pe, ckv, kpe, out, lse):
+        if out is None:
+            out = empty_like(q_nope) if dense_out else \
+                empty(q_nope.shape[0], heads, dim, dtype=q_nope.dtype, device=q_nope.device)
+        if not return_lse:
+            lse = None
+        elif lse is None:
+            lse = empty(q_nope.shape[0], heads, dtype=f32, device=q_nope.device)
         qp, pp, kp, vp, op = q_nope.data_ptr(), q_pe.data_ptr(), ckv.data_ptr(), kpe.data_ptr(), out.data_ptr()
         if (qp | pp | kp | vp | op) & 15:
             check(q_nope, q_pe, ckv, kpe, out)
@@ -270,6 +280,7 @@ def mla_call(module: KernelModule, params: bytes, device_index: int, check):
             code = launch_elsewhere(launcher, params, device_index)
         if code:
             raise launch_error(code)
+        return (out, lse) if return_lse else out
 
     call.module = module
     return call

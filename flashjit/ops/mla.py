@@ -19,7 +19,7 @@ from ..loader import AttentionParams
 from ..spec import MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, TENSOR_CORE_DTYPES, canonical_dtype
 from . import _checks, _library
 from ._batch import BatchAttention, dtype_arg
-from ._calls import mla_call
+from ._calls import mla_call, remember, tensor_signature
 from ._launch import PER_CALL, check_kv_strides, fill_params, select_spec
 
 # q_pe is the struct's last field (attention_params.cuh): the host appends it per call.
@@ -105,16 +105,24 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
 
     def _run(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse: bool):
         """run()'s eager body, which the torch.ops.flashjit.mla_paged_run* operators call too."""
+        try:  # the argument signature of a prepared run() (see ops._batch)
+            key = (q_nope.shape, q_nope.stride(), q_nope.dtype, q_nope.device, tensor_signature(q_pe),
+                   tensor_signature(ckv_cache), tensor_signature(kpe_cache), return_lse,
+                   out if out is None else tensor_signature(out), lse if lse is None else tensor_signature(lse))
+            launches = self._launches
+            last_key, launch = launches.last
+            if key != last_key:
+                launch = launches.get(key)
+                if launch is not None:
+                    launches.last = (key, launch)
+        except (AttributeError, TypeError):  # something is no tensor: the checks say which
+            key = launch = None
+        if launch is not None:
+            return launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse)
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan()")
-        try:
-            key = (q_nope.shape, q_nope.stride(), q_nope.dtype, q_pe.shape, q_pe.stride(), q_pe.dtype, ckv_cache.shape,
-                   ckv_cache.stride(), ckv_cache.dtype, kpe_cache.shape, kpe_cache.stride(), kpe_cache.dtype)
-        except AttributeError:  # something is no tensor: the checks say which
-            key = None
-        if key is None or key not in self._validated:
-            self._check_mla(q_nope, q_pe, ckv_cache, kpe_cache, plan)
+        self._check_mla(q_nope, q_pe, ckv_cache, kpe_cache, plan)
         rows = q_nope.shape[0]
         if not (rows == plan.qo_tokens or plan.qo_tokens <= rows <= plan.graph_tokens):
             cap = f" to {plan.graph_tokens} (use_cuda_graph=True)" if plan.graph_tokens > plan.qo_tokens else ""
@@ -126,9 +134,7 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
                              f"(ckv_cache / kpe_cache: expected at least {plan.max_page + 1} pages, as planned, got "
                              f"shape {tuple(ckv_cache.shape)})")
         out, lse = self._outputs(q_nope, plan, out, lse, return_lse)
-        self._launch_mla(q_nope, q_pe, ckv_cache, kpe_cache, out, lse)
-        if key is not None:
-            self._validated.add(key)
+        remember(self._launches, key, self._launch_mla(q_nope, q_pe, ckv_cache, kpe_cache, out, lse))
         return (out, lse) if return_lse else out
 
     def _check_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, plan) -> None:
@@ -154,25 +160,24 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
             raise ValueError(f"kpe_cache: expected {ckv_cache.shape[0]} pages (as ckv_cache), got "
                              f"{kpe_cache.shape[0]}")
 
-    def _launch_mla(self, q_nope, q_pe, ckv, kpe, out, lse) -> None:
+    def _launch_mla(self, q_nope, q_pe, ckv, kpe, out, lse):
+        """The first run() of a signature, after its checks against the plan; returns
+        the prepared call that repeats it (ops._calls.mla_call)."""
         plan = self._plan
-        key = (q_nope.stride(), q_pe.stride(), ckv.stride(), kpe.stride(), q_nope.device, q_pe.device, ckv.device,
-               kpe.device)
-        launch = self._tails.get(key)
-        if launch is None:
-            self._check_placement(q_nope, q_pe, ckv, kpe, out)
-            k_strides, v_strides = (ckv.stride(1), 0, ckv.stride(0)), (kpe.stride(1), 0, kpe.stride(0))
-            for name, strides in (("ckv_cache", k_strides), ("kpe_cache", v_strides)):
-                check_kv_strides(name, strides, plan.page_size, ckv.element_size())
-            params = fill_params(q_nope, 1, k_strides, v_strides, plan.page_size,
-                                 (plan.num_qo_heads * MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_CKV), plan.num_qo_heads,
-                                 *plan.scalars)
-            params.q_pe_stride_n, params.q_pe_stride_h = q_pe.stride(0), q_pe.stride(1)
-            head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1,
-                                 0, plan.work.band_items)
-            launch = self._tails[key] = mla_call(plan.module, head + bytes(params)[PER_CALL.size:],
-                                                 self._device.index, self._check_placement)
-        launch(q_nope, q_pe, ckv, kpe, out, lse)  # checks the addresses' alignment on every call
+        self._check_placement(q_nope, q_pe, ckv, kpe, out)
+        k_strides, v_strides = (ckv.stride(1), 0, ckv.stride(0)), (kpe.stride(1), 0, kpe.stride(0))
+        for name, strides in (("ckv_cache", k_strides), ("kpe_cache", v_strides)):
+            check_kv_strides(name, strides, plan.page_size, ckv.element_size())
+        params = fill_params(q_nope, 1, k_strides, v_strides, plan.page_size,
+                             (plan.num_qo_heads * MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_CKV), plan.num_qo_heads,
+                             *plan.scalars)
+        params.q_pe_stride_n, params.q_pe_stride_h = q_pe.stride(0), q_pe.stride(1)
+        head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1, 0,
+                             plan.work.band_items)
+        launch = mla_call(plan.module, head + bytes(params)[PER_CALL.size:], self._device.index, q_nope,
+                          plan.num_qo_heads, lse is not None, self._check_placement)
+        launch(q_nope, q_pe, ckv, kpe, out, lse)
+        return launch
 
     def _check_placement(self, q_nope, q_pe, ckv, kpe, out) -> None:
         for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv), ("kpe_cache", kpe)):
