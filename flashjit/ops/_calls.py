@@ -15,7 +15,7 @@ not attribute lookups, on a path measured in microseconds.
 
 What is not cached, because nothing cheaper tells when it changes: torch's
 current device and current stream, read on every call through torch's raw
-getters (about 0.1 us together).
+getters (benchmarks/bench_jit.py measures the two).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ assert _UNSPLIT.size == PER_CALL.size
 # The first five (q, k, v, o, lse) are all that changes between a batch wrapper's
 # calls with one plan and signature.
 ADDRESSES = struct.Struct("=5Q")
-NO_BATCH = (0, 0, 0, 0, 0, 0)  # qo/kv indptr, page indices, last page lens, work, merge indptr
 CACHE_LIMIT = 4096
 _BANDS_LIMIT = 1024
 _SPLIT_KEYS = 2 * MIN_CHUNK_KEYS  # fewer keys are never split
