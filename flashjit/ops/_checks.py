@@ -203,29 +203,16 @@ def paged_kv_cache(paged_kv_cache, kv_layout: str) -> tuple:
     return k, v, num_pages, page_size, heads, dim, ks, vs
 
 
-# Geometry of 5-D caches seen before, by (layout, shape, strides, dtype, device):
-# a decode loop passes the same cache every step, and slicing it into K and V
-# views costs microseconds of host time per call.
-_CACHE_GEOMETRY: dict = {}
-_CACHE_GEOMETRY_LIMIT = 256
-
-
 def paged_kv_sources(cache, kv_layout: str) -> tuple:
     """(k_src, v_src, v_offset_bytes, num_pages, page_size, num_kv_heads, head_dim,
     k_strides, v_strides): what a launch reads. For one 5-D cache, k_src and v_src
-    are the cache itself and V starts v_offset_bytes after K (no views are made
-    once its geometry is known); for a (K, V) tuple, the two tensors and 0.
-    Raises ValueError as paged_kv_cache does."""
-    if isinstance(cache, torch.Tensor):
-        key = (kv_layout, cache.shape, cache.stride(), cache.dtype, cache.device)
-        geometry = _CACHE_GEOMETRY.get(key)
-        if geometry is None:
-            _, _, *geometry = paged_kv_cache(cache, kv_layout)
-            if len(_CACHE_GEOMETRY) >= _CACHE_GEOMETRY_LIMIT:
-                _CACHE_GEOMETRY.clear()
-            geometry = _CACHE_GEOMETRY[key] = tuple(geometry)
-        return (cache, cache, cache.stride(1) * cache.element_size(), *geometry)
+    are the cache itself and V starts v_offset_bytes after K; for a (K, V) tuple,
+    the two tensors and 0. Runs on a call signature's first call only (repeat
+    calls reuse the prepared launch: _calls.py). Raises ValueError as
+    paged_kv_cache does."""
     k, v, *geometry = paged_kv_cache(cache, kv_layout)
+    if isinstance(cache, torch.Tensor):
+        return (cache, cache, cache.stride(1) * cache.element_size(), *geometry)
     return (k, v, 0, *geometry)
 
 
