@@ -249,6 +249,8 @@ def cmd_info(args) -> int:
     print(f"jit           {jit_state}")
     strict = setting(arch.strict_backend, lambda on: "on (no fallback to fa2)" if on else "off")
     print(f"strict        {strict}")
+    invariant = setting(arch.batch_invariant, lambda on: "on (FLASHJIT_BATCH_INVARIANT)" if on else "off")
+    print(f"batch-inv.    {invariant}")
     if torch is not None and torch.cuda.is_available():
         idx = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(idx)

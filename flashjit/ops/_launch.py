@@ -12,7 +12,7 @@ import torch
 from .. import arch, jit
 from ..loader import AttentionParams, KernelModule
 from ..spec import KernelSpec, canonical_dtype
-from . import _checks
+from . import _checks, _invariant
 from ._plan import CHUNK_ALIGN, MIN_CHUNK_KEYS, ceil_div, single_request_band_items
 
 log = logging.getLogger("flashjit")
@@ -21,16 +21,23 @@ _announced: set = set()
 
 def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use_tensor_cores: bool | None,
                 causal: bool, window: bool, soft_cap: bool, return_lse: bool, strict: bool | None = None,
-                head_dim_vo: int | None = None) -> KernelSpec:
+                head_dim_vo: int | None = None, batch_invariant: bool = False) -> KernelSpec:
     """Resolves backend/tensor cores (logging the choice once per configuration) and validates.
     strict: an explicit backend this GPU or op cannot run raises instead of running fa2
-    (None: FLASHJIT_STRICT_BACKEND). head_dim_vo: V's width where it differs from head_dim (MLA)."""
+    (None: FLASHJIT_STRICT_BACKEND). head_dim_vo: V's width where it differs from head_dim (MLA).
+    batch_invariant: ops._invariant.kernel_choice (decode on its prefill op's backend and kernel)."""
     name = canonical_dtype(dtype)
-    chosen_backend, tc, reason = arch.choose_backend(op, name, use_tensor_cores, backend, strict=strict)
+    backend_op = op
+    if batch_invariant:
+        backend_op, use_tensor_cores, causal = _invariant.kernel_choice(op, name, causal)
+    chosen_backend, tc, reason = arch.choose_backend(backend_op, name, use_tensor_cores, backend, strict=strict)
+    if batch_invariant:
+        reason += f"; batch-invariant mode: {op} on {backend_op}'s kernel" if backend_op != op \
+            else "; batch-invariant mode"
     spec = KernelSpec.make(op, name, head_dim, head_dim_vo=head_dim_vo, backend=chosen_backend, use_tensor_cores=tc,
                            causal=bool(causal), sliding_window=window, soft_cap=soft_cap,
                            return_lse=return_lse).validate()
-    if (backend == "auto" or use_tensor_cores is None) and spec not in _announced:
+    if (backend == "auto" or use_tensor_cores is None or batch_invariant) and spec not in _announced:
         _announced.add(spec)
         log.info("flashjit: %s -> %s (%s)", op, spec.name, reason)
     return spec
@@ -99,18 +106,20 @@ class Prepared:
     group: int = 1                         # query heads per KV head
     split_ctas: int = 0                    # split the keys while fewer CTAs than this; 0: never
     aligned_args: tuple = ("k", "v")       # tensors the kernel reads with 16-byte vectors
+    invariant_chunk: int = 0               # batch-invariant mode: keys per chunk, whatever the grid (0: normal)
 
     @staticmethod
     def make(module: KernelModule, params: AttentionParams, out_shape, lse_shape, device: torch.device,
-             group: int = 1) -> "Prepared":
+             group: int = 1, invariant_chunk: int = 0) -> "Prepared":
         """A single-request launch; it splits the keys across CTAs (flash-decoding)
-        when the grid would not fill one full wave of the GPU (as ops._plan)."""
+        when the grid would not fill one full wave of the GPU (as ops._plan), or,
+        with invariant_chunk, into chunks of that many keys whatever the grid."""
         split_ctas = resident_ctas(module, device)
         # Tensor-core kernels also copy Q (and write O) in 16-byte vectors.
         aligned = ("q", "k", "v", "out") if module.spec.use_tensor_cores else ("k", "v")
         return Prepared(module, bytes(params)[PER_CALL.size:], tuple(out_shape) if out_shape else (),
                         tuple(lse_shape) if lse_shape is not None else None, device.index, group, split_ctas,
-                        aligned)
+                        aligned, invariant_chunk=invariant_chunk)
 
     @property
     def num_kv_heads(self) -> int:
@@ -123,6 +132,8 @@ class Prepared:
     def _split(self, num_work: int, kv_len: int) -> tuple[int, int]:
         """(num_splits, kv_chunk): enough splits to reach split_ctas CTAs, each of
         at least MIN_CHUNK_KEYS keys; (1, 0) when the grid is large enough."""
+        if self.invariant_chunk:
+            return _invariant.single_split(kv_len, self.invariant_chunk)
         ctas = num_work * self.num_kv_heads
         if not 0 < ctas < self.split_ctas or kv_len < 2 * MIN_CHUNK_KEYS:
             return 1, 0
@@ -179,20 +190,23 @@ def resident_ctas(module: KernelModule, device: torch.device) -> int:
 
 def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_qo_heads: int, num_kv_heads: int,
                            *, causal: bool, sm_scale, window_left, logits_soft_cap, backend: str,
-                           use_tensor_cores, return_lse: bool, strict: bool | None = None) -> Prepared:
+                           use_tensor_cores, return_lse: bool, strict: bool | None = None,
+                           batch_invariant: bool = False) -> Prepared:
     """The shared end of single_prefill / single_decode preparation, after their
     own structural checks: scalars, configuration, placement, kernel, params.
     The output is allocated [tokens, heads, dim] (decode: [heads, dim]) contiguous."""
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
     spec = select_spec(op, q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,
-                       window=has_window, soft_cap=has_cap, return_lse=return_lse, strict=strict)
+                       window=has_window, soft_cap=has_cap, return_lse=return_lse, strict=strict,
+                       batch_invariant=batch_invariant)
     check_placement(q, k, v, spec)
     module = jit.get_module(spec)
     params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
                          window_left, cap)
+    chunk = _invariant.chunk_keys(None, True, module.split_align) if batch_invariant else 0
     return Prepared.make(module, params, (num_qo_heads, head_dim), (num_qo_heads,) if return_lse else None,
-                         q.device, group=num_qo_heads // num_kv_heads)
+                         q.device, group=num_qo_heads // num_kv_heads, invariant_chunk=chunk)
 
 
 def remember(cache: dict, key, prep: Prepared) -> Prepared:
