@@ -11,11 +11,10 @@ the mode pins is everything else that normal mode lets the batch decide:
 - the kernel family: one for every op. Decode runs the prefill kernel of its
   backend (rows split over warps, the same key tiles from key 0 of the request;
   on fa3 with one consumer warpgroup) instead of the split-keys decode kernel,
-  whose warps merge their states;
-  fp16/bf16 always on tensor cores (use_tensor_cores is not a choice here),
-  fp32 on the CUDA-core prefill kernel;
+  whose warps merge their states; fp16/bf16 always on tensor cores
+  (use_tensor_cores is not a choice here), fp32 on the CUDA-core prefill kernel;
 - the backend: `auto` resolves as for prefill (fa3 where every target is
-  sm_90a, else fa2) for decode too, through the fa3 paged prefill kernel;
+  sm_90a, else fa2) for decode too;
 - split-KV: a fixed chunk of keys from key 0, the same for every op, instead of
   a chunk sized from the batch, the SM count or the workspace. A row that sees
   keys in one chunk is written directly (the merge of one state and empty ones

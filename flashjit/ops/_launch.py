@@ -25,14 +25,14 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
     """Resolves backend/tensor cores (logging the choice once per configuration) and validates.
     strict: an explicit backend this GPU or op cannot run raises instead of running fa2
     (None: FLASHJIT_STRICT_BACKEND). head_dim_vo: V's width where it differs from head_dim (MLA).
-    batch_invariant: ops._invariant.kernel_choice (decode on its prefill op's backend and kernel)."""
+    batch_invariant: ops._invariant.kernel_choice (decode on its prefill op's backend and tiling)."""
     name = canonical_dtype(dtype)
     backend_op = op
     if batch_invariant:
         backend_op, use_tensor_cores, causal = _invariant.kernel_choice(op, name, causal)
     chosen_backend, tc, reason = arch.choose_backend(backend_op, name, use_tensor_cores, backend, strict=strict)
     if batch_invariant:
-        reason += f"; batch-invariant mode: {op} on {backend_op}'s kernel" if backend_op != op \
+        reason += f"; batch-invariant mode: {backend_op}'s backend and tiling" if backend_op != op \
             else "; batch-invariant mode"
     spec = KernelSpec.make(op, name, head_dim, head_dim_vo=head_dim_vo, backend=chosen_backend, use_tensor_cores=tc,
                            causal=bool(causal), sliding_window=window, soft_cap=soft_cap,
