@@ -278,3 +278,16 @@ def test_chunks_never_grow_to_fit(planned):
     w = _plan("decode", 40 * C, batch_invariant=True)  # 40 partial rows of 8 heads: past a 64 KB workspace
     assert w._plan.work.kv_chunk == C and w._own_partials is not None
     assert w._plan.partials[0] == w._own_partials.data_ptr()
+
+
+def test_prewarm_selects_the_modes_kernels():
+    """flashjit prewarm --batch-invariant: the kernels the selected ops load in
+    the mode, per target arch (decode: its causal spec, on fa3 for sm_90a)."""
+    args = cli.build_parser().parse_args(["prewarm", "--preset", "minimal", "--batch-invariant"])
+    specs = cli.specs_from_args(args, ("sm_80", "sm_90a"))
+    decode = {(s.op, s.backend) for s in specs if s.op in PREFILL_OF}
+    assert decode == {(op, b) for op in PREFILL_OF for b in ("fa2", "fa3")}
+    assert all(s.invariant_decode and s.use_tensor_cores for s in specs if s.op in PREFILL_OF)
+    assert all(s.use_tensor_cores for s in specs if s.op != "append_paged")
+    plain = cli.specs_from_args(cli.build_parser().parse_args(["prewarm", "--preset", "minimal"]), ("sm_90a",))
+    assert not any(s.invariant_decode for s in plain)

@@ -80,6 +80,25 @@ def kernel_choice(op: str, dtype: str, causal: bool) -> tuple[str, bool, bool]:
     return PREFILL_OPS.get(op, op), dtype in TENSOR_CORE_DTYPES, causal or op in PREFILL_OPS
 
 
+def prewarm_specs(specs, arches) -> list:
+    """The kernels batch-invariant mode loads for a prewarm selection built for
+    `arches` (flashjit prewarm --batch-invariant): each attention spec's cores
+    and causal flag as kernel_choice gives them, on the backend `auto` picks for
+    its prefill op on each arch."""
+    from ..spec import MLA_OPS, UTILITY_OPS
+
+    out = []
+    for spec in specs:
+        if spec.op in UTILITY_OPS or spec.op in MLA_OPS:  # loaded as they are
+            out.append(spec)
+            continue
+        backend_op, tc, causal = kernel_choice(spec.op, spec.dtype_q, spec.causal)
+        for target in arches:
+            backend = arch.choose_backend(backend_op, spec.dtype_q, tc, "auto", targets=(target,))[0]
+            out.append(spec.replace(use_tensor_cores=tc, causal=causal, backend=backend).validate())
+    return list(dict.fromkeys(out))
+
+
 def chunk_keys(fixed_chunk: int | None, allow_split: bool, split_align: int) -> int:
     """Keys per chunk (0: no split): the caller's fixed chunk, rounded up to the
     kernel's tile, else CHUNK_KEYS. Outputs agree across calls that use the same
