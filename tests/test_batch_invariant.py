@@ -291,3 +291,15 @@ def test_prewarm_selects_the_modes_kernels():
     assert all(s.use_tensor_cores for s in specs if s.op != "append_paged")
     plain = cli.specs_from_args(cli.build_parser().parse_args(["prewarm", "--preset", "minimal"]), ("sm_90a",))
     assert not any(s.invariant_decode for s in plain)
+
+
+@pytest.mark.parametrize("op", list(PREFILL_OF))
+def test_prewarm_command_of_an_invariant_decode_builds_it(op):
+    """The command a FLASHJIT_DISABLE_JIT miss names selects exactly that kernel."""
+    import shlex
+
+    spec = flashjit.KernelSpec.make(op, "bfloat16", 128, backend="fa3", use_tensor_cores=True, causal=True,
+                                    return_lse=True)
+    argv = shlex.split(jit.prewarm_command(spec, ("sm_90a",)))[1:]
+    args = cli.build_parser().parse_args(argv)
+    assert cli.specs_from_args(args, ("sm_90a",)) == [spec]
