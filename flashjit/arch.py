@@ -4,8 +4,9 @@ arches to compile for, and which backend `auto` picks on this device.
 Raises ToolchainError (flashjit.errors) with the fix for: nvcc not found, nvcc
 too old for an arch, an arch name we do not know, a GPU older than SM80; and
 SettingError for a FLASHJIT_* variable it cannot use (FLASHJIT_NVCC,
-FLASHJIT_CUDA_ARCH_LIST, FLASHJIT_STRICT_BACKEND). The functions that read those
-variables (env_nvcc, env_arches, strict_backend) are the only parsers of them:
+FLASHJIT_CUDA_ARCH_LIST, FLASHJIT_STRICT_BACKEND, FLASHJIT_BATCH_INVARIANT). The
+functions that read those variables (env_nvcc, env_arches, strict_backend,
+batch_invariant) are the only parsers of them:
 the CLI's up-front checks call them too.
 """
 
@@ -215,6 +216,18 @@ def strict_backend() -> bool:
     raise SettingError(f"FLASHJIT_STRICT_BACKEND: expected 0 or 1 (or true/false, yes/no), got {raw!r}; set it to 1 "
                        f"(an explicit backend the target cannot run is an error) or 0 (it falls back to fa2), or "
                        f"unset it")
+
+
+def batch_invariant() -> bool:
+    """FLASHJIT_BATCH_INVARIANT=1: every op of the process in batch-invariant mode
+    (flashjit/ops/_invariant.py). A value it does not know is a SettingError."""
+    raw = os.environ.get("FLASHJIT_BATCH_INVARIANT", "")
+    if raw.lower() in SWITCH_OFF:
+        return False
+    if raw.lower() in SWITCH_ON:
+        return True
+    raise SettingError(f"FLASHJIT_BATCH_INVARIANT: expected 0 or 1 (or true/false, yes/no), got {raw!r}; set it to 1 "
+                       f"(every op batch-invariant) or 0, or unset it")
 
 
 _warned_fallbacks: set = set()

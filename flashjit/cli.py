@@ -89,6 +89,10 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
             spec = KernelSpec.make(op, dtype, head_dim, backend=chosen, use_tensor_cores=tc, causal=causal,
                                    sliding_window=window, soft_cap=cap, return_lse=lse or op in ALWAYS_LSE)
             specs.append(spec.validate())
+    if getattr(args, "batch_invariant", False):
+        from .ops import _invariant  # imports torch: only for this flag
+
+        specs = _invariant.prewarm_specs(specs, arches)
     return list(dict.fromkeys(specs))
 
 
@@ -252,6 +256,8 @@ def cmd_info(args) -> int:
     print(f"jit           {jit_state}")
     strict = setting(arch.strict_backend, lambda on: "on (no fallback to fa2)" if on else "off")
     print(f"strict        {strict}")
+    invariant = setting(arch.batch_invariant, lambda on: "on (FLASHJIT_BATCH_INVARIANT)" if on else "off")
+    print(f"batch-inv.    {invariant}")
     if torch is not None and torch.cuda.is_available():
         idx = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(idx)
@@ -352,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--jobs", type=_positive_int,
                      help="parallel nvcc jobs (default: $FLASHJIT_JOBS, else by cores/memory)")
     pre.add_argument("-v", "--verbose", action="store_true", help="list every configuration's name before building")
+    pre.add_argument("--batch-invariant", action="store_true",
+                     help="the kernels the selected ops load in batch-invariant mode (decode: its prefill tiling)")
     pre.set_defaults(func=cmd_prewarm)
     cac = sub.add_parser("cache", help="list, verify, clear, export or import the cache")
     cac.add_argument("action", choices=["list", "verify", "clear", "export", "import"])

@@ -141,9 +141,11 @@ def prewarm_command(spec: KernelSpec, arches) -> str:
     def switch(flag: bool) -> str:
         return "on" if flag else "off"
 
+    # Batch-invariant decode is what --batch-invariant makes of the plain decode op (its backend: auto's).
+    mode = ("--causal off --batch-invariant", "") if spec.invariant_decode else \
+        (f"--causal {switch(spec.causal)}", f"--backend {spec.backend} ")
     return (f"flashjit prewarm --op {spec.op} --dtype {spec.dtype_q} --head-dim {spec.head_dim_qk} "
-            f"--backend {spec.backend} --tensor-cores {switch(spec.use_tensor_cores)} "
-            f"--causal {switch(spec.causal)} --window {switch(spec.sliding_window)} "
+            f"{mode[1]}--tensor-cores {switch(spec.use_tensor_cores)} {mode[0]} --window {switch(spec.sliding_window)} "
             f"--soft-cap {switch(spec.soft_cap)} --lse {switch(spec.return_lse)} --arch {' '.join(arches)}")
 
 

@@ -44,6 +44,9 @@ TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 TENSOR_CORE_OPS = ATTENTION_OPS + MLA_OPS
 # Ops the fa3 backend (wgmma, sm_90a) generates; the others run on fa2.
 FA3_OPS = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged", "mla_paged")
+# A decode op with causal=True (no decode API has a causal mask: one query row
+# sees every key) is batch-invariant mode's decode (ops/_invariant.py): its
+# backend's prefill kernel, rows split over warps, on every backend, fa3 too.
 
 
 def canonical_dtype(dtype) -> str:
@@ -105,6 +108,11 @@ class KernelSpec:
                 parts.append(label)
         return "_".join(parts)
 
+    @property
+    def invariant_decode(self) -> bool:
+        """Batch-invariant mode's decode: a decode op on its prefill kernel (see FA3_OPS)."""
+        return self.op in DECODE_OPS and self.causal
+
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
 
@@ -161,9 +169,9 @@ class KernelSpec:
         if self.backend == "fa3" and not self.use_tensor_cores:
             fail("backend fa3 without tensor cores", "fa3 is a tensor-core backend; CUDA cores run under "
                  "backend='fa2'", self.replace(backend="fa2"))
-        if self.backend == "fa3" and self.op not in FA3_OPS:
-            fail(f"backend fa3 for {self.op}", f"fa3 for {', '.join(FA3_OPS)}; {self.op} on fa2",
-                 self.replace(backend="fa2"))
+        if self.backend == "fa3" and self.op not in FA3_OPS and not self.invariant_decode:
+            fail(f"backend fa3 for {self.op}", f"fa3 for {', '.join(FA3_OPS)} (and batch-invariant decode, "
+                 f"causal=True); {self.op} on fa2", self.replace(backend="fa2"))
         return self
 
     def _validate_mla(self, fail) -> "KernelSpec":

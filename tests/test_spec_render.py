@@ -118,9 +118,10 @@ def test_sweep_renders_with_its_instantiation_values(op, dtype, head_dim):
 
 
 def test_decode_has_its_own_kernel_and_prefill_splits_rows():
+    """Decode splits keys; batch-invariant decode (causal=True) runs the prefill kernel, rows split."""
     for spec in SWEEP:
         template, t = kernels.tiling_for(spec)
-        if spec.op in DECODE_OPS:
+        if spec.op in DECODE_OPS and not spec.invariant_decode:
             assert template == "attention_cuda_decode.cu.jinja" and t.warps > 1 and t.rows_per_cta == 4
         else:
             assert template == "attention_cuda_core.cu.jinja" and t.row_warps > 1

@@ -68,10 +68,17 @@ FA3_ARCHES = tuple(sorted(kernels.fa3.ARCHES))
 
 
 def fa3_specs() -> list[KernelSpec]:
-    return [KernelSpec.make(op, dtype, head_dim, backend="fa3", use_tensor_cores=True, **flags)
-            for op in ("batch_prefill_ragged", "batch_prefill_paged")
-            for head_dim in sorted(kernels.fa3.FA3_TILINGS) for dtype in ("float16", "bfloat16")
-            for flags in FLAG_SETS] + [mla_spec(dtype, causal=True, backend="fa3") for dtype in ("float16", "bfloat16")]
+    prefill = [KernelSpec.make(op, dtype, head_dim, backend="fa3", use_tensor_cores=True, **flags)
+               for op in ("batch_prefill_ragged", "batch_prefill_paged")
+               for head_dim in sorted(kernels.fa3.FA3_TILINGS) for dtype in ("float16", "bfloat16")
+               for flags in FLAG_SETS]
+    # Batch-invariant decode (causal=True: one consumer warpgroup, FA3_DECODE_TILINGS), ragged and paged loaders.
+    decode = [KernelSpec.make(op, "bfloat16", head_dim, backend="fa3", use_tensor_cores=True, causal=True,
+                              return_lse=True, **flags)
+              for op in ("single_decode", "batch_decode_paged") for head_dim in sorted(kernels.fa3.FA3_DECODE_TILINGS)
+              for flags in ({"soft_cap": True}, {"sliding_window": True})]
+    mla = [mla_spec(dtype, causal=True, backend="fa3") for dtype in ("float16", "bfloat16")]
+    return prefill + decode + mla
 
 
 def smem_bytes(spec: KernelSpec, arches) -> int:
@@ -109,7 +116,7 @@ def main() -> int:
     lines.append(f"{len(results) - len(wide) - len(fa3)} configurations x {len(ARCHES)} arches, "
                  f"{len(wide)} sm_90a-only fa2 ones (kernels.fa2.FA2_WIDE_TILINGS, "
                  f"{' and '.join(f'd{d}' for d in sorted(kernels.fa2.FA2_WIDE_TILINGS))}) and {len(fa3)} fa3 ones "
-                 f"(kernels.fa3.FA3_TILINGS, built for {', '.join(FA3_ARCHES)} alone); "
+                 f"(kernels.fa3.FA3_TILINGS and FA3_DECODE_TILINGS, built for {', '.join(FA3_ARCHES)} alone); "
                  f"total spilled bytes: {spills}")
     text = "\n".join(lines)
     print(text)

@@ -41,7 +41,7 @@ def tiling_for(spec: KernelSpec, arches=None):
     """The template file of a validated attention spec and its tiling (every
     tiling has rows_per_cta and smem_bytes(spec)); `arches`: the build's target
     arches, None when unknown (then a tiling that suits every arch)."""
-    if not spec.use_tensor_cores and spec.op in DECODE_OPS:
+    if not spec.use_tensor_cores and spec.op in DECODE_OPS and not spec.invariant_decode:
         return "attention_cuda_decode.cu.jinja", cuda_core.cuda_decode_tiling(spec)
     if not spec.use_tensor_cores:
         return "attention_cuda_core.cu.jinja", cuda_core.cuda_core_tiling(spec)

@@ -185,7 +185,8 @@ def tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
     """The fa2 tiling of a spec; `arches` (the build's targets, None when
     unknown) admits FA2_WIDE_TILINGS where all of them are WIDE_TILING_ARCHES
     and fit min_blocks_per_sm of its CTAs per SM."""
-    table = FA2_DECODE_TILINGS if spec.op in DECODE_OPS else FA2_TILINGS
+    # Batch-invariant decode splits rows, on the key tiles of paged prefill.
+    table = FA2_DECODE_TILINGS if spec.op in DECODE_OPS and not spec.invariant_decode else FA2_TILINGS
     chosen = table[spec.head_dim_qk]
     assert chosen.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name
     wide = FA2_WIDE_TILINGS.get(spec.head_dim_qk)

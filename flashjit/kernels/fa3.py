@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..spec import KernelSpec
+from ..spec import DECODE_OPS, KernelSpec
 from . import common
 
 TEMPLATE = "attention_fa3.cu.jinja"
@@ -17,8 +17,8 @@ ARCHES = frozenset({"sm_90a"})
 
 @dataclass(frozen=True)
 class Fa3Tiling:
-    """A CTA of one loader and two consumer warpgroups (fa3_traits.cuh): 128
-    query rows, K/V tiles of keys_per_tile keys in a ring of `stages` slots."""
+    """A CTA of one loader and `consumers` consumer warpgroups of 64 query rows
+    each (fa3_traits.cuh), K/V tiles of keys_per_tile keys in a ring of `stages` slots."""
     keys_per_tile: int
     stages: int
     # Tile t's Q.K^T in flight with tile t - 1's P.V, the softmax between them
@@ -26,10 +26,11 @@ class Fa3Tiling:
     overlap: bool = False
     # One CTA per SM walking the launch positions (fa3_traits.cuh kPersistent).
     persistent: bool = False
+    consumers: int = 2
 
     @property
     def rows_per_cta(self) -> int:
-        return 128
+        return 64 * self.consumers
 
     def rescales(self, spec: KernelSpec) -> tuple[int, int]:
         """(keys per online-softmax rescale, merge rescales): one step per tile."""
@@ -56,8 +57,20 @@ FA3_TILINGS = {
 }
 
 
+# Decode (batch-invariant mode's, ops/_invariant.py): the prefill tilings' key
+# tiles, on which a row's arithmetic depends, with one consumer warpgroup, whose
+# 64 rows hold a KV head's query heads (a second would multiply rows of padding:
+# two warpgroups ran GQA 64x4k decode 20% and MHA 33% slower than fa2's
+# split-keys kernel on an H200), and a deeper ring in the shared memory it frees.
+FA3_DECODE_TILINGS = {
+    64: Fa3Tiling(keys_per_tile=128, stages=4, overlap=True, persistent=True, consumers=1),
+    128: Fa3Tiling(keys_per_tile=128, stages=3, overlap=True, persistent=True, consumers=1),
+    256: Fa3Tiling(keys_per_tile=64, stages=3, overlap=True, persistent=True, consumers=1),
+}
+
+
 def tiling(spec: KernelSpec, arches=None) -> Fa3Tiling:
-    chosen = FA3_TILINGS[spec.head_dim_qk]
+    chosen = (FA3_DECODE_TILINGS if spec.op in DECODE_OPS else FA3_TILINGS)[spec.head_dim_qk]
     assert chosen.smem_bytes(spec) + common.SMEM_RESERVED_PER_CTA <= common.SMEM_PER_SM["sm_90a"], spec.name
     return chosen
 

@@ -23,7 +23,7 @@ import torch
 
 from .. import jit
 from ..loader import KernelModule
-from . import _checks, _library
+from . import _checks, _invariant, _library
 from ._calls import PER_CALL, Signatures, batch_call, check_placement, resident_ctas
 from ._launch import fill_params
 from ._plan import WorkPlan, ceil_div, plan_work
@@ -86,6 +86,7 @@ class BatchAttention:
         self._pages: torch.Tensor | None = None
         self._capacity: tuple | None = None  # graph mode: (batch, tokens, work items)
         self._launches = Signatures()  # argument signature -> prepared run() (ops._calls), for the current plan
+        self._own_partials: torch.Tensor | None = None  # batch-invariant partial state past the workspace
         self._qo_rows = "qo_indptr[-1]"  # what sets q's row count, for error messages
         self._handle = _library.register_wrapper(self)  # how run()'s torch.ops.flashjit operator finds this
 
@@ -96,7 +97,11 @@ class BatchAttention:
     def _plan_batch(self, spec, qo_indptr: list[int], kv_indptr: list[int], kv_lens: list[int], *,
                     num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype, scalars: tuple,
                     page_size: int = 0, last_page_len: list[int] | None = None, page_indices=None, max_page: int = -1,
-                    fixed_chunk: int | None = None, allow_split: bool = True, non_blocking: bool = True) -> None:
+                    fixed_chunk: int | None = None, allow_split: bool = True, non_blocking: bool = True,
+                    batch_invariant: bool | None = None) -> None:
+        """batch_invariant: split-KV in fixed chunks of keys from key 0 (ops._invariant),
+        never resized for the batch, the GPU or the workspace (None: FLASHJIT_BATCH_INVARIANT)."""
+        batch_invariant = _invariant.resolve(batch_invariant)
         module = jit.get_module(spec)
         batch = len(qo_indptr) - 1
         qo_lens = [qo_indptr[i + 1] - qo_indptr[i] for i in range(batch)]
@@ -104,10 +109,19 @@ class BatchAttention:
         group = num_qo_heads // num_kv_heads
         wave = resident_ctas(module, self._device)
         max_items = None
+        chunk = _invariant.chunk_keys(fixed_chunk, allow_split, module.split_align) if batch_invariant else 0
         if self._use_cuda_graph:
             if self._capacity is None:
                 slots = ceil_div(wave, num_kv_heads)
-                self._capacity = (batch, tokens, ceil_div(tokens * group, module.rows_per_cta) + 2 * batch + slots)
+                items = ceil_div(tokens * group, module.rows_per_cta) + 2 * batch + slots
+                if chunk:
+                    # Chunks never grow in this mode: room for every chunk of the keys
+                    # the page-id buffer can address (ragged: this plan's keys).
+                    keys = self._page_buffer.shape[0] * page_size if page_size and self._page_buffer is not None \
+                        else kv_indptr[-1]
+                    tiles = 1 if self._op == "batch_decode_paged" else ceil_div(tokens * group, module.rows_per_cta)
+                    items += (ceil_div(keys, chunk) + batch) * tiles
+                self._capacity = (batch, tokens, items)
             cap_batch, cap_tokens, max_items = self._capacity
             if batch != cap_batch or tokens > cap_tokens:
                 raise ValueError(f"qo_indptr: with use_cuda_graph=True the batch is fixed at the first plan() "
@@ -118,11 +132,17 @@ class BatchAttention:
         # captured graph needs). A small workspace means fewer, longer chunks.
         workspace_bytes = self._workspace.numel() * self._workspace.element_size()
         rows_fit = workspace_bytes // (4 * num_qo_heads * (head_dim + 1))
-        work = plan_work(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta, num_kv_heads=num_kv_heads,
-                         resident_ctas=wave, split_align=module.split_align, causal=spec.causal,
-                         fixed_chunk=fixed_chunk, allow_split=allow_split, max_items=max_items,
-                         max_partial_rows=rows_fit)
-        base = self._workspace.data_ptr()
+        if batch_invariant:
+            work = _invariant.plan(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta,
+                                   num_kv_heads=num_kv_heads, resident_ctas=wave, chunk=chunk, causal=spec.causal,
+                                   max_items=max_items)
+            base, rows_fit = self._invariant_partials(work.partial_rows, rows_fit, num_qo_heads, head_dim)
+        else:
+            work = plan_work(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta,
+                             num_kv_heads=num_kv_heads, resident_ctas=wave, split_align=module.split_align,
+                             causal=spec.causal, fixed_chunk=fixed_chunk, allow_split=allow_split,
+                             max_items=max_items, max_partial_rows=rows_fit)
+            base = self._workspace.data_ptr()
         partials = (base, base + 4 * rows_fit * num_qo_heads * head_dim)
 
         merge = work.merge_indptr
@@ -168,6 +188,23 @@ class BatchAttention:
                                kv_indptr[-1] if page_indices is None else 0, scalars, pointers, partials, len(items),
                                merge_tokens, work, graph_tokens=self._capacity[1] if self._use_cuda_graph else 0)
         self._launches = Signatures()
+
+    def _invariant_partials(self, rows: int, rows_fit: int, num_qo_heads: int, head_dim: int) -> tuple[int, int]:
+        """(address, rows) of the partial state of a batch-invariant plan: the
+        workspace where it holds them, else (chunks cannot grow in this mode) a
+        buffer of this wrapper's own, or, with CUDA graphs (whose captured
+        addresses must stay), a ValueError naming the workspace needed."""
+        if rows <= rows_fit:
+            return self._workspace.data_ptr(), rows_fit
+        need = 4 * rows * num_qo_heads * (head_dim + 1)
+        if self._use_cuda_graph:
+            have = self._workspace.numel() * self._workspace.element_size()
+            raise ValueError(f"float_workspace_buffer: batch_invariant=True needs {need} bytes of partial state for "
+                             f"this batch (split-KV chunks of fixed size), got {have}; with use_cuda_graph=True give "
+                             f"a larger workspace")
+        if self._own_partials is None or self._own_partials.numel() * 4 < need:
+            self._own_partials = torch.empty(need // 4, dtype=torch.float32, device=self._device)
+        return self._own_partials.data_ptr(), rows
 
     def _check_q(self, q, plan: BatchPlan) -> None:
         """Everything about q but its row count (see _check_q_rows)."""

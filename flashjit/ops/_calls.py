@@ -26,7 +26,7 @@ import torch
 
 from ..loader import AttentionParams, KernelModule
 from ..spec import KernelSpec
-from . import _checks
+from . import _checks, _invariant
 from ._plan import CHUNK_ALIGN, MIN_CHUNK_KEYS, ceil_div, single_request_band_items
 
 # FlashjitAttentionParams starts with thirteen pointers and six per-call counts
@@ -138,13 +138,29 @@ def resident_ctas(module: KernelModule, device: torch.device) -> int:
         return _SM_COUNTS[device.index] * module.ctas_per_sm(device.index)
 
 
+def single_request_split(kv_len: int, ctas: int, split_ctas: int, invariant_chunk: int = 0) -> tuple[int, int]:
+    """(num_splits, kv_chunk) of a single-request launch of `ctas` CTAs: enough
+    splits to reach split_ctas CTAs, each of at least MIN_CHUNK_KEYS keys, (1, 0)
+    when the grid is large enough; with invariant_chunk (batch-invariant mode),
+    chunks of that many keys whatever the grid."""
+    if invariant_chunk:
+        return _invariant.single_split(kv_len, invariant_chunk)
+    if not 0 < ctas < split_ctas or kv_len < _SPLIT_KEYS:
+        return 1, 0
+    splits = min(ceil_div(split_ctas, ctas), kv_len // MIN_CHUNK_KEYS)
+    chunk = ceil_div(ceil_div(kv_len, splits), CHUNK_ALIGN) * CHUNK_ALIGN
+    return ceil_div(kv_len, chunk), chunk
+
+
 def single_request_call(module: KernelModule, params: AttentionParams, q: torch.Tensor, group: int,
-                        q_tokens: bool, return_lse: bool):
+                        q_tokens: bool, return_lse: bool, invariant_chunk: int = 0):
     """The prepared call of a single_prefill / single_decode signature:
     call(q, k, v, device, qo_len, kv_len) -> out, or (out, lse) with return_lse.
     q_tokens: q is [tokens, heads, dim] (else [heads, dim], decode). The keys are
     split across CTAs (flash-decoding) when the grid would not fill one wave of
-    the GPU (as ops._plan does for batches); the output is contiguous."""
+    the GPU (as ops._plan does for batches), or, with invariant_chunk
+    (batch-invariant mode), into chunks of that many keys whatever the grid; the
+    output is contiguous."""
     launcher, launch_error, tail = module.launcher, module.launch_error, bytes(params)[PER_CALL.size:]
     device = q.device
     device_index, split_ctas = device.index, resident_ctas(module, device)
@@ -155,16 +171,15 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
     empty, empty_like, f32 = torch.empty, torch.empty_like, torch.float32
     band_memo: dict = {}
     one_token_work = -(-group // rows_per_cta)  # decode's num_work
-    split_keys = _SPLIT_KEYS  # fewer keys in one row tile: never split, no bands
+    # Fewer keys in one row tile: never split, no bands.
+    split_keys = invariant_chunk + 1 if invariant_chunk else _SPLIT_KEYS
 
     def split_and_bands(num_work: int, qo_len: int, kv_len: int, device) -> tuple:
         """(partial buffer or None, partial_o, partial_lse, num_splits, kv_chunk, band_items)."""
         ctas = num_work * num_kv_heads
         partial, partial_o, partial_lse, splits, chunk, bands = None, 0, 0, 1, 0, 0
-        if 0 < ctas < split_ctas and kv_len >= _SPLIT_KEYS:
-            splits = min(ceil_div(split_ctas, ctas), kv_len // MIN_CHUNK_KEYS)
-            chunk = ceil_div(ceil_div(kv_len, splits), CHUNK_ALIGN) * CHUNK_ALIGN
-            splits = ceil_div(kv_len, chunk)
+        splits, chunk = single_request_split(kv_len, ctas, split_ctas, invariant_chunk)
+        if splits > 1:
             # Freed when the call returns: the caching allocator hands the block out
             # again only to work queued after this kernel on the same stream.
             rows = qo_len * heads

@@ -11,7 +11,7 @@ import torch
 from .. import arch, jit
 from ..loader import AttentionParams
 from ..spec import KernelSpec, canonical_dtype
-from . import _calls, _checks
+from . import _calls, _checks, _invariant
 from ._calls import Signatures, check_placement, remember, single_request_call
 
 # For the ops that pack their own params (mla, append), which import them from here.
@@ -23,16 +23,23 @@ _announced: set = set()
 
 def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use_tensor_cores: bool | None,
                 causal: bool, window: bool, soft_cap: bool, return_lse: bool, strict: bool | None = None,
-                head_dim_vo: int | None = None) -> KernelSpec:
+                head_dim_vo: int | None = None, batch_invariant: bool = False) -> KernelSpec:
     """Resolves backend/tensor cores (logging the choice once per configuration) and validates.
     strict: an explicit backend this GPU or op cannot run raises instead of running fa2
-    (None: FLASHJIT_STRICT_BACKEND). head_dim_vo: V's width where it differs from head_dim (MLA)."""
+    (None: FLASHJIT_STRICT_BACKEND). head_dim_vo: V's width where it differs from head_dim (MLA).
+    batch_invariant: ops._invariant.kernel_choice (decode on its prefill op's backend and tiling)."""
     name = canonical_dtype(dtype)
-    chosen_backend, tc, reason = arch.choose_backend(op, name, use_tensor_cores, backend, strict=strict)
+    backend_op = op
+    if batch_invariant:
+        backend_op, use_tensor_cores, causal = _invariant.kernel_choice(op, name, causal)
+    chosen_backend, tc, reason = arch.choose_backend(backend_op, name, use_tensor_cores, backend, strict=strict)
+    if batch_invariant:
+        reason += f"; batch-invariant mode: {backend_op}'s backend and tiling" if backend_op != op \
+            else "; batch-invariant mode"
     spec = KernelSpec.make(op, name, head_dim, head_dim_vo=head_dim_vo, backend=chosen_backend, use_tensor_cores=tc,
                            causal=bool(causal), sliding_window=window, soft_cap=soft_cap,
                            return_lse=return_lse).validate()
-    if (backend == "auto" or use_tensor_cores is None) and spec not in _announced:
+    if (backend == "auto" or use_tensor_cores is None or batch_invariant) and spec not in _announced:
         _announced.add(spec)
         log.info("flashjit: %s -> %s (%s)", op, spec.name, reason)
     return spec
@@ -80,19 +87,23 @@ def fill_params(q: torch.Tensor, num_kv_heads: int, k_strides: tuple, v_strides:
 
 def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_qo_heads: int, num_kv_heads: int,
                            *, causal: bool, sm_scale, window_left, logits_soft_cap, backend: str,
-                           use_tensor_cores, return_lse: bool, strict: bool | None = None):
+                           use_tensor_cores, return_lse: bool, strict: bool | None = None,
+                           batch_invariant: bool = False):
     """The shared end of single_prefill / single_decode preparation, after their
     own structural checks: scalars, configuration, placement, kernel, params.
     Returns the prepared call (ops._calls.single_request_call)."""
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
     spec = select_spec(op, q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,
-                       window=has_window, soft_cap=has_cap, return_lse=return_lse, strict=strict)
+                       window=has_window, soft_cap=has_cap, return_lse=return_lse, strict=strict,
+                       batch_invariant=batch_invariant)
     check_placement(q, k, v, spec)
     module = jit.get_module(spec)
     params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
                          window_left, cap)
-    return single_request_call(module, params, q, num_qo_heads // num_kv_heads, q.dim() == 3, bool(return_lse))
+    chunk = _invariant.chunk_keys(None, True, module.split_align) if batch_invariant else 0
+    return single_request_call(module, params, q, num_qo_heads // num_kv_heads, q.dim() == 3, bool(return_lse),
+                               invariant_chunk=chunk)
 
 
 def run_single_request(cache: Signatures, prepare, q, k, v, kv_layout: str, options: tuple, q_tokens: bool):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _library
+from . import _checks, _invariant, _library
 from ._calls import Signatures
 from ._launch import check_qkv, prepare_single_request, run_single_request
+from .prefill import _check_traced_mode
 
 _prepared = Signatures()  # signature -> prepared call (ops._calls)
 
@@ -15,33 +16,38 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
                                 use_tensor_cores: bool = False, q_scale=None, k_scale=None, v_scale=None,
                                 window_left: int = -1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
                                 rope_theta=None, return_lse: bool = False, *, backend: str = "auto",
-                                strict: bool | None = None):
+                                strict: bool | None = None, batch_invariant: bool | None = None):
     """q [num_qo_heads, head_dim] against k/v [kv_len, num_kv_heads, head_dim] (NHD)
     or [num_kv_heads, kv_len, head_dim] (HND). Returns o like q, and with
-    return_lse the base-2 log-sum-exp [num_qo_heads]."""
+    return_lse the base-2 log-sum-exp [num_qo_heads]. batch_invariant=True: the
+    prefill kernel's output for this query row (docs/numerics.md); None:
+    FLASHJIT_BATCH_INVARIANT."""
     if _library.tracing():
+        _check_traced_mode(batch_invariant)
         _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, q_scale=q_scale, k_scale=k_scale,
                                   v_scale=v_scale)
         res = torch.ops.flashjit.single_decode.default(q, k, v, kv_layout, use_tensor_cores, sm_scale, window_left,
                                                        logits_soft_cap, backend, bool(return_lse), strict)
         return (res[0], res[1]) if return_lse else res[0]
-    return run_single_request(_prepared, _prepare, q, k, v, kv_layout, (
-        pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left, logits_soft_cap, sm_scale,
-        return_lse, backend, strict), False)
+    return run_single(q, k, v, kv_layout, (pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale,
+                                           window_left, logits_soft_cap, sm_scale, return_lse, backend, strict),
+                      batch_invariant)
 
 
-def run_single(q, k, v, kv_layout: str, options: tuple):
+def run_single(q, k, v, kv_layout: str, options: tuple, batch_invariant=None):
     """The eager body of single_decode_with_kv_cache; options in its argument order,
     pos_encoding_mode to strict."""
-    return run_single_request(_prepared, _prepare, q, k, v, kv_layout, options, False)
+    invariant = _invariant.resolve(batch_invariant)
+    return run_single_request(_prepared, _prepare, q, k, v, kv_layout, (*options, invariant), False)
 
 
 def _prepare(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
-             logits_soft_cap, sm_scale, return_lse, backend, strict):
+             logits_soft_cap, sm_scale, return_lse, backend, strict, batch_invariant: bool = False):
     _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, q_scale=q_scale, k_scale=k_scale,
                               v_scale=v_scale)
     _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout, q_ndim=2)
     return prepare_single_request("single_decode", q, k, v, kv_layout, head_dim, num_qo_heads, num_kv_heads,
                                   causal=False, sm_scale=sm_scale, window_left=window_left,
                                   logits_soft_cap=logits_soft_cap, backend=backend,
-                                  use_tensor_cores=use_tensor_cores, return_lse=return_lse, strict=strict)
+                                  use_tensor_cores=use_tensor_cores, return_lse=return_lse, strict=strict,
+                                  batch_invariant=batch_invariant)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _library
+from . import _checks, _invariant, _library
 from ._batch import BatchAttention
 from ._calls import remember, tensor_signature
 from .prefill import plan_spec
@@ -23,7 +23,8 @@ class _PagedAttention(BatchAttention):
     def _plan_paged(self, qo: list[int], paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size: int,
                     spec, scalars, q_dtype, num_qo_heads, num_kv_heads, head_dim, fixed_split_size,
                     disable_split_kv: bool, non_blocking: bool,
-                    names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")) -> None:
+                    names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"),
+                    batch_invariant: bool = False) -> None:
         kv = _checks.check_indptr(names[0], paged_kv_indptr, batch_size=len(qo) - 1)
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
@@ -42,7 +43,7 @@ class _PagedAttention(BatchAttention):
         self._plan_batch(spec, qo, kv, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                          head_dim=head_dim, q_dtype=q_dtype, scalars=scalars, page_size=page_size,
                          last_page_len=last, page_indices=indices, max_page=max_page, fixed_chunk=fixed,
-                         allow_split=not disable_split_kv, non_blocking=non_blocking)
+                         allow_split=not disable_split_kv, non_blocking=non_blocking, batch_invariant=batch_invariant)
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse: bool = False, enable_pdl=None, window_left=None, **kwargs):
@@ -152,16 +153,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
              use_fp16_qk_reduction: bool = False, sm_scale=None, window_left: int = -1, logits_soft_cap=None,
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
              non_blocking: bool = True, *, fixed_split_size: int | None = None, disable_split_kv: bool = False,
-             use_tensor_cores: bool | None = None) -> None:
-        """fixed_split_size: pages per split-KV chunk; disable_split_kv: none."""
+             use_tensor_cores: bool | None = None, batch_invariant: bool | None = None) -> None:
+        """fixed_split_size: pages per split-KV chunk; disable_split_kv: none.
+        batch_invariant=True: each request's output does not depend on the rest
+        of the batch, the page size or the op (docs/numerics.md); None:
+        FLASHJIT_BATCH_INVARIANT."""
+        invariant = _invariant.resolve(batch_invariant)
         qo = _checks.check_indptr("qo_indptr", qo_indptr)
         spec, scalars, q_dtype = plan_spec(
             "batch_prefill_paged", self._backend, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, custom_mask,
             packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
-            sm_scale, q_data_type, kv_data_type, o_data_type, use_tensor_cores, strict=self._strict)
+            sm_scale, q_data_type, kv_data_type, o_data_type, use_tensor_cores, strict=self._strict,
+            batch_invariant=invariant)
         self._plan_paged(qo, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size, spec, scalars,
                          q_dtype, num_qo_heads, num_kv_heads, head_dim_qk, fixed_split_size, disable_split_kv,
-                         non_blocking)
+                         non_blocking, batch_invariant=invariant)
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
@@ -189,8 +195,14 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
              page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1, logits_soft_cap=None,
              q_data_type="float16", kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None,
              rope_scale=None, rope_theta=None, non_blocking: bool = True, block_tables=None, seq_lens=None,
-             fixed_split_size: int | None = None, disable_split_kv: bool = False) -> None:
-        """fixed_split_size: pages per split-KV chunk; disable_split_kv: none."""
+             fixed_split_size: int | None = None, disable_split_kv: bool = False, *,
+             batch_invariant: bool | None = None) -> None:
+        """fixed_split_size: pages per split-KV chunk; disable_split_kv: none.
+        batch_invariant=True: each output row is the one prefill of the same
+        tokens gives, whatever the batch (docs/numerics.md): the prefill kernel
+        runs, on tensor cores for fp16/bf16 whatever use_tensor_cores says;
+        None: FLASHJIT_BATCH_INVARIANT."""
+        invariant = _invariant.resolve(batch_invariant)
         if block_tables is not None or seq_lens is not None:
             raise NotImplementedError("block_tables / seq_lens: pass indptr, indices and last_page_len instead")
         if data_type is not None:
@@ -202,7 +214,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
                                            window_left=window_left, logits_soft_cap=logits_soft_cap,
                                            sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
                                            o_data_type=o_data_type, use_tensor_cores=self._use_tensor_cores,
-                                           strict=self._strict)
+                                           strict=self._strict, batch_invariant=invariant)
         self._plan_paged(list(range(batch + 1)), indptr, indices, last_page_len, page_size, spec, scalars, q_dtype,
                          num_qo_heads, num_kv_heads, head_dim, fixed_split_size, disable_split_kv, non_blocking,
-                         names=("indptr", "indices", "last_page_len"))
+                         names=("indptr", "indices", "last_page_len"), batch_invariant=invariant)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _library
+from . import _checks, _invariant, _library
 from ._batch import BatchAttention, dtype_arg
 from ._calls import Signatures, remember, tensor_signature
 from ._launch import check_qkv, kv_tokens, prepare_single_request, run_single_request, select_spec
@@ -19,32 +19,45 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
                                  pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
                                  sm_scale=None, window_left: int = -1, logits_soft_cap=None, rope_scale=None,
                                  rope_theta=None, backend: str = "auto", return_lse: bool = False, *,
-                                 use_tensor_cores: bool | None = None, strict: bool | None = None):
+                                 use_tensor_cores: bool | None = None, strict: bool | None = None,
+                                 batch_invariant: bool | None = None):
     """Attention of one request: q [qo_len, num_qo_heads, head_dim], k/v [kv_len,
     num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND).
     Returns o like q, and with return_lse the base-2 log-sum-exp [qo_len, num_qo_heads].
-    strict=True: a backend this GPU cannot run (fa3 off sm_90a) raises instead of running fa2."""
+    strict=True: a backend this GPU cannot run (fa3 off sm_90a) raises instead of running fa2.
+    batch_invariant=True: the output is the one every op gives this request in
+    batch-invariant mode (docs/numerics.md); None: FLASHJIT_BATCH_INVARIANT."""
     if _library.tracing():
+        _check_traced_mode(batch_invariant)
         _check_options(q, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
                        use_fp16_qk_reduction)
         res = torch.ops.flashjit.single_prefill.default(q, k, v, kv_layout, bool(causal), sm_scale, window_left,
                                                         logits_soft_cap, backend, bool(return_lse),
                                                         use_tensor_cores, strict)
         return (res[0], res[1]) if return_lse else res[0]
-    return run_single_request(_prepared, _prepare_single, q, k, v, kv_layout, (
-        scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
-        use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend, return_lse, use_tensor_cores, strict),
-        True)
+    return run_single(q, k, v, kv_layout, (scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask,
+                                           causal, pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left,
+                                           logits_soft_cap, backend, return_lse, use_tensor_cores, strict),
+                      batch_invariant)
 
 
-def run_single(q, k, v, kv_layout: str, options: tuple):
+def _check_traced_mode(batch_invariant) -> None:
+    """The operators take the mode from FLASHJIT_BATCH_INVARIANT alone (their
+    eager bodies read it): an argument that says otherwise cannot be traced."""
+    if batch_invariant is not None and _invariant.resolve(batch_invariant) != _invariant.env_setting():
+        raise NotImplementedError(f"batch_invariant={batch_invariant}: not an argument of the torch.ops.flashjit "
+                                  f"operators; under tracing set {_invariant.ENV_VAR} for the process instead")
+
+
+def run_single(q, k, v, kv_layout: str, options: tuple, batch_invariant=None):
     """The eager body of single_prefill_with_kv_cache; options in its argument order, scale_q to strict."""
-    return run_single_request(_prepared, _prepare_single, q, k, v, kv_layout, options, True)
+    invariant = _invariant.resolve(batch_invariant)
+    return run_single_request(_prepared, _prepare_single, q, k, v, kv_layout, (*options, invariant), True)
 
 
 def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal,
                     pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend,
-                    return_lse, use_tensor_cores, strict):
+                    return_lse, use_tensor_cores, strict, batch_invariant: bool = False):
     _checks.check_unsupported(scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, custom_mask=custom_mask,
                               packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
                               use_fp16_qk_reduction=use_fp16_qk_reduction)
@@ -53,7 +66,8 @@ def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, cust
     return prepare_single_request("single_prefill", q, k, v, kv_layout, head_dim, num_qo_heads, num_kv_heads,
                                   causal=causal, sm_scale=sm_scale, window_left=window_left,
                                   logits_soft_cap=logits_soft_cap, backend=backend,
-                                  use_tensor_cores=use_tensor_cores, return_lse=return_lse, strict=strict)
+                                  use_tensor_cores=use_tensor_cores, return_lse=return_lse, strict=strict,
+                                  batch_invariant=batch_invariant)
 
 
 def _check_options(q, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
@@ -88,19 +102,25 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
              pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, window_left: int = -1,
              logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None, q_data_type="float16",
              kv_data_type=None, o_data_type=None, non_blocking: bool = True, *, fixed_split_size: int | None = None,
-             disable_split_kv: bool = False, use_tensor_cores: bool | None = None) -> None:
+             disable_split_kv: bool = False, use_tensor_cores: bool | None = None,
+             batch_invariant: bool | None = None) -> None:
         """fixed_split_size: keys per split-KV chunk (rounded up to the kernel's
-        tile); disable_split_kv: every request in one CTA per row tile."""
+        tile); disable_split_kv: every request in one CTA per row tile.
+        batch_invariant=True: each request's output does not depend on the rest
+        of the batch, nor on the op that computes it (docs/numerics.md); None:
+        FLASHJIT_BATCH_INVARIANT."""
+        invariant = _invariant.resolve(batch_invariant)
         qo = _checks.check_indptr("qo_indptr", qo_indptr)
         kv = _checks.check_indptr("kv_indptr", kv_indptr, batch_size=len(qo) - 1)
         spec, scalars, q_dtype = plan_spec(
             "batch_prefill_ragged", self._backend, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, custom_mask,
             packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
-            sm_scale, q_data_type, kv_data_type, o_data_type, use_tensor_cores, strict=self._strict)
+            sm_scale, q_data_type, kv_data_type, o_data_type, use_tensor_cores, strict=self._strict,
+            batch_invariant=invariant)
         kv_lens = [kv[i + 1] - kv[i] for i in range(len(kv) - 1)]
         self._plan_batch(spec, qo, kv, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                          head_dim=head_dim_qk, q_dtype=q_dtype, scalars=scalars, fixed_chunk=fixed_split_size,
-                         allow_split=not disable_split_kv, non_blocking=non_blocking)
+                         allow_split=not disable_split_kv, non_blocking=non_blocking, batch_invariant=invariant)
 
     _op = "batch_prefill_ragged"
 
@@ -168,7 +188,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
 def plan_spec(op: str, backend: str, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo,
               custom_mask=None, packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
               use_fp16_qk_reduction: bool = False, window_left=-1, logits_soft_cap=None, sm_scale=None,
-              q_data_type="float16", kv_data_type=None, o_data_type=None, use_tensor_cores=None, strict=None):
+              q_data_type="float16", kv_data_type=None, o_data_type=None, use_tensor_cores=None, strict=None,
+              batch_invariant: bool = False):
     """The checks every batch plan() shares; returns (spec, scalars, q dtype).
     The LSE variant writes LSE only when run() passes a buffer, so one plan serves both."""
     _checks.check_unsupported(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
@@ -184,5 +205,6 @@ def plan_spec(op: str, backend: str, num_qo_heads: int, num_kv_heads: int, head_
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim_qk, window_left,
                                                                              logits_soft_cap)
     spec = select_spec(op, q_dtype, head_dim_qk, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,
-                       window=has_window, soft_cap=has_cap, return_lse=True, strict=strict)
+                       window=has_window, soft_cap=has_cap, return_lse=True, strict=strict,
+                       batch_invariant=batch_invariant)
     return spec, (sm_scale, window_left, cap), q_dtype

@@ -35,6 +35,12 @@ __device__ __forceinline__ void store_merged(const FlashjitAttentionParams& p, i
   if (p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_n + head] = sum > 0.f ? m + log2f(sum) : -CUDART_INF_F;
 }
 
+// Both merge kernels below sum in one order, so that a row's bits do not
+// depend on which of them the row count picks (batch-invariant mode relies on
+// it): state s goes to partial sum s % kMergeWays, each partial sum is a chain
+// of fmaf in state order from 0, and the partial sums are added to 0 in order.
+constexpr int kMergeWays = 4;
+
 // One CTA per (token, head). A long context leaves dozens of partial rows per
 // head and only a few heads to merge, so the warps split the partial rows
 // (loads of several in flight each) and combine through shared memory; one
@@ -43,7 +49,7 @@ template <class DTypeO, int kHeadDim>
 __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_constant__ FlashjitAttentionParams p) {
   wait_for_primary_grid();  // partial states come from the attention grid (grid_dependency.cuh)
   static_assert(kHeadDim % 32 == 0, "one lane per 32 dims");
-  constexpr int kWarps = 4, kDimsPerLane = kHeadDim / 32;
+  constexpr int kWarps = kMergeWays, kDimsPerLane = kHeadDim / 32;
   __shared__ float s_max[kWarps], s_sum[kWarps], s_acc[kWarps][kHeadDim];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row = blockIdx.x;  // token * heads + head
@@ -110,15 +116,30 @@ __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __gr
   float m = -CUDART_INF_F;
   for (int s = lane; s < count; s += 32) m = fmaxf(m, lse_of(s));
   m = warp_max(m);
-  float acc[kDimsPerLane] = {};
-  float sum = 0.f;
-#pragma unroll 4
-  for (int s = 0; s < count; ++s) {
-    const float w = exp2_diff(lse_of(s), m);
-    sum += w;
-    const float* src = p.partial_o + ((first + s) * p.num_qo_heads + head) * kHeadDim;
+  // The per-way sums of merge_split_states_kernel's warps, kept in registers.
+  float way_acc[kMergeWays][kDimsPerLane] = {};
+  float way_sum[kMergeWays] = {};
+  for (int s0 = 0; s0 < count; s0 += kMergeWays) {
 #pragma unroll
-    for (int i = 0; i < kDimsPerLane; ++i) acc[i] = fmaf(w, src[lane + 32 * i], acc[i]);
+    for (int j = 0; j < kMergeWays; ++j) {
+      const int s = s0 + j;
+      if (s < count) {
+        const float w = exp2_diff(lse_of(s), m);
+        way_sum[j] += w;
+        const float* src = p.partial_o + ((first + s) * p.num_qo_heads + head) * kHeadDim;
+#pragma unroll
+        for (int i = 0; i < kDimsPerLane; ++i) way_acc[j][i] = fmaf(w, src[lane + 32 * i], way_acc[j][i]);
+      }
+    }
+  }
+  float acc[kDimsPerLane], sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kMergeWays; ++j) sum += way_sum[j];
+#pragma unroll
+  for (int i = 0; i < kDimsPerLane; ++i) {
+    acc[i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < kMergeWays; ++j) acc[i] += way_acc[j][i];
   }
   store_merged<DTypeO>(p, token, head, lane, acc, sum, m);
 }

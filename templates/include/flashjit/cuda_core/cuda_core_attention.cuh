@@ -186,7 +186,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       const float rescale = exp2_diff(m[r], m_new);
       const float prob = exp2_diff(s[r], m_new);
       m[r] = m_new;
-      l[r] = l[r] * rescale + prob;  // per-lane partial; summed across lanes at the end
+      // Per-lane partial, summed across lanes at the end; one explicit FMA, so that
+      // no row of the unrolled loop gets another rounding (see fa2_softmax.cuh).
+      l[r] = fmaf(l[r], rescale, prob);
       my_p[r * KEYS + lane] = prob;
 #pragma unroll
       for (int i = 0; i < DPL; ++i) acc[r][i] *= rescale;

@@ -89,8 +89,11 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
   const float kNegInf = -CUDART_INF_F;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, tq = lane % 4;
-  // Base-2 LSE of fragment f's row r, -inf for a row that saw no key.
-  auto lse_of = [&](int f, int r) { return l[f][r] > 0.f ? m[f][r] * scale + log2f(l[f][r]) : kNegInf; };
+  // Base-2 LSE of fragment f's row r, -inf for a row that saw no key; its
+  // roundings spelled out, as in fa2_softmax.cuh, so that no row's is fused.
+  auto lse_of = [&](int f, int r) {
+    return l[f][r] > 0.f ? __fadd_rn(__fmul_rn(m[f][r], scale), log2f(l[f][r])) : kNegInf;
+  };
   const auto packed = w.packed_rows();
   float inv_l[FM][2];
 #pragma unroll

@@ -302,7 +302,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     inv_l[r] = softmax.l[0][r] > 0.f ? 1.f / softmax.l[0][r] : 0.f;
   }
   auto lse_of = [&](int r) {
-    return softmax.l[0][r] > 0.f ? softmax.m[0][r] * softmax.scale + log2f(softmax.l[0][r]) : kNegInf;
+    return softmax.l[0][r] > 0.f ? __fadd_rn(__fmul_rn(softmax.m[0][r], softmax.scale), log2f(softmax.l[0][r]))
+                                 : kNegInf;  // roundings spelled out: see fa2_softmax.cuh
   };
   const auto packed = w.packed_rows();
   const int col0 = warp * Traits::kVoColsPerWarp + 2 * tq;

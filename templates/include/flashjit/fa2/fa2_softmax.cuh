@@ -70,15 +70,21 @@ struct WarpSoftmax {
 
     // Row r of fragment f takes mx[f][r] as its max where moves[r], with O and
     // l rescaled to it, and keeps m (a factor of exactly 1) elsewhere.
+    // The roundings of l, m * scale and the rescale are spelled out (__fmul_rn,
+    // __fadd_rn are never fused into an FMA): left to the compiler, a product
+    // shared with m_ref or an add next to the multiply was fused for some of a
+    // lane's rows and not others, so a row's bits depended on its place in the
+    // fragment (r, f) and two tilings, or a decode row against its prefill row,
+    // differed in the last bit of l and the LSE (batch-invariant mode needs them equal).
     auto move_max = [&](int f, const bool (&moves)[2]) {
       float rescale[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float ref = mx[f][r] == kNegInf ? 0.f : mx[f][r] * scale;
-        rescale[r] = moves[r] ? exp2_fast(m[f][r] * scale - ref) : 1.f;
+        const float ref = mx[f][r] == kNegInf ? 0.f : __fmul_rn(mx[f][r], scale);
+        rescale[r] = moves[r] ? exp2_fast(__fsub_rn(__fmul_rn(m[f][r], scale), ref)) : 1.f;
         if (moves[r]) m[f][r] = mx[f][r];
         if constexpr (kLazyMax) {
-          l[f][r] *= rescale[r];
+          l[f][r] = __fmul_rn(l[f][r], rescale[r]);
         } else {
           l_scale[f][r] = rescale[r];
         }
@@ -117,7 +123,7 @@ struct WarpSoftmax {
 #pragma unroll
     for (int f = 0; f < FM; ++f)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) m_ref[f][r] = m[f][r] == kNegInf ? 0.f : m[f][r] * scale;
+      for (int r = 0; r < 2; ++r) m_ref[f][r] = m[f][r] == kNegInf ? 0.f : __fmul_rn(m[f][r], scale);
   }
 
   // Exponentials of fragment f's S against m_ref, their sums into l, and P
@@ -131,7 +137,7 @@ struct WarpSoftmax {
         s[f][j][2 * r + 1] = exp2_fast(fmaf(s[f][j][2 * r + 1], scale, -m_ref[f][r]));
       }
       const float sum = row_sum<NT_S>(s[f], r);  // unrounded fp32 P
-      l[f][r] = kLazyMax ? l[f][r] + sum : fmaf(l[f][r], l_scale[f][r], sum);
+      l[f][r] = kLazyMax ? __fadd_rn(l[f][r], sum) : fmaf(l[f][r], l_scale[f][r], sum);
     }
     // P rounded to T, as the A operand of k-step kk (keys 16kk .. 16kk+15).
 #pragma unroll

@@ -11,7 +11,7 @@
 namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kKeysPerTile_, int kStages_, bool kOverlap_, bool kPersistent_,
-          bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
+          bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_, int kConsumerWarpgroups_ = 2>
 struct Fa3Traits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -37,7 +37,10 @@ struct Fa3Traits {
   // Warpgroup 0 loads K/V (one thread issues the TMA copies); warpgroups 1 and
   // 2 each own 64 rows of the CTA's 128 and run their matrix products and
   // softmax independently, so that one's softmax overlaps the other's wgmma.
-  static constexpr int kConsumerWarpgroups = 2;
+  // Decode takes one consumer (64 rows): a KV head's query heads fill a few of
+  // them, and a second warpgroup would double the products for rows of padding.
+  static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
+  static_assert(kConsumerWarpgroups == 1 || kConsumerWarpgroups == 2, "one or two consumer warpgroups");
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kRowsPerWarpgroup = 64;
   static constexpr int kRowsPerCta = kRowsPerWarpgroup * kConsumerWarpgroups;
@@ -46,9 +49,11 @@ struct Fa3Traits {
   // consumers, whose S (kKeysPerTile / 2), O (kHeadDim / 2) and P registers
   // need it. 128 * (40 + 2 * 232) = 64512 of the SM's 65536. A paged loader
   // keeps each thread's copy addresses and row pages: 56, the consumers 224.
+  // With a lone consumer (decode) there is room for 56 and 240: at 40 and 224
+  // ptxas spilled 4-12 bytes.
   static constexpr int kLoaderThreads = 128;
-  static constexpr int kLoaderRegs = kPaged ? 56 : 40;
-  static constexpr int kConsumerRegs = kPaged ? 224 : 232;
+  static constexpr int kLoaderRegs = kPaged || kConsumerWarpgroups == 1 ? 56 : 40;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 1 ? 240 : kPaged ? 224 : 232;
   static_assert(kLoaderThreads * (kLoaderRegs + kConsumerWarpgroups * kConsumerRegs) <= 65536, "the SM's registers");
 
   // What fa2::WarpSoftmax and fa2::store_rows read: each warp of a consumer
