@@ -57,8 +57,28 @@ def _check_planned(wrapper, spec: KernelSpec) -> None:
         raise RuntimeError(f"plan() selected {ran.name}, not {spec.name}")
 
 
+def single_kv_chunk(spec: KernelSpec, p: Problem) -> int | None:
+    """The keys per split-KV chunk a single-request launch of p uses here (0:
+    not split), by the launch's own rule (ops._launch.Prepared._split); None for
+    tensor-core configurations, which the data-dependent bound does not model."""
+    if spec.use_tensor_cores:
+        return None
+    from types import SimpleNamespace
+
+    from .. import jit
+    from ..ops._launch import Prepared, resident_ctas
+
+    module = jit.get_module(spec)
+    group = p.q.shape[1] // p.k.shape[1]
+    launch = SimpleNamespace(module=module, group=group, num_kv_heads=p.k.shape[1],
+                             split_ctas=resident_ctas(module, p.q.device))
+    num_work = Prepared.num_work(launch, p.q.shape[0])
+    return Prepared._split(launch, num_work, p.kv_lens[0])[1]
+
+
 def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> tuple:
-    """(out, lse or None) of the op for `spec` on problem p."""
+    """(out, lse or None, kv_chunk) of the op for `spec` on problem p; kv_chunk:
+    the keys per split-KV chunk of the requests the launch split (0: none)."""
     var, dtype = _variant(spec), TORCH_DTYPES[spec.dtype_q]
     num_qo, num_kv, head_dim = p.q.shape[1], p.k.shape[1], spec.head_dim_qk
     picks = {"backend": spec.backend, "strict": True}
@@ -66,13 +86,13 @@ def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> 
         poison_allocator()
         res = flashjit.single_prefill_with_kv_cache(p.q, p.k, p.v, causal=spec.causal, return_lse=spec.return_lse,
                                                     use_tensor_cores=spec.use_tensor_cores, **picks, **var)
-        return res if spec.return_lse else (res, None)
+        return (*(res if spec.return_lse else (res, None)), single_kv_chunk(spec, p))
     if spec.op == "single_decode":
         poison_allocator()
         res = flashjit.single_decode_with_kv_cache(p.q[0], p.k, p.v, use_tensor_cores=spec.use_tensor_cores,
                                                    return_lse=spec.return_lse, **picks, **var)
         out, lse = res if spec.return_lse else (res, None)
-        return out[None], (lse[None] if lse is not None else None)
+        return out[None], (lse[None] if lse is not None else None), single_kv_chunk(spec, p)
     if spec.op == "batch_prefill_ragged":
         wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, **picks)
         wrapper.plan(torch.tensor(indptr(p.qo_lens), dtype=torch.int32),
@@ -80,7 +100,7 @@ def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> 
                      causal=spec.causal, q_data_type=dtype, use_tensor_cores=spec.use_tensor_cores, **var)
         _check_planned(wrapper, spec)
         poison_allocator()
-        return wrapper.run(p.q, p.k, p.v, return_lse=True)
+        return (*wrapper.run(p.q, p.k, p.v, return_lse=True), wrapper._plan.work.kv_chunk)
     pages = paged(p, generator)
     if spec.op == "batch_prefill_paged":
         wrapper = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", **picks)
@@ -96,7 +116,7 @@ def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> 
         raise ValueError(f"{spec.op} is not an attention op: nothing to measure")
     _check_planned(wrapper, spec)
     poison_allocator()
-    return wrapper.run(p.q, pages.cache, return_lse=True)
+    return (*wrapper.run(p.q, pages.cache, return_lse=True), wrapper._plan.work.kv_chunk)
 
 
 def reference(spec: KernelSpec, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +135,12 @@ class Accumulator:
         self.errors: list[torch.Tensor] = []
         self.calls = self.nan = 0
         self.ratio, self.lse_ratio, self.worst = 0.0, None, None
+        self.data = {}
 
-    def add(self, spec: KernelSpec, p: Problem, out, lse, ref, ref_lse) -> None:
+    def add(self, spec: KernelSpec, p: Problem, out, lse, ref, ref_lse, kv_chunk: int | None = None) -> None:
+        """One call. With kv_chunk (the launch's split-KV chunk, 0: none), a
+        CUDA-core configuration is also checked against the data-dependent
+        bound of error_bound.py."""
         kv_len = max(max(p.kv_lens), 1)
         sm_scale = 1.0 / math.sqrt(spec.head_dim_qk)
         tol = flashjit.tolerance(spec, q=p.q, k=p.k, v=p.v, kv_len=kv_len, sm_scale=sm_scale)
@@ -140,6 +164,19 @@ class Accumulator:
             lse_tol = evaluate_lse(profile(spec), kv_len=kv_len, logit_absmax=logit_absmax)
             r = lse_tol.ratio(lse, ref_lse)
             self.lse_ratio = r if self.lse_ratio is None else max(self.lse_ratio, r)
+        if kv_chunk is not None and not spec.use_tensor_cores:
+            self._add_data_bound(spec, p, out, lse, kv_chunk, sm_scale)
+
+    def _add_data_bound(self, spec: KernelSpec, p: Problem, out, lse, kv_chunk: int, sm_scale: float) -> None:
+        from ..error_bound import ragged_cuda_core_bound
+
+        var = _variant(spec)
+        bound = ragged_cuda_core_bound(spec, p.q, p.k, p.v, indptr(p.qo_lens), indptr(p.kv_lens), kv_chunk=kv_chunk,
+                                       causal=spec.causal and spec.op not in ("single_decode", "batch_decode_paged"),
+                                       sm_scale=sm_scale, **var)
+        self.data["data_ratio"] = max(self.data.get("data_ratio", 0.0), bound.ratio(out))
+        if lse is not None:
+            self.data["data_lse_ratio"] = max(self.data.get("data_lse_ratio", 0.0), bound.lse_ratio(lse))
 
     def row(self) -> dict:
         err = torch.cat(self.errors) if self.errors else torch.zeros(0, dtype=torch.float64)
@@ -148,8 +185,9 @@ class Accumulator:
                  "p999_err": float(err.kthvalue(max(1, math.ceil(P999 * n))).values) if n else 0.0,
                  "mean_err": float(err.mean()) if n else 0.0}
         over = not self.ratio <= 1.0 or (self.lse_ratio is not None and not self.lse_ratio <= 1.0) or self.nan > 0
+        over = over or not all(r <= 1.0 for r in self.data.values())
         return {"status": "over" if over else "ok", "calls": self.calls, **stats, "ratio": self.ratio,
-                "lse_ratio": self.lse_ratio, "nan": self.nan, **(self.worst or {})}
+                "lse_ratio": self.lse_ratio, "nan": self.nan, **self.data, **(self.worst or {})}
 
 
 def seed_for(base: int, spec: KernelSpec, case: str, draw: int) -> int:
@@ -177,10 +215,10 @@ def measure_spec(spec: KernelSpec, cases, seeds: int, base_seed: int, workspace)
                 generator = torch.Generator(device="cuda").manual_seed(seed_for(base_seed, spec, case, draw))
                 for p in make_problems(case, spec.op, spec.head_dim_qk, TORCH_DTYPES[spec.dtype_q],
                                        generator=generator, device="cuda", heads=HEADS):
-                    out, lse = run_op(spec, p, workspace, generator)
+                    out, lse, kv_chunk = run_op(spec, p, workspace, generator)
                     torch.cuda.synchronize()
                     ref, ref_lse = reference(spec, p)
-                    acc.add(spec, p, out, lse, ref, ref_lse if lse is not None else None)
+                    acc.add(spec, p, out, lse, ref, ref_lse if lse is not None else None, kv_chunk)
             row = acc.row()
         except Exception as exc:  # the other cases and configurations still run; the row says what failed
             row = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
