@@ -19,8 +19,15 @@ D = head_dim, T = online-softmax rescalings (per kernel tiling, about n / 32), S
           + 8u + 4*lam*sqrt(T)*u                    (exp2f, 2 ulp, in the softmax and in the split-KV
                                                      merge; online-softmax rescaling)
 
+fp32 on CUDA cores (fp32 in, arithmetic and out) is bounded in the worst case
+instead (evaluate_worst_case): the lam*sqrt terms above assume roundings that
+cancel, and an fp32 output shows the difference: a dominant first key with a
+tail of tiny weights, or equal logits over a constant V, make the P.V chain's
+roundings all go one way (docs/numerics-fp32.md, "Why not the √n model").
+
 The profile stored beside each kernel holds these coefficients; magnitudes (vmax,
-S, n) come from the call: given directly, or measured from q, k, v.
+S, n) come from the call: given directly, or measured from q, k, v. A bound per
+element from the call's own data, sound and far tighter, is error_bound.py's.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dataclasses import dataclass
 from .kernels import tiling_for
 from .spec import DTYPES, MLA_OPS, UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec
 
-MODEL_VERSION = "flashjit-error-model-2"
+MODEL_VERSION = "flashjit-error-model-3"
 U32 = 2.0**-24
 LAMBDA = 2.0
 _TINY = {"float16": 2.0**-14, "bfloat16": 2.0**-126, "float32": 2.0**-126}
@@ -61,7 +68,10 @@ def profile(spec: KernelSpec) -> dict:
     if spec.op in UTILITY_OPS:  # a copy: exact, every coefficient 0
         coefficients.update({k: 0.0 for k, v in coefficients.items() if isinstance(v, float)}, exact=True)
         return coefficients
-    coefficients["keys_per_rescale"], coefficients["merge_rescales"] = tiling_for(spec)[1].rescales(spec)
+    tiling = tiling_for(spec)[1]
+    coefficients["keys_per_rescale"], coefficients["merge_rescales"] = tiling.rescales(spec)
+    if not spec.use_tensor_cores and {spec.dtype_q, spec.dtype_kv, spec.dtype_o} == {"float32"}:
+        coefficients.update(bound="worst_case", soft_cap=spec.soft_cap, **tiling.chains(spec))
     return coefficients
 
 
@@ -111,6 +121,8 @@ def rescales(prof: dict, n: int) -> int:
 def evaluate(prof: dict, *, kv_len: int, v_absmax: float, logit_absmax: float) -> Tolerance:
     """Turns a stored profile and the call's magnitudes into (rtol, atol).
     logit_absmax bounds |sm_scale| * sum_d |q_d k_d| over all query/key pairs."""
+    if prof.get("bound") == "worst_case":
+        return evaluate_worst_case(prof, kv_len=kv_len, v_absmax=v_absmax, logit_absmax=logit_absmax)[0]
     n = max(int(kv_len), 1)
     tiles = rescales(prof, n)
     s_log2 = _LOG2E * float(logit_absmax)
@@ -119,9 +131,42 @@ def evaluate(prof: dict, *, kv_len: int, v_absmax: float, logit_absmax: float) -
     return Tolerance(rtol=prof["rtol"], atol=float(v_absmax) * per_v + prof["atol_floor"])
 
 
+# Split-KV: a single-request launch cuts the keys into at most kv_len / 512
+# chunks (ops._launch, MIN_CHUNK_KEYS), a batch plan into at most 64.
+_MAX_PIECES_BATCH, _MIN_CHUNK = 64, 512
+
+
+def evaluate_worst_case(prof: dict, *, kv_len: int, v_absmax: float, logit_absmax: float) -> tuple:
+    """(output Tolerance, LSE Tolerance) that hold for every rounding of a
+    CUDA-core kernel, from magnitudes alone: every term of error_bound.py at its
+    largest (docs/numerics-fp32.md, "The worst-case profile"). S = log2(e)*logit_absmax
+    bounds every |logit| in log2 units, 2S their spread; a weight's relative
+    error delta moves the output by at most delta * max|v - o| <= 2 delta vmax."""
+    n = max(int(kv_len), 1)
+    s = _LOG2E * float(logit_absmax)
+    steps = rescales(prof, n)
+    pieces = max(_MAX_PIECES_BATCH, math.ceil(n / _MIN_CHUNK)) + 4
+    # Logit error (log2 units): the dot product's chain, the scaling of q (sm_scale,
+    # log2 e, their product, q itself), with soft-cap tanhf and three more roundings.
+    logit = U32 * s * (prof["dot_chain"] + 4 + (8 if prof.get("soft_cap") else 0))
+    spread = U32 * (2 * s + 2 * logit)                  # a rounding of a difference of two logits
+    delta = (_LN2 * (logit + spread) + 4 * U32           # the key's logit, s - m, exp2
+             + steps * 4 * U32 + _LN2 * spread           # rescales: exp2 each, the max rises by <= 2S in all
+             + prof["merge_levels"] * (4 * U32 + _LN2 * spread)
+             + _LN2 * U32 * (3 * s + 4 * math.log2(n) + 6 * logit) + 4 * U32)   # the split's LSE and merge weight
+    l_rel = U32 * (math.ceil(n / prof["l_chains"]) + steps + prof["l_tail"] + pieces)
+    pv = U32 * (math.ceil(n / prof["pv_chains"]) + steps + 2 * prof["merge_levels"] + 4 + 2 + pieces)
+    kappa = 4 * (delta + l_rel + U32 * (n + prof["head_dim_qk"] + 64))
+    atol = float(v_absmax) * (2 * delta + pv + l_rel + U32 * pieces) * (1 + kappa) + prof["atol_floor"]
+    lse = Tolerance(rtol=U32, atol=((delta + l_rel) / _LN2 + 2 * U32 * math.log2(n) + 2 * U32) * (1 + kappa))
+    return Tolerance(rtol=prof["rtol"], atol=atol), lse
+
+
 def evaluate_lse(prof: dict, *, kv_len: int, logit_absmax: float) -> Tolerance:
     """Bound on the base-2 LSE (m + log2 l): the logit perturbation in log2 units,
     the relative error of l over ln 2, and the final rounding of m + log2 l."""
+    if prof.get("bound") == "worst_case":
+        return evaluate_worst_case(prof, kv_len=kv_len, v_absmax=0.0, logit_absmax=logit_absmax)[1]
     n = max(int(kv_len), 1)
     tiles = rescales(prof, n)
     s_log2 = _LOG2E * float(logit_absmax)

@@ -208,7 +208,8 @@ def test_run_op_plans_the_problem(spec, monkeypatch, tmp_path):
         lse.copy_(ref_lse)
     monkeypatch.setattr(flashjit, "BatchMLAPagedAttentionWrapper", HostWrapper)
     monkeypatch.setattr(HostWrapper, "_launch_mla", launch)
-    out, lse = runner.run_op(spec, p, _workspace(), None)
+    out, lse, kv_chunk = runner.run_op(spec, p, _workspace(), None)
+    assert kv_chunk is None  # the data-dependent bound models the CUDA-core kernels only
     assert seen.pop("inputs") == (p.q_nope, p.q_pe, p.ckv_cache, p.kpe_cache)
     assert seen == {"backend": spec.backend, "strict": True, "spec": spec, "tokens": sum(p.qo_lens), "heads": mla.HEADS,
                     "page": mla.PAGE_SIZE, "scale": mla.SM_SCALE, "max_page": int(p.kv_indices.max())}

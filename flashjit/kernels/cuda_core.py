@@ -23,6 +23,12 @@ class CudaCoreTiling:
         """(keys per online-softmax rescale, merge rescales): one per 32-key tile."""
         return 32, 0
 
+    def chains(self, spec: KernelSpec) -> dict:
+        """How the fp32 sums run (for the worst-case bound, error_model): Q.K one
+        fma chain over head_dim; P.V one chain over all keys (divisor 1); the row
+        sum one chain per lane (key j on lane j mod 32), then 5 butterfly adds."""
+        return {"dot_chain": spec.head_dim_qk, "pv_chains": 1, "l_chains": 32, "l_tail": 5, "merge_levels": 0}
+
     def smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of CudaCoreTraits::kSmemBytes: fp32 Q, P per warp, one K and one V tile."""
         elt = common.DTYPE_BYTES[spec.dtype_kv]
@@ -59,6 +65,17 @@ class CudaDecodeTiling:
         lane groups by halves and the warps."""
         groups = 32 // (spec.head_dim_qk // 8)
         return self.keys_per_group * groups * self.warps, groups.bit_length() - 1 + 1
+
+    def chains(self, spec: KernelSpec) -> dict:
+        """How the fp32 sums run (for the worst-case bound, error_model): Q.K an
+        fma chain over a lane's 8 dims, then the lanes halved; P.V and the row
+        sum one chain per (warp, key group), merged in log2(groups) halvings and
+        then a sum over the warps (each merge two roundings)."""
+        lanes = spec.head_dim_qk // 8
+        groups = 32 // lanes
+        levels = groups.bit_length() - 1
+        return {"dot_chain": 8 + lanes.bit_length() - 1, "pv_chains": groups * self.warps,
+                "l_chains": groups * self.warps, "l_tail": 2 * levels + 2 * self.warps, "merge_levels": levels + 1}
 
     def smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of CudaCoreDecodeTraits::kSmemBytes."""

@@ -87,19 +87,52 @@ def summary(rows: list[dict]) -> list[str]:
         lines.append("worst err/bound by dtype and path (worst; loosest configuration's worst): "
                      + ", ".join(f"{k} {a:.3f}; {b:.3f}" for k, (a, b) in groups.items()))
     lines += [f"OVER  {r['config']} {r['case']}: max err/bound {_ratio(r['ratio'])}, LSE {_ratio(r.get('lse_ratio'))}"
-              f", {r['nan']} NaN" for r in over(rows)]
+              + (f", data-dependent {_ratio(r['data_ratio'])}" if "data_ratio" in r else "")
+              + (f", its LSE {_ratio(r['data_lse_ratio'])}" if "data_lse_ratio" in r else "")
+              + f", {r['nan']} NaN" for r in over(rows)]
     lines += [f"ERROR {r['config']} {r['case']}: {r.get('reason', '')}" for r in failed(rows)]
     lines += [f"LOOSE {r['config']}: worst err/bound {r['ratio']:.3f} ({r['case']})" for r in loose(rows)]
     return lines
 
 
+def data_rows(rows: list[dict]) -> list[dict]:
+    """Measured rows also checked against the data-dependent bound (CUDA-core configurations)."""
+    return [r for r in measured(rows) if "data_ratio" in r]
+
+
+def data_section(rows: list[dict]) -> list[str]:
+    """The CUDA-core rows against error_bound.py's per-element bound, and each
+    dtype's worst and loosest configuration; [] where no row has it."""
+    chosen = data_rows(rows)
+    if not chosen:
+        return []
+    lines = ["## CUDA cores: the data-dependent bound", "",
+             "err/bound against the sound per-element bound computed from each call's own inputs "
+             "(flashjit.error_bound; docs/numerics-fp32.md)", "",
+             "| configuration | case | max err/bound | LSE err/bound |", "|---|---|---|---|"]
+    lines += [f"| {r['config']} | {r['case']} | {_ratio(r['data_ratio'])} | {_ratio(r.get('data_lse_ratio'))} |"
+              for r in chosen]
+    worst: dict[str, float] = {}
+    for r in chosen:
+        worst[r["config"]] = max(worst.get(r["config"], 0.0), r["data_ratio"])
+    by_dtype: dict[str, list[float]] = {}
+    for r in chosen:
+        by_dtype.setdefault(SHORT_DTYPE.get(r["dtype"], r["dtype"]), []).append(worst[r["config"]])
+    loose = sorted(c for c, w in worst.items() if w < TIGHT)
+    lines += ["", "worst err/bound by dtype (worst; loosest configuration's worst): "
+              + ", ".join(f"{d} {max(v):.3f}; {min(v):.3f}" for d, v in sorted(by_dtype.items()))
+              + f"; looser than 20x on every case: {len(loose)}"]
+    return lines + [f"LOOSE {c}: worst err/bound {worst[c]:.3f}" for c in loose]
+
+
 def markdown(results: dict) -> str:
     meta = results.get("meta", {})
     head = "; ".join(f"{k} {v}" for k, v in meta.items() if k not in ("argv",))
+    data = data_section(results["rows"])
     return "\n".join(["# flashjit numerics", "", head, "",
                       "err: |out - ref| elementwise against the float64 reference; bound: atol + rtol*|ref| of the "
                       "configuration's profile for each call's inputs; calls: seeds x calls per case", "",
-                      table(results["rows"]), "", *summary(results["rows"]), ""])
+                      table(results["rows"]), "", *summary(results["rows"]), *([""] + data if data else []), ""])
 
 
 def write_json(results: dict, path: Path) -> None:

@@ -72,13 +72,32 @@ def problems(spec: KernelSpec, case: str, generator, device="cuda") -> list:
     return make_problems(case, spec.op, spec.head_dim_qk, dtype, generator=generator, device=device, heads=HEADS)
 
 
+def single_kv_chunk(spec: KernelSpec, p: Problem) -> int | None:
+    """The keys per split-KV chunk a single-request launch of p uses here (0:
+    not split), by the launch's own rule (ops._calls.single_request_split); None
+    for tensor-core configurations, which the data-dependent bound does not model."""
+    if spec.use_tensor_cores:
+        return None
+    from .. import jit
+    from ..ops import _calls, _invariant
+
+    module = jit.get_module(spec)
+    group, num_kv = p.q.shape[1] // p.k.shape[1], p.k.shape[1]
+    qo_len = p.q.shape[0] if spec.op == "single_prefill" else 1
+    ctas = -(-qo_len * group // module.rows_per_cta) * num_kv
+    chunk = _invariant.chunk_keys(None, True, module.split_align) if _invariant.env_setting() else 0
+    return _calls.single_request_split(p.kv_lens[0], ctas, _calls.resident_ctas(module, p.q.device), chunk)[1]
+
+
 def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> tuple:
-    """(out, lse or None) of the op for `spec` on problem p (an MlaProblem for MLA)."""
+    """(out, lse or None, kv_chunk) of the op for `spec` on problem p (an
+    MlaProblem for MLA); kv_chunk: the keys per split-KV chunk of the requests
+    the launch split (0: none; None where the data-dependent bound does not apply)."""
     if spec.op in MLA_OPS:
         wrapper = mla.planned_wrapper(spec, p, workspace)
         _check_planned(wrapper, spec)
         poison_allocator()
-        return mla.run(wrapper, p)
+        return (*mla.run(wrapper, p), None)
     var, dtype = _variant(spec), TORCH_DTYPES[spec.dtype_q]
     num_qo, num_kv, head_dim = p.q.shape[1], p.k.shape[1], spec.head_dim_qk
     picks = {"backend": spec.backend, "strict": True}
@@ -86,13 +105,13 @@ def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> 
         poison_allocator()
         res = flashjit.single_prefill_with_kv_cache(p.q, p.k, p.v, causal=spec.causal, return_lse=spec.return_lse,
                                                     use_tensor_cores=spec.use_tensor_cores, **picks, **var)
-        return res if spec.return_lse else (res, None)
+        return (*(res if spec.return_lse else (res, None)), single_kv_chunk(spec, p))
     if spec.op == "single_decode":
         poison_allocator()
         res = flashjit.single_decode_with_kv_cache(p.q[0], p.k, p.v, use_tensor_cores=spec.use_tensor_cores,
                                                    return_lse=spec.return_lse, **picks, **var)
         out, lse = res if spec.return_lse else (res, None)
-        return out[None], (lse[None] if lse is not None else None)
+        return out[None], (lse[None] if lse is not None else None), single_kv_chunk(spec, p)
     if spec.op == "batch_prefill_ragged":
         wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, **picks)
         wrapper.plan(torch.tensor(indptr(p.qo_lens), dtype=torch.int32),
@@ -100,7 +119,7 @@ def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> 
                      causal=spec.causal, q_data_type=dtype, use_tensor_cores=spec.use_tensor_cores, **var)
         _check_planned(wrapper, spec)
         poison_allocator()
-        return wrapper.run(p.q, p.k, p.v, return_lse=True)
+        return (*wrapper.run(p.q, p.k, p.v, return_lse=True), wrapper._plan.work.kv_chunk)
     pages = paged(p, generator)
     if spec.op == "batch_prefill_paged":
         wrapper = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", **picks)
@@ -116,7 +135,7 @@ def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> 
         raise ValueError(f"{spec.op} is not an attention op: nothing to measure")
     _check_planned(wrapper, spec)
     poison_allocator()
-    return wrapper.run(p.q, pages.cache, return_lse=True)
+    return (*wrapper.run(p.q, pages.cache, return_lse=True), wrapper._plan.work.kv_chunk)
 
 
 def reference(spec: KernelSpec, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,8 +167,12 @@ class Accumulator:
         self.errors: list[torch.Tensor] = []
         self.calls = self.nan = 0
         self.ratio, self.lse_ratio, self.worst = 0.0, None, None
+        self.data = {}
 
-    def add(self, spec: KernelSpec, p: Problem, out, lse, ref, ref_lse) -> None:
+    def add(self, spec: KernelSpec, p: Problem, out, lse, ref, ref_lse, kv_chunk: int | None = None) -> None:
+        """One call. With kv_chunk (the launch's split-KV chunk, 0: none), a
+        CUDA-core configuration is also checked against the data-dependent
+        bound of error_bound.py."""
         kv_len, tol, lse_tol = bounds(spec, p)
         out_d, ref_d = out.double(), ref.double()
         # Equal values (infinities included) agree; NaN is as far off as it gets.
@@ -169,6 +192,19 @@ class Accumulator:
         if lse is not None:
             r = lse_tol.ratio(lse, ref_lse)
             self.lse_ratio = r if self.lse_ratio is None else max(self.lse_ratio, r)
+        if kv_chunk is not None and not spec.use_tensor_cores:
+            self._add_data_bound(spec, p, out, lse, kv_chunk, 1.0 / math.sqrt(spec.head_dim_qk))
+
+    def _add_data_bound(self, spec: KernelSpec, p: Problem, out, lse, kv_chunk: int, sm_scale: float) -> None:
+        from ..error_bound import ragged_cuda_core_bound
+
+        var = _variant(spec)
+        bound = ragged_cuda_core_bound(spec, p.q, p.k, p.v, indptr(p.qo_lens), indptr(p.kv_lens), kv_chunk=kv_chunk,
+                                       causal=spec.causal and spec.op not in ("single_decode", "batch_decode_paged"),
+                                       sm_scale=sm_scale, **var)
+        self.data["data_ratio"] = max(self.data.get("data_ratio", 0.0), bound.ratio(out))
+        if lse is not None:
+            self.data["data_lse_ratio"] = max(self.data.get("data_lse_ratio", 0.0), bound.lse_ratio(lse))
 
     def row(self) -> dict:
         err = torch.cat(self.errors) if self.errors else torch.zeros(0, dtype=torch.float64)
@@ -177,8 +213,9 @@ class Accumulator:
                  "p999_err": float(err.kthvalue(max(1, math.ceil(P999 * n))).values) if n else 0.0,
                  "mean_err": float(err.mean()) if n else 0.0}
         over = not self.ratio <= 1.0 or (self.lse_ratio is not None and not self.lse_ratio <= 1.0) or self.nan > 0
+        over = over or not all(r <= 1.0 for r in self.data.values())
         return {"status": "over" if over else "ok", "calls": self.calls, **stats, "ratio": self.ratio,
-                "lse_ratio": self.lse_ratio, "nan": self.nan, **(self.worst or {})}
+                "lse_ratio": self.lse_ratio, "nan": self.nan, **self.data, **(self.worst or {})}
 
 
 def seed_for(base: int, spec: KernelSpec, case: str, draw: int) -> int:
@@ -205,10 +242,10 @@ def measure_spec(spec: KernelSpec, cases, seeds: int, base_seed: int, workspace)
             for draw in range(seeds):
                 generator = torch.Generator(device="cuda").manual_seed(seed_for(base_seed, spec, case, draw))
                 for p in problems(spec, case, generator):
-                    out, lse = run_op(spec, p, workspace, generator)
+                    out, lse, kv_chunk = run_op(spec, p, workspace, generator)
                     torch.cuda.synchronize()
                     ref, ref_lse = reference(spec, p)
-                    acc.add(spec, p, out, lse, ref, ref_lse if lse is not None else None)
+                    acc.add(spec, p, out, lse, ref, ref_lse if lse is not None else None, kv_chunk)
             row = acc.row()
         except Exception as exc:  # the other cases and configurations still run; the row says what failed
             row = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
