@@ -19,11 +19,13 @@ D = head_dim, T = online-softmax rescalings (per kernel tiling, about n / 32), S
           + 8u + 4*lam*sqrt(T)*u                    (exp2f, 2 ulp, in the softmax and in the split-KV
                                                      merge; online-softmax rescaling)
 
-fp32 on CUDA cores (fp32 in, arithmetic and out) is bounded in the worst case
-instead (evaluate_worst_case): the lam*sqrt terms above assume roundings that
-cancel, and an fp32 output shows the difference: a dominant first key with a
-tail of tiny weights, or equal logits over a constant V, make the P.V chain's
-roundings all go one way (docs/numerics-fp32.md, "Why not the √n model").
+CUDA-core kernels (fp32 arithmetic whatever the dtypes) are bounded in the worst
+case instead (evaluate_worst_case): the lam*sqrt terms above assume roundings
+that cancel, and an fp32 or fp16 output shows the difference at long contexts:
+a dominant first key with a tail of tiny weights, or equal logits over a
+constant V, make the P.V chain's roundings all go one way
+(docs/numerics-fp32.md, "Why not the √n model"). Tensor-core kernels keep the
+sqrt form (docs/numerics.md says what that assumes).
 
 The profile stored beside each kernel holds these coefficients; magnitudes (vmax,
 S, n) come from the call: given directly, or measured from q, k, v. A bound per
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 from .kernels import tiling_for
 from .spec import DTYPES, MLA_OPS, UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec
 
-MODEL_VERSION = "flashjit-error-model-3"
+MODEL_VERSION = "flashjit-error-model-4"
 U32 = 2.0**-24
 LAMBDA = 2.0
 _TINY = {"float16": 2.0**-14, "bfloat16": 2.0**-126, "float32": 2.0**-126}
@@ -70,7 +72,9 @@ def profile(spec: KernelSpec) -> dict:
         return coefficients
     tiling = tiling_for(spec)[1]
     coefficients["keys_per_rescale"], coefficients["merge_rescales"] = tiling.rescales(spec)
-    if not spec.use_tensor_cores and {spec.dtype_q, spec.dtype_kv, spec.dtype_o} == {"float32"}:
+    if not spec.use_tensor_cores:
+        # Every CUDA-core kernel computes in fp32 whatever its dtypes: fp16 outputs
+        # showed the one-way roundings past the sqrt(n) form as fp32 ones did.
         coefficients.update(bound="worst_case", soft_cap=spec.soft_cap, **tiling.chains(spec))
     return coefficients
 

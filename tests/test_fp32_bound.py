@@ -198,7 +198,9 @@ def test_worst_case_profile_takes_the_chains_from_the_tilings():
     assert prefill["bound"] == decode["bound"] == "worst_case"
     assert (prefill["dot_chain"], prefill["pv_chains"], prefill["l_chains"]) == (128, 1, 32)
     assert (decode["dot_chain"], decode["pv_chains"], decode["merge_levels"]) == (8 + 4, 8, 2)
-    assert "bound" not in profile(KernelSpec.make("single_prefill", "bfloat16", 128))
+    # Every CUDA-core kernel computes in fp32: 16-bit ones take the worst case too; tensor cores do not.
+    assert profile(KernelSpec.make("single_prefill", "bfloat16", 128))["bound"] == "worst_case"
+    assert "bound" not in profile(KernelSpec.make("single_prefill", "bfloat16", 128, use_tensor_cores=True))
     # Linear in kv_len for long contexts (the P.V chain), and in max|v|.
     spec = KernelSpec.make("single_prefill", "float32", 128)
     a, b = (flashjit.tolerance(spec, kv_len=n, v_absmax=1.0, logit_absmax=10.0).atol for n in (2**16, 2**17))
