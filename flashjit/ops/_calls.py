@@ -54,7 +54,10 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 class Signatures(dict):
     """Prepared calls by signature, bounded, the last one found kept aside in
     `last` (key, call): a loop repeats one signature, and one comparison with it
-    costs half of what hashing the key and comparing in the dict does."""
+    costs half of what hashing the key and comparing in the dict does. The
+    wrappers spell the lookup out (and the calls below their launch) rather than
+    call a shared helper: a Python call costs about 0.1 us on paths measured at
+    9-10 us against a 10 us target."""
 
     __slots__ = ("last",)
 
