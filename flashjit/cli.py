@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import logging
 import os
 import re
@@ -21,100 +20,16 @@ import time
 import warnings
 from pathlib import Path
 
-from .arch import choose_backend
 from . import bench
 from .errors import CacheError, FlashjitError, JitDisabledError, SettingError
-from .spec import (DECODE_OPS, DTYPES, HEAD_DIMS, MLA_OPS, OPS, PLANNED_OPS, TENSOR_CORE_DTYPES, UTILITY_OPS,
-                   KernelSpec, canonical_dtype, mla_spec)
-
-# Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
-ALWAYS_LSE = {"batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged"}
-# Ops with no causal variant (one query token sees every key).
-NO_CAUSAL = set(DECODE_OPS)
-
-# MLA (only DeepSeek-style models need it) is in the default preset where a
-# target is sm_90a, the GPUs such models are served on; elsewhere --op mla_paged.
-_PRESET_OPS = [op for op in OPS if op not in MLA_OPS]
-PRESETS = {
-    "default": dict(ops=list(OPS), dtypes=["float16", "bfloat16", "float32"], head_dims=list(HEAD_DIMS)),
-    "minimal": dict(ops=_PRESET_OPS, dtypes=["bfloat16"], head_dims=[128]),
-}
-
-
-def _switch(value: str) -> list:
-    """on / off / both; auto (--tensor-cores only) is None: what the ops' auto choice takes."""
-    return {"on": [True], "off": [False], "both": [False, True], "auto": [None]}[value]
-
-
-def _backends(op: str, dtype: str, tc: bool, backend: str, arches) -> list[str]:
-    """The backends the ops would run for `backend` on each of the target arches
-    (an explicit fa3 where it cannot run: fa2, with the ops' warning)."""
-    if not tc or op in UTILITY_OPS:
-        return ["fa2"]
-    return list(dict.fromkeys(choose_backend(op, dtype, tc, backend, targets=(a,))[0] for a in arches))
-
-
-def specs_from_args(args, arches=None) -> list[KernelSpec]:
-    """The selection for target `arches` (default: --arch, else this GPU's, else
-    the default set): with tensor cores, each backend the ops pick on some
-    target (auto on sm_80 + sm_90a: fa2, and fa3 for sm_90a)."""
-    from . import jit
-
-    arches = arches or jit.resolve_arches(args.arch)
-    preset = PRESETS[args.preset]
-    ops = args.op or preset["ops"]
-    dtypes = [canonical_dtype(d) for d in (args.dtype or preset["dtypes"])]
-    head_dims = args.head_dim or preset["head_dims"]
-    specs = []
-    for op, dtype, head_dim, backend, tc, causal, window, cap, lse in itertools.product(
-            ops, dtypes, head_dims, args.backend, _switch(args.tensor_cores), _switch(args.causal),
-            _switch(args.window), _switch(args.soft_cap), _switch(args.lse)):
-        if op in MLA_OPS:
-            # One geometry (ckv 512 + kpe 64) on tensor cores, fp16/bf16, with or
-            # without causal: head_dim, cores, window, soft-cap and LSE do not apply.
-            by_preset = not args.op and "sm_90a" not in arches
-            if dtype in TENSOR_CORE_DTYPES and not (window or cap or by_preset):
-                specs += [mla_spec(dtype, causal=causal, backend=chosen).validate()
-                          for chosen in _backends(op, dtype, True, backend, arches)]
-            continue
-        if tc is None:
-            tc = False if op in UTILITY_OPS else choose_backend(op, dtype, None, "fa2")[1]
-        if tc and dtype == "float32":
-            continue  # fp32 has no tensor-core kernel; "both" means the ones that exist
-        if causal and op in NO_CAUSAL:
-            continue
-        if op in UTILITY_OPS and (tc or causal or window or cap or lse):
-            continue  # a copy has one configuration per dtype and head_dim
-        for chosen in _backends(op, dtype, tc, backend, arches):
-            spec = KernelSpec.make(op, dtype, head_dim, backend=chosen, use_tensor_cores=tc, causal=causal,
-                                   sliding_window=window, soft_cap=cap, return_lse=lse or op in ALWAYS_LSE)
-            specs.append(spec.validate())
-    if getattr(args, "batch_invariant", False):
-        from .ops import _invariant  # imports torch: only for this flag
-
-        specs = _invariant.prewarm_specs(specs, arches)
-    return list(dict.fromkeys(specs))
-
+from .selection import PRESETS, _summary, specs_from_args
+from .spec import DTYPES, OPS, PLANNED_OPS, KernelSpec
 
 def _tolerance_text(spec: KernelSpec) -> str:
     from .error_model import tolerance
 
     t = tolerance(spec, kv_len=4096, v_absmax=1.0)
     return f"rtol {t.rtol:.1e} atol {t.atol:.1e}*max|v|"
-
-
-def _summary(specs: list[KernelSpec], arches) -> list[str]:
-    """The selection in a few short lines: every axis's values, in selection order."""
-    def axis(values) -> str:
-        return ", ".join(str(v) for v in dict.fromkeys(values))
-
-    cores = [s.use_tensor_cores for s in specs]
-    return [f"flashjit prewarm: {len(specs)} configuration(s) for {', '.join(arches)}",
-            f"  ops        {axis(s.op for s in specs)}",
-            f"  dtypes     {axis(s.dtype_q for s in specs)}",
-            f"  head_dims  {axis(s.head_dim_qk for s in specs if s.op not in MLA_OPS)}"
-            + (" (mla_paged: ckv 512 + kpe 64)" if any(s.op in MLA_OPS for s in specs) else ""),
-            f"  cores      {cores.count(True)} on tensor cores, {cores.count(False)} on CUDA cores"]
 
 
 def cmd_prewarm(args) -> int:

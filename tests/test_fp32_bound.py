@@ -87,7 +87,7 @@ CASES = [
 # (peaked) or the roundings go one way (sink, flat). Where many keys share the weight
 # (normal, V outliers on normal queries, long, biased), their fp32 roundings cancel like a
 # random walk, which no bound that holds for every rounding can follow (docs/numerics-fp32.md,
-# "How tight, and what no sound bound can do"); those floors only catch a bound that got looser than today.
+# "How tight, and what no sound bound can do"); those floors only catch a bound that got looser than it is now.
 FLOOR = {"normal": 1 / 60, "peaked": TIGHT, "v_outliers": 1 / 40, "long": 1 / 400, "sink": TIGHT, "flat": TIGHT,
          "biased": 1 / 200}
 

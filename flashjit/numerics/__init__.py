@@ -114,7 +114,8 @@ def run(args) -> int:
     case failed or a build failed (the reports are written either way); 0 otherwise."""
     from .. import arch, build, cache_ship, jit
     from ..bench import no_gpu_reason
-    from ..cli import cache_root, specs_from_args
+    from ..cli import cache_root
+    from ..selection import specs_from_args
     from ..spec import UTILITY_OPS
     from . import report
 
