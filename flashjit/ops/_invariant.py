@@ -48,13 +48,21 @@ CHUNK_KEYS = 2048
 PREFILL_OPS = {"batch_decode_paged": "batch_prefill_paged", "single_decode": "single_prefill"}
 
 _parsed: dict = {}
+# os.environ.get encodes the key and decodes the value in Python (about 0.5 us):
+# the single-request ops ask on every call, so they read the mapping os.environ
+# keeps in step with every assignment (its bytes keys on POSIX) and parse each
+# raw value once.
+try:
+    _environ_get, _ENV_KEY = os.environ._data.get, os.environ.encodekey(ENV_VAR)
+except AttributeError:  # another platform's os.environ: the public path
+    _environ_get, _ENV_KEY = os.environ.get, ENV_VAR
 
 
 def env_setting() -> bool:
     """FLASHJIT_BATCH_INVARIANT=1 turns the mode on for every op of the process
     (an argument batch_invariant=False still turns it off for that call). The
     single-request ops ask on every call: parsed once per value (arch parses)."""
-    raw = os.environ.get(ENV_VAR, "")
+    raw = _environ_get(_ENV_KEY, b"")
     value = _parsed.get(raw)
     if value is None:
         value = _parsed[raw] = arch.batch_invariant()
