@@ -205,29 +205,31 @@ SWITCH_ON = ("1", "true", "yes")
 SWITCH_OFF = ("", "0", "false", "no")
 
 
-def strict_backend() -> bool:
-    """FLASHJIT_STRICT_BACKEND=1: an explicit backend the target cannot run is an
-    error, not a fallback. A value it does not know is a SettingError."""
-    raw = os.environ.get("FLASHJIT_STRICT_BACKEND", "")
+def env_switch(name: str, expected: str, fix: str) -> bool:
+    """An on/off FLASHJIT_* setting: True for SWITCH_ON, False for SWITCH_OFF
+    (unset included); anything else a SettingError "{name}: expected {expected},
+    got ...; {fix}" rather than a guess in either direction."""
+    raw = os.environ.get(name, "")
     if raw.lower() in SWITCH_OFF:
         return False
     if raw.lower() in SWITCH_ON:
         return True
-    raise SettingError(f"FLASHJIT_STRICT_BACKEND: expected 0 or 1 (or true/false, yes/no), got {raw!r}; set it to 1 "
-                       f"(an explicit backend the target cannot run is an error) or 0 (it falls back to fa2), or "
-                       f"unset it")
+    raise SettingError(f"{name}: expected {expected}, got {raw!r}; {fix}")
+
+
+def strict_backend() -> bool:
+    """FLASHJIT_STRICT_BACKEND=1: an explicit backend the target cannot run is an
+    error, not a fallback. A value it does not know is a SettingError."""
+    return env_switch("FLASHJIT_STRICT_BACKEND", "0 or 1 (or true/false, yes/no)",
+                      "set it to 1 (an explicit backend the target cannot run is an error) or 0 (it falls back to "
+                      "fa2), or unset it")
 
 
 def batch_invariant() -> bool:
     """FLASHJIT_BATCH_INVARIANT=1: every op of the process in batch-invariant mode
     (flashjit/ops/_invariant.py). A value it does not know is a SettingError."""
-    raw = os.environ.get("FLASHJIT_BATCH_INVARIANT", "")
-    if raw.lower() in SWITCH_OFF:
-        return False
-    if raw.lower() in SWITCH_ON:
-        return True
-    raise SettingError(f"FLASHJIT_BATCH_INVARIANT: expected 0 or 1 (or true/false, yes/no), got {raw!r}; set it to 1 "
-                       f"(every op batch-invariant) or 0, or unset it")
+    return env_switch("FLASHJIT_BATCH_INVARIANT", "0 or 1 (or true/false, yes/no)",
+                      "set it to 1 (every op batch-invariant) or 0, or unset it")
 
 
 _warned_fallbacks: set = set()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from pathlib import Path
 from . import arch as arch_mod
 from . import build, cache, cache_ship
 from ._version import __version__
-from .errors import CacheError, FlashjitError, JitDisabledError, SettingError, ToolchainError
+from .errors import CacheError, FlashjitError, JitDisabledError, ToolchainError
 from .loader import ABI_VERSION, KernelModule, load_library
 from .kernels import target_arches, template_for
 from .render import RenderedSource, generator_digest, render
@@ -41,13 +40,8 @@ def jit_disabled() -> bool:
     true or yes; False (a miss is compiled) for 0, false, no, empty or unset.
     Anything else, a typo or "off", is a SettingError rather than a guess in
     either direction (arch.SWITCH_ON / SWITCH_OFF)."""
-    value = os.environ.get("FLASHJIT_DISABLE_JIT", "")
-    if value.lower() in arch_mod.SWITCH_OFF:
-        return False
-    if value.lower() in arch_mod.SWITCH_ON:
-        return True
-    raise SettingError(f"FLASHJIT_DISABLE_JIT: expected 1, true or yes (a cache miss is an error) or 0, false, no "
-                       f"or empty (a miss is compiled), got {value!r}; set one of them, or unset it")
+    return arch_mod.env_switch("FLASHJIT_DISABLE_JIT", "1, true or yes (a cache miss is an error) or 0, false, no or "
+                               "empty (a miss is compiled)", "set one of them, or unset it")
 
 
 def resolve_arches(arches=None) -> tuple[str, ...]:
