@@ -35,34 +35,6 @@
 namespace flashjit {
 namespace fa2 {
 
-// Every thread's cp.async of the CTA's 16 Q rows: q_nope into chunks 0..63 of a
-// row, q_pe into 64..71. Rows past the request are zero-filled.
-template <class Traits>
-__device__ __forceinline__ void copy_mla_q(const FlashjitAttentionParams& p, const CtaWork& w, uint32_t q_smem,
-                                           int rows_total, int tid) {
-  using T = typename Traits::DType;
-  using L = typename Traits::Layout;
-  constexpr int kChunks = Traits::kChunksPerRow, kTotal = Traits::kRowsPerCta * kChunks;
-  const T* q_nope = static_cast<const T*>(p.q);
-  const T* q_pe = static_cast<const T*>(p.q_pe);
-  const auto packed = w.packed_rows();
-#pragma unroll 3
-  for (int idx = tid; idx < kTotal; idx += Traits::kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const int row = w.row_begin + r;
-    const bool ok = row < rows_total;
-    const T* src = q_nope;
-    if (ok) {
-      int token, head;
-      packed.locate(row, token, head);
-      src = c < Traits::kCkvChunks
-                ? q_nope + int64_t(token) * p.q_stride_n + int64_t(head) * p.q_stride_h + c * 8
-                : q_pe + int64_t(token) * p.q_pe_stride_n + int64_t(head) * p.q_pe_stride_h + (c - Traits::kCkvChunks) * 8;
-    }
-    cp_async_16(q_smem + L::at(r, c), src, ok);
-  }
-}
-
 // One thread's copies of a tile of keys: kThreadsPerKey threads per key, thread
 // `sub` of a key copying chunks sub, sub + kThreadsPerKey, ... of its [ckv | kpe]
 // row (a warp's copy instruction reads 64 contiguous bytes of 8 keys). Byte
@@ -169,7 +141,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     for (int e = 0; e < 4; ++e) o[0][n][e] = 0.f;
 
   if (num_tiles > 0) {
-    fa2::copy_mla_q<Traits>(p, w, q_smem, rows_total, tid);
+    fa2::copy_mla_q<Traits, L, Traits::kThreads, 3>(p, w, q_smem, rows_total, tid);
     const fa2::MlaTileCopy<Traits> copy(p, w, tid);
     int page = 0;  // of this thread's key in the next tile to issue
     auto lookup = [&](int tile) {

@@ -246,6 +246,36 @@ __device__ __forceinline__ void copy_q_tile(const FlashjitAttentionParams& p, co
   }
 }
 
+// The MLA kernels' Q rows (fa2_mla.cuh, fa3/fa3_mla.cuh; Traits: their shape):
+// every thread's cp.async of the CTA's packed rows from w.row_begin, each
+// [q_nope | q_pe] (q_nope's chunks first, layout L at q_smem), kThreads threads
+// from `tid`. Rows past the request are zero-filled. kUnroll: the loop's unroll
+// (each kernel keeps the one its SASS was measured with).
+template <class Traits, class L, int kThreads, int kUnroll>
+__device__ __forceinline__ void copy_mla_q(const FlashjitAttentionParams& p, const CtaWork& w, uint32_t q_smem,
+                                           int rows_total, int tid) {
+  using T = typename Traits::DType;
+  constexpr int kRows = Traits::kRowsPerCta, kChunks = Traits::kQkDim / 8, kCkvChunks = Traits::kCkvDim / 8;
+  const T* q_nope = static_cast<const T*>(p.q);
+  const T* q_pe = static_cast<const T*>(p.q_pe);
+  const auto packed = w.packed_rows();
+#pragma unroll kUnroll
+  for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const int row = w.row_begin + r;
+    const bool ok = row < rows_total;
+    const T* src = q_nope;
+    if (ok) {
+      int token, head;
+      packed.locate(row, token, head);
+      src = c < kCkvChunks
+                ? q_nope + int64_t(token) * p.q_stride_n + int64_t(head) * p.q_stride_h + c * 8
+                : q_pe + int64_t(token) * p.q_pe_stride_n + int64_t(head) * p.q_pe_stride_h + (c - kCkvChunks) * 8;
+    }
+    cp_async_16(q_smem + L::at(r, c), src, ok);
+  }
+}
+
 // Byte offset, in a tile of layout L, of the first span of the i-th row a
 // thread copies (see TileRows): compile-time steps from one per-thread base when
 // a copy pass covers a multiple of 8 rows (the swizzle repeats every 8 rows).

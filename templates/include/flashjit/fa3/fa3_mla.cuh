@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int c = warpgroup - 1, ctid = tid - 128, wq = (tid % 128) / 32;
   const int g = lane / 4, tq = lane % 4;
   const bool softmax_wg = c == 1;
-  fa3::copy_mla_q<Traits>(p, w, q_smem, rows_total, ctid);
+  fa2::copy_mla_q<Traits, Tile, Traits::kConsumerThreads, 2>(p, w, q_smem, rows_total, ctid);
   cp_async_commit();
   cp_async_wait<0>();
   fa3::fence_async_shared();

@@ -1,6 +1,6 @@
 // What the fa3 MLA kernel (fa3_mla.cuh) copies into shared memory: the loader
-// warpgroup's gather of [ckv | kpe] key rows from the pages, the consumers' Q
-// rows, and the consumers' barrier.
+// warpgroup's gather of [ckv | kpe] key rows from the pages, and the consumers'
+// barrier (their Q rows come by fa2::copy_mla_q).
 #pragma once
 #include <stdint.h>
 #include "flashjit/common/async_copy.cuh"
@@ -81,32 +81,6 @@ struct MlaGather {
     }
   }
 };
-
-// The consumers' 64 Q rows ([q_nope | q_pe], rows past the request zero).
-template <class Traits>
-__device__ __forceinline__ void copy_mla_q(const FlashjitAttentionParams& p, const CtaWork& w, uint32_t q_smem,
-                                           int rows_total, int ctid) {
-  using T = typename Traits::DType;
-  using Tile = typename Traits::Tile;
-  constexpr int kChunks = Traits::kQkDim / 8, kCkvChunks = Traits::kCkvDim / 8;
-  const T* q_nope = static_cast<const T*>(p.q);
-  const T* q_pe = static_cast<const T*>(p.q_pe);
-  const auto packed = w.packed_rows();
-  for (int idx = ctid; idx < Traits::kRowsPerCta * kChunks; idx += Traits::kConsumerThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const int row = w.row_begin + r;
-    const bool ok = row < rows_total;
-    const T* src = q_nope;
-    if (ok) {
-      int token, head;
-      packed.locate(row, token, head);
-      src = c < kCkvChunks
-                ? q_nope + int64_t(token) * p.q_stride_n + int64_t(head) * p.q_stride_h + c * 8
-                : q_pe + int64_t(token) * p.q_pe_stride_n + int64_t(head) * p.q_pe_stride_h + (c - kCkvChunks) * 8;
-    }
-    cp_async_16(q_smem + Tile::at(r, c), src, ok);
-  }
-}
 
 }  // namespace fa3
 
