@@ -37,32 +37,17 @@ namespace fa2 {
 
 // One thread's copies of a tile of keys: kThreadsPerKey threads per key, thread
 // `sub` of a key copying chunks sub, sub + kThreadsPerKey, ... of its [ckv | kpe]
-// row (a warp's copy instruction reads 64 contiguous bytes of 8 keys). Byte
-// strides are 32-bit (the host keeps them below 2 GiB).
+// row (a warp's copy instruction reads 64 contiguous bytes of 8 keys).
 template <class Traits>
-struct MlaTileCopy {
-  using T = typename Traits::DType;
+struct MlaTileCopy : MlaCacheRows<typename Traits::DType> {
+  using Rows = MlaCacheRows<typename Traits::DType>;
+  using Rows::ckv, Rows::pages, Rows::page_div;
   static constexpr int kTpk = Traits::kThreadsPerKey, kPer = Traits::kChunksPerThread;
   static constexpr int kCkvPer = Traits::kCkvChunks / kTpk;  // of a thread's chunks, those in ckv
-  const char* ckv;
-  const char* kpe;
-  uint32_t ckv_page_bytes, ckv_row_bytes, kpe_page_bytes, kpe_row_bytes;
-  const int32_t* pages;  // the request's page ids
-  FastDivmod page_div;
-  int key, sub;          // this thread's key within a tile, its chunk phase
+  int key, sub;  // this thread's key within a tile, its chunk phase
 
   __device__ __forceinline__ MlaTileCopy(const FlashjitAttentionParams& p, const CtaWork& w, int tid)
-      : page_div(p.page_size) {
-    key = tid / kTpk;
-    sub = tid % kTpk;
-    ckv = static_cast<const char*>(p.k) + sub * 16;
-    kpe = static_cast<const char*>(p.v) + sub * 16;
-    ckv_page_bytes = uint32_t(p.k_stride_page * int64_t(sizeof(T)));
-    ckv_row_bytes = uint32_t(p.k_stride_n * int64_t(sizeof(T)));
-    kpe_page_bytes = uint32_t(p.v_stride_page * int64_t(sizeof(T)));
-    kpe_row_bytes = uint32_t(p.v_stride_n * int64_t(sizeof(T)));
-    pages = p.kv_page_indices + w.kv_start;
-  }
+      : Rows(p, w, (tid % kTpk) * 16), key(tid / kTpk), sub(tid % kTpk) {}
 
   // The page of this thread's key in the tile at `first` (0 past `valid` keys).
   __device__ __forceinline__ int lookup(int first, int valid) const {
@@ -74,10 +59,8 @@ struct MlaTileCopy {
   __device__ __forceinline__ void issue(uint32_t dst, int page, int first, int valid) const {
     const int k = first + key;
     const bool ok = key < valid;
-    const uint32_t slot = uint32_t(page_div.mod(k, page_div.div(k)));
-    const uint64_t pg = uint64_t(uint32_t(page));
-    const char* c_src = ckv + (pg * ckv_page_bytes + slot * ckv_row_bytes);
-    const char* k_src = kpe + (pg * kpe_page_bytes + slot * kpe_row_bytes);
+    const char *c_src, *k_src;
+    Rows::row(uint32_t(page), uint32_t(page_div.mod(k, page_div.div(k))), c_src, k_src);
     const uint32_t row = dst + key * Traits::kRowBytes;
     const int r7 = key & 7;
 #pragma unroll

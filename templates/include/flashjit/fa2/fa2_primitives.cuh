@@ -246,6 +246,37 @@ __device__ __forceinline__ void copy_q_tile(const FlashjitAttentionParams& p, co
   }
 }
 
+// Where the MLA kernels' key rows live (fa2_mla.cuh's tile copy, fa3/fa3_mla_copy.cuh's
+// gather): the ckv and kpe caches from a thread's byte offset into a row, their
+// page and row byte strides (32-bit: the host keeps them below 2 GiB), and the
+// request's page ids.
+template <class T>
+struct MlaCacheRows {
+  const char* ckv;
+  const char* kpe;
+  uint32_t ckv_page_bytes, ckv_row_bytes, kpe_page_bytes, kpe_row_bytes;
+  const int32_t* pages;  // the request's page ids
+  FastDivmod page_div;
+
+  __device__ __forceinline__ MlaCacheRows(const FlashjitAttentionParams& p, const CtaWork& w, int byte_offset)
+      : page_div(p.page_size) {
+    ckv = static_cast<const char*>(p.k) + byte_offset;
+    kpe = static_cast<const char*>(p.v) + byte_offset;
+    ckv_page_bytes = uint32_t(p.k_stride_page * int64_t(sizeof(T)));
+    ckv_row_bytes = uint32_t(p.k_stride_n * int64_t(sizeof(T)));
+    kpe_page_bytes = uint32_t(p.v_stride_page * int64_t(sizeof(T)));
+    kpe_row_bytes = uint32_t(p.v_stride_n * int64_t(sizeof(T)));
+    pages = p.kv_page_indices + w.kv_start;
+  }
+
+  // This thread's place in the ckv and kpe rows of slot `slot` of page `page`.
+  __device__ __forceinline__ void row(uint32_t page, uint32_t slot, const char*& c_src, const char*& k_src) const {
+    const uint64_t pg = uint64_t(page);
+    c_src = ckv + (pg * ckv_page_bytes + slot * ckv_row_bytes);
+    k_src = kpe + (pg * kpe_page_bytes + slot * kpe_row_bytes);
+  }
+};
+
 // The MLA kernels' Q rows (fa2_mla.cuh, fa3/fa3_mla.cuh; Traits: their shape):
 // every thread's cp.async of the CTA's packed rows from w.row_begin, each
 // [q_nope | q_pe] (q_nope's chunks first, layout L at q_smem), kThreads threads

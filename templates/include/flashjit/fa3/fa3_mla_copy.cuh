@@ -7,6 +7,7 @@
 #include "flashjit/common/attention_params.cuh"
 #include "flashjit/common/numeric.cuh"
 #include "flashjit/common/work.cuh"
+#include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/fa3/fa3_mla_traits.cuh"
 
 namespace flashjit {
@@ -17,30 +18,15 @@ __device__ __forceinline__ void consumers_barrier() { asm volatile("bar.sync 1, 
 
 // One loader thread's share of a tile: chunk `sub` of each 128-byte block of
 // keys key0, key0 + 16, ... (kLoaderPasses rows), into the blocked layout.
-// Byte strides are 32-bit (the host keeps them below 2 GiB).
 template <class Traits>
-struct MlaGather {
+struct MlaGather : fa2::MlaCacheRows<typename Traits::DType> {
+  using Base = fa2::MlaCacheRows<typename Traits::DType>;
+  using Base::pages, Base::page_div;
   static constexpr int kPasses = Traits::kLoaderPasses, kRowsPerPass = Traits::kLoaderRowsPerPass;
-  const char* ckv;
-  const char* kpe;
-  uint32_t ckv_page_bytes, ckv_row_bytes, kpe_page_bytes, kpe_row_bytes;
-  const int32_t* pages;  // the request's page ids
-  FastDivmod page_div;
   int key0, sub;
 
   __device__ __forceinline__ MlaGather(const FlashjitAttentionParams& p, const CtaWork& w, int tid)
-      : page_div(p.page_size) {
-    using T = typename Traits::DType;
-    key0 = tid / 8;
-    sub = tid % 8;
-    ckv = static_cast<const char*>(p.k) + sub * 16;
-    kpe = static_cast<const char*>(p.v) + sub * 16;
-    ckv_page_bytes = uint32_t(p.k_stride_page * int64_t(sizeof(T)));
-    ckv_row_bytes = uint32_t(p.k_stride_n * int64_t(sizeof(T)));
-    kpe_page_bytes = uint32_t(p.v_stride_page * int64_t(sizeof(T)));
-    kpe_row_bytes = uint32_t(p.v_stride_n * int64_t(sizeof(T)));
-    pages = p.kv_page_indices + w.kv_start;
-  }
+      : Base(p, w, (tid % 8) * 16), key0(tid / 8), sub(tid % 8) {}
 
   // This thread's rows of the tile of keys k0 .. k0 + 63: page ids and slots,
   // page -1 at or past `valid` (looked up a tile ahead, so that the page-table
@@ -70,10 +56,8 @@ struct MlaGather {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const bool ok = rows.page[i] >= 0;
-      const uint64_t pg = uint64_t(uint32_t(ok ? rows.page[i] : 0));
-      const uint32_t slot = uint32_t(rows.slot[i]);
-      const char* c_src = ckv + (pg * ckv_page_bytes + slot * ckv_row_bytes);
-      const char* k_src = kpe + (pg * kpe_page_bytes + slot * kpe_row_bytes);
+      const char *c_src, *k_src;
+      Base::row(uint32_t(ok ? rows.page[i] : 0), uint32_t(rows.slot[i]), c_src, k_src);
       const uint32_t row = dst + Tile::at(key0 + i * kRowsPerPass, sub);
 #pragma unroll
       for (int b = 0; b < Traits::kBlocks; ++b)
