@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import FlashjitError, KernelLaunchError
 from .spec import UTILITY_OPS, KernelSpec
 
-ABI_VERSION = 5  # FLASHJIT_ABI_VERSION in templates/include/flashjit/common/attention_params.cuh
+ABI_VERSION = 6  # FLASHJIT_ABI_VERSION in templates/include/flashjit/common/attention_params.cuh
 
 _p = ctypes.c_void_p
 _i32 = ctypes.c_int32
@@ -35,6 +35,7 @@ class AttentionParams(ctypes.Structure):
         ("v_stride_n", _i64), ("v_stride_h", _i64), ("v_stride_page", _i64),
         ("o_stride_n", _i64), ("o_stride_h", _i64), ("lse_stride_n", _i64),
         ("sm_scale", ctypes.c_float), ("logits_soft_cap", ctypes.c_float), ("window_left", _i32),
+        ("invariant_chunk", _i32),
         ("q_pe_stride_n", _i64), ("q_pe_stride_h", _i64), ("q_pe", _p),
     ]
 

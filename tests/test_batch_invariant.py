@@ -205,6 +205,51 @@ def test_single_request_split_ignores_the_grid():
     assert _invariant.single_split(0, C) == (1, 0)
 
 
+def test_single_request_fold_where_the_grid_fills_a_wave(monkeypatch):
+    """A kernel that folds chunks itself runs a request unsplit once its grid
+    fills a wave (normal mode's rule); fold_policy forces either way."""
+    assert _calls.single_request_split(3 * C, 200, 132, C, fold=True) == (1, 0)
+    assert _calls.single_request_split(3 * C, 131, 132, C, fold=True) == (3, C)
+    assert _calls.single_request_split(3 * C, 200, 132, C, fold=False) == (3, C)
+    monkeypatch.setattr(_invariant, "fold_policy", "always")
+    assert _calls.single_request_split(3 * C, 2, 132, C, fold=True) == (1, 0)
+    monkeypatch.setattr(_invariant, "fold_policy", "never")
+    assert _calls.single_request_split(3 * C, 200, 132, C, fold=True) == (3, C)
+
+
+def test_fold_plan_where_splitting_gains_nothing(monkeypatch):
+    """Prefill of long prompts fills the GPU unsplit: one item per query tile,
+    whose CTA folds its chunks (no partial state, no merge pass). A few long
+    decode rows would leave SMs idle: split into chunks as without fold."""
+    kw = dict(group=4, rows_per_cta=128, num_kv_heads=8, resident_ctas=132, chunk=C, causal=True)
+    prefill = _invariant.plan([2 * C] * 4, [2 * C] * 4, fold=True, **kw)
+    assert prefill.folds and prefill.merge_indptr is None and prefill.partial_rows == 0 and prefill.kv_chunk == C
+    assert sorted(item[:3] for item in prefill.items) == [(r, t, -1) for r in range(4) for t in range(2 * C // 32)]
+    decode = _invariant.plan([1] * 4, [10 * C] * 4, fold=True, **kw)
+    assert not decode.folds and decode.merge_indptr is not None and decode.kv_chunk == C
+    assert decode == _invariant.plan([1] * 4, [10 * C] * 4, **kw)  # the split plan
+    short = _invariant.plan([C] * 4, [C] * 4, fold=True, **kw)
+    assert not short.folds and short.kv_chunk == 0  # nothing spans two chunks
+    monkeypatch.setattr(_invariant, "fold_policy", "always")
+    assert _invariant.plan([1] * 4, [10 * C] * 4, fold=True, **kw).folds
+    monkeypatch.setattr(_invariant, "fold_policy", "never")
+    assert _invariant.plan([2 * C] * 4, [2 * C] * 4, fold=True, **kw) == _invariant.plan([2 * C] * 4, [2 * C] * 4,
+                                                                                         **kw)
+
+
+def test_fold_scratch_fits_the_persistent_grid(planned):
+    """A folding plan's scratch (one slot per resident CTA) lies at the partial
+    state's address, in the workspace or the wrapper's own buffer."""
+    w = _plan("ragged", 3 * C + 1, batch_invariant=True)
+    assert w._plan.work.folds and _invariant.folds(w._plan.module.spec)
+    need = 4 * _invariant.scratch_floats(132, 128, 128)
+    base = w._plan.partials[0]
+    if w._own_partials is not None and base == w._own_partials.data_ptr():
+        assert w._own_partials.numel() * 4 >= need
+    else:
+        assert base == w._workspace.data_ptr() and w._workspace.numel() * w._workspace.element_size() >= need
+
+
 def test_chunk_size():
     assert _invariant.chunk_keys(None, True, 128) == C
     assert _invariant.chunk_keys(100, True, 64) == 128  # a fixed split, rounded up to the kernel's tile

@@ -248,6 +248,39 @@ def test_long_prompt_across_chunk_boundaries(backend, head_dim):
         assert_same(o, out[j], f"single_decode of row {j}")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_chunks_folded_in_the_kernel_or_split(monkeypatch, head_dim):
+    """The same requests with every multi-chunk CTA folding its chunks itself
+    (fa3) and with the chunks split across CTAs and merged: the same bits,
+    through ragged and paged prefill, the single-request op and decode (where
+    the kernel cannot fold, both policies split and this compares a plan with
+    itself)."""
+    torch.manual_seed(head_dim + 1)
+    prompts = [Request(n, n, HEADS, head_dim, torch.bfloat16) for n in (3 * C + 77, C + 1, 300)]
+    decodes = [Request(1, kv, HEADS, head_dim, torch.bfloat16) for kv in (3 * C + 5, 2 * C, C + 1, 64)] * 8
+    got = {}
+    for policy in ("always", "never"):
+        monkeypatch.setattr(_invariant, "fold_policy", policy)
+        got[policy] = (ragged(prompts), paged_prefill(prompts, 16),
+                       flashjit.single_prefill_with_kv_cache(prompts[0].q, prompts[0].k, prompts[0].v, causal=True,
+                                                             batch_invariant=True),
+                       paged_decode(decodes, 16))
+    (ragged_f, paged_f, single_f, decode_f), (ragged_s, paged_s, single_s, decode_s) = got["always"], got["never"]
+    for i, prompt in enumerate(prompts):
+        check_reference(*ragged_f[i], prompt, torch.bfloat16, head_dim, f"folded, prompt {i}")
+        for what, a, b in (("ragged", ragged_f[i], ragged_s[i]), ("paged", paged_f[i], paged_s[i]),
+                           ("paged against ragged", paged_f[i], ragged_s[i])):
+            assert_same(a[0], b[0], f"{what}, prompt {i}: out")
+            assert_same(a[1], b[1], f"{what}, prompt {i}: lse")
+    assert_same(single_f, ragged_s[0][0], "single_prefill folded against ragged split")
+    assert_same(single_s, ragged_s[0][0], "single_prefill split against ragged split")
+    for i, ((a, la), (b, lb)) in enumerate(zip(decode_f, decode_s)):
+        assert_same(a, b, f"decode {i}: out")
+        assert_same(la, lb, f"decode {i}: lse")
+    step = decodes[0]
+    assert_same(decode_f[0][0], ragged([step])[0][0], "a decode row against its prefill row")
+
+
 def _sm90a_only() -> bool:
     from flashjit import arch
 

@@ -7,10 +7,13 @@ rounds). Decode: the paged decode wrapper with use_tensor_cores False and True
 (normal) against batch_invariant=True, µs per call as decode.py (median of
 CUDA-graph samples). The last column is the mode's time against the faster
 normal cell, + meaning slower. --chunks times the mode at other split-KV chunk
-sizes (ops._invariant.CHUNK_KEYS is the default); every batch-invariant output
-is first checked against the normal one within the sum of their profiles.
+sizes (ops._invariant.CHUNK_KEYS is the default); --split adds the first chunk
+with every request's chunks split across CTAs and merged (fold_policy "never":
+what the mode costs where the kernel does not fold them itself); every
+batch-invariant output is first checked against the normal one within the sum
+of their profiles.
 
-Usage: python benchmarks/dev/batch_invariant_cost.py [--quick] [--chunks 4096] [--rounds 3] [--reps 30]
+Usage: python benchmarks/dev/batch_invariant_cost.py [--quick] [--chunks 4096] [--split] [--rounds 3] [--reps 30]
        [--only prefill decode] [--out FILE] [--json FILE]
 """
 
@@ -34,10 +37,10 @@ from flashjit.ops import _invariant  # noqa: E402
 from flashjit.spec import KernelSpec  # noqa: E402
 
 
-def ragged(batch_invariant: bool, chunk: int):
+def ragged(batch_invariant: bool, variant):
     def make(qo_lens, kv_lens, h, d, causal, dtype):
         w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
-        with chunk_size(chunk):
+        with chunk_size(variant):
             w.plan(pre.indptr(qo_lens), pre.indptr(kv_lens), h, h, d, causal=causal, q_data_type=dtype,
                    batch_invariant=batch_invariant)
         return w.run
@@ -45,16 +48,18 @@ def ragged(batch_invariant: bool, chunk: int):
 
 
 class chunk_size:
-    """The mode's default chunk set for one plan()."""
+    """The mode's default chunk and fold policy set for one plan(); variant:
+    (chunk, policy)."""
 
-    def __init__(self, chunk: int):
-        self.chunk = chunk
+    def __init__(self, variant):
+        self.chunk, self.policy = variant
 
     def __enter__(self):
-        self.saved, _invariant.CHUNK_KEYS = _invariant.CHUNK_KEYS, self.chunk
+        self.saved = _invariant.CHUNK_KEYS, _invariant.fold_policy
+        _invariant.CHUNK_KEYS, _invariant.fold_policy = self.chunk, self.policy
 
     def __exit__(self, *exc):
-        _invariant.CHUNK_KEYS = self.saved
+        _invariant.CHUNK_KEYS, _invariant.fold_policy = self.saved
 
 
 def check(name, out, ref, spec, q, k, v, kv_len):
@@ -68,8 +73,8 @@ def prefill_rows(plan, chunks, rounds, results):
     for row in plan:
         if row["label"] == "single_decode":
             continue
-        impls = {"normal": ragged(False, chunks[0])}
-        impls.update({f"invariant {c}": ragged(True, c) for c in chunks})
+        impls = {"normal": ragged(False, chunks[next(iter(chunks))])}
+        impls.update({f"invariant {c}": ragged(True, v) for c, v in chunks.items()})
         h, d, lens = row["heads"], row["head_dim"], row["qo_lens"]
         torch.manual_seed(0)
         q = torch.randn(sum(lens), h, d, device="cuda", dtype=torch.bfloat16)
@@ -96,10 +101,11 @@ def decode_rows(rows, chunks, reps, results):
         cache, indptr, indices, last = dec.paged_cache(batch, kv_len, kv_heads)
         q = torch.randn(batch, qo_heads, dec.D, dtype=dec.BF16, device="cuda")
         cells, outs = {}, {}
-        for name, tc, bi, chunk in [("normal cc", False, False, 0), ("normal tc", True, False, 0),
-                                    *[(f"invariant {c}", False, True, c) for c in chunks]]:
+        first = chunks[next(iter(chunks))]
+        for name, tc, bi, variant in [("normal cc", False, False, first), ("normal tc", True, False, first),
+                                      *[(f"invariant {c}", False, True, v) for c, v in chunks.items()]]:
             w = flashjit.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
-            with chunk_size(chunk or chunks[0]):
+            with chunk_size(variant):
                 w.plan(indptr, indices, last, qo_heads, kv_heads, dec.D, dec.PAGE, q_data_type=dec.BF16,
                        batch_invariant=bi)
             outs[name] = w.run(q, cache)
@@ -147,6 +153,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="prefill d128 1k/4k, decode GQA 64x4k and 1x32k")
     parser.add_argument("--chunks", type=int, nargs="+", default=[_invariant.CHUNK_KEYS])
+    parser.add_argument("--split", action="store_true", help="also the first chunk with every request split")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--only", nargs="+", choices=("prefill", "decode"), default=["prefill", "decode"])
@@ -155,10 +162,13 @@ def main() -> int:
     args = parser.parse_args()
     plan = pre.rows(args.quick) if "prefill" in args.only else []
     decode = [r for r in dec.ROWS if not args.quick or r[0] in dec.QUICK_ROWS] if "decode" in args.only else []
+    chunks = {str(c): (c, "auto") for c in args.chunks}  # column label -> (chunk, fold policy)
+    if args.split:
+        chunks[f"{args.chunks[0]} split"] = (args.chunks[0], "never")
     results = []
-    prefill_rows(plan, args.chunks, args.rounds, results)
-    decode_rows(decode, args.chunks, args.reps, results)
-    emit(table(results, args.chunks), args.out)
+    prefill_rows(plan, chunks, args.rounds, results)
+    decode_rows(decode, chunks, args.reps, results)
+    emit(table(results, chunks), args.out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

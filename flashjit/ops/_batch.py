@@ -50,6 +50,7 @@ class BatchPlan:
     # buffers for (q may hold up to that many rows, k/v more than the plan
     # reads); 0 otherwise, where q and k/v hold exactly what the plan reads.
     graph_tokens: int = 0
+    invariant_chunk: int = 0        # batch-invariant mode's chunk of keys (params.invariant_chunk), 0: normal mode
 
 
 _EMPTY_ITEM = (-1, 0, -1, 0)
@@ -135,8 +136,12 @@ class BatchAttention:
         if batch_invariant:
             work = _invariant.plan(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta,
                                    num_kv_heads=num_kv_heads, resident_ctas=wave, chunk=chunk, causal=spec.causal,
-                                   max_items=max_items)
-            base, rows_fit = self._invariant_partials(work.partial_rows, rows_fit, num_qo_heads, head_dim)
+                                   max_items=max_items, fold=_invariant.folds(module.spec))
+            rows = work.partial_rows
+            if work.folds:  # the fold scratch, in partial rows (num_qo_heads x (head_dim + 1) floats)
+                rows = ceil_div(_invariant.scratch_floats(wave, module.rows_per_cta, head_dim),
+                                num_qo_heads * (head_dim + 1))
+            base, rows_fit = self._invariant_partials(rows, rows_fit, num_qo_heads, head_dim)
         else:
             work = plan_work(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta,
                              num_kv_heads=num_kv_heads, resident_ctas=wave, split_align=module.split_align,
@@ -186,7 +191,8 @@ class BatchAttention:
                     addr + 4 * offsets[3] if merge is not None else 0)
         self._plan = BatchPlan(module, num_qo_heads, num_kv_heads, head_dim, q_dtype, tokens, page_size, max_page,
                                kv_indptr[-1] if page_indices is None else 0, scalars, pointers, partials, len(items),
-                               merge_tokens, work, graph_tokens=self._capacity[1] if self._use_cuda_graph else 0)
+                               merge_tokens, work, graph_tokens=self._capacity[1] if self._use_cuda_graph else 0,
+                               invariant_chunk=chunk)
         self._launches = Signatures()
 
     def _invariant_partials(self, rows: int, rows_fit: int, num_qo_heads: int, head_dim: int) -> tuple[int, int]:
@@ -263,6 +269,7 @@ class BatchAttention:
             _checks.check_vector_aligned("out", out)
         params = fill_params(q, plan.num_kv_heads, k_strides, v_strides, plan.page_size,
                              (plan.num_qo_heads * plan.head_dim, plan.head_dim), plan.num_qo_heads, *plan.scalars)
+        params.invariant_chunk = plan.invariant_chunk
         head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1,
                              0, plan.work.band_items)
         call = batch_call(plan.module, head + bytes(params)[PER_CALL.size:], self._device.index, v_offset, q,

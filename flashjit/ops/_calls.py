@@ -141,12 +141,17 @@ def resident_ctas(module: KernelModule, device: torch.device) -> int:
         return _SM_COUNTS[device.index] * module.ctas_per_sm(device.index)
 
 
-def single_request_split(kv_len: int, ctas: int, split_ctas: int, invariant_chunk: int = 0) -> tuple[int, int]:
+def single_request_split(kv_len: int, ctas: int, split_ctas: int, invariant_chunk: int = 0,
+                         fold: bool = False) -> tuple[int, int]:
     """(num_splits, kv_chunk) of a single-request launch of `ctas` CTAs: enough
     splits to reach split_ctas CTAs, each of at least MIN_CHUNK_KEYS keys, (1, 0)
     when the grid is large enough; with invariant_chunk (batch-invariant mode),
-    chunks of that many keys whatever the grid."""
+    chunks of that many keys, unless the kernel folds them itself (fold) and
+    the grid is large enough."""
     if invariant_chunk:
+        policy = _invariant.fold_policy
+        if fold and (ctas >= split_ctas if policy == "auto" else policy == "always"):
+            return 1, 0
         return _invariant.single_split(kv_len, invariant_chunk)
     if not 0 < ctas < split_ctas or kv_len < _SPLIT_KEYS:
         return 1, 0
@@ -176,13 +181,18 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
     one_token_work = -(-group // rows_per_cta)  # decode's num_work
     # Fewer keys in one row tile: never split, no bands.
     split_keys = invariant_chunk + 1 if invariant_chunk else _SPLIT_KEYS
+    fold = bool(invariant_chunk) and _invariant.folds(module.spec)
 
     def split_and_bands(num_work: int, qo_len: int, kv_len: int, device) -> tuple:
         """(partial buffer or None, partial_o, partial_lse, num_splits, kv_chunk, band_items)."""
         ctas = num_work * num_kv_heads
         partial, partial_o, partial_lse, splits, chunk, bands = None, 0, 0, 1, 0, 0
-        splits, chunk = single_request_split(kv_len, ctas, split_ctas, invariant_chunk)
-        if splits > 1:
+        splits, chunk = single_request_split(kv_len, ctas, split_ctas, invariant_chunk, fold)
+        if fold and splits == 1 and kv_len > invariant_chunk:  # the CTAs fold their chunks: their scratch
+            partial = empty(_invariant.scratch_floats(min(ctas, split_ctas), rows_per_cta, dim), dtype=f32,
+                            device=device)
+            partial_o = partial.data_ptr()
+        elif splits > 1:
             # Freed when the call returns: the caching allocator hands the block out
             # again only to work queued after this kernel on the same stream.
             rows = qo_len * heads

@@ -17,9 +17,12 @@ the mode pins is everything else that normal mode lets the batch decide:
   sm_90a, else fa2) for decode too;
 - split-KV: a fixed chunk of keys from key 0, the same for every op, instead of
   a chunk sized from the batch, the SM count or the workspace. A row that sees
-  keys in one chunk is written directly (the merge of one state and empty ones
-  is exact: weight 1, sum 1); a row that sees several is merged from all of its
-  chunks in chunk order by merge_states.cuh, whose two kernels sum in one order.
+  keys in one chunk is written directly (the fold of one state and empty ones
+  is exact: weight 1, sum 1); a row that sees several has its chunks' states
+  folded in chunk order (common/chunk_fold.cuh), by the merge pass over split
+  chunks or, on fa3, by the CTA that walks them (folds()), with one arithmetic:
+  whether a request's chunks are split across CTAs is free to follow the batch,
+  as in normal mode (plan()).
 
 Pure host arithmetic (no torch), so that the CPU tests check it.
 """
@@ -29,7 +32,7 @@ from __future__ import annotations
 import os
 
 from .. import arch
-from ._plan import _ITEM_OVERHEAD, WorkPlan, _item_cost, ceil_div, choose_band_items
+from ._plan import _ITEM_OVERHEAD, _MIN_GAIN, WorkPlan, _estimate, _item_cost, ceil_div, choose_band_items
 
 ENV_VAR = "FLASHJIT_BATCH_INVARIANT"
 # Keys per split-KV chunk. Decode needs chunks this short to fill the GPU
@@ -107,6 +110,28 @@ def prewarm_specs(specs, arches) -> list:
     return list(dict.fromkeys(out))
 
 
+# Where a kernel folds chunks itself, whether a launch does: "auto" where
+# splitting would not run estimably faster (_fold_plan; single requests: where
+# the grid fills a wave, as normal mode splits), "always" or "never" (the GPU
+# tests and benchmarks/dev/batch_invariant_cost.py compare the two).
+fold_policy = "auto"
+
+
+def folds(spec) -> bool:
+    """Whether the spec's kernel folds a CTA's chunks itself (fa3 attention):
+    then a request needs no split to be merged chunk by chunk."""
+    from ..spec import MLA_OPS
+
+    return spec.backend == "fa3" and spec.op not in MLA_OPS
+
+
+def scratch_floats(resident_ctas: int, rows_per_cta: int, head_dim: int) -> int:
+    """The fold scratch of a launch (fa2::ChunkMerge): per CTA of its persistent
+    grid (at most one per SM, so at most resident_ctas), each row's accumulator
+    and its running max and sum."""
+    return resident_ctas * rows_per_cta * (head_dim + 2)
+
+
 def chunk_keys(fixed_chunk: int | None, allow_split: bool, split_align: int) -> int:
     """Keys per chunk (0: no split): the caller's fixed chunk, rounded up to the
     kernel's tile, else CHUNK_KEYS. Outputs agree across calls that use the same
@@ -132,13 +157,45 @@ def _chunks_seen(q: int, qo_len: int, kv_len: int, chunk: int, causal: bool) -> 
     return max(1, ceil_div(end, chunk)) if chunk and end > 0 else 1
 
 
+def _fold_plan(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, resident_ctas: int,
+               chunk: int, causal: bool) -> WorkPlan | None:
+    """The plan of one item per query tile over all its keys, each CTA folding
+    its chunks, where cutting the requests into their chunks would not run
+    estimably faster (the estimate and margin of normal mode's split rule,
+    ops._plan); else None."""
+    base = []  # (cost, request, tile, kv_len, query rows), as ops._plan.plan_work
+    for request, (qo_len, kv_len) in enumerate(zip(qo_lens, kv_lens)):
+        for tile in range(ceil_div(qo_len * group, rows_per_cta)):
+            rows = min(rows_per_cta, qo_len * group - tile * rows_per_cta)
+            base.append((_item_cost(qo_len, kv_len, tile, rows_per_cta, group, causal), request, tile, kv_len, rows))
+    if not base:
+        return None
+    columns = ([b[0] for b in base], [b[3] for b in base], [b[4] for b in base])
+    slots, heads = max(1, resident_ctas), max(num_kv_heads, 1)
+    if fold_policy == "auto" and \
+            _estimate(columns, chunk, slots, heads) < (1 - _MIN_GAIN) * _estimate(columns, 0, slots, heads):
+        return None
+    ordered = sorted(base, key=lambda b: -b[0])
+    bands = choose_band_items([b[0] for b in ordered], heads, slots, any(b[2] > 0 for b in base))
+    folds = any(kv > chunk for kv in kv_lens)
+    return WorkPlan([(r, t, -1, 0) for _, r, t, _, _ in ordered], None, 0, chunk if folds else 0, bands, folds=folds)
+
+
 def plan(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, resident_ctas: int, chunk: int,
-         causal: bool, max_items: int | None = None) -> WorkPlan:
-    """The work plan of a batch in batch-invariant mode. Each query tile is cut
-    into as many chunk items as its last token's keys span; tiles that share a
-    token (a group that does not divide rows_per_cta) take the larger count, so
-    that every token's partial rows are written by every item that covers it.
-    ValueError where the items do not fit max_items (chunks never grow here)."""
+         causal: bool, max_items: int | None = None, fold: bool = False) -> WorkPlan:
+    """The work plan of a batch in batch-invariant mode. fold (the kernel folds
+    chunks itself: folds()): one item per query tile, its CTA folding its
+    chunks, unless splitting them promises a shorter run (_fold_plan). Else
+    each query tile is cut into as many chunk items as its last token's keys
+    span; tiles that share a token (a group that does not divide rows_per_cta)
+    take the larger count, so that every token's partial rows are written by
+    every item that covers it. ValueError where the items do not fit max_items
+    (chunks never grow here)."""
+    if fold and chunk and fold_policy != "never":
+        folded = _fold_plan(qo_lens, kv_lens, group=group, rows_per_cta=rows_per_cta, num_kv_heads=num_kv_heads,
+                            resident_ctas=resident_ctas, chunk=chunk, causal=causal)
+        if folded is not None and (max_items is None or len(folded.items) <= max_items):
+            return folded
     items, tile_counts = [], []
     for request, (qo_len, kv_len) in enumerate(zip(qo_lens, kv_lens)):
         rows = qo_len * group

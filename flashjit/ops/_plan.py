@@ -43,8 +43,11 @@ class WorkPlan:
     items: list            # (request, tile, split, chunk); split -1: all keys, output written directly
     merge_indptr: list | None  # [tokens + 1] partial rows per query token, None when nothing is split
     partial_rows: int      # rows of partial state (each num_qo_heads x head_dim fp32 plus an LSE)
-    kv_chunk: int          # keys per chunk of the split requests, 0 when none is split
+    kv_chunk: int          # keys per chunk of the split (or folded) requests, 0 when none is cut
     band_items: int = 0    # launch order (work.cuh): work slots per band, 0: one band
+    # Batch-invariant mode: some item's keys span several chunks, which its CTA
+    # folds itself (ops._invariant.plan); the launch needs scratch at partial_o.
+    folds: bool = False
 
 
 def _item_cost(qo_len: int, kv_len: int, tile: int, rows_per_cta: int, group: int, causal: bool) -> int:

@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FLASHJIT_ABI_VERSION 5
+#define FLASHJIT_ABI_VERSION 6
 
 extern "C" {
 
@@ -60,6 +60,13 @@ struct FlashjitAttentionParams {
   float sm_scale;
   float logits_soft_cap;      // used when the configuration has soft-cap
   int32_t window_left;        // used when the configuration has a sliding window
+  // Batch-invariant mode: keys per fixed chunk from key 0 (0: normal mode). The
+  // merge pass folds a row's chunk states in chunk order (chunk_fold.cuh); a
+  // CTA of a kernel that folds (fa3) and whose keys span several chunks folds
+  // them itself, keeping its running output in partial_o (one slot of
+  // kRowsPerCta x head_dim floats per CTA of the persistent grid); the host
+  // gives such a launch no split items, so that partial_o holds nothing else.
+  int32_t invariant_chunk;
 
   // MLA only (mla_paged): the rotary part of the query, [tokens, num_qo_heads,
   // 64]; q then holds the 512-wide latent part, k the ckv cache and v the kpe

@@ -5,6 +5,7 @@
 // A row whose every state is empty (lse -inf) gets output 0 and LSE -inf.
 #pragma once
 #include "flashjit/common/attention_params.cuh"
+#include "flashjit/common/chunk_fold.cuh"
 #include "flashjit/common/grid_dependency.cuh"
 #include "flashjit/common/numeric.cuh"
 
@@ -36,9 +37,10 @@ __device__ __forceinline__ void store_merged(const FlashjitAttentionParams& p, i
 }
 
 // Both merge kernels below sum in one order, so that a row's bits do not
-// depend on which of them the row count picks (batch-invariant mode relies on
-// it): state s goes to partial sum s % kMergeWays, each partial sum is a chain
-// of fmaf in state order from 0, and the partial sums are added to 0 in order.
+// depend on which of them the row count picks: state s goes to partial sum
+// s % kMergeWays, each partial sum is a chain of fmaf in state order from 0,
+// and the partial sums are added to 0 in order. (Batch-invariant mode folds
+// instead: merge_fold_states_kernel.)
 constexpr int kMergeWays = 4;
 
 // One CTA per (token, head). A long context leaves dozens of partial rows per
@@ -144,6 +146,44 @@ __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __gr
   store_merged<DTypeO>(p, token, head, lane, acc, sum, m);
 }
 
+// Batch-invariant mode (p.invariant_chunk > 0): one warp per (token, head)
+// folds the row's chunk states in chunk order (chunk_fold.cuh), exactly as an
+// fa3 CTA that walks a row's chunks itself, so that a row's bits do not depend
+// on whether its chunks were split across CTAs.
+template <class DTypeO, int kHeadDim>
+__global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_constant__ FlashjitAttentionParams p,
+                                                                int rows) {
+  wait_for_primary_grid();  // partial states come from the attention grid (grid_dependency.cuh)
+  constexpr int kDimsPerLane = kHeadDim / 32;
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * 4 + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int token = row / p.num_qo_heads, head = row % p.num_qo_heads;
+  int64_t first;
+  int count;
+  partial_rows_of(p, token, first, count);
+  if (count == 0) return;
+  ChunkFold fold;
+  fold.reset();
+  float acc[kDimsPerLane];
+#pragma unroll
+  for (int i = 0; i < kDimsPerLane; ++i) acc[i] = 0.f;
+#pragma unroll 2
+  for (int s = 0; s < count; ++s) {
+    const int64_t idx = (first + s) * p.num_qo_heads + head;
+    float a, b;
+    fold.add(p.partial_lse[idx], a, b);
+    const float* src = p.partial_o + idx * kHeadDim;
+#pragma unroll
+    for (int i = 0; i < kDimsPerLane; ++i) acc[i] = ChunkFold::fold(acc[i], a, b, src[lane + 32 * i]);
+  }
+  const float inv = fold.inv_sum();
+  DTypeO* out = static_cast<DTypeO*>(p.o) + token * p.o_stride_n + head * p.o_stride_h;
+#pragma unroll
+  for (int i = 0; i < kDimsPerLane; ++i) out[lane + 32 * i] = from_float<DTypeO>(__fmul_rn(acc[i], inv));
+  if (p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_n + head] = fold.lse();
+}
+
 // Rows from which the merge takes a warp per row (256 CTAs of four warps).
 constexpr int kWarpMergeRows = 1024;
 
@@ -154,6 +194,10 @@ int launch_merge_split_states(const FlashjitAttentionParams& p, bool write_lse, 
   if (rows == 0) return cudaSuccess;
   FlashjitAttentionParams merged = p;
   if (!write_lse) merged.lse = nullptr;
+  if (p.invariant_chunk > 0) {
+    return launch_dependent(merge_fold_states_kernel<DTypeO, kHeadDim>, dim3((rows + 3) / 4), dim3(128), stream,
+                            merged, rows);
+  }
   // Rows enough to fill the GPU four to a CTA: a warp per row. Else (a long
   // context cut into many chunks over few rows) a CTA per row.
   if (rows >= kWarpMergeRows) {

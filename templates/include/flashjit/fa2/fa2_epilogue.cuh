@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include "flashjit/common/async_copy.cuh"
 #include "flashjit/common/attention_params.cuh"
+#include "flashjit/common/chunk_fold.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/common/numeric.cuh"
 #include "flashjit/common/work.cuh"
@@ -75,36 +76,40 @@ __device__ __forceinline__ bool merge_warp_states(WarpO<Traits>& o, WarpRows<Tra
   return true;
 }
 
-// Full row sums, normalise, then either the fp32 partial state of a split-KV
-// chunk, or O staged through this warp's own Q rows of shared memory (same
-// swizzle) and written in 16-byte vectors, and the LSE (m + log2(l), base 2).
-// Rows at or past rows_total are padding and write nothing.
+// Per row of this lane: the full row sum (l quad-reduced in place), the
+// output factor 1/l and the base-2 LSE m * scale + log2(l); a row that saw no
+// key (kv_len 0, or fully masked) gets 0 and -inf. Its roundings are spelled
+// out, as in fa2_softmax.cuh, so that no row's is fused: the factors of a
+// chunk's state must be the same bits wherever it is computed (chunk_fold.cuh).
 template <class Traits>
-__device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, const CtaWork& w, WarpO<Traits>& o,
-                                           WarpRows<Traits>& m, WarpRows<Traits>& l, unsigned char* smem,
-                                           int warp_row0, int rows_total, float scale) {
-  using T = typename Traits::DType;
-  constexpr int D = Traits::kHeadDim, FM = Traits::kFragsM, NT_O = D / 8;
-  constexpr int WROWS = Traits::kRowsPerWarp, ROW_BYTES = Traits::kRowBytes;
-  const float kNegInf = -CUDART_INF_F;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int g = lane / 4, tq = lane % 4;
-  // Base-2 LSE of fragment f's row r, -inf for a row that saw no key; its
-  // roundings spelled out, as in fa2_softmax.cuh, so that no row's is fused.
-  auto lse_of = [&](int f, int r) {
-    return l[f][r] > 0.f ? __fadd_rn(__fmul_rn(m[f][r], scale), log2f(l[f][r])) : kNegInf;
-  };
-  const auto packed = w.packed_rows();
-  float inv_l[FM][2];
+__device__ __forceinline__ void row_factors(const WarpRows<Traits>& m, WarpRows<Traits>& l, float scale,
+                                            float (&inv_l)[Traits::kFragsM][2], float (&lse)[Traits::kFragsM][2]) {
 #pragma unroll
-  for (int f = 0; f < FM; ++f)
+  for (int f = 0; f < Traits::kFragsM; ++f)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       l[f][r] += __shfl_xor_sync(0xffffffffu, l[f][r], 1);
       l[f][r] += __shfl_xor_sync(0xffffffffu, l[f][r], 2);
-      // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
       inv_l[f][r] = l[f][r] > 0.f ? 1.f / l[f][r] : 0.f;
+      lse[f][r] = l[f][r] > 0.f ? __fadd_rn(__fmul_rn(m[f][r], scale), log2f(l[f][r])) : -CUDART_INF_F;
     }
+}
+
+// O times each row's factor inv_l, then either the fp32 partial state of a
+// split-KV chunk, or O staged through this warp's own Q rows of shared memory
+// (same swizzle) and written in 16-byte vectors, and the LSE. Rows at or past
+// rows_total are padding and write nothing.
+template <class Traits>
+__device__ __forceinline__ void write_rows(const FlashjitAttentionParams& p, const CtaWork& w, const WarpO<Traits>& o,
+                                           const float (&inv_l)[Traits::kFragsM][2],
+                                           const float (&lse)[Traits::kFragsM][2], unsigned char* smem,
+                                           int warp_row0, int rows_total) {
+  using T = typename Traits::DType;
+  constexpr int D = Traits::kHeadDim, FM = Traits::kFragsM, NT_O = D / 8;
+  constexpr int WROWS = Traits::kRowsPerWarp, ROW_BYTES = Traits::kRowBytes;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, tq = lane % 4;
+  const auto packed = w.packed_rows();
   if (w.split >= 0) {
     // Split-KV chunk: fp32 normalised output and LSE as partial state; the
     // merge pass rounds once to T.
@@ -122,7 +127,7 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
         for (int n = 0; n < NT_O; ++n)
           *reinterpret_cast<float2*>(dst + 8 * n) =
               make_float2(o[f][n][2 * r] * inv_l[f][r], o[f][n][2 * r + 1] * inv_l[f][r]);
-        if (tq == 0) p.partial_lse[idx] = lse_of(f, r);
+        if (tq == 0) p.partial_lse[idx] = lse[f][r];
       }
     return;
   }
@@ -165,11 +170,88 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
         if (row < rows_total) {
           int token, head;
           packed.locate(row, token, head);
-          p.lse[int64_t(token) * p.lse_stride_n + head] = lse_of(f, r);
+          p.lse[int64_t(token) * p.lse_stride_n + head] = lse[f][r];
         }
       }
   }
 }
+
+// The end of a CTA that wrote its rows from one state (m, l, O).
+template <class Traits>
+__device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, const CtaWork& w, WarpO<Traits>& o,
+                                           WarpRows<Traits>& m, WarpRows<Traits>& l, unsigned char* smem,
+                                           int warp_row0, int rows_total, float scale) {
+  float inv_l[Traits::kFragsM][2], lse[Traits::kFragsM][2];
+  row_factors<Traits>(m, l, scale, inv_l, lse);
+  write_rows<Traits>(p, w, o, inv_l, lse, smem, warp_row0, rows_total);
+}
+
+// Batch-invariant mode in a CTA whose keys span several chunks (see
+// invariant_chunk in attention_params.cuh): at each chunk boundary the chunk's
+// state (m, l, O) folds into the running merge of its rows (chunk_fold.cuh).
+// The merge waits in the CTA's slot of global scratch, not in registers, which
+// the main loop has none to spare for (fa3 d256: O alone is 128 per thread):
+// per thread, its accumulator as float4 columns [n][thread] (a warp's accesses
+// are whole lines), then its rows' running (m, sum) pairs [f][thread].
+template <class Traits>
+struct ChunkMerge {
+  static constexpr int FM = Traits::kFragsM, NT_O = Traits::kHeadDim / 8;
+  // Floats of scratch per CTA row: its accumulator and its (m, sum).
+  static constexpr int kFloatsPerRow = Traits::kHeadDim + 2;
+
+  // Folds the chunk state (m, l, O) in after `folded` earlier chunks (0: the
+  // scratch holds nothing yet): into the scratch (keep), or, for the last
+  // chunk, into O, which then holds the merged accumulator, and the rows'
+  // output factor and LSE into inv / lse. slot: the CTA's scratch; thread,
+  // threads: this thread's index among the `threads` that share it.
+  template <int kThreads>
+  static __device__ __forceinline__ void fold(WarpO<Traits>& o, const WarpRows<Traits>& m, WarpRows<Traits>& l,
+                                              float scale, float* slot, int thread, bool folded, bool keep,
+                                              float (&inv)[FM][2], float (&lse)[FM][2]) {
+    float4* acc_at = reinterpret_cast<float4*>(slot) + thread;
+    float4* rows_at = acc_at + FM * NT_O * kThreads;
+    float inv_l[FM][2], lse_c[FM][2], a[FM][2], b[FM][2];
+    row_factors<Traits>(m, l, scale, inv_l, lse_c);
+#pragma unroll
+    for (int f = 0; f < FM; ++f) {
+      ChunkFold rows[2];
+      if (folded) {
+        const float4 saved = rows_at[f * kThreads];
+        rows[0] = {saved.x, saved.y};
+        rows[1] = {saved.z, saved.w};
+      } else {
+        rows[0].reset();
+        rows[1].reset();
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        rows[r].add(lse_c[f][r], a[f][r], b[f][r]);
+        inv[f][r] = rows[r].inv_sum();
+        lse[f][r] = rows[r].lse();
+      }
+      if (keep) rows_at[f * kThreads] = make_float4(rows[0].m, rows[0].sum, rows[1].m, rows[1].sum);
+    }
+#pragma unroll
+    for (int f = 0; f < FM; ++f)
+#pragma unroll
+      for (int n = 0; n < NT_O; ++n) {
+        float4* at = acc_at + (f * NT_O + n) * kThreads;
+        const float4 acc = folded ? *at : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 v = make_float4(ChunkFold::fold(acc.x, a[f][0], b[f][0], o[f][n][0] * inv_l[f][0]),
+                                     ChunkFold::fold(acc.y, a[f][0], b[f][0], o[f][n][1] * inv_l[f][0]),
+                                     ChunkFold::fold(acc.z, a[f][1], b[f][1], o[f][n][2] * inv_l[f][1]),
+                                     ChunkFold::fold(acc.w, a[f][1], b[f][1], o[f][n][3] * inv_l[f][1]));
+        if (keep) {
+          *at = v;
+        } else {
+          o[f][n][0] = v.x;
+          o[f][n][1] = v.y;
+          o[f][n][2] = v.z;
+          o[f][n][3] = v.w;
+        }
+      }
+  }
+};
 
 // One packed row of an MLA CTA (fa2_mla.cuh, fa3/fa3_mla.cuh): this lane's
 // columns col0 + 8n, col0 + 8n + 1 of O (o[n][2r], o[n][2r + 1]) times inv_l,
