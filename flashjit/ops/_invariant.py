@@ -126,10 +126,11 @@ def folds(spec) -> bool:
 
 
 def scratch_floats(resident_ctas: int, rows_per_cta: int, head_dim: int) -> int:
-    """The fold scratch of a launch (fa2::ChunkMerge): per CTA of its persistent
-    grid (at most one per SM, so at most resident_ctas), each row's accumulator
-    and its running max and sum."""
-    return resident_ctas * rows_per_cta * (head_dim + 2)
+    """The fold scratch of a launch (fa2::ChunkMerge::kFloatsPerRow): per CTA of
+    its persistent grid (at most one per SM, so at most resident_ctas), each
+    row's accumulator and its running max and sum as the four lanes holding the
+    row keep them."""
+    return resident_ctas * rows_per_cta * (head_dim + 8)
 
 
 def chunk_keys(fixed_chunk: int | None, allow_split: bool, split_align: int) -> int:

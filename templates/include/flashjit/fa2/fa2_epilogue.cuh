@@ -196,8 +196,10 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
 template <class Traits>
 struct ChunkMerge {
   static constexpr int FM = Traits::kFragsM, NT_O = Traits::kHeadDim / 8;
-  // Floats of scratch per CTA row: its accumulator and its (m, sum).
-  static constexpr int kFloatsPerRow = Traits::kHeadDim + 2;
+  // Floats of scratch per CTA row: its accumulator, and the (m, sum) of its
+  // pair of rows that each of the four lanes of its quad keeps (8 floats):
+  // 2 * rows / FM threads of FM * NT_O + FM float4s each.
+  static constexpr int kFloatsPerRow = Traits::kHeadDim + 8;
 
   // Folds the chunk state (m, l, O) in after `folded` earlier chunks (0: the
   // scratch holds nothing yet): into the scratch (keep), or, for the last

@@ -452,6 +452,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int chunk = p.invariant_chunk;
     constexpr int kConsumerThreads = Traits::kConsumerWarps * 32;
     using Merge = fa2::ChunkMerge<Traits>;
+    static_assert(kConsumerThreads * (NT_O + 1) * 4 == ROWS * Merge::kFloatsPerRow, "a CTA's scratch slot");
     float* const slot = p.partial_o + size_t(blockIdx.x) * ROWS * Merge::kFloatsPerRow;
     float inv[1][2], lse[1][2];
     int tb = 0, te = chunk > 0 ? min(num_tiles, ((key_begin / chunk + 1) * chunk - key_begin) / KEYS) : num_tiles;
