@@ -7,6 +7,7 @@ driver must be found at load time; torch's stream is passed as a raw handle.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,28 @@ class KernelModule:
     _error_string: object
     _ctas_per_sm: object = None
     _occupancy: dict = None  # device index -> CTAs per SM
+    # Libraries whose kernel depends on the head count (fa2 MLA): C entry points
+    # (rows per CTA, split align, CTAs per SM) of the kernel `heads` heads run.
+    _for_heads: tuple | None = None
+    _views: dict = None  # heads -> the module as planned for them
+
+    def for_group(self, heads: int) -> "KernelModule":
+        """This module with the rows per CTA, split-KV alignment and occupancy of
+        the kernel that `heads` query heads per KV head run; itself where the
+        library has one kernel shape."""
+        if self._for_heads is None:
+            return self
+        rows_for, align_for, ctas_for = self._for_heads
+        if (rows_for(heads), align_for(heads)) == (self.rows_per_cta, self.split_align):
+            return self
+        if self._views is None:
+            self._views = {}
+        view = self._views.get(heads)
+        if view is None:
+            view = dataclasses.replace(self, rows_per_cta=rows_for(heads), split_align=align_for(heads),
+                                       _ctas_per_sm=lambda: ctas_for(heads), _occupancy=None, _for_heads=None)
+            self._views[heads] = view
+        return view
 
     @property
     def tolerance_profile(self) -> dict:
@@ -125,6 +148,12 @@ def load_library(spec: KernelSpec, path: Path, manifest: dict) -> KernelModule:
     lib.flashjit_rows_per_cta.restype = ctypes.c_int
     lib.flashjit_split_align.restype = ctypes.c_int
     lib.flashjit_ctas_per_sm.restype = ctypes.c_int
+    for_heads = None
+    if hasattr(lib, "flashjit_rows_per_cta_for"):
+        for_heads = (lib.flashjit_rows_per_cta_for, lib.flashjit_split_align_for, lib.flashjit_ctas_per_sm_for)
+        for fn in for_heads:
+            fn.argtypes = [ctypes.c_int]
+            fn.restype = ctypes.c_int
     return KernelModule(spec=spec, path=path, manifest=manifest, rows_per_cta=lib.flashjit_rows_per_cta(),
                         split_align=lib.flashjit_split_align(), _run=run, _error_string=err,
-                        _ctas_per_sm=lib.flashjit_ctas_per_sm)
+                        _ctas_per_sm=lib.flashjit_ctas_per_sm, _for_heads=for_heads)

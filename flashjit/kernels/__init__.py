@@ -46,8 +46,9 @@ def tiling_for(spec: KernelSpec, arches=None):
     if not spec.use_tensor_cores:
         return "attention_cuda_core.cu.jinja", cuda_core.cuda_core_tiling(spec)
     if spec.op in MLA_OPS:
-        family = fa3 if spec.backend == "fa3" else fa2
-        return family.MLA_TEMPLATE, family.mla_tiling(spec)
+        if spec.backend == "fa3":
+            return fa3.MLA_TEMPLATE, fa3.mla_tiling(spec)
+        return fa2.MLA_TEMPLATE, fa2.mla_tiling(spec, arches)
     backend = TENSOR_CORE_BACKENDS.get(spec.backend)
     if backend is None:
         raise ValueError(f"{spec.name}: no template generates backend {spec.backend} yet")

@@ -5,6 +5,7 @@ are in benchmarks/results/ (all measured on H200s)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..spec import DECODE_OPS, PAGED_OPS, KernelSpec
@@ -200,18 +201,26 @@ def tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
 
 @dataclass(frozen=True)
 class MlaTiling:
-    """The fa2 MLA kernel (fa2/fa2_mla.cuh): 16 packed rows per CTA shared by
+    """The fa2 MLA kernels (fa2/fa2_mla.cuh): 16 packed rows per CTA shared by
     `warps` warps, which split Q.K^T by head dims and O by columns; tiles of
-    keys_per_tile [ckv | kpe] rows (one copy serves as K and V) in `stages`."""
+    keys_per_tile [ckv | kpe] rows (one copy serves as K and V) in `stages`.
+    From wide_min_heads query heads (0: never) the library runs its second
+    kernel instead (fa2/fa2_mla_wide.cuh: 64 rows, eight warps, tiles of
+    wide_keys_per_tile keys in wide_stages), planned with that kernel's shape
+    (loader.KernelModule.for_group)."""
     warps: int
     keys_per_tile: int
     stages: int
     min_blocks_per_sm: int
     rows_per_cta: int = 16
+    wide_min_heads: int = 0
+    wide_keys_per_tile: int = 64
+    wide_stages: int = 2
 
     def rescales(self, spec: KernelSpec) -> tuple[int, int]:
         """(keys per rescale, merge rescales): one rescale per tile; no warp merge
-        (every warp computes the same softmax state)."""
+        (every warp computes the same softmax state). The wide kernel rescales
+        once per wide_keys_per_tile keys, less often: the narrow count bounds both."""
         return self.keys_per_tile, 0
 
     def smem_bytes(self, spec: KernelSpec) -> int:
@@ -220,13 +229,32 @@ class MlaTiling:
         head = max(self.rows_per_cta * row, self.warps * self.rows_per_cta * self.keys_per_tile * 4)
         return head + self.stages * self.keys_per_tile * row
 
+    def wide_smem_bytes(self, spec: KernelSpec) -> int:
+        """Mirror of MlaWideTraits::kSmemBytes: Q, stages, P, row maxima, factors, flags."""
+        rows, row = 64, 2 * spec.head_dim_qk
+        return rows * row + self.wide_stages * self.wide_keys_per_tile * row + rows * self.wide_keys_per_tile * 2 \
+            + 2 * rows * 4 + rows * 4 + 16 * 4
+
 
 # 32-key tiles in two stages: 18 KB of Q and 2 x 36 KB of [ckv | kpe] rows fit
 # SMEM_BUDGET (64-key tiles or 32 rows would not), two CTAs per SM on sm_90a,
 # one on sm_80 / sm_89. Correctness first; not yet tuned on a GPU.
 MLA_TILING = MlaTiling(warps=4, keys_per_tile=32, stages=2, min_blocks_per_sm=2)
 
+# Large head counts (MLA_WIDE_MIN_HEADS and up) run the wide kernel where every
+# target arch holds one of its CTAs (225 KB: 64 rows of Q, two 64-key stages,
+# P): 16-row CTAs read each key tile once per 16 rows and trade fp32 partial
+# logits between warps (about 0.12 bytes of shared-memory traffic per FLOP);
+# 64-row CTAs need about 0.074 (docs/fa2.md, MLA; an H200 ran the 128-head row
+# 1.56x faster: benchmarks/results/2026-11-25-h200-fa2-mla-wide-kernel.md).
+MLA_WIDE_MIN_HEADS = 64
+MLA_WIDE_TILING = dataclasses.replace(MLA_TILING, wide_min_heads=MLA_WIDE_MIN_HEADS)
 
-def mla_tiling(spec: KernelSpec) -> MlaTiling:
+
+def mla_tiling(spec: KernelSpec, arches=None) -> MlaTiling:
     assert MLA_TILING.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name
+    wide = MLA_WIDE_TILING
+    if arches and all(wide.wide_smem_bytes(spec) + common.SMEM_RESERVED_PER_CTA <= common.SMEM_PER_SM.get(a, 0)
+                      for a in arches):
+        return wide
     return MLA_TILING

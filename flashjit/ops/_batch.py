@@ -103,11 +103,13 @@ class BatchAttention:
         """batch_invariant: split-KV in fixed chunks of keys from key 0 (ops._invariant),
         never resized for the batch, the GPU or the workspace (None: FLASHJIT_BATCH_INVARIANT)."""
         batch_invariant = _invariant.resolve(batch_invariant)
+        group = num_qo_heads // num_kv_heads
         module = jit.get_module(spec)
+        if hasattr(module, "for_group"):  # the shape of the kernel this head count runs (fa2 MLA)
+            module = module.for_group(group)
         batch = len(qo_indptr) - 1
         qo_lens = [qo_indptr[i + 1] - qo_indptr[i] for i in range(batch)]
         tokens = qo_indptr[-1]
-        group = num_qo_heads // num_kv_heads
         wave = resident_ctas(module, self._device)
         max_items = None
         chunk = _invariant.chunk_keys(fixed_chunk, allow_split, module.split_align) if batch_invariant else 0

@@ -76,3 +76,58 @@ struct MlaTraits {
 };
 
 }  // namespace flashjit
+
+namespace flashjit {
+
+// The wide fa2 MLA kernel (fa2_mla_wide.cuh) for large head counts: 64 packed
+// rows per CTA and eight warps. Warp w computes S for rows 16 (w % 4) .. + 15
+// over keys 32 (w / 4) .. + 31 of a 64-key tile (the whole 576 dims, Q read
+// from shared memory), the two warps of a row group meet at a named barrier
+// for the row maxima, P goes through shared memory, and warp w multiplies all
+// 64 rows of P by output columns [64 w, 64 w + 64) of V.
+template <class DType_, int kKeysPerTile_, int kStages_, bool kCausal_, bool kLse_>
+struct MlaWideTraits {
+  using DType = DType_;
+  static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
+  static constexpr int kWarps = 8, kThreads = 32 * kWarps;
+  static constexpr int kRowGroups = 4, kKeyParts = kWarps / kRowGroups;
+  static constexpr int kRowsPerCta = 16 * kRowGroups;
+  static constexpr int kKeysPerTile = kKeysPerTile_;
+  static constexpr int kKeysPerWarp = kKeysPerTile / kKeyParts;
+  static constexpr int kStages = kStages_;
+  static constexpr int kMinBlocksPerSm = 1;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kLse = kLse_;
+
+  static constexpr int kRowBytes = kQkDim * 2;
+  static constexpr int kChunksPerRow = kQkDim / 8;
+  static constexpr int kCkvChunks = kCkvDim / 8;
+  using Layout = fa2::RowMajorTile<kRowBytes>;
+  using PLayout = fa2::RowMajorTile<kKeysPerTile * 2>;  // P: [rows][keys] of DType
+  static constexpr int kQkSteps = kQkDim / 16;
+  static constexpr int kVoColsPerWarp = kVoDim / kWarps;
+  static constexpr int kThreadsPerKey = kThreads / kKeysPerTile;
+  static constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerKey;
+
+  static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
+                "fa2 MLA takes __half or __nv_bfloat16");
+  static_assert(kKeysPerTile == 64, "P rows are one 128-byte swizzle line (64 keys)");
+  static_assert(kKeysPerWarp % 16 == 0 && kVoColsPerWarp % 16 == 0, "whole k16 / n16 blocks per warp");
+  static_assert(kThreads % kKeysPerTile == 0 && kChunksPerRow % kThreadsPerKey == 0 &&
+                    kCkvChunks % kThreadsPerKey == 0, "whole chunk sets per copying thread");
+  static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
+
+  // Shared memory: [Q | stage 0 | stage 1 ... | P | row maxima of each key part
+  // (later the row sums) | rescale factors (later m) | moved flags].
+  static constexpr int kQBytes = kRowsPerCta * kRowBytes;
+  static constexpr int kTileBytes = kKeysPerTile * kRowBytes;
+  static constexpr int kPOffset = kQBytes + kStages * kTileBytes;
+  static constexpr int kPBytes = kRowsPerCta * kKeysPerTile * 2;
+  static constexpr int kMaxOffset = kPOffset + kPBytes;
+  static constexpr int kScaleOffset = kMaxOffset + kKeyParts * kRowsPerCta * 4;
+  static constexpr int kMovedOffset = kScaleOffset + kRowsPerCta * 4;
+  static constexpr size_t kSmemBytes = size_t(kMovedOffset) + 16 * kRowGroups;
+  static_assert(kQBytes % 128 == 0 && kTileBytes % 128 == 0 && kPOffset % 128 == 0, "128-byte aligned tiles");
+};
+
+}  // namespace flashjit
