@@ -100,8 +100,7 @@ def stubbed(lib: Path):
         for obj, name, value in saved:
             setattr(obj, name, value)
         for cache in (prefill._prepared, decode._prepared):  # their calls launch the stub: none may outlive it
-            cache.clear()
-            cache.last = (None, None)
+            cache.reset()
 
 
 def main() -> int:

@@ -94,12 +94,10 @@ def gpu(request, monkeypatch):
     monkeypatch.setattr(torch, "empty", _empty)
     caches = (prefill._prepared, decode._prepared)
     for cache in caches:  # prepared calls of stand-in modules must not outlive the test
-        cache.clear()
-        cache.last = (None, None)
+        cache.reset()
     yield state
     for cache in caches:
-        cache.clear()
-        cache.last = (None, None)
+        cache.reset()
 
 
 def pointers(launch) -> tuple:

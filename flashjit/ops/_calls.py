@@ -13,6 +13,11 @@ error), packs the addresses in front of the fixed bytes and launches on torch's
 current stream. Closures rather than objects: their constants are cell reads,
 not attribute lookups, on a path measured in microseconds.
 
+Each op keeps the call it used last in a slot with a check of its tensor
+arguments in C (ops._guards): a loop that repeats one signature pays for that
+check, not for reading every attribute in Python and hashing the key; a
+signature the check rejects takes the key path, which also refills the slot.
+
 What is not cached, because nothing cheaper tells when it changes: torch's
 current device and current stream, read on every call through torch's raw
 getters (benchmarks/bench_jit.py measures the two).
@@ -26,7 +31,7 @@ import torch
 
 from ..loader import AttentionParams, KernelModule
 from ..spec import KernelSpec
-from . import _checks, _invariant
+from . import _checks, _guards, _invariant
 from ._plan import CHUNK_ALIGN, MIN_CHUNK_KEYS, ceil_div, single_request_band_items
 
 # FlashjitAttentionParams starts with thirteen pointers and six per-call counts
@@ -51,19 +56,30 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device_index: torch.cuda.current_stream(device_index).cuda_stream)
 
 
+_EMPTY_SLOT = (None, _guards.never, None)
+
+
 class Signatures(dict):
     """Prepared calls by signature, bounded, the last one found kept aside in
     `last` (key, call): a loop repeats one signature, and one comparison with it
-    costs half of what hashing the key and comparing in the dict does. The
-    wrappers spell the lookup out (and the calls below their launch) rather than
-    call a shared helper: a Python call costs about 0.1 us on paths measured at
-    9-10 us against a 10 us target."""
+    costs half of what hashing the key and comparing in the dict does.
+    `fast` (and, for a wrapper's run(out=...), `fast_out`): (options, check,
+    call), the last call with its C check of the tensors (ops._guards), which
+    the ops try before building any key. The ops spell these lookups out (and
+    the calls below their launch) rather than call a shared helper: a Python
+    call costs about 0.1 us on paths measured against a 10 us target."""
 
-    __slots__ = ("last",)
+    __slots__ = ("last", "fast", "fast_out")
 
     def __init__(self):
         super().__init__()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every prepared call (tests and benchmarks that replace the kernels)."""
+        self.clear()
         self.last = (None, None)
+        self.fast = self.fast_out = _EMPTY_SLOT
 
 
 def remember(cache: Signatures, key, value):
@@ -71,10 +87,53 @@ def remember(cache: Signatures, key, value):
     cache that outgrows its bound starts over."""
     if key is not None and value is not None:
         if len(cache) >= CACHE_LIMIT:
-            cache.clear()
+            cache.reset()
         cache[key] = value
         cache.last = (key, value)
     return value
+
+
+def fill_slot(launches: Signatures, return_lse, out, launch) -> None:
+    """Makes a wrapper's prepared run() (given no lse) the one its run() tries
+    first: `fast` for runs without out, `fast_out` for runs into one.
+    launch.slot: its (check, call) (see slot_of)."""
+    slot = (return_lse, *launch.slot)
+    if out is None:
+        launches.fast = slot
+    else:
+        launches.fast_out = slot
+
+
+def keep_run(launches: Signatures, key, launch, tensors: tuple, return_lse, out, fast: bool,
+             pair: bool = False) -> None:
+    """Keeps a wrapper's new prepared run() under its key (remember) with its
+    check (slot_of), and, with `fast` (a run given no lse), in its fast slot;
+    nothing where a test double made no prepared run."""
+    if launch is None or key is None:
+        return
+    slot_of(launch, tensors, pair)
+    remember(launches, key, launch)
+    if fast:
+        fill_slot(launches, return_lse, out, launch)
+
+
+def slot_of(launch, tensors: tuple, pair: bool = False) -> None:
+    """Gives a wrapper's new prepared run() the check of its tensor arguments
+    (as run() passes them, out last where given) and the (check, call) its
+    fast slot holds. pair: the paged cache came as a (K, V) pair in tensors[1:3];
+    the slot's check and call then take it as it comes, one argument."""
+    check = _guards.metadata_check(tensors)
+    if not pair:
+        launch.slot = (check, launch)
+        return
+
+    def pair_check(q, cache, *out):
+        return type(cache) in (tuple, list) and len(cache) == 2 and check(q, cache[0], cache[1], *out)
+
+    def pair_call(q, cache, _, out, lse):
+        return launch(q, cache[0], cache[1], out, lse)
+
+    launch.slot = (pair_check, pair_call)
 
 
 def tensor_signature(t) -> tuple:
@@ -160,17 +219,22 @@ def single_request_split(kv_len: int, ctas: int, split_ctas: int, invariant_chun
     return ceil_div(kv_len, chunk), chunk
 
 
-def single_request_call(module: KernelModule, params: AttentionParams, q: torch.Tensor, group: int,
-                        q_tokens: bool, return_lse: bool, invariant_chunk: int = 0):
+def single_request_call(module: KernelModule, params: AttentionParams, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, kv_layout: str, group: int, q_tokens: bool, return_lse: bool,
+                        invariant_chunk: int = 0):
     """The prepared call of a single_prefill / single_decode signature:
-    call(q, k, v, device, qo_len, kv_len) -> out, or (out, lse) with return_lse.
-    q_tokens: q is [tokens, heads, dim] (else [heads, dim], decode). The keys are
-    split across CTAs (flash-decoding) when the grid would not fill one wave of
-    the GPU (as ops._plan does for batches), or, with invariant_chunk
-    (batch-invariant mode), into chunks of that many keys whatever the grid; the
-    output is contiguous."""
+    call(q, k, v) -> out, or (out, lse) with return_lse, for tensors of this
+    signature (the tensors' device is the one given here); call.check(q, k, v):
+    whether the tensors are of this signature, token counts aside (ops._guards).
+    q_tokens: q is [tokens, heads, dim] (else [heads, dim], decode). The call
+    reads the token counts and checks that v has k's. The keys are split across
+    CTAs (flash-decoding) when the grid would not fill one wave of the GPU (as
+    ops._plan does for batches), or, with invariant_chunk (batch-invariant
+    mode), into chunks of that many keys whatever the grid; the output is
+    contiguous."""
     launcher, launch_error, tail = module.launcher, module.launch_error, bytes(params)[PER_CALL.size:]
     device = q.device
+    token_dim = 0 if kv_layout == "NHD" else 1
     device_index, split_ctas = device.index, resident_ctas(module, device)
     heads, dim, rows_per_cta = q.shape[-2], q.shape[-1], module.rows_per_cta
     num_kv_heads, causal = heads // group, module.spec.causal
@@ -209,7 +273,11 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
                     resident_ctas=split_ctas, causal=causal)
         return partial, partial_o, partial_lse, splits, chunk, bands
 
-    def call(q, k, v, device, qo_len: int, kv_len: int):
+    def call(q, k, v):
+        kv_len = k.shape[token_dim]
+        if v.shape[token_dim] != kv_len:
+            raise ValueError(f"v: expected {kv_len} tokens (as k) in layout {kv_layout}, got shape {tuple(v.shape)}")
+        qo_len = q.shape[0] if q_tokens else 1
         out = empty_like(q) if dense_out else empty(q.shape, dtype=q.dtype, device=device)
         lse = None
         if return_lse:
@@ -236,6 +304,7 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
         return (out, lse) if return_lse else out
 
     call.module = module
+    call.check = _guards.metadata_check((q, k, v), (0 if q_tokens else None, token_dim, token_dim))
     return call
 
 
@@ -247,16 +316,16 @@ def batch_call(module: KernelModule, params: bytes, device_index: int, v_offset:
     v_offset: bytes from v's address to V's first element (one 5-D paged cache is
     both k and v)."""
     launcher, launch_error, suffix = module.launcher, module.launch_error, params[ADDRESSES.size:]
-    dense_out, align_qo = dense(q), -1 if module.spec.use_tensor_cores else 0
+    dense_out, align_qo, device = dense(q), -1 if module.spec.use_tensor_cores else 0, q.device
     pack, empty, empty_like, f32 = ADDRESSES.pack, torch.empty, torch.empty_like, torch.float32
 
     def call(q, k, v, out, lse):
         if out is None:
-            out = empty_like(q) if dense_out else empty(q.shape[0], heads, dim, dtype=q.dtype, device=q.device)
+            out = empty_like(q) if dense_out else empty(q.shape[0], heads, dim, dtype=q.dtype, device=device)
         if not return_lse:
             lse = None
         elif lse is None:
-            lse = empty(q.shape[0], heads, dtype=f32, device=q.device)
+            lse = empty(q.shape[0], heads, dtype=f32, device=device)
         qp, kp, op = q.data_ptr(), k.data_ptr(), out.data_ptr()
         vp = (kp if v is k else v.data_ptr()) + v_offset
         if (kp | vp | (qp | op) & align_qo) & 15:
@@ -286,17 +355,17 @@ def mla_call(module: KernelModule, params: bytes, device_index: int, q_nope: tor
     check(q_nope, q_pe, ckv, kpe, out): the first call's placement checks, which
     name a tensor whose address is off 16 bytes."""
     launcher, launch_error, middle = module.launcher, module.launch_error, params[ADDRESSES.size:-_Q_PE.size]
-    dense_out, dim = dense(q_nope), q_nope.shape[-1]
+    dense_out, dim, device = dense(q_nope), q_nope.shape[-1], q_nope.device
     pack, pack_q_pe, empty, empty_like, f32 = ADDRESSES.pack, _Q_PE.pack, torch.empty, torch.empty_like, torch.float32
 
     def call(q_nope, q_pe, ckv, kpe, out, lse):
         if out is None:
             out = empty_like(q_nope) if dense_out else \
-                empty(q_nope.shape[0], heads, dim, dtype=q_nope.dtype, device=q_nope.device)
+                empty(q_nope.shape[0], heads, dim, dtype=q_nope.dtype, device=device)
         if not return_lse:
             lse = None
         elif lse is None:
-            lse = empty(q_nope.shape[0], heads, dtype=f32, device=q_nope.device)
+            lse = empty(q_nope.shape[0], heads, dtype=f32, device=device)
         qp, pp, kp, vp, op = q_nope.data_ptr(), q_pe.data_ptr(), ckv.data_ptr(), kpe.data_ptr(), out.data_ptr()
         if (qp | pp | kp | vp | op) & 15:
             check(q_nope, q_pe, ckv, kpe, out)

@@ -103,20 +103,21 @@ def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_
                          window_left, cap)
     chunk = _invariant.chunk_keys(None, True, module.split_align) if batch_invariant else 0
     params.invariant_chunk = chunk
-    return single_request_call(module, params, q, num_qo_heads // num_kv_heads, q.dim() == 3, bool(return_lse),
-                               invariant_chunk=chunk)
+    return single_request_call(module, params, q, k, v, kv_layout, num_qo_heads // num_kv_heads, q.dim() == 3,
+                               bool(return_lse), invariant_chunk=chunk)
 
 
-def run_single_request(cache: Signatures, prepare, q, k, v, kv_layout: str, options: tuple, q_tokens: bool):
-    """single_prefill / single_decode past the tracing test: the prepared call of
-    the arguments' signature, made by prepare(q, k, v, kv_layout, *options) (every
-    check) on its first call, then the call. The signature leaves out the token
-    counts, which only enter the per-call counts and are checked here.
-    q_tokens: q is [tokens, heads, dim] (prefill)."""
+def run_single_request(cache: Signatures, prepare, q, k, v, options: tuple):
+    """single_prefill / single_decode past the tracing test and their `fast`
+    slot: the prepared call of the arguments' signature, made by
+    prepare(q, k, v, *options) (every check) on its first call, then the call,
+    which becomes the slot's. options: kv_layout, then the op's options. The
+    signature leaves out the token counts, which the call reads and checks."""
+    kv_layout = options[0]
     heads = 1 if kv_layout == "NHD" else 0  # HND: heads first, tokens second
     try:
-        qs, ks, vs, device = q.shape, k.shape, v.shape, q.device
-        key = (kv_layout, options, qs[-2], qs[-1], q.stride(), q.dtype, device, ks[heads], ks[2], k.stride(), k.dtype,
+        qs, ks, vs = q.shape, k.shape, v.shape
+        key = (options, qs[-2], qs[-1], q.stride(), q.dtype, q.device, ks[heads], ks[2], k.stride(), k.dtype,
                k.device, vs[heads], vs[2], v.stride(), v.dtype, v.device)
         last_key, call = cache.last
         if key != last_key:
@@ -126,12 +127,10 @@ def run_single_request(cache: Signatures, prepare, q, k, v, kv_layout: str, opti
     except (AttributeError, IndexError, TypeError):  # no tensors, too few dims, unhashable options
         key = call = None
     if call is None:
-        call = remember(cache, key, prepare(q, k, v, kv_layout, *options))
-        qs, ks, vs, device = q.shape, k.shape, v.shape, q.device
-    kv_len = ks[1 - heads]
-    if vs[1 - heads] != kv_len:
-        raise ValueError(f"v: expected {kv_len} tokens (as k) in layout {kv_layout}, got shape {tuple(vs)}")
-    return call(q, k, v, device, qs[0] if q_tokens else 1, kv_len)
+        call = remember(cache, key, prepare(q, k, v, *options))
+    if key is not None and call is not None:
+        cache.fast = (options, call.check, call)
+    return call(q, k, v)
 
 
 def kv_tokens(k: torch.Tensor, v: torch.Tensor, kv_layout: str) -> int:

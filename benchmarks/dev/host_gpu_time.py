@@ -1,0 +1,71 @@
+"""The host rows of `flashjit bench --only host` (flashjit.bench.host's cases,
+mean of 3000 back-to-back calls) with the GPU time of the same loop beside
+each: CUDA events recorded before the first and after the last call, read
+after a synchronize. Where the GPU time per call reaches the host time, the
+loop waited for the GPU and the row measures the kernels, not the host.
+
+Runs against whichever flashjit PYTHONPATH finds (an A/B of two trees: run it
+once per tree, alternating, each with its own FLASHJIT_CACHE_DIR).
+
+Usage: python benchmarks/dev/host_gpu_time.py [--rounds 3] [--label NAME] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flashjit.bench import host
+
+
+def measure(fn, calls: int) -> tuple[float, float]:
+    """(host us, GPU us) per call over `calls` calls after host.WARMUP."""
+    for _ in range(host.WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    end.record()
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6, begin.elapsed_time(end) / calls * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=host.CALLS)
+    parser.add_argument("--rounds", type=int, default=3, help="median of this many rounds per row")
+    parser.add_argument("--label", default="", help="names the tree in the output")
+    parser.add_argument("--json", help="append the rows as one JSON line to this file")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    fns = host.cases("cuda")
+    samples: dict[str, list] = {label: [] for label, _ in host.CASES}
+    for _ in range(args.rounds):
+        for label, _ in host.CASES:
+            samples[label].append(measure(fns[label], args.calls))
+    rows = []
+    print(f"| call ({args.label}) | host us | GPU us | rounds (host) |\n|---|---|---|---|")
+    for label, _ in host.CASES:
+        hosts = sorted(s[0] for s in samples[label])
+        gpus = sorted(s[1] for s in samples[label])
+        rows.append({"op": label, "us": hosts[len(hosts) // 2], "gpu_us": gpus[len(gpus) // 2],
+                     "rounds_us": [s[0] for s in samples[label]]})
+        print(f"| {label} | {rows[-1]['us']:.2f} | {rows[-1]['gpu_us']:.2f} | "
+              f"{' '.join(f'{s[0]:.2f}' for s in samples[label])} |")
+    if args.json:
+        with Path(args.json).open("a") as f:
+            f.write(json.dumps({"label": args.label, "device": torch.cuda.get_device_name(), "rows": rows}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
