@@ -35,11 +35,18 @@ int launch_fa3_attention(const FlashjitAttentionParams& p, cudaStream_t stream) 
       if (err != cudaSuccess) return err;
     }
   }
-  // Batch-invariant mode runs a persistent grid whatever the tiling: a CTA
-  // that folds chunks keeps its running output in partial_o slot blockIdx.x,
-  // and the host sizes the scratch for one slot per SM (or per resident CTA).
-  const int max_ctas = Traits::kPersistent || p.invariant_chunk > 0 ? multiprocessors() : 0;
+  // Batch-invariant mode runs its own kernel (Fa3Traits::kChunkFold) on a
+  // persistent grid whatever the tiling: a CTA that folds chunks keeps its
+  // running output in partial_o slot blockIdx.x, and the host sizes the
+  // scratch for one slot per SM (or per resident CTA).
+  const bool fold = p.invariant_chunk > 0;
+  const int max_ctas = Traits::kPersistent || fold ? multiprocessors() : 0;
   if (max_ctas < 0) return cudaErrorUnknown;
+  using Fold = typename Traits::WithChunkFold;
+  if (fold) {
+    return launch_attention_ctas<fa3_attention_kernel<Fold>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
+        p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), max_ctas, stream, tma_arg);
+  }
   return launch_attention_ctas<fa3_attention_kernel<Traits>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
       p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), max_ctas, stream, tma_arg);
 }

@@ -11,7 +11,8 @@
 namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kKeysPerTile_, int kStages_, bool kOverlap_, bool kPersistent_,
-          bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_, int kConsumerWarpgroups_ = 2>
+          bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_, int kConsumerWarpgroups_ = 2,
+          bool kChunkFold_ = false>
 struct Fa3Traits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -33,6 +34,12 @@ struct Fa3Traits {
   static constexpr bool kWindow = kWindow_;
   static constexpr bool kSoftCap = kSoftCap_;
   static constexpr bool kLse = kLse_;
+  // Batch-invariant mode's kernel (p.invariant_chunk > 0, fa3_launch.cuh): a
+  // CTA folds the states of the chunks its keys span (fa3_attention.cuh). A
+  // kernel of its own, so that normal mode's carries none of that code.
+  static constexpr bool kChunkFold = kChunkFold_;
+  using WithChunkFold = Fa3Traits<DType_, kHeadDim_, kKeysPerTile_, kStages_, kOverlap_, kPersistent_, kPaged_,
+                                  kCausal_, kWindow_, kSoftCap_, kLse_, kConsumerWarpgroups_, true>;
 
   // Warpgroup 0 loads K/V (one thread issues the TMA copies); warpgroups 1 and
   // 2 each own 64 rows of the CTA's 128 and run their matrix products and
