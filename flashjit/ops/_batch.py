@@ -271,7 +271,8 @@ class BatchAttention:
             _checks.check_vector_aligned("out", out)
         params = fill_params(q, plan.num_kv_heads, k_strides, v_strides, plan.page_size,
                              (plan.num_qo_heads * plan.head_dim, plan.head_dim), plan.num_qo_heads, *plan.scalars)
-        params.invariant_chunk = plan.invariant_chunk
+        # Negative: no CTA spans two chunks, the plain kernel runs (attention_params.cuh).
+        params.invariant_chunk = plan.invariant_chunk if plan.work.folds else -plan.invariant_chunk
         head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1,
                              0, plan.work.band_items)
         call = batch_call(plan.module, head + bytes(params)[PER_CALL.size:], self._device.index, v_offset, q,

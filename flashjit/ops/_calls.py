@@ -232,7 +232,13 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
     ops._plan does for batches), or, with invariant_chunk (batch-invariant
     mode), into chunks of that many keys whatever the grid; the output is
     contiguous."""
-    launcher, launch_error, tail = module.launcher, module.launch_error, bytes(params)[PER_CALL.size:]
+    launcher, launch_error = module.launcher, module.launch_error
+    # invariant_chunk: negative where no CTA spans two chunks (the plain kernel
+    # runs), positive for a launch whose CTAs fold their chunks (attention_params.cuh).
+    params.invariant_chunk = -invariant_chunk
+    tail = bytes(params)[PER_CALL.size:]
+    params.invariant_chunk = invariant_chunk
+    fold_tail = bytes(params)[PER_CALL.size:]
     device = q.device
     token_dim = 0 if kv_layout == "NHD" else 1
     device_index, split_ctas = device.index, resident_ctas(module, device)
@@ -248,14 +254,14 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
     fold = bool(invariant_chunk) and _invariant.folds(module.spec)
 
     def split_and_bands(num_work: int, qo_len: int, kv_len: int, device) -> tuple:
-        """(partial buffer or None, partial_o, partial_lse, num_splits, kv_chunk, band_items)."""
+        """(partial buffer or None, partial_o, partial_lse, num_splits, kv_chunk, band_items, params tail)."""
         ctas = num_work * num_kv_heads
-        partial, partial_o, partial_lse, splits, chunk, bands = None, 0, 0, 1, 0, 0
+        partial, partial_o, partial_lse, splits, chunk, bands, tail_of = None, 0, 0, 1, 0, 0, tail
         splits, chunk = single_request_split(kv_len, ctas, split_ctas, invariant_chunk, fold)
         if fold and splits == 1 and kv_len > invariant_chunk:  # the CTAs fold their chunks: their scratch
             partial = empty(_invariant.scratch_floats(min(ctas, split_ctas), rows_per_cta, dim), dtype=f32,
                             device=device)
-            partial_o = partial.data_ptr()
+            partial_o, tail_of = partial.data_ptr(), fold_tail
         elif splits > 1:
             # Freed when the call returns: the caching allocator hands the block out
             # again only to work queued after this kernel on the same stream.
@@ -271,7 +277,7 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
                 bands = band_memo[(qo_len, kv_len)] = single_request_band_items(
                     qo_len, kv_len, group=group, rows_per_cta=rows_per_cta, num_kv_heads=num_kv_heads,
                     resident_ctas=split_ctas, causal=causal)
-        return partial, partial_o, partial_lse, splits, chunk, bands
+        return partial, partial_o, partial_lse, splits, chunk, bands, tail_of
 
     def call(q, k, v):
         kv_len = k.shape[token_dim]
@@ -290,9 +296,9 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
         num_work = -(-qo_len * group // rows_per_cta) if q_tokens else one_token_work
         if num_work > 1 or kv_len >= split_keys:
             partial, *counts = split_and_bands(num_work, qo_len, kv_len, device)
-            partial_o, partial_lse, splits, chunk, bands = counts
+            partial_o, partial_lse, splits, chunk, bands, tail_of = counts
             params = pack(qp, kp, vp, op, lp, 0, 0, 0, 0, 0, 0, partial_o, partial_lse, num_work, qo_len, kv_len,
-                          splits, chunk, bands) + tail
+                          splits, chunk, bands) + tail_of
         else:
             params = pack_unsplit(qp, kp, vp, op, lp, num_work, qo_len, kv_len, 1, 0, 0) + tail
         if device_index == _current_device():

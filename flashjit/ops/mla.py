@@ -186,7 +186,7 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
                              (plan.num_qo_heads * MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_CKV), plan.num_qo_heads,
                              *plan.scalars)
         params.q_pe_stride_n, params.q_pe_stride_h = q_pe.stride(0), q_pe.stride(1)
-        params.invariant_chunk = plan.invariant_chunk
+        params.invariant_chunk = -plan.invariant_chunk  # MLA kernels never fold: the merge pass does
         head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1, 0,
                              plan.work.band_items)
         launch = mla_call(plan.module, head + bytes(params)[PER_CALL.size:], self._device.index, q_nope,

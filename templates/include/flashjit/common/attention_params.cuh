@@ -60,12 +60,14 @@ struct FlashjitAttentionParams {
   float sm_scale;
   float logits_soft_cap;      // used when the configuration has soft-cap
   int32_t window_left;        // used when the configuration has a sliding window
-  // Batch-invariant mode: keys per fixed chunk from key 0 (0: normal mode). The
-  // merge pass folds a row's chunk states in chunk order (chunk_fold.cuh); a
-  // CTA of a kernel that folds (fa3) and whose keys span several chunks folds
-  // them itself, keeping its running output in partial_o (one slot of
-  // kRowsPerCta x head_dim floats per CTA of the persistent grid); the host
-  // gives such a launch no split items, so that partial_o holds nothing else.
+  // Batch-invariant mode: keys per fixed chunk from key 0 (0: normal mode), and
+  // the merge pass folds a row's chunk states in chunk order (chunk_fold.cuh).
+  // Positive: CTAs of the launch may span several chunks and fold them
+  // themselves (fa3's kChunkFold kernel, on a persistent grid), keeping their
+  // running outputs in partial_o (one slot of kRowsPerCta x (head_dim + 8)
+  // floats per CTA); such a launch has no split items, so partial_o holds
+  // nothing else. Negative (-chunk): no CTA spans two chunks (a plan that
+  // splits them), and the launch runs the kernel normal mode runs.
   int32_t invariant_chunk;
 
   // MLA only (mla_paged): the rotary part of the query, [tokens, num_qo_heads,

@@ -146,18 +146,24 @@ __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __gr
   store_merged<DTypeO>(p, token, head, lane, acc, sum, m);
 }
 
-// Batch-invariant mode (p.invariant_chunk > 0): one warp per (token, head)
-// folds the row's chunk states in chunk order (chunk_fold.cuh), exactly as an
-// fa3 CTA that walks a row's chunks itself, so that a row's bits do not depend
-// on whether its chunks were split across CTAs.
-template <class DTypeO, int kHeadDim>
+// Batch-invariant mode (p.invariant_chunk != 0): each (token, head) row folds
+// its chunk states in chunk order (chunk_fold.cuh), exactly as an fa3 CTA that
+// walks a row's chunks itself, so that a row's bits do not depend on whether
+// its chunks were split across CTAs. The fold is one chain per element, so the
+// parallelism is across elements: kWarpsPerRow warps take a row's dims apart
+// (a long context over few rows: 128k keys are 64 states in turn), and the
+// states of a group of kAhead are loaded before they are folded, so that a
+// chain waits for one round trip per group rather than per state.
+template <class DTypeO, int kHeadDim, int kWarpsPerRow>
 __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_constant__ FlashjitAttentionParams p,
                                                                 int rows) {
   wait_for_primary_grid();  // partial states come from the attention grid (grid_dependency.cuh)
-  constexpr int kDimsPerLane = kHeadDim / 32;
-  const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * 4 + threadIdx.x / 32;
+  static_assert(kHeadDim % (32 * kWarpsPerRow) == 0 && 4 % kWarpsPerRow == 0, "whole dims per lane, rows per CTA");
+  constexpr int kDimsPerLane = kHeadDim / (32 * kWarpsPerRow), kAhead = 8;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int row = blockIdx.x * (4 / kWarpsPerRow) + warp / kWarpsPerRow;
   if (row >= rows) return;
+  const int dim0 = (warp % kWarpsPerRow) * (kHeadDim / kWarpsPerRow) + lane;
   const int token = row / p.num_qo_heads, head = row % p.num_qo_heads;
   int64_t first;
   int count;
@@ -168,20 +174,30 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
   float acc[kDimsPerLane];
 #pragma unroll
   for (int i = 0; i < kDimsPerLane; ++i) acc[i] = 0.f;
-#pragma unroll 2
-  for (int s = 0; s < count; ++s) {
-    const int64_t idx = (first + s) * p.num_qo_heads + head;
-    float a, b;
-    fold.add(p.partial_lse[idx], a, b);
-    const float* src = p.partial_o + idx * kHeadDim;
+  for (int s0 = 0; s0 < count; s0 += kAhead) {
+    float lse[kAhead], o[kAhead][kDimsPerLane];
 #pragma unroll
-    for (int i = 0; i < kDimsPerLane; ++i) acc[i] = ChunkFold::fold(acc[i], a, b, src[lane + 32 * i]);
+    for (int j = 0; j < kAhead; ++j) {
+      const int64_t idx = (first + min(s0 + j, count - 1)) * p.num_qo_heads + head;
+      lse[j] = p.partial_lse[idx];
+#pragma unroll
+      for (int i = 0; i < kDimsPerLane; ++i) o[j][i] = p.partial_o[idx * kHeadDim + dim0 + 32 * i];
+    }
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) {
+      if (s0 + j < count) {
+        float a, b;
+        fold.add(lse[j], a, b);
+#pragma unroll
+        for (int i = 0; i < kDimsPerLane; ++i) acc[i] = ChunkFold::fold(acc[i], a, b, o[j][i]);
+      }
+    }
   }
   const float inv = fold.inv_sum();
   DTypeO* out = static_cast<DTypeO*>(p.o) + token * p.o_stride_n + head * p.o_stride_h;
 #pragma unroll
-  for (int i = 0; i < kDimsPerLane; ++i) out[lane + 32 * i] = from_float<DTypeO>(__fmul_rn(acc[i], inv));
-  if (p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_n + head] = fold.lse();
+  for (int i = 0; i < kDimsPerLane; ++i) out[dim0 + 32 * i] = from_float<DTypeO>(__fmul_rn(acc[i], inv));
+  if (p.lse != nullptr && dim0 == 0) p.lse[token * p.lse_stride_n + head] = fold.lse();
 }
 
 // Rows from which the merge takes a warp per row (256 CTAs of four warps).
@@ -194,9 +210,15 @@ int launch_merge_split_states(const FlashjitAttentionParams& p, bool write_lse, 
   if (rows == 0) return cudaSuccess;
   FlashjitAttentionParams merged = p;
   if (!write_lse) merged.lse = nullptr;
-  if (p.invariant_chunk > 0) {
-    return launch_dependent(merge_fold_states_kernel<DTypeO, kHeadDim>, dim3((rows + 3) / 4), dim3(128), stream,
-                            merged, rows);
+  if (p.invariant_chunk != 0) {
+    // Few rows (long contexts in small batches): four warps per row.
+    constexpr int kSplitWarps = kHeadDim >= 128 ? 4 : kHeadDim / 32;
+    if (rows >= kWarpMergeRows) {
+      return launch_dependent(merge_fold_states_kernel<DTypeO, kHeadDim, 1>, dim3((rows + 3) / 4), dim3(128),
+                              stream, merged, rows);
+    }
+    return launch_dependent(merge_fold_states_kernel<DTypeO, kHeadDim, kSplitWarps>,
+                            dim3((rows * kSplitWarps + 3) / 4), dim3(128), stream, merged, rows);
   }
   // Rows enough to fill the GPU four to a CTA: a warp per row. Else (a long
   // context cut into many chunks over few rows) a CTA per row.

@@ -362,134 +362,129 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (lane == 0) tma::mbar_arrive(empty);
     };
 
-    // Batch-invariant mode (p.invariant_chunk > 0): the keys are cut at
-    // multiples of the chunk from key 0. Each chunk's tiles run from a fresh
-    // state (m, l and O reset), as a CTA given that chunk alone would run them,
-    // and the state of every chunk but the last folds into the running merge
-    // (fa2::ChunkMerge) in this CTA's slot of partial_o (the grid is
-    // persistent: one slot per CTA). The pipeline runs on across a boundary:
-    // the new chunk's first softmax overlaps the old chunk's last P.V, whose
-    // state folds in once it lands. Only the kChunkFold kernel has boundaries.
-    const int chunk = Traits::kChunkFold ? p.invariant_chunk : 0;
-    constexpr int kConsumerThreads = Traits::kConsumerWarps * 32;
-    using Merge = fa2::ChunkMerge<Traits>;
-    static_assert(kConsumerThreads * (NT_O + 1) * 4 == ROWS * Merge::kFloatsPerRow, "a CTA's scratch slot");
-    float* const slot = p.partial_o + size_t(blockIdx.x) * ROWS * Merge::kFloatsPerRow;
-    float inv[1][2], lse[1][2];
-    int boundary = chunk > 0 ? ((key_begin / chunk + 1) * chunk - key_begin) / KEYS : num_tiles;  // next chunk's tile
-    bool folded = false;  // some chunk's state is in the slot
-    // The state that ends at the boundary (m, l as given, O) into the slot; O restarts at 0.
-    auto fold_chunk = [&](const fa2::WarpRows<Traits>& m, fa2::WarpRows<Traits>& l) {
-      Merge::template fold<kConsumerThreads>(o, m, l, softmax.scale, slot, tid - 128, folded, true, inv, lse);
-      folded = true;
-      boundary += chunk / KEYS;
-#pragma unroll
-      for (int n = 0; n < NT_O; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[0][n][e] = 0.f;
-    };
-    auto restart_softmax = [&] {
-      softmax.m[0][0] = softmax.m[0][1] = kNegInf;
-      softmax.l[0][0] = softmax.l[0][1] = 0.f;
-    };
-
-    if constexpr (!Traits::kOverlap) {
-      // Each tile in turn: S, softmax, P.V, each product waited for.
-      for (int t = 0; t < num_tiles; ++t) {
-        const bool starts_chunk = Traits::kChunkFold && t == boundary;  // uniform across the CTA
-        if (starts_chunk) {
-          fold_chunk(softmax.m, softmax.l);
-          restart_softmax();
-        }
-        wait_full(false, t);
-        float s[1][NT_S][4], factor[2];
-        uint32_t pa[1][KSTEPS_PV][4];
-        fa3::fence();
-        issue_qk(s, t);
-        fa3::wait<0>();
-        fa3::fence_operands(s[0]);
-        release(empty_k(seq + t));
-        softmax_tile(s, pa, t, t == 0 || starts_chunk, false, factor);
-        wait_full(true, t);
-        fa3::fence();
-        issue_pv(pa, t);
-        fa3::wait<0>();
-        fa3::fence_operands(o[0]);
-        release(empty_v(seq + t));
-      }
-    } else {
-      // Tile t's S = Q.K^T and tile t - 1's P.V are in flight together; the
-      // softmax of S_t runs while P.V_{t-1} is still on the tensor cores, and O
-      // takes its rescale once that lands. P alternates between two register
-      // sets (P_t is written while P_{t-1} is still being read), so the loop
-      // walks two tiles per iteration with the sets swapped.
-      uint32_t pa0[1][KSTEPS_PV][4], pa1[1][KSTEPS_PV][4];
-      auto step = [&](int t, const uint32_t (&pa_prev)[1][KSTEPS_PV][4], uint32_t (&pa_next)[1][KSTEPS_PV][4]) {
-        wait_full(false, t);
-        wait_full(true, t - 1);
-        float s[1][NT_S][4], factor[2];
-        fa3::fence();
-        issue_qk(s, t);
-        issue_pv(pa_prev, t - 1);
-        fa3::wait<1>();
-        fa3::fence_operands(s[0]);
-        release(empty_k(seq + t));
-        const bool starts_chunk = Traits::kChunkFold && t == boundary;  // uniform across the CTA
-        fa2::WarpRows<Traits> m_ended, l_ended;  // the ending chunk's m and l
-        if (starts_chunk) {
-          m_ended[0][0] = softmax.m[0][0], m_ended[0][1] = softmax.m[0][1];
-          l_ended[0][0] = softmax.l[0][0], l_ended[0][1] = softmax.l[0][1];
-          restart_softmax();
-        }
-        softmax_tile(s, pa_next, t, true, true, factor);
-        fa3::wait<0>();
-        fa3::fence_operands(o[0]);
-        release(empty_v(seq + t - 1));
-        if (starts_chunk) {
-          fold_chunk(m_ended, l_ended);
-        } else if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) {
-#pragma unroll
-          for (int n = 0; n < NT_O; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[0][n][e] *= factor[e >> 1];
-        }
-      };
-      if (num_tiles > 0) {
-        wait_full(false, 0);
-        {
+    // Tiles [tb, te) from a fresh state (m, l and O as reset below).
+    auto run_tiles = [&](int tb, int te) {
+      if constexpr (!Traits::kOverlap) {
+        // Each tile in turn: S, softmax, P.V, each product waited for.
+        for (int t = tb; t < te; ++t) {
+          wait_full(false, t);
           float s[1][NT_S][4], factor[2];
+          uint32_t pa[1][KSTEPS_PV][4];
           fa3::fence();
-          issue_qk(s, 0);
+          issue_qk(s, t);
           fa3::wait<0>();
           fa3::fence_operands(s[0]);
-          release(empty_k(seq));
-          softmax_tile(s, pa0, 0, true, false, factor);
+          release(empty_k(seq + t));
+          softmax_tile(s, pa, t, t == tb, false, factor);
+          wait_full(true, t);
+          fa3::fence();
+          issue_pv(pa, t);
+          fa3::wait<0>();
+          fa3::fence_operands(o[0]);
+          release(empty_v(seq + t));
         }
-        int t = 1;
-        for (; t + 1 < num_tiles; t += 2) {
-          step(t, pa0, pa1);
-          step(t + 1, pa1, pa0);
+      } else {
+        // Tile t's S = Q.K^T and tile t - 1's P.V are in flight together; the
+        // softmax of S_t runs while P.V_{t-1} is still on the tensor cores, and O
+        // takes its rescale once that lands. P alternates between two register
+        // sets (P_t is written while P_{t-1} is still being read), so the loop
+        // walks two tiles per iteration with the sets swapped.
+        uint32_t pa0[1][KSTEPS_PV][4], pa1[1][KSTEPS_PV][4];
+        auto step = [&](int t, const uint32_t (&pa_prev)[1][KSTEPS_PV][4], uint32_t (&pa_next)[1][KSTEPS_PV][4]) {
+          wait_full(false, t);
+          wait_full(true, t - 1);
+          float s[1][NT_S][4], factor[2];
+          fa3::fence();
+          issue_qk(s, t);
+          issue_pv(pa_prev, t - 1);
+          fa3::wait<1>();
+          fa3::fence_operands(s[0]);
+          release(empty_k(seq + t));
+          softmax_tile(s, pa_next, t, true, true, factor);
+          fa3::wait<0>();
+          fa3::fence_operands(o[0]);
+          release(empty_v(seq + t - 1));
+          if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) {
+#pragma unroll
+            for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) o[0][n][e] *= factor[e >> 1];
+          }
+        };
+        if (te > tb) {
+          wait_full(false, tb);
+          {
+            float s[1][NT_S][4], factor[2];
+            fa3::fence();
+            issue_qk(s, tb);
+            fa3::wait<0>();
+            fa3::fence_operands(s[0]);
+            release(empty_k(seq + tb));
+            softmax_tile(s, pa0, tb, true, false, factor);
+          }
+          int t = tb + 1;
+          for (; t + 1 < te; t += 2) {
+            step(t, pa0, pa1);
+            step(t + 1, pa1, pa0);
+          }
+          const bool last_in_pa1 = t < te;
+          if (last_in_pa1) step(t, pa0, pa1);
+          wait_full(true, te - 1);
+          fa3::fence();
+          if (last_in_pa1) {
+            issue_pv(pa1, te - 1);
+          } else {
+            issue_pv(pa0, te - 1);
+          }
+          fa3::wait<0>();
+          fa3::fence_operands(o[0]);
+          release(empty_v(seq + te - 1));
         }
-        const bool last_in_pa1 = t < num_tiles;
-        if (last_in_pa1) step(t, pa0, pa1);
-        wait_full(true, num_tiles - 1);
-        fa3::fence();
-        if (last_in_pa1) {
-          issue_pv(pa1, num_tiles - 1);
-        } else {
-          issue_pv(pa0, num_tiles - 1);
-        }
-        fa3::wait<0>();
-        fa3::fence_operands(o[0]);
-        release(empty_v(seq + num_tiles - 1));
       }
-    }
-    if (Traits::kChunkFold && folded) {  // uniform across the CTA: the output is the merge of its chunks
-      Merge::template fold<kConsumerThreads>(o, softmax.m, softmax.l, softmax.scale, slot, tid - 128, true, false,
-                                             inv, lse);
-      fa2::write_rows<Traits>(p, w, o, inv, lse, smem + Traits::kStoreBase, warp_row0, rows_total);
-      seq += num_tiles;
-      continue;
+    };
+
+    // The kChunkFold kernel (batch-invariant mode, a launch whose CTAs may span
+    // several chunks: invariant_chunk in attention_params.cuh): the keys are
+    // cut at multiples of the chunk from key 0. Each chunk's tiles run from a
+    // fresh state, as a CTA given that chunk alone would run them, and every
+    // chunk but the last folds into the running merge (fa2::ChunkMerge) at its
+    // end, in this CTA's slot of partial_o (the grid is persistent: one slot
+    // per CTA). Other kernels run every tile as one chunk. (Carrying the
+    // pipeline across a boundary instead, the new chunk's softmax beside the
+    // old one's last P.V, cost the kernel 5-8% on rows with no boundary at all
+    // and gained nothing measurable on the others:
+    // benchmarks/results/2026-11-25-h200-batch-invariant-fold.md.)
+    if constexpr (Traits::kChunkFold) {
+      const int chunk = p.invariant_chunk;
+      constexpr int kConsumerThreads = Traits::kConsumerWarps * 32;
+      using Merge = fa2::ChunkMerge<Traits>;
+      static_assert(kConsumerThreads * (NT_O + 1) * 4 == ROWS * Merge::kFloatsPerRow, "a CTA's scratch slot");
+      float* const slot = p.partial_o + size_t(blockIdx.x) * ROWS * Merge::kFloatsPerRow;
+      float inv[1][2], lse[1][2];
+      int tb = 0, te = min(num_tiles, ((key_begin / chunk + 1) * chunk - key_begin) / KEYS);
+      while (true) {
+        run_tiles(tb, te);
+        if (te >= num_tiles) break;
+        Merge::template fold<kConsumerThreads>(o, softmax.m, softmax.l, softmax.scale, slot, tid - 128, tb > 0, true,
+                                               inv, lse);
+        softmax.m[0][0] = softmax.m[0][1] = kNegInf;
+        softmax.l[0][0] = softmax.l[0][1] = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[0][n][e] = 0.f;
+        tb = te;
+        te = min(num_tiles, te + chunk / KEYS);
+      }
+      if (tb > 0) {  // uniform across the CTA: the output is the merge of its chunks
+        Merge::template fold<kConsumerThreads>(o, softmax.m, softmax.l, softmax.scale, slot, tid - 128, true, false,
+                                               inv, lse);
+        fa2::write_rows<Traits>(p, w, o, inv, lse, smem + Traits::kStoreBase, warp_row0, rows_total);
+        seq += num_tiles;
+        continue;
+      }
+    } else {
+      run_tiles(0, num_tiles);
     }
     // Rows past rows_total (a whole warpgroup's, past the request) are not stored.
     fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0, rows_total,
