@@ -251,10 +251,9 @@ def test_long_prompt_across_chunk_boundaries(backend, head_dim):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_chunks_folded_in_the_kernel_or_split(monkeypatch, head_dim):
     """The same requests with every multi-chunk CTA folding its chunks itself
-    (fa3) and with the chunks split across CTAs and merged: the same bits,
-    through ragged and paged prefill, the single-request op and decode (where
-    the kernel cannot fold, both policies split and this compares a plan with
-    itself)."""
+    (fa3 prefill) and with the chunks split across CTAs and merged: the same
+    bits, through ragged and paged prefill and the single-request op; decode
+    (which splits under both policies: ops._invariant.folds) against them."""
     torch.manual_seed(head_dim + 1)
     prompts = [Request(n, n, HEADS, head_dim, torch.bfloat16) for n in (3 * C + 77, C + 1, 300)]
     decodes = [Request(1, kv, HEADS, head_dim, torch.bfloat16) for kv in (3 * C + 5, 2 * C, C + 1, 64)] * 8

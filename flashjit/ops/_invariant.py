@@ -110,6 +110,12 @@ def prewarm_specs(specs, arches) -> list:
     return list(dict.fromkeys(out))
 
 
+# What a chunk boundary costs a CTA that folds it, in keys of work: it drains
+# the pipeline, reads and writes its running output, restarts. On an H200,
+# 1 x 16384 d128 prefill ran 16-19% slower with 7 boundaries per CTA, about
+# three tiles of 128 keys each (benchmarks/results/2026-11-25-h200-batch-invariant-fold.md).
+_FOLD_OVERHEAD = 384
+
 # Where a kernel folds chunks itself, whether a launch does: "auto" where
 # splitting would not run estimably faster (_fold_plan; single requests: where
 # the grid fills a wave, as normal mode splits), "always" or "never" (the GPU
@@ -119,10 +125,14 @@ fold_policy = "auto"
 
 def folds(spec) -> bool:
     """Whether the spec's kernel folds a CTA's chunks itself (fa3 attention):
-    then a request needs no split to be merged chunk by chunk."""
+    then a request needs no split to be merged chunk by chunk. Not decode: a
+    CTA of a few query rows reads and writes a whole tile of scratch at each
+    boundary, where a split chunk writes and merges its few rows; on an H200,
+    GQA and MHA 64 x 4k decode ran 2-6% slower folded than split (results file
+    of _FOLD_OVERHEAD)."""
     from ..spec import MLA_OPS
 
-    return spec.backend == "fa3" and spec.op not in MLA_OPS
+    return spec.backend == "fa3" and spec.op not in MLA_OPS and not spec.invariant_decode
 
 
 def scratch_floats(resident_ctas: int, rows_per_cta: int, head_dim: int) -> int:
@@ -172,9 +182,12 @@ def _fold_plan(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads:
     if not base:
         return None
     columns = ([b[0] for b in base], [b[3] for b in base], [b[4] for b in base])
+    # Each boundary a CTA folds costs it about _FOLD_OVERHEAD keys of work.
+    folding = ([c + (ceil_div(c - _ITEM_OVERHEAD, chunk) - 1) * _FOLD_OVERHEAD if c > _ITEM_OVERHEAD else c
+                for c in columns[0]], *columns[1:])
     slots, heads = max(1, resident_ctas), max(num_kv_heads, 1)
     if fold_policy == "auto" and \
-            _estimate(columns, chunk, slots, heads) < (1 - _MIN_GAIN) * _estimate(columns, 0, slots, heads):
+            _estimate(columns, chunk, slots, heads) < (1 - _MIN_GAIN) * _estimate(folding, 0, slots, heads):
         return None
     ordered = sorted(base, key=lambda b: -b[0])
     bands = choose_band_items([b[0] for b in ordered], heads, slots, any(b[2] > 0 for b in base))

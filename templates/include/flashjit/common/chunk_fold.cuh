@@ -27,15 +27,23 @@ struct ChunkFold {
     m = -CUDART_INF_F;
     sum = 0.f;
   }
+  // The weights of the running accumulator (a) and of a chunk of LSE lse (b)
+  // when the running maximum goes from m_before to m_after = max(m_before, lse).
+  // The maxima are exact, so a caller may form them in any order (a prefix
+  // maximum across lanes) and get the weights add() gets.
+  static __device__ __forceinline__ void weights(float m_before, float m_after, float lse, float& a, float& b) {
+    a = m_before == -CUDART_INF_F ? 0.f : exp2f(__fsub_rn(m_before, m_after));
+    b = lse == -CUDART_INF_F ? 0.f : exp2f(__fsub_rn(lse, m_after));
+  }
   // Folds in a chunk of LSE lse: returns the weights of the running
   // accumulator (a) and of the chunk's output (b).
   __device__ __forceinline__ void add(float lse, float& a, float& b) {
     const float m_new = fmaxf(m, lse);
-    a = m == -CUDART_INF_F ? 0.f : exp2f(__fsub_rn(m, m_new));
-    b = lse == -CUDART_INF_F ? 0.f : exp2f(__fsub_rn(lse, m_new));
-    sum = __fmaf_rn(sum, a, b);
+    weights(m, m_new, lse, a, b);
+    add_weights(a, b);
     m = m_new;
   }
+  __device__ __forceinline__ void add_weights(float a, float b) { sum = __fmaf_rn(sum, a, b); }
   // One element of the accumulator after add(): acc * a + o * b.
   static __device__ __forceinline__ float fold(float acc, float a, float b, float o) {
     return __fmaf_rn(b, o, __fmul_rn(acc, a));

@@ -149,17 +149,21 @@ __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __gr
 // Batch-invariant mode (p.invariant_chunk != 0): each (token, head) row folds
 // its chunk states in chunk order (chunk_fold.cuh), exactly as an fa3 CTA that
 // walks a row's chunks itself, so that a row's bits do not depend on whether
-// its chunks were split across CTAs. The fold is one chain per element, so the
-// parallelism is across elements: kWarpsPerRow warps take a row's dims apart
-// (a long context over few rows: 128k keys are 64 states in turn), and the
-// states of a group of kAhead are loaded before they are folded, so that a
-// chain waits for one round trip per group rather than per state.
+// its chunks were split across CTAs. Only the accumulator and the weight sum
+// are chains: for 32 states at a time, lane j reads state j's LSE, a prefix
+// maximum across the lanes gives each state's running maxima before and after
+// it (maxima are exact: the sequential fold's values), and lane j its weights;
+// the chains then take them by shuffle, one FMA pair per state and element,
+// on outputs loaded kAhead states at a time. kWarpsPerRow warps take a row's
+// dims apart (a long context over few rows: 128k keys are 64 states).
 template <class DTypeO, int kHeadDim, int kWarpsPerRow>
 __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_constant__ FlashjitAttentionParams p,
                                                                 int rows) {
   wait_for_primary_grid();  // partial states come from the attention grid (grid_dependency.cuh)
   static_assert(kHeadDim % (32 * kWarpsPerRow) == 0 && 4 % kWarpsPerRow == 0, "whole dims per lane, rows per CTA");
-  constexpr int kDimsPerLane = kHeadDim / (32 * kWarpsPerRow), kAhead = 8;
+  constexpr int kDimsPerLane = kHeadDim / (32 * kWarpsPerRow);
+  constexpr int kAhead = kDimsPerLane >= 4 ? 8 : 32 / kDimsPerLane;  // states whose outputs load together
+  const float kNegInf = -CUDART_INF_F;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row = blockIdx.x * (4 / kWarpsPerRow) + warp / kWarpsPerRow;
   if (row >= rows) return;
@@ -174,24 +178,39 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
   float acc[kDimsPerLane];
 #pragma unroll
   for (int i = 0; i < kDimsPerLane; ++i) acc[i] = 0.f;
-  for (int s0 = 0; s0 < count; s0 += kAhead) {
-    float lse[kAhead], o[kAhead][kDimsPerLane];
+  auto row_of = [&](int s) { return (first + min(s, count - 1)) * p.num_qo_heads + head; };
+  for (int s0 = 0; s0 < count; s0 += 32) {
+    const int n = min(32, count - s0);
+    const float lse = lane < n ? p.partial_lse[row_of(s0 + lane)] : kNegInf;
+    float m_after = lse;  // inclusive prefix maximum over this block's lanes, then the earlier blocks'
 #pragma unroll
-    for (int j = 0; j < kAhead; ++j) {
-      const int64_t idx = (first + min(s0 + j, count - 1)) * p.num_qo_heads + head;
-      lse[j] = p.partial_lse[idx];
-#pragma unroll
-      for (int i = 0; i < kDimsPerLane; ++i) o[j][i] = p.partial_o[idx * kHeadDim + dim0 + 32 * i];
+    for (int d = 1; d < 32; d *= 2) {
+      const float other = __shfl_up_sync(0xffffffffu, m_after, d);
+      if (lane >= d) m_after = fmaxf(m_after, other);
     }
+    m_after = fmaxf(fold.m, m_after);
+    float m_before = __shfl_up_sync(0xffffffffu, m_after, 1);
+    if (lane == 0) m_before = fold.m;
+    float a_lane, b_lane;
+    ChunkFold::weights(m_before, m_after, lse, a_lane, b_lane);
+    for (int j0 = 0; j0 < n; j0 += kAhead) {
+      float o[kAhead][kDimsPerLane];
 #pragma unroll
-    for (int j = 0; j < kAhead; ++j) {
-      if (s0 + j < count) {
-        float a, b;
-        fold.add(lse[j], a, b);
+      for (int j = 0; j < kAhead; ++j)
 #pragma unroll
-        for (int i = 0; i < kDimsPerLane; ++i) acc[i] = ChunkFold::fold(acc[i], a, b, o[j][i]);
+        for (int i = 0; i < kDimsPerLane; ++i) o[j][i] = p.partial_o[row_of(s0 + j0 + j) * kHeadDim + dim0 + 32 * i];
+#pragma unroll
+      for (int j = 0; j < kAhead; ++j) {
+        const float a = __shfl_sync(0xffffffffu, a_lane, (j0 + j) & 31);
+        const float b = __shfl_sync(0xffffffffu, b_lane, (j0 + j) & 31);
+        if (j0 + j < n) {
+          fold.add_weights(a, b);
+#pragma unroll
+          for (int i = 0; i < kDimsPerLane; ++i) acc[i] = ChunkFold::fold(acc[i], a, b, o[j][i]);
+        }
       }
     }
+    fold.m = __shfl_sync(0xffffffffu, m_after, n - 1);
   }
   const float inv = fold.inv_sum();
   DTypeO* out = static_cast<DTypeO*>(p.o) + token * p.o_stride_n + head * p.o_stride_h;
