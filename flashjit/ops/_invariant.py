@@ -112,7 +112,7 @@ def prewarm_specs(specs, arches) -> list:
 
 # What a chunk boundary costs a CTA that folds it, in keys of work: it drains
 # the pipeline, reads and writes its running output, restarts. On an H200,
-# 1 x 16384 d128 prefill ran 16-19% slower with 7 boundaries per CTA, about
+# 1 x 16384 d128 prefill ran 12-19% slower with 7 boundaries per CTA, about
 # three tiles of 128 keys each (benchmarks/results/2026-11-25-h200-batch-invariant-fold.md).
 _FOLD_OVERHEAD = 384
 
