@@ -196,6 +196,27 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
 template <class Traits>
 struct ChunkMerge {
   static constexpr int FM = Traits::kFragsM, NT_O = Traits::kHeadDim / 8;
+
+  // The slot's loads and stores ask L2 to keep its lines (evict_last): a
+  // persistent CTA reuses one slot at every boundary, and the K/V streaming
+  // past would otherwise evict it to device memory between two boundaries.
+  static __device__ __forceinline__ uint64_t keep_policy() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+  }
+  static __device__ __forceinline__ float4 load(const float4* at, uint64_t policy) {
+    float4 v;
+    asm volatile("ld.global.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(at), "l"(policy));
+    return v;
+  }
+  static __device__ __forceinline__ void store(float4* at, float4 v, uint64_t policy) {
+    asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(at), "f"(v.x), "f"(v.y),
+                 "f"(v.z), "f"(v.w), "l"(policy)
+                 : "memory");
+  }
   // Floats of scratch per CTA row: its accumulator, and the (m, sum) of its
   // pair of rows that each of the four lanes of its quad keeps (8 floats):
   // 2 * rows / FM threads of FM * NT_O + FM float4s each.
@@ -212,13 +233,14 @@ struct ChunkMerge {
                                               float (&inv)[FM][2], float (&lse)[FM][2]) {
     float4* acc_at = reinterpret_cast<float4*>(slot) + thread;
     float4* rows_at = acc_at + FM * NT_O * kThreads;
+    const uint64_t policy = keep_policy();
     float inv_l[FM][2], lse_c[FM][2], a[FM][2], b[FM][2];
     row_factors<Traits>(m, l, scale, inv_l, lse_c);
 #pragma unroll
     for (int f = 0; f < FM; ++f) {
       ChunkFold rows[2];
       if (folded) {
-        const float4 saved = rows_at[f * kThreads];
+        const float4 saved = load(rows_at + f * kThreads, policy);
         rows[0] = {saved.x, saved.y};
         rows[1] = {saved.z, saved.w};
       } else {
@@ -231,20 +253,20 @@ struct ChunkMerge {
         inv[f][r] = rows[r].inv_sum();
         lse[f][r] = rows[r].lse();
       }
-      if (keep) rows_at[f * kThreads] = make_float4(rows[0].m, rows[0].sum, rows[1].m, rows[1].sum);
+      if (keep) store(rows_at + f * kThreads, make_float4(rows[0].m, rows[0].sum, rows[1].m, rows[1].sum), policy);
     }
 #pragma unroll
     for (int f = 0; f < FM; ++f)
 #pragma unroll
       for (int n = 0; n < NT_O; ++n) {
         float4* at = acc_at + (f * NT_O + n) * kThreads;
-        const float4 acc = folded ? *at : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 acc = folded ? load(at, policy) : make_float4(0.f, 0.f, 0.f, 0.f);
         const float4 v = make_float4(ChunkFold::fold(acc.x, a[f][0], b[f][0], o[f][n][0] * inv_l[f][0]),
                                      ChunkFold::fold(acc.y, a[f][0], b[f][0], o[f][n][1] * inv_l[f][0]),
                                      ChunkFold::fold(acc.z, a[f][1], b[f][1], o[f][n][2] * inv_l[f][1]),
                                      ChunkFold::fold(acc.w, a[f][1], b[f][1], o[f][n][3] * inv_l[f][1]));
         if (keep) {
-          *at = v;
+          store(at, v, policy);
         } else {
           o[f][n][0] = v.x;
           o[f][n][1] = v.y;
