@@ -111,15 +111,17 @@ def test_mla_against_float64(prewarmed, error_report, backend, dtype, num_heads,
     batch.check(out, lse, causal, error_report, "mla", backend, qo_len=qo_len)
 
 
+@pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("split", ["fixed", "auto"])
 @pytest.mark.parametrize("mode", MODES, ids=["decode", "qo4_causal"])
 @pytest.mark.parametrize("dtype", MLA_DTYPES, ids=str)
 @pytest.mark.parametrize("backend", MLA_BACKENDS)
-def test_mla_split_kv(prewarmed, error_report, backend, dtype, mode, split):
+def test_mla_split_kv(prewarmed, error_report, backend, dtype, mode, split, num_heads):
     """fixed: 64-key chunks over every request; auto: two long requests leave the
-    GPU idle unless the planner splits them."""
+    GPU idle unless the planner splits them. 128 heads: fa2's 64-row kernel on
+    sm_90a-only builds (fa2_mla_wide.cuh)."""
     qo_len, causal = mode
-    page_size, num_heads = 16, 16
+    page_size = 16
     kv_lens = [2000, 1, 777, 0, 64] if split == "fixed" else [20000, 9000]
     batch = MlaBatch([qo_len] * len(kv_lens), kv_lens, page_size, num_heads, dtype)
     wrapper = mla_wrapper(backend)
