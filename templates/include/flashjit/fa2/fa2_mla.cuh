@@ -72,6 +72,55 @@ struct MlaTileCopy : MlaCacheRows<typename Traits::DType> {
   }
 };
 
+// The kStages-deep cp.async ring both fa2 MLA kernels stream their tiles of
+// keys through. A key's page is looked up a tile ahead of its copy, so that
+// the page-table load is not waited for between a barrier and the copies.
+// Every tile commits one group, empty past the last, so that the counts stay
+// uniform and wait_group(kStages - 2) before tile t always completes tile t.
+template <class Traits>
+struct MlaTileRing {
+  const MlaTileCopy<Traits> copy;
+  const uint32_t kv_smem;
+  const int key_begin, num_tiles, kv_len;
+  int page = 0;  // of this thread's key in the next tile to issue
+
+  __device__ __forceinline__ MlaTileRing(const FlashjitAttentionParams& p, const CtaWork& w, int tid,
+                                         uint32_t kv_smem_, int key_begin_, int num_tiles_)
+      : copy(p, w, tid), kv_smem(kv_smem_), key_begin(key_begin_), num_tiles(num_tiles_), kv_len(w.kv_len) {}
+
+  __device__ __forceinline__ uint32_t slot(int tile) const {
+    return kv_smem + (tile % Traits::kStages) * Traits::kTileBytes;
+  }
+  __device__ __forceinline__ void lookup(int tile) {
+    if (tile < num_tiles) {
+      const int k0 = key_begin + tile * Traits::kKeysPerTile;
+      page = copy.lookup(k0, min(Traits::kKeysPerTile, kv_len - k0));
+    }
+  }
+  __device__ __forceinline__ void issue(int tile) {
+    if (tile < num_tiles) {
+      const int k0 = key_begin + tile * Traits::kKeysPerTile;
+      copy.issue(slot(tile), page, k0, min(Traits::kKeysPerTile, kv_len - k0));
+    }
+    cp_async_commit();
+  }
+  // Tiles 0 .. kStages - 2 in flight, the next one's page looked up.
+  __device__ __forceinline__ void fill() {
+#pragma unroll
+    for (int s = 0; s < Traits::kStages - 1; ++s) {
+      lookup(s);
+      issue(s);
+    }
+    lookup(Traits::kStages - 1);
+  }
+  // Once tile t has landed and every warp is done with tile t - 1: its slot
+  // takes tile t + kStages - 1.
+  __device__ __forceinline__ void refill_after(int t) {
+    issue(t + Traits::kStages - 1);
+    lookup(t + Traits::kStages);
+  }
+};
+
 }  // namespace fa2
 
 template <class Traits>
@@ -99,14 +148,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const CtaWork w = decode_work<true>(p, ROWS);
   const int rows_total = w.qo_len * w.group;
   if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
-  const int offset = w.kv_len - w.qo_len;
-  const Mask<Traits::kCausal, false> mask{offset, 0};
-  const int cta_q_first = w.row_begin / w.group;
-  const int cta_q_last = (min(w.row_begin + ROWS, rows_total) - 1) / w.group;
-  // kv_begin: 0, or a split chunk's start (a multiple of KEYS, the split align).
-  const int key_begin = w.kv_begin;
-  const int key_end = min(mask.key_end(cta_q_last, w.kv_len), w.kv_end);
-  const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
+  const fa2::MlaCtaKeys<Traits::kCausal, ROWS, KEYS> keys(w, rows_total);
+  const int offset = keys.offset, cta_q_first = keys.cta_q_first;
+  const int key_begin = keys.key_begin, num_tiles = keys.num_tiles;
 
   float o[1][NT_O][4];
   fa2::WarpSoftmax<SoftmaxTraits> softmax;
@@ -125,30 +169,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   if (num_tiles > 0) {
     fa2::copy_mla_q<Traits, L, Traits::kThreads, 3>(p, w, q_smem, rows_total, tid);
-    const fa2::MlaTileCopy<Traits> copy(p, w, tid);
-    int page = 0;  // of this thread's key in the next tile to issue
-    auto lookup = [&](int tile) {
-      if (tile < num_tiles) {
-        const int k0 = key_begin + tile * KEYS;
-        page = copy.lookup(k0, min(KEYS, w.kv_len - k0));
-      }
-    };
-    // Commits one group per tile, empty past the last, so the counts stay uniform.
-    auto issue = [&](int tile) {
-      if (tile < num_tiles) {
-        const int k0 = key_begin + tile * KEYS;
-        copy.issue(kv_smem + (tile % STAGES) * Traits::kTileBytes, page, k0, min(KEYS, w.kv_len - k0));
-      }
-      cp_async_commit();
-    };
-    // Groups: [Q + tile 0], [tile 1], ..., [tile S-2]; before tile t the groups
-    // after tile t's are S - 2, so wait_group(S - 2) completes it.
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      lookup(s);
-      issue(s);
-    }
-    lookup(STAGES - 1);
+    // Groups: [Q + tile 0], [tile 1], ..., [tile S-2].
+    fa2::MlaTileRing<Traits> ring(p, w, tid, kv_smem, key_begin, num_tiles);
+    ring.fill();
 
     // Lane offsets (fa2_primitives.cuh): A pattern for Q and for V
     // (ldmatrix.trans), B pattern for K. This warp's k-steps are warp + 4 i, at
@@ -172,24 +195,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       int q_off[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) q_off[r] = min(w.row_begin + g + 8 * r, rows_total - 1) / w.group + offset;
-#pragma unroll
-      for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + 8 * j + 2 * tq + (e & 1);
-          if (key >= w.kv_len || (Traits::kCausal && key > q_off[e >> 1])) sf[j][e] = kNegInf;
-        }
+      fa2::mask_mla_fragment<Traits::kCausal>(sf, k0, tq, w.kv_len, q_off);
     };
 
     for (int t = 0; t < num_tiles; ++t) {
-      const uint32_t tile_s = kv_smem + (t % STAGES) * Traits::kTileBytes;
+      const uint32_t tile_s = ring.slot(t);
       const int t0 = key_begin + t * KEYS;
       cp_async_wait<STAGES - 2>();
       // Tile t landed for every thread; every warp is done with tile t - 1 (its
       // ring slot, refilled next) and with the exchange it read.
       __syncthreads();
-      issue(t + STAGES - 1);
-      lookup(t + STAGES);
+      ring.refill_after(t);
 
       // This warp's share of S: k-steps warp + 4 i of every key of the tile.
       float s[1][NT_S][4];

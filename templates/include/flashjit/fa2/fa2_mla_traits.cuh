@@ -1,7 +1,7 @@
-// Compile-time shape of the fa2 MLA kernel (fa2_mla.cuh): DeepSeek-style latent
-// attention over a paged cache of ckv (512 wide, both K and V) and kpe (64 wide,
-// the rotary part of K), shared by every query head. Rendered from
-// flashjit/kernels/fa2.py's MlaTiling.
+// Compile-time shapes of the fa2 MLA kernels (fa2_mla.cuh, fa2_mla_wide.cuh):
+// DeepSeek-style latent attention over a paged cache of ckv (512 wide, both K
+// and V) and kpe (64 wide, the rotary part of K), shared by every query head.
+// Rendered from flashjit/kernels/fa2.py's MlaTiling.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -11,19 +11,18 @@
 
 namespace flashjit {
 
-template <class DType_, int kWarps_, int kKeysPerTile_, int kStages_, int kMinBlocksPerSm_, bool kCausal_,
-          bool kLse_>
-struct MlaTraits {
+// What both fa2 MLA kernels' shapes have in common: the cache's dims, a key
+// (and Q) row as one swizzled 576-wide line, and how kThreads threads split
+// the copy of a tile (MlaTileCopy, copy_mla_q), so that one copy serves both.
+template <class DType_, int kWarps_, int kRowsPerCta_, int kKeysPerTile_, int kStages_, bool kCausal_, bool kLse_>
+struct MlaTraitsBase {
   using DType = DType_;
   static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = 32 * kWarps;
-  // One m16 fragment of packed rows (query token x head), shared by every warp:
-  // the warps split Q.K^T by head dims and O by columns, not the rows.
-  static constexpr int kRowsPerCta = 16;
+  static constexpr int kRowsPerCta = kRowsPerCta_;
   static constexpr int kKeysPerTile = kKeysPerTile_;
   static constexpr int kStages = kStages_;
-  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kLse = kLse_;
 
@@ -33,14 +32,36 @@ struct MlaTraits {
   static constexpr int kChunksPerRow = kQkDim / 8;
   static constexpr int kCkvChunks = kCkvDim / 8;
   using Layout = fa2::RowMajorTile<kRowBytes>;
-  // Q.K^T k-steps (16 dims each): warp w takes steps w, w + 4, ..., so that
-  // every step of a warp sits at the same swizzle phase (step % 4 == w) and its
-  // ldmatrix addresses differ only by whole 128-byte blocks.
   static constexpr int kQkSteps = kQkDim / 16;
-  static constexpr int kQkStepsPerWarp = kQkSteps / kWarps;
   static constexpr int kVoColsPerWarp = kVoDim / kWarps;
   static constexpr int kThreadsPerKey = kThreads / kKeysPerTile;
   static constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerKey;
+  static constexpr int kQBytes = kRowsPerCta * kRowBytes;
+  static constexpr int kTileBytes = kKeysPerTile * kRowBytes;
+
+  static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
+                "fa2 MLA takes __half or __nv_bfloat16");
+  static_assert(kKeysPerTile % 16 == 0 && kThreads % kKeysPerTile == 0 && kChunksPerRow % kThreadsPerKey == 0,
+                "a tile of whole k16 steps; whole chunk sets per copying thread");
+  static_assert(kCkvChunks % kThreadsPerKey == 0, "a thread's chunks: ckv ones first, then kpe ones");
+  static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
+  static_assert(kTileBytes % 128 == 0, "128-byte aligned stages");
+};
+
+// One m16 fragment of packed rows (query token x head) per CTA, shared by every
+// warp: the warps split Q.K^T by head dims and O by columns, not the rows.
+template <class DType_, int kWarps_, int kKeysPerTile_, int kStages_, int kMinBlocksPerSm_, bool kCausal_,
+          bool kLse_>
+struct MlaTraits : MlaTraitsBase<DType_, kWarps_, 16, kKeysPerTile_, kStages_, kCausal_, kLse_> {
+  using Base = MlaTraitsBase<DType_, kWarps_, 16, kKeysPerTile_, kStages_, kCausal_, kLse_>;
+  using Base::kWarps, Base::kRowsPerCta, Base::kKeysPerTile, Base::kStages, Base::kVoDim, Base::kQkSteps,
+      Base::kQBytes, Base::kTileBytes;
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+
+  // Q.K^T k-steps (16 dims each): warp w takes steps w, w + 4, ..., so that
+  // every step of a warp sits at the same swizzle phase (step % 4 == w) and its
+  // ldmatrix addresses differ only by whole 128-byte blocks.
+  static constexpr int kQkStepsPerWarp = kQkSteps / kWarps;
 
   // What fa2::WarpSoftmax reads: one fragment over a whole tile of keys, O as
   // wide as a warp's columns, the lazy max of rows-split prefill (every warp
@@ -54,30 +75,18 @@ struct MlaTraits {
     static constexpr bool kSoftCap = false;
   };
 
-  static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
-                "fa2 MLA takes __half or __nv_bfloat16");
   static_assert(kWarps == 4, "the Q.K^T k-step split (step % 4 == warp) needs four warps");
   static_assert(kQkSteps % kWarps == 0 && kVoDim % (16 * kWarps) == 0, "whole k-steps and n16 blocks per warp");
-  static_assert(kKeysPerTile % 16 == 0 && kThreads % kKeysPerTile == 0 && kChunksPerRow % kThreadsPerKey == 0,
-                "a tile of whole k16 steps; whole chunk sets per copying thread");
-  static_assert(kCkvChunks % kThreadsPerKey == 0, "a thread's chunks: ckv ones first, then kpe ones");
-  static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
 
   // Shared memory: [Q, later the logit exchange | stage 0 | stage 1 ...]. Q
   // lives in registers once loaded, so its bytes then hold each warp's partial
   // logits, laid out [warp][value][lane] (conflict-free).
-  static constexpr int kQBytes = kRowsPerCta * kRowBytes;
   static constexpr int kXchgFloatsPerWarp = kRowsPerCta * kKeysPerTile;
   static constexpr int kXchgBytes = kWarps * kXchgFloatsPerWarp * 4;
   static constexpr int kHeadBytes = kQBytes > kXchgBytes ? kQBytes : kXchgBytes;
-  static constexpr int kTileBytes = kKeysPerTile * kRowBytes;
   static constexpr size_t kSmemBytes = size_t(kHeadBytes) + size_t(kStages) * kTileBytes;
-  static_assert(kHeadBytes % 128 == 0 && kTileBytes % 128 == 0, "128-byte aligned stages");
+  static_assert(kHeadBytes % 128 == 0, "128-byte aligned stages");
 };
-
-}  // namespace flashjit
-
-namespace flashjit {
 
 // The wide fa2 MLA kernel (fa2_mla_wide.cuh) for large head counts: 64 packed
 // rows per CTA and eight warps. Warp w computes S for rows 16 (w % 4) .. + 15
@@ -86,48 +95,27 @@ namespace flashjit {
 // for the row maxima, P goes through shared memory, and warp w multiplies all
 // 64 rows of P by output columns [64 w, 64 w + 64) of V.
 template <class DType_, int kKeysPerTile_, int kStages_, bool kCausal_, bool kLse_>
-struct MlaWideTraits {
-  using DType = DType_;
-  static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
-  static constexpr int kWarps = 8, kThreads = 32 * kWarps;
-  static constexpr int kRowGroups = 4, kKeyParts = kWarps / kRowGroups;
-  static constexpr int kRowsPerCta = 16 * kRowGroups;
-  static constexpr int kKeysPerTile = kKeysPerTile_;
+struct MlaWideTraits : MlaTraitsBase<DType_, 8, 64, kKeysPerTile_, kStages_, kCausal_, kLse_> {
+  using Base = MlaTraitsBase<DType_, 8, 64, kKeysPerTile_, kStages_, kCausal_, kLse_>;
+  using Base::kWarps, Base::kRowsPerCta, Base::kKeysPerTile, Base::kStages, Base::kVoColsPerWarp, Base::kQBytes,
+      Base::kTileBytes;
+  static constexpr int kRowGroups = kRowsPerCta / 16, kKeyParts = kWarps / kRowGroups;
   static constexpr int kKeysPerWarp = kKeysPerTile / kKeyParts;
-  static constexpr int kStages = kStages_;
   static constexpr int kMinBlocksPerSm = 1;
-  static constexpr bool kCausal = kCausal_;
-  static constexpr bool kLse = kLse_;
-
-  static constexpr int kRowBytes = kQkDim * 2;
-  static constexpr int kChunksPerRow = kQkDim / 8;
-  static constexpr int kCkvChunks = kCkvDim / 8;
-  using Layout = fa2::RowMajorTile<kRowBytes>;
   using PLayout = fa2::RowMajorTile<kKeysPerTile * 2>;  // P: [rows][keys] of DType
-  static constexpr int kQkSteps = kQkDim / 16;
-  static constexpr int kVoColsPerWarp = kVoDim / kWarps;
-  static constexpr int kThreadsPerKey = kThreads / kKeysPerTile;
-  static constexpr int kChunksPerThread = kChunksPerRow / kThreadsPerKey;
 
-  static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
-                "fa2 MLA takes __half or __nv_bfloat16");
   static_assert(kKeysPerTile == 64, "P rows are one 128-byte swizzle line (64 keys)");
   static_assert(kKeysPerWarp % 16 == 0 && kVoColsPerWarp % 16 == 0, "whole k16 / n16 blocks per warp");
-  static_assert(kThreads % kKeysPerTile == 0 && kChunksPerRow % kThreadsPerKey == 0 &&
-                    kCkvChunks % kThreadsPerKey == 0, "whole chunk sets per copying thread");
-  static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
 
   // Shared memory: [Q | stage 0 | stage 1 ... | P | row maxima of each key part
   // (later the row sums) | rescale factors (later m) | moved flags].
-  static constexpr int kQBytes = kRowsPerCta * kRowBytes;
-  static constexpr int kTileBytes = kKeysPerTile * kRowBytes;
   static constexpr int kPOffset = kQBytes + kStages * kTileBytes;
   static constexpr int kPBytes = kRowsPerCta * kKeysPerTile * 2;
   static constexpr int kMaxOffset = kPOffset + kPBytes;
   static constexpr int kScaleOffset = kMaxOffset + kKeyParts * kRowsPerCta * 4;
   static constexpr int kMovedOffset = kScaleOffset + kRowsPerCta * 4;
   static constexpr size_t kSmemBytes = size_t(kMovedOffset) + 16 * kRowGroups;
-  static_assert(kQBytes % 128 == 0 && kTileBytes % 128 == 0 && kPOffset % 128 == 0, "128-byte aligned tiles");
+  static_assert(kQBytes % 128 == 0 && kPOffset % 128 == 0, "128-byte aligned tiles");
 };
 
 }  // namespace flashjit

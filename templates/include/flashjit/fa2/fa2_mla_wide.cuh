@@ -58,13 +58,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const CtaWork w = decode_work<true>(p, ROWS);
   const int rows_total = w.qo_len * w.group;
   if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
-  const int offset = w.kv_len - w.qo_len;
-  const int cta_q_first = w.row_begin / w.group;
-  const int cta_q_last = (min(w.row_begin + ROWS, rows_total) - 1) / w.group;
-  const Mask<Traits::kCausal, false> mask{offset, 0};
-  const int key_begin = w.kv_begin;  // 0, or a split chunk's start (a multiple of KEYS)
-  const int key_end = min(mask.key_end(cta_q_last, w.kv_len), w.kv_end);
-  const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
+  const fa2::MlaCtaKeys<Traits::kCausal, ROWS, KEYS> keys(w, rows_total);
+  const int offset = keys.offset, cta_q_first = keys.cta_q_first;
+  const int key_begin = keys.key_begin, num_tiles = keys.num_tiles;
   const float scale = p.sm_scale * kLog2e;
 
   // Softmax state of this warp's rows 16 rg + g (+ 8): the max (shared by the
@@ -80,27 +76,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (num_tiles > 0) {
     fa2::copy_mla_q<Traits, L, Traits::kThreads, 2>(p, w, q_smem, rows_total, tid);
-    const fa2::MlaTileCopy<Traits> copy(p, w, tid);
-    int page = 0;
-    auto lookup = [&](int tile) {
-      if (tile < num_tiles) {
-        const int k0 = key_begin + tile * KEYS;
-        page = copy.lookup(k0, min(KEYS, w.kv_len - k0));
-      }
-    };
-    auto issue = [&](int tile) {
-      if (tile < num_tiles) {
-        const int k0 = key_begin + tile * KEYS;
-        copy.issue(kv_smem + (tile % STAGES) * Traits::kTileBytes, page, k0, min(KEYS, w.kv_len - k0));
-      }
-      cp_async_commit();
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      lookup(s);
-      issue(s);
-    }
-    lookup(STAGES - 1);
+    fa2::MlaTileRing<Traits> ring(p, w, tid, kv_smem, key_begin, num_tiles);
+    ring.fill();
 
     // A pattern (Q, P; V by ldmatrix.trans) and B pattern (K) lane offsets.
     const uint32_t a_off0 = L::at(lane % 16, lane / 16, lane % 8);
@@ -118,13 +95,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     __syncthreads();
 
     for (int t = 0; t < num_tiles; ++t) {
-      const uint32_t tile_s = kv_smem + (t % STAGES) * Traits::kTileBytes;
+      const uint32_t tile_s = ring.slot(t);
       const int t0 = key_begin + t * KEYS;
       cp_async_wait<STAGES - 2>();
       // Tile t landed; every warp is done with tile t - 1, its P and factors.
       __syncthreads();
-      issue(t + STAGES - 1);
-      lookup(t + STAGES);
+      ring.refill_after(t);
 
       float s[NT_S][4];
 #pragma unroll
@@ -147,22 +123,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
       // s[j][e]: row 16 rg + g + 8 (e / 2), key t0 + WKEYS part + 8 j + 2 tq + e % 2.
       const int k0 = t0 + part * WKEYS;
-      if (k0 + WKEYS > w.kv_len || (Traits::kCausal && k0 + WKEYS - 1 > cta_q_first + offset)) {
-#pragma unroll
-        for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = k0 + 8 * j + 2 * tq + (e & 1);
-            if (key >= w.kv_len || (Traits::kCausal && key > q_off[e >> 1])) s[j][e] = kNegInf;
-          }
-      }
+      if (k0 + WKEYS > w.kv_len || (Traits::kCausal && k0 + WKEYS - 1 > cta_q_first + offset))
+        fa2::mask_mla_fragment<Traits::kCausal>(s, k0, tq, w.kv_len, q_off);
       float mx[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) mx[r] = fa2::row_max<NT_S>(s, r);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-#pragma unroll
-      for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      fa2::quad_max(mx);
       if (tq == 0) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) xmax[part * ROWS + 16 * rg + g + 8 * r] = mx[r];
@@ -197,11 +163,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int j = 0; j < NT_S; ++j) {
-          s[j][2 * r] = fa2::exp2_fast(fmaf(s[j][2 * r], scale, -m_ref[r]));
-          s[j][2 * r + 1] = fa2::exp2_fast(fmaf(s[j][2 * r + 1], scale, -m_ref[r]));
-        }
+        fa2::exp2_row<NT_S>(s, r, scale, m_ref[r]);
         l[r] = __fadd_rn(l[r], fa2::row_sum<NT_S>(s, r));  // unrounded fp32 P
       }
 #pragma unroll

@@ -61,6 +61,7 @@
 // benchmarks/results/2026-11-23-h200-fa2-kv-by-tma.md.)
 // ---------------------------------------------------------------------------
 #pragma once
+#include <math_constants.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -108,6 +109,44 @@ __device__ __forceinline__ float row_max(const float (&s)[NT][4], int r) {
 template <int NT>
 __device__ __forceinline__ float row_sum(const float (&s)[NT][4], int r) {
   return row_reduce(s, r, [](float a, float b) { return a + b; });
+}
+
+// Row r of a lane's S fragment made P = 2^(s * scale - ref) in place, one FFMA
+// and one MUFU.EX2 a value (ref: the row's max in log2 units, 0 while it has
+// seen no key, so that a masked -inf gives 0 and never -inf - -inf).
+template <int NT>
+__device__ __forceinline__ void exp2_row(float (&s)[NT][4], int r, float scale, float ref) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    s[j][2 * r] = exp2_fast(fmaf(s[j][2 * r], scale, -ref));
+    s[j][2 * r + 1] = exp2_fast(fmaf(s[j][2 * r + 1], scale, -ref));
+  }
+}
+
+// A lane's two row values (rows g and g + 8 of a fragment) maxed over the four
+// lanes of its quad, which hold the rest of those rows; the two rows' chains
+// are interleaved so that their shuffle latencies overlap.
+__device__ __forceinline__ void quad_max(float (&x)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) x[r] = fmaxf(x[r], __shfl_xor_sync(0xffffffffu, x[r], 1));
+#pragma unroll
+  for (int r = 0; r < 2; ++r) x[r] = fmaxf(x[r], __shfl_xor_sync(0xffffffffu, x[r], 2));
+}
+
+// The MLA kernels' mask of one lane's S fragment (rows g and g + 8 of an m16
+// block, s[j][e] at key k0 + 8 j + 2 tq + e % 2 of row e / 2): -inf at keys
+// past kv_len and, causal, past the row's query position q_pos (offset by the
+// cached prefix), where the row may not look.
+template <bool kCausal, int NT>
+__device__ __forceinline__ void mask_mla_fragment(float (&s)[NT][4], int k0, int tq, int kv_len,
+                                                  const int (&q_pos)[2]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = k0 + 8 * j + 2 * tq + (e & 1);
+      if (key >= kv_len || (kCausal && key > q_pos[e >> 1])) s[j][e] = -CUDART_INF_F;
+    }
 }
 
 // Register-pressure aids for kernels at the 255-register cap. ptxas keeps a
@@ -306,6 +345,27 @@ __device__ __forceinline__ void copy_mla_q(const FlashjitAttentionParams& p, con
     cp_async_16(q_smem + L::at(r, c), src, ok);
   }
 }
+
+// The keys an MLA CTA's kRows packed rows (from w.row_begin, of rows_total)
+// see, in tiles of kKeys from key_begin (w.kv_begin: 0, or a split chunk's
+// start, a multiple of kKeys): up to the chunk's end and, causal, the CTA's
+// last query's position.
+template <bool kCausal, int kRows, int kKeys>
+struct MlaCtaKeys {
+  int offset;       // kv_len - qo_len: query q sits at key position q + offset
+  int cta_q_first;  // the CTA's first query token
+  int key_begin, num_tiles;
+
+  __device__ __forceinline__ MlaCtaKeys(const CtaWork& w, int rows_total) {
+    offset = w.kv_len - w.qo_len;
+    const Mask<kCausal, false> mask{offset, 0};
+    cta_q_first = w.row_begin / w.group;
+    const int cta_q_last = (min(w.row_begin + kRows, rows_total) - 1) / w.group;
+    key_begin = w.kv_begin;
+    const int key_end = min(mask.key_end(cta_q_last, w.kv_len), w.kv_end);
+    num_tiles = key_end > key_begin ? (key_end - key_begin + kKeys - 1) / kKeys : 0;
+  }
+};
 
 // Byte offset, in a tile of layout L, of the first span of the i-th row a
 // thread copies (see TileRows): compile-time steps from one per-thread base when

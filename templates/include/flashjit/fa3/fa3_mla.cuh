@@ -66,14 +66,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const CtaWork w = decode_work<true>(p, ROWS);
   const int rows_total = w.qo_len * w.group;
   if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
-  const int offset = w.kv_len - w.qo_len;
-  const Mask<Traits::kCausal, false> mask{offset, 0};
-  const int cta_q_first = w.row_begin / w.group;
-  const int cta_q_last = (min(w.row_begin + ROWS, rows_total) - 1) / w.group;
-  // kv_begin: 0, or a split chunk's start (a multiple of KEYS, the split align).
-  const int key_begin = w.kv_begin;
-  const int key_end = min(mask.key_end(cta_q_last, w.kv_len), w.kv_end);
-  const int num_tiles = key_end > key_begin ? (key_end - key_begin + KEYS - 1) / KEYS : 0;
+  const fa2::MlaCtaKeys<Traits::kCausal, ROWS, KEYS> keys(w, rows_total);
+  const int offset = keys.offset, cta_q_first = keys.cta_q_first;
+  const int key_begin = keys.key_begin, num_tiles = keys.num_tiles;
 
   if (tid == 0) {
 #pragma unroll
@@ -196,13 +191,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         int q_pos[2];  // query position of this thread's rows (clamped past the request)
 #pragma unroll
         for (int r = 0; r < 2; ++r) q_pos[r] = min(w.row_begin + row_in_cta[r], rows_total - 1) / w.group + offset;
-#pragma unroll
-        for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = k0 + 8 * j + 2 * tq + (e & 1);
-            if (key >= w.kv_len || (Traits::kCausal && key > q_pos[e >> 1])) s[j][e] = kNegInf;
-          }
+        fa2::mask_mla_fragment<Traits::kCausal>(s, k0, tq, w.kv_len, q_pos);
       }
       // The lazy max of the fa2 family (fa2_softmax.cuh): a row moves only once
       // it has grown by more than kLazyLog2 in log2 units; (-inf) - (-inf) =
@@ -211,10 +200,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       float mx[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) mx[r] = fmaxf(m[r], fa2::row_max<NT_S>(s, r));
-#pragma unroll
-      for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-#pragma unroll
-      for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      fa2::quad_max(mx);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const bool moves = (mx[r] - m[r]) * scale > kLazyLog2;
@@ -235,11 +221,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                               Tile::block(Traits::kBlocks - 1);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int j = 0; j < NT_S; ++j) {
-          s[j][2 * r] = fa2::exp2_fast(fmaf(s[j][2 * r], scale, -m_ref[r]));
-          s[j][2 * r + 1] = fa2::exp2_fast(fmaf(s[j][2 * r + 1], scale, -m_ref[r]));
-        }
+        fa2::exp2_row<NT_S>(s, r, scale, m_ref[r]);
         l[r] += fa2::row_sum<NT_S>(s, r);
         if (softmax_wg) {
 #pragma unroll
