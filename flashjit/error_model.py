@@ -10,6 +10,8 @@ D = head_dim, T = online-softmax rescalings (per kernel tiling, about n / 32), S
   rtol = u_out + 4u                                (output rounding, final 1/l multiply,
                                                     split-KV merge weights and 1/sum)
   atol = vmax * ( [tensor cores] u_in               (P rounded to the input dtype before P.V)
+                  + [tensor cores] n*sub_in        (... where P lies below the dtype's normal range:
+                                                    absolute, half the subnormal spacing, 2^-25 for fp16)
                   + 2*Delta                         (perturbed logits move the softmax weights)
                   + 2*lam*sqrt(n)*u )               (fp32 P.V and row-sum accumulation)
          + u_out * tiny(out dtype)                  (subnormal outputs)
@@ -40,10 +42,12 @@ from dataclasses import dataclass
 from .kernels import tiling_for
 from .spec import DTYPES, MLA_OPS, UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec
 
-MODEL_VERSION = "flashjit-error-model-4"
+MODEL_VERSION = "flashjit-error-model-5"
 U32 = 2.0**-24
 LAMBDA = 2.0
 _TINY = {"float16": 2.0**-14, "bfloat16": 2.0**-126, "float32": 2.0**-126}
+# Half the spacing of the subnormal numbers: the absolute rounding error below the normal range.
+_HALF_SUBNORMAL = {"float16": 2.0**-25, "bfloat16": 2.0**-134, "float32": 2.0**-150}
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
 
@@ -58,6 +62,10 @@ def profile(spec: KernelSpec) -> dict:
         "atol_floor": u_out * _TINY[spec.dtype_o],
         # Coefficients of vmax * (...):
         "p_rounding": u_in if spec.use_tensor_cores else 0.0,
+        # p_j below 2^-14 (fp16's normal range) rounds by up to 2^-25 absolute, not u_in
+        # relative: n such keys, every one rounded the same way, move o by n * 2^-25 * vmax
+        # (l >= 1: the row's largest p is at least 1 against the softmax's reference).
+        "p_subnormal_per_key": _HALF_SUBNORMAL[spec.dtype_kv] if spec.use_tensor_cores else 0.0,
         "accumulation_per_sqrt_kv": 2 * LAMBDA * U32,
         "logit_per_s": 2 * _LN2 * (LAMBDA * math.sqrt(spec.head_dim_qk) + 3 + (4 if spec.soft_cap else 0)) * U32,
         "exp2": 2 * 8 * U32,
@@ -130,7 +138,8 @@ def evaluate(prof: dict, *, kv_len: int, v_absmax: float, logit_absmax: float) -
     n = max(int(kv_len), 1)
     tiles = rescales(prof, n)
     s_log2 = _LOG2E * float(logit_absmax)
-    per_v = (prof["p_rounding"] + prof["accumulation_per_sqrt_kv"] * math.sqrt(n)
+    per_v = (prof["p_rounding"] + prof.get("p_subnormal_per_key", 0.0) * n
+             + prof["accumulation_per_sqrt_kv"] * math.sqrt(n)
              + prof["logit_per_s"] * s_log2 + prof["exp2"] + prof["rescale_per_sqrt_tiles"] * math.sqrt(tiles))
     return Tolerance(rtol=prof["rtol"], atol=float(v_absmax) * per_v + prof["atol_floor"])
 

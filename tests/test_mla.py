@@ -183,7 +183,7 @@ def test_mla_profile_uses_its_576_wide_qk():
     assert prof["keys_per_rescale"] == fa2.MLA_TILING.keys_per_tile and prof["merge_rescales"] == 0
 
 
-@pytest.mark.parametrize("dtype,low,high", [("bfloat16", 1.5e-2, 2.6e-2), ("float16", 2.0e-3, 4.5e-3)])
+@pytest.mark.parametrize("dtype,low,high", [("bfloat16", 1.5e-2, 2.6e-2), ("float16", 2.0e-3, 5.0e-3)])
 def test_mla_atol_at_unit_normal_inputs(dtype, low, high):
     """docs/numerics.md (MLA): u_in * max|ckv| dominates; bf16 comes out near 2e-2."""
     gen = torch.Generator().manual_seed(0)
@@ -194,7 +194,9 @@ def test_mla_atol_at_unit_normal_inputs(dtype, low, high):
     assert low <= tol.atol <= high
     u = 2.0**-8 if dtype == "bfloat16" else 2.0**-11
     vmax = float(ckv.abs().max())
-    assert u * vmax <= tol.atol <= 1.7 * u * vmax  # the P rounding term, plus at most 70% for the rest
+    subnormal = kv_len * 2.0**-25 * vmax if dtype == "float16" else 0.0  # weights below fp16's normal range
+    # The P rounding term, plus at most 70% for the rest.
+    assert u * vmax + subnormal <= tol.atol <= 1.7 * u * vmax + subnormal
     assert tol.rtol == pytest.approx(u + 4 * 2.0**-24)
 
 
