@@ -30,6 +30,7 @@
 #include "flashjit/fa2/fa2_epilogue.cuh"
 #include "flashjit/fa2/fa2_mla_traits.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
+#include "flashjit/fa2/fa2_mla_primitives.cuh"
 #include "flashjit/fa2/fa2_softmax.cuh"
 
 namespace flashjit {

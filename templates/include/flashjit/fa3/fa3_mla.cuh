@@ -33,6 +33,7 @@
 #include "flashjit/common/work.cuh"
 #include "flashjit/fa2/fa2_epilogue.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
+#include "flashjit/fa2/fa2_mla_primitives.cuh"
 #include "flashjit/fa3/fa3_mla_copy.cuh"
 #include "flashjit/fa3/fa3_mla_traits.cuh"
 #include "flashjit/fa3/fa3_primitives.cuh"

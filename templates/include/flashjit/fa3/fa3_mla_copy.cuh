@@ -8,6 +8,7 @@
 #include "flashjit/common/numeric.cuh"
 #include "flashjit/common/work.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
+#include "flashjit/fa2/fa2_mla_primitives.cuh"
 #include "flashjit/fa3/fa3_mla_traits.cuh"
 
 namespace flashjit {
