@@ -32,7 +32,8 @@ from __future__ import annotations
 import os
 
 from .. import arch
-from ._plan import _ITEM_OVERHEAD, _MIN_GAIN, WorkPlan, _estimate, _item_cost, ceil_div, choose_band_items
+from ._plan import (_ITEM_OVERHEAD, _MIN_GAIN, WorkPlan, _estimate, _item_cost, ceil_div, choose_band_items,
+                    tile_items, unsplit_plan)
 
 ENV_VAR = "FLASHJIT_BATCH_INVARIANT"
 # Keys per split-KV chunk. Decode needs chunks this short to fill the GPU
@@ -174,11 +175,7 @@ def _fold_plan(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads:
     its chunks, where cutting the requests into their chunks would not run
     estimably faster (the estimate and margin of normal mode's split rule,
     ops._plan); else None."""
-    base = []  # (cost, request, tile, kv_len, query rows), as ops._plan.plan_work
-    for request, (qo_len, kv_len) in enumerate(zip(qo_lens, kv_lens)):
-        for tile in range(ceil_div(qo_len * group, rows_per_cta)):
-            rows = min(rows_per_cta, qo_len * group - tile * rows_per_cta)
-            base.append((_item_cost(qo_len, kv_len, tile, rows_per_cta, group, causal), request, tile, kv_len, rows))
+    base = tile_items(qo_lens, kv_lens, group=group, rows_per_cta=rows_per_cta, causal=causal)
     if not base:
         return None
     columns = ([b[0] for b in base], [b[3] for b in base], [b[4] for b in base])
@@ -189,10 +186,8 @@ def _fold_plan(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads:
     if fold_policy == "auto" and \
             _estimate(columns, chunk, slots, heads) < (1 - _MIN_GAIN) * _estimate(folding, 0, slots, heads):
         return None
-    ordered = sorted(base, key=lambda b: -b[0])
-    bands = choose_band_items([b[0] for b in ordered], heads, slots, any(b[2] > 0 for b in base))
     folds = any(kv > chunk for kv in kv_lens)
-    return WorkPlan([(r, t, -1, 0) for _, r, t, _, _ in ordered], None, 0, chunk if folds else 0, bands, folds=folds)
+    return unsplit_plan(base, heads, slots, kv_chunk=chunk if folds else 0, folds=folds)
 
 
 def plan(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, resident_ctas: int, chunk: int,

@@ -157,6 +157,25 @@ def single_request_band_items(qo_len: int, kv_len: int, *, group: int, rows_per_
     return choose_band_items(costs, max(num_kv_heads, 1), max(1, resident_ctas), tiles > 1)
 
 
+def tile_items(qo_lens, kv_lens, *, group: int, rows_per_cta: int, causal: bool) -> list:
+    """(cost, request, tile, kv_len, query rows) of every query tile, each over all its keys."""
+    base = []
+    for request, (qo_len, kv_len) in enumerate(zip(qo_lens, kv_lens)):
+        for tile in range(ceil_div(qo_len * group, rows_per_cta)):
+            rows = min(rows_per_cta, qo_len * group - tile * rows_per_cta)
+            base.append((_item_cost(qo_len, kv_len, tile, rows_per_cta, group, causal), request, tile, kv_len, rows))
+    return base
+
+
+def unsplit_plan(base, heads: int, slots: int, kv_chunk: int = 0, folds: bool = False) -> WorkPlan:
+    """The plan of tile_items `base` unsplit: one item per tile, longest first
+    (kv_chunk, folds: a batch-invariant plan whose CTAs fold their chunks)."""
+    ordered = sorted(base, key=lambda b: -b[0])
+    shared = any(b[2] > 0 for b in base)  # a request with several query tiles
+    return WorkPlan([(r, t, -1, 0) for _, r, t, _, _ in ordered], None, 0, kv_chunk,
+                    choose_band_items([b[0] for b in ordered], heads, slots, shared), folds)
+
+
 def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, resident_ctas: int,
               split_align: int, causal: bool = False, fixed_chunk: int | None = None,
               allow_split: bool = True, max_items: int | None = None,
@@ -169,11 +188,7 @@ def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: 
     workspace holds. Chunks grow until both hold (the unsplit plan needs no
     partial state); ValueError if even the unsplit plan has too many items."""
     align = max(split_align, 1)
-    base = []  # (cost, request, tile, kv_len, query rows)
-    for request, (qo_len, kv_len) in enumerate(zip(qo_lens, kv_lens)):
-        for tile in range(ceil_div(qo_len * group, rows_per_cta)):
-            rows = min(rows_per_cta, qo_len * group - tile * rows_per_cta)
-            base.append((_item_cost(qo_len, kv_len, tile, rows_per_cta, group, causal), request, tile, kv_len, rows))
+    base = tile_items(qo_lens, kv_lens, group=group, rows_per_cta=rows_per_cta, causal=causal)
     if max_items is not None and len(base) > max_items:
         raise ValueError(f"the batch needs {len(base)} CTAs per KV head, more than the {max_items} this wrapper's "
                          f"CUDA graph was sized for; create a new wrapper for the larger batch")
@@ -193,11 +208,9 @@ def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: 
             break
         chunk *= 2  # fewer, longer chunks until the grid and the workspace hold them
     slots, heads = max(1, resident_ctas), max(num_kv_heads, 1)
-    shared = any(t > 0 for _, _, t, _, _ in base)  # a request with several query tiles
     if all(n == 1 for n in splits.values()):
-        ordered = sorted(base, key=lambda b: -b[0])
-        items = [(r, t, -1, 0) for _, r, t, _, _ in ordered]
-        return WorkPlan(items, None, 0, 0, choose_band_items([b[0] for b in ordered], heads, slots, shared))
+        return unsplit_plan(base, heads, slots)
+    shared = any(t > 0 for _, _, t, _, _ in base)  # a request with several query tiles
 
     expanded = []  # (cost, request, tile, split)
     for cost, r, t, kv, _ in base:
