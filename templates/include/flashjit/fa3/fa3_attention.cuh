@@ -179,13 +179,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     softmax.scale = Traits::kSoftCap ? 1.f : p.sm_scale * kLog2e;
     softmax.cap_in = Traits::kSoftCap ? p.sm_scale / p.logits_soft_cap : 0.f;
     softmax.cap_out = Traits::kSoftCap ? p.logits_soft_cap * kLog2e : 0.f;
-    softmax.m[0][0] = softmax.m[0][1] = kNegInf;
-    softmax.l[0][0] = softmax.l[0][1] = 0.f;
     float o[1][NT_O][4];
+    // The state before a row's first key: the position's, and each chunk's
+    // in batch-invariant mode's fold kernel.
+    auto fresh_state = [&] {
+      softmax.m[0][0] = softmax.m[0][1] = kNegInf;
+      softmax.l[0][0] = softmax.l[0][1] = 0.f;
 #pragma unroll
-    for (int n = 0; n < NT_O; ++n)
+      for (int n = 0; n < NT_O; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[0][n][e] = 0.f;
+        for (int e = 0; e < 4; ++e) o[0][n][e] = 0.f;
+    };
+    fresh_state();
 
     // This warp's rows (clamped past the request) for the masks: a tile needs
     // the element mask when some key of it is invisible to some row of the warp.
@@ -259,7 +264,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (lane == 0) tma::mbar_arrive(empty);
     };
 
-    // Tiles [tb, te) from a fresh state (m, l and O as reset below).
+    // Tiles [tb, te) from a fresh state (fresh_state()).
     auto run_tiles = [&](int tb, int te) {
       if constexpr (!Traits::kOverlap) {
         // Each tile in turn: S, softmax, P.V, each product waited for.
@@ -364,12 +369,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (te >= num_tiles) break;
         Merge::template fold<kConsumerThreads>(o, softmax.m, softmax.l, softmax.scale, slot, tid - 128, tb > 0, true,
                                                inv, lse);
-        softmax.m[0][0] = softmax.m[0][1] = kNegInf;
-        softmax.l[0][0] = softmax.l[0][1] = 0.f;
-#pragma unroll
-        for (int n = 0; n < NT_O; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o[0][n][e] = 0.f;
+        fresh_state();
         tb = te;
         te = min(num_tiles, te + chunk / KEYS);
       }
