@@ -24,6 +24,7 @@ from flashjit.error_model import mla_tolerance
 # (label, batch, kv_len, heads, page_size)
 ROWS = [("128 x 4k, 16 heads, page 64", 128, 4096, 16, 64),
         ("128 x 4k, 128 heads, page 64", 128, 4096, 128, 64),
+        ("128 x 4k, 64 heads, page 64", 128, 4096, 64, 64),
         ("32 x 8k, 16 heads, page 1", 32, 8192, 16, 1)]
 SM_SCALE = 1 / math.sqrt(192)
 DTYPE = torch.bfloat16

@@ -1,7 +1,9 @@
 """Per-kernel GPU time of paged decode calls (attention, split-KV merge), from
 torch.profiler: where a split-KV row's time goes beyond its attention kernel.
+--batch-invariant adds each row planned in batch-invariant mode (fixed chunks,
+the prefill kernel, the fold merge) beside the planner's choices.
 
-Usage: python benchmarks/dev/decode_breakdown.py [--rows LABEL ...] [--out FILE]
+Usage: python benchmarks/dev/decode_breakdown.py [--rows LABEL ...] [--batch-invariant] [--out FILE]
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ CALLS = 20
 
 
 def short_name(kernel: str) -> str:
-    for label in ("merge_split_states", "decode_attention", "fa2_attention", "cuda_core_attention"):
+    for label in ("merge_split_states", "merge_fold_states", "decode_attention", "fa2_attention", "fa3_attention",
+                  "cuda_core_attention"):
         if label in kernel:
             return label
     return kernel[:40]
@@ -35,6 +38,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--rows", nargs="+", help="only the rows whose label starts with one of these")
+    parser.add_argument("--batch-invariant", action="store_true", help="also each row in batch-invariant mode")
     args = parser.parse_args()
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     lines = [f"device: {torch.cuda.get_device_name()}; bf16 paged decode, head_dim {D}, page {PAGE}; "
@@ -45,12 +49,15 @@ def main() -> int:
             continue
         cache, indptr, indices, last = paged_cache(batch, kv_len, kv_heads)
         q = torch.randn(batch, qo_heads, D, dtype=BF16, device="cuda")
-        # The planner's choice, and the same row with splitting disabled.
-        for tensor_cores, no_split in ((False, False), (True, False), (False, True), (True, True)):
+        # The planner's choice, the same row with splitting disabled, and batch-invariant mode.
+        cases = [(False, False, False), (True, False, False), (False, True, False), (True, True, False)]
+        cases += [(True, False, True)] if args.batch_invariant else []
+        for tensor_cores, no_split, invariant in cases:
             w = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace, use_tensor_cores=tensor_cores)
-            w.plan(indptr, indices, last, qo_heads, kv_heads, D, PAGE, q_data_type=BF16, disable_split_kv=no_split)
+            w.plan(indptr, indices, last, qo_heads, kv_heads, D, PAGE, q_data_type=BF16, disable_split_kv=no_split,
+                   batch_invariant=invariant)
             chunk = w._plan.work.kv_chunk or "none"  # the plan's split, for the table
-            chunk = f"{chunk} (split disabled)" if no_split else chunk
+            chunk = f"{chunk} (split disabled)" if no_split else f"{chunk} (batch-invariant)" if invariant else chunk
             for kernel, us in sorted(kernel_times(lambda: w.run(q, cache), CALLS).items(), key=lambda kv: -kv[1]):
                 lines.append(f"| {label} | {'tensor' if tensor_cores else 'CUDA'} | {chunk} | "
                              f"{short_name(kernel)} | {us:.1f} |")
