@@ -16,10 +16,11 @@
 //   (wgmma N 64, Q and K K-major in shared memory: Q is read once a tile) and
 //   runs the online softmax of the fa2 family on it (lazy max, P rounded to
 //   the input dtype). P goes to the slot's kpe block, which S no longer
-//   needs, and the rows' rescale factors to shared memory; one barrier hands
-//   both to the other consumer. Then each multiplies P by its 256 columns of
-//   the tile's ckv part (wgmma N 256, P and V from shared memory, V
-//   MN-major), the softmax consumer issuing the next tile's S behind its P.V.
+//   needs, and the rows' rescale factors to shared memory. Each consumer
+//   multiplies P by its 256 columns of the tile's ckv part (wgmma N 256, P and
+//   V from shared memory, V MN-major): the softmax consumer at once, then the
+//   next tile's S behind it; the other when a barrier per tile hands it P and
+//   the factors (the softmax consumer arrives, never waits for it).
 // Row sums meet once at the end; each consumer writes its output columns, or,
 // for a split-KV chunk, fp32 partial rows (and the softmax consumer the LSE).
 #pragma once
@@ -131,11 +132,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int n = 0; n < NT_O; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
-  float s[NT_S][4];  // the other consumer's stay 0: see the loop
-#pragma unroll
-  for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+  float s[NT_S][4];  // the softmax consumer's
 
   // S = Q.K^T of tile t (issued and committed). Its own wgmma.fence: S's
   // registers were last written by the softmax.
@@ -168,24 +165,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     fa3::commit();
   };
 
-  // No product is left in flight across the loop's back edge: ptxas
-  // serializes every wgmma of a kernel whose accumulators it cannot track
-  // through one (C7515).
-  if (softmax_wg && num_tiles > 0) {
-    wait_full(0);
-    issue_qk(0);
-    fa3::wait<0>();
-    fa3::fence_operands(s);
-  }
-  for (int t = 0; t < num_tiles; ++t) {
-    float* factor_t = factors + (t & 1) * ROWS;
-    // Both consumers run the softmax arithmetic; only the softmax consumer's S
-    // holds the tile's logits, and only its results are kept. (With the
-    // arithmetic on one warpgroup's path alone, ptxas serializes every wgmma
-    // of the kernel, C7515; the other consumer would wait at the barrier
-    // below meanwhile anyway.)
-    float factor[2];
-    {
+  // O *= each row's factor, skipped where every row of the warp keeps its max.
+  auto rescale = [&](const float (&factor)[2]) {
+    if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) {
+#pragma unroll
+      for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[n][e] *= factor[e >> 1];
+    }
+  };
+  // This warpgroup's P.V of tile t landed: one arrival per warp on the slot's "empty".
+  auto release = [&](int t) {
+    fa3::fence_operands(o);
+    __syncwarp();
+    if (lane == 0) tma::mbar_arrive(empty(t));
+  };
+
+  // No product is left in flight across a loop's back edge: ptxas serializes
+  // every wgmma of a kernel whose accumulators it cannot track through one
+  // (C7515). The consumers run loops of their own: the softmax consumer hands
+  // each tile's P and factors over (a barrier per tile parity, so that it can
+  // be a tile ahead) and goes on to its P.V and the next S without waiting for
+  // the other, which multiplies its half when they arrive.
+  if (softmax_wg) {
+    if (num_tiles > 0) {
+      wait_full(0);
+      issue_qk(0);
+      fa3::wait<0>();
+      fa3::fence_operands(s);
+    }
+    for (int t = 0; t < num_tiles; ++t) {
+      float* factor_t = factors + (t & 1) * ROWS;
+      float factor[2];
       const int k0 = key_begin + t * KEYS;
       const bool need_mask = k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > cta_q_first + offset);
       if (need_mask) {
@@ -213,7 +224,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           m_ref[r] = ref;
           l[r] *= factor[r];
         }
-        if (softmax_wg && tq == 0) factor_t[row_in_cta[r]] = factor[r];
+        if (tq == 0) factor_t[row_in_cta[r]] = factor[r];
       }
       // P = 2^(s * scale - m_ref): fp32 sums into l, rounded to T into the
       // slot's kpe block (a 64 x 64 tile: chunk j of row r at j ^ (r % 8), and
@@ -224,37 +235,35 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int r = 0; r < 2; ++r) {
         fa2::exp2_row<NT_S>(s, r, scale, m_ref[r]);
         l[r] += fa2::row_sum<NT_S>(s, r);
-        if (softmax_wg) {
 #pragma unroll
-          for (int j = 0; j < NT_S; ++j)
-            *reinterpret_cast<uint32_t*>(p_tile + row_in_cta[r] * 128 + ((j ^ g) << 4) + 4 * tq) =
-                fa2::pack2<T>(s[j][2 * r], s[j][2 * r + 1]);
-        }
+        for (int j = 0; j < NT_S; ++j)
+          *reinterpret_cast<uint32_t*>(p_tile + row_in_cta[r] * 128 + ((j ^ g) << 4) + 4 * tq) =
+              fa2::pack2<T>(s[j][2 * r], s[j][2 * r + 1]);
       }
       fa3::fence_async_shared();
+      fa3::warpgroup_barrier(2);  // P_t of all four warps, for this warpgroup's wgmma
+      rescale(factor);
+      issue_pv(t);
+      fa3::handoff_arrive(t);  // P_t and its factors, to the other consumer
+      if (t + 1 < num_tiles) {
+        wait_full(t + 1);
+        issue_qk(t + 1);
+      }
+      fa3::wait<0>();  // P.V_t (and S_{t+1}) landed
+      fa3::fence_operands(s);
+      release(t);
     }
-    fa3::consumers_barrier();  // P_t and its factors published
-    if (!softmax_wg) {
+  } else {
+    for (int t = 0; t < num_tiles; ++t) {
+      fa3::handoff_sync(t);
       wait_full(t);  // passes at once (tile t landed before P_t); orders it before this warpgroup's wgmma
-#pragma unroll
-      for (int r = 0; r < 2; ++r) factor[r] = factor_t[row_in_cta[r]];
+      const float* factor_t = factors + (t & 1) * ROWS;
+      const float factor[2] = {factor_t[row_in_cta[0]], factor_t[row_in_cta[1]]};
+      rescale(factor);
+      issue_pv(t);
+      fa3::wait<0>();
+      release(t);
     }
-    if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) {
-#pragma unroll
-      for (int n = 0; n < NT_O; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[n][e] *= factor[e >> 1];
-    }
-    issue_pv(t);
-    if (softmax_wg && t + 1 < num_tiles) {
-      wait_full(t + 1);
-      issue_qk(t + 1);
-    }
-    fa3::wait<0>();  // P.V_t (and S_{t+1}) landed
-    fa3::fence_operands(s);
-    fa3::fence_operands(o);
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(empty(t));
   }
 
   // Row sums: the softmax consumer's partials over each quad, published once.

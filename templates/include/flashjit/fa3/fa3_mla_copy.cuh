@@ -14,8 +14,17 @@
 namespace flashjit {
 namespace fa3 {
 
-// The two consumer warpgroups' barrier (id 1; the loader's is 3).
+// The two consumer warpgroups' barrier (id 1; the loader's is 3, the softmax
+// consumer's own 2).
 __device__ __forceinline__ void consumers_barrier() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+// Tile t's P and factors, from the softmax consumer (arrive) to the other
+// (sync): ids 4 and 5 by the tile's parity, so that the softmax consumer may
+// arrive for tile t + 1 before the other has passed tile t; it cannot reach
+// tile t + 2, whose keys need the slot the other frees after tile t.
+__device__ __forceinline__ void handoff_arrive(int t) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(4 + (t & 1)) : "memory");
+}
+__device__ __forceinline__ void handoff_sync(int t) { asm volatile("bar.sync %0, 256;\n" ::"r"(4 + (t & 1)) : "memory"); }
 
 // One loader thread's share of a tile: chunk `sub` of each 128-byte block of
 // keys key0, key0 + 16, ... (kLoaderPasses rows), into the blocked layout.
