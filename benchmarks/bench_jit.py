@@ -63,6 +63,7 @@ def launch_alone() -> float:
 
     from flashjit import jit
     from flashjit.bench import host
+    from flashjit.loader import LAUNCH_HEAD
     from flashjit.ops._launch import make_params, select_spec
 
     q = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
@@ -73,9 +74,9 @@ def launch_alone() -> float:
     p = make_params(q, k, v, (8 * 128, 128), 8, "NHD", 128 ** -0.5, -1, 0.0)
     p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     p.num_work, p.qo_len, p.kv_len, p.num_splits = 1, 1, 16, 1
-    params, launcher = bytes(p), jit.get_module(spec).launcher
-    stream = torch.cuda.current_stream().cuda_stream
-    return host.measure(lambda: launcher(params, stream), sync=torch.cuda.synchronize)
+    launcher = jit.get_module(spec).launcher
+    block = LAUNCH_HEAD.pack(torch.cuda.current_stream().cuda_stream) + bytes(p)
+    return host.measure(lambda: launcher(block), sync=torch.cuda.synchronize)
 
 
 def stream_and_device() -> float:

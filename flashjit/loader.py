@@ -1,20 +1,25 @@
 """Loading a compiled library and calling it through its plain C ABI (ctypes).
 
 The library is linked against the static CUDA runtime, so nothing but the
-driver must be found at load time; torch's stream is passed as a raw handle.
+driver must be found at load time. A launch passes one block of bytes: torch's
+raw stream handle (8 bytes, LAUNCH_HEAD) and the params struct right after it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FlashjitError, KernelLaunchError
 from .spec import UTILITY_OPS, KernelSpec
 
-ABI_VERSION = 6  # FLASHJIT_ABI_VERSION in templates/include/flashjit/common/attention_params.cuh
+ABI_VERSION = 7  # FLASHJIT_ABI_VERSION in templates/include/flashjit/common/attention_params.cuh
+
+# A launch block's head: the stream, in front of the params (FlashjitAttentionLaunch).
+LAUNCH_HEAD = struct.Struct("=Q")
 
 _p = ctypes.c_void_p
 _i32 = ctypes.c_int32
@@ -56,7 +61,8 @@ class AppendParams(ctypes.Structure):
 
 @dataclass
 class KernelModule:
-    """A loaded configuration: call `run(params, stream)`; `tolerance` is its profile."""
+    """A loaded configuration: call `run(params, stream)`; `tolerance` is its profile.
+    _run: the C entry point, (launch block) -> cudaError_t value."""
 
     spec: KernelSpec
     path: Path
@@ -109,14 +115,15 @@ class KernelModule:
 
     def run(self, params: bytes, stream: int) -> None:
         """params: the bytes of an AttentionParams (see ops._calls)."""
-        code = self._run(params, stream)
+        code = self._run(LAUNCH_HEAD.pack(stream) + params)
         if code != 0:
             raise self.launch_error(code)
 
     @property
     def launcher(self):
-        """The bare C entry point, (params bytes, stream) -> cudaError_t value: the
-        prepared calls of ops._launch keep it and skip run()'s Python frame."""
+        """The bare C entry point, (launch block: stream and params bytes) ->
+        cudaError_t value: the prepared calls of ops._calls keep it and skip
+        run()'s Python frame."""
         return self._run
 
     def launch_error(self, code: int) -> KernelLaunchError:
@@ -142,7 +149,8 @@ def load_library(spec: KernelSpec, path: Path, manifest: dict) -> KernelModule:
         raise FlashjitError(f"{path}: its params struct is {lib.flashjit_params_size()} bytes, the host mirror "
                             f"{ctypes.sizeof(mirror)}; run `flashjit cache clear`")
     run = lib.flashjit_append_run if utility else lib.flashjit_attention_run
-    run.argtypes = [ctypes.c_char_p, ctypes.c_void_p]  # bytes pass as a pointer, uncopied
+    # No argtypes: ctypes passes a bytes argument as a pointer to its buffer,
+    # uncopied, where argtypes' converters cost as much again as the rest of the call.
     run.restype = ctypes.c_int
     err = lib.flashjit_error_string
     err.argtypes = [ctypes.c_int]

@@ -13,7 +13,7 @@ import torch
 import flashjit
 import test_prepared_calls
 import test_prepared_runs
-from flashjit.ops import _guards, decode, prefill
+from flashjit.ops import _guards, _library, decode, prefill
 from test_prepared_calls import SINGLE, SINGLE_CHANGES, bf16, cuda, pointers
 from test_prepared_runs import BATCH_CHANGES, WRAPPERS, mla
 
@@ -116,6 +116,24 @@ def test_a_kv_pair_takes_its_own_fast_slot(gpu, monkeypatch):
     monkeypatch.setattr(type(w), "_run", run)
     w.run(q, cache)
     assert pointers(gpu.launches[-1])[0][1:3] == (cache[:, 0].data_ptr(), cache[:, 1].data_ptr())
+
+
+@pytest.mark.parametrize("kind", [*WRAPPERS, "pair", "mla"])
+def test_run_operators_take_the_fast_slot(kind, gpu, monkeypatch):
+    """The eager kernel of a compiled graph's run() operator tries run()'s fast slot too."""
+    w, args = mla() if kind == "mla" else WRAPPERS["decode" if kind == "pair" else kind]()
+    inputs, extra = args, ()
+    if kind == "pair":
+        args = [args[0], (cuda(args[1][:, 0]), cuda(args[1][:, 1]))]
+    if kind in ("paged_prefill", "decode", "pair"):  # the cache as the operator takes it, then window_left
+        inputs, extra = [args[0], *_library.cache_args(args[1])], (None,)
+    op = getattr(torch.ops.flashjit, f"{w._op}_run").default
+    w.run(*args)
+    _no_key_path(monkeypatch)
+    (out,) = op(w._handle, *inputs, False, *extra)
+    assert pointers(gpu.launches[-1])[0][3] == out.data_ptr() and out.shape == args[0].shape
+    with pytest.raises(AssertionError, match="key path"):  # the slot holds runs without LSE
+        op(w._handle, *inputs, True, *extra)
 
 
 def test_return_lse_switches_slots(gpu):

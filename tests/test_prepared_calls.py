@@ -71,8 +71,9 @@ def gpu(request, monkeypatch):
     request.getfixturevalue("no_compile")
     state = SimpleNamespace(launches=[], code=0, device=0, stream=7, elsewhere=[], modules=0)
 
-    def record(params, stream):
-        state.launches.append((params, stream))
+    def record(block):
+        head = loader.LAUNCH_HEAD.size
+        state.launches.append((block[head:], loader.LAUNCH_HEAD.unpack_from(block)[0]))
         return state.code
 
     def get_module(spec):
@@ -81,9 +82,9 @@ def gpu(request, monkeypatch):
                                    _run=record, _error_string=lambda code: b"an injected error",
                                    _ctas_per_sm=lambda: 2)
 
-    def launch_elsewhere(launcher, params, device_index):
+    def launch_elsewhere(launcher, block, device_index):
         state.elsewhere.append(device_index)
-        return launcher(params, state.stream)
+        return launcher(block)
 
     monkeypatch.setattr(jit, "get_module", get_module)
     monkeypatch.setattr(_calls, "resident_ctas", lambda module, device: 132)
@@ -191,9 +192,10 @@ def test_long_decode_splits_its_keys_and_prefill_tiles_get_bands(gpu):
     assert _calls.PER_CALL.unpack_from(gpu.launches[-1][0])[13:16] == (4, 64, 64)
 
 
-def test_the_unsplit_head_is_the_struct_head_with_null_batch_pointers():
-    assert _calls._UNSPLIT.pack(1, 2, 3, 4, 5, 6, 7, 8, 1, 0, 0) == \
-        _calls.PER_CALL.pack(1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0, 0, 0, 6, 7, 8, 1, 0, 0)
+def test_the_unsplit_block_is_the_stream_and_the_struct_head_with_null_batch_pointers():
+    pack = _calls.block_packer("5Q64x3i", _calls._UNSPLIT_COUNTS + b"tail")
+    assert pack(9, 1, 2, 3, 4, 5, 6, 7, 8, _calls._UNSPLIT_COUNTS + b"tail") == loader.LAUNCH_HEAD.pack(9) + \
+        _calls.PER_CALL.pack(1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0, 0, 0, 6, 7, 8, 1, 0, 0) + b"tail"
 
 
 def test_q_misaligned_on_tensor_cores_only(gpu):

@@ -9,9 +9,10 @@ those bytes, in a dict keyed by the signature. A repeated call reads the
 signature's attributes, looks the closure up and calls it: it allocates the
 outputs the caller did not pass, checks the addresses' 16-byte alignment
 (addresses change between calls; a misaligned one gets the first call's
-error), packs the addresses in front of the fixed bytes and launches on torch's
-current stream. Closures rather than objects: their constants are cell reads,
-not attribute lookups, on a path measured in microseconds.
+error), packs torch's current stream and the addresses in front of the fixed
+bytes (loader.LAUNCH_HEAD) and launches. Closures rather than objects: their
+constants are cell reads, not attribute lookups, on a path measured in
+microseconds.
 
 Each op keeps the call it used last in a slot with a check of its tensor
 arguments in C (ops._guards): a loop that repeats one signature pays for that
@@ -29,7 +30,7 @@ import struct
 
 import torch
 
-from ..loader import AttentionParams, KernelModule
+from ..loader import LAUNCH_HEAD, AttentionParams, KernelModule
 from ..spec import KernelSpec
 from . import _checks, _guards, _invariant
 from ._plan import CHUNK_ALIGN, MIN_CHUNK_KEYS, ceil_div, single_request_band_items
@@ -38,13 +39,21 @@ from ._plan import CHUNK_ALIGN, MIN_CHUNK_KEYS, ceil_div, single_request_band_it
 # (num_work, qo_len, kv_len, num_splits, kv_chunk, band_items); everything after them is fixed
 # per call signature (configuration, heads, strides, scalars): packed once into `tail`.
 PER_CALL = struct.Struct("=13Q6i")
-# An unsplit single request's head: its five addresses, eight null pointers (pad
-# bytes pack as zeros), num_work, qo_len, kv_len and the rest of the counts.
-_UNSPLIT = struct.Struct("=5Q64x6i")
-assert _UNSPLIT.size == PER_CALL.size
 # The first five (q, k, v, o, lse) are all that changes between a batch wrapper's
 # calls with one plan and signature.
 ADDRESSES = struct.Struct("=5Q")
+# A single request that is not split: num_splits 1, kv_chunk 0, band_items 0.
+_UNSPLIT_COUNTS = struct.pack("=3i", 1, 0, 0)
+
+
+def block_packer(per_call: str, fixed: bytes, after: str = ""):
+    """pack(stream, *per-call fields, fixed, *after fields) -> a prepared call's
+    launch block (loader.LAUNCH_HEAD: the stream first, then the params), in one
+    struct.pack: the bytes fixed per signature go in as an "s" field, so that a
+    call makes one bytes object, not a packed head and its concatenation."""
+    return struct.Struct(f"=Q{per_call}{len(fixed)}s{after}").pack
+
+
 CACHE_LIMIT = 4096
 _BANDS_LIMIT = 1024
 _SPLIT_KEYS = 2 * MIN_CHUNK_KEYS  # fewer keys are never split
@@ -175,18 +184,17 @@ def misaligned(module: KernelModule, q, k, v, out) -> None:
 
 def run_on(module: KernelModule, params: bytes, device_index: int) -> None:
     """Launches on torch's current stream of the tensors' device."""
-    if device_index == _current_device():
-        code = module.launcher(params, _raw_stream(device_index))
-    else:
-        code = launch_elsewhere(module.launcher, params, device_index)
+    launcher, block = module.launcher, LAUNCH_HEAD.pack(_raw_stream(device_index)) + params
+    code = launcher(block) if device_index == _current_device() else launch_elsewhere(launcher, block, device_index)
     if code:
         raise module.launch_error(code)
 
 
-def launch_elsewhere(launcher, params: bytes, device_index: int) -> int:
-    """The launch when the current device is not the tensors' (kernels run on the current one)."""
+def launch_elsewhere(launcher, block: bytes, device_index: int) -> int:
+    """The launch when the current device is not the tensors' (kernels run on the
+    current one); block: its stream is the tensors' device's current stream."""
     with torch.cuda.device(device_index):
-        return launcher(params, _raw_stream(device_index))
+        return launcher(block)
 
 
 _SM_COUNTS: dict = {}
@@ -245,7 +253,14 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
     heads, dim, rows_per_cta = q.shape[-2], q.shape[-1], module.rows_per_cta
     num_kv_heads, causal = heads // group, module.spec.causal
     dense_out, align_qo = dense(q), -1 if module.spec.use_tensor_cores else 0
-    pack, pack_unsplit = PER_CALL.pack, _UNSPLIT.pack
+    pack = block_packer("13Q6i", tail)
+    # An unsplit call's head: its five addresses, eight null pointers (pad bytes
+    # pack as zeros), num_work, qo_len, kv_len; the rest of its counts are fixed.
+    unsplit_tail = _UNSPLIT_COUNTS + tail
+    pack_unsplit = block_packer("5Q64x3i", unsplit_tail)
+    # Token counts by numel(): the signature fixes every other dimension, and a
+    # numel() costs less than indexing shape (which builds a torch.Size).
+    q_row, kv_row = heads * dim, num_kv_heads * dim
     empty, empty_like, f32 = torch.empty, torch.empty_like, torch.float32
     band_memo: dict = {}
     one_token_work = -(-group // rows_per_cta)  # decode's num_work
@@ -280,10 +295,12 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
         return partial, partial_o, partial_lse, splits, chunk, bands, tail_of
 
     def call(q, k, v):
-        kv_len = k.shape[token_dim]
-        if v.shape[token_dim] != kv_len:
-            raise ValueError(f"v: expected {kv_len} tokens (as k) in layout {kv_layout}, got shape {tuple(v.shape)}")
-        qo_len = q.shape[0] if q_tokens else 1
+        kv_elements = k.numel()
+        if v.numel() != kv_elements:
+            raise ValueError(f"v: expected {k.shape[token_dim]} tokens (as k) in layout {kv_layout}, got shape "
+                             f"{tuple(v.shape)}")
+        kv_len = kv_elements // kv_row
+        qo_len = q.numel() // q_row if q_tokens else 1
         out = empty_like(q) if dense_out else empty(q.shape, dtype=q.dtype, device=device)
         lse = None
         if return_lse:
@@ -297,14 +314,13 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
         if num_work > 1 or kv_len >= split_keys:
             partial, *counts = split_and_bands(num_work, qo_len, kv_len, device)
             partial_o, partial_lse, splits, chunk, bands, tail_of = counts
-            params = pack(qp, kp, vp, op, lp, 0, 0, 0, 0, 0, 0, partial_o, partial_lse, num_work, qo_len, kv_len,
-                          splits, chunk, bands) + tail_of
+            block = pack(_raw_stream(device_index), qp, kp, vp, op, lp, 0, 0, 0, 0, 0, 0, partial_o, partial_lse,
+                         num_work, qo_len, kv_len, splits, chunk, bands, tail_of)
         else:
-            params = pack_unsplit(qp, kp, vp, op, lp, num_work, qo_len, kv_len, 1, 0, 0) + tail
-        if device_index == _current_device():
-            code = launcher(params, _raw_stream(device_index))
-        else:
-            code = launch_elsewhere(launcher, params, device_index)
+            block = pack_unsplit(_raw_stream(device_index), qp, kp, vp, op, lp, num_work, qo_len, kv_len,
+                                 unsplit_tail)
+        code = launcher(block) if device_index == _current_device() else launch_elsewhere(launcher, block,
+                                                                                          device_index)
         if code:
             raise launch_error(code)
         return (out, lse) if return_lse else out
@@ -323,7 +339,7 @@ def batch_call(module: KernelModule, params: bytes, device_index: int, v_offset:
     both k and v)."""
     launcher, launch_error, suffix = module.launcher, module.launch_error, params[ADDRESSES.size:]
     dense_out, align_qo, device = dense(q), -1 if module.spec.use_tensor_cores else 0, q.device
-    pack, empty, empty_like, f32 = ADDRESSES.pack, torch.empty, torch.empty_like, torch.float32
+    pack, empty, empty_like, f32 = block_packer("5Q", suffix), torch.empty, torch.empty_like, torch.float32
 
     def call(q, k, v, out, lse):
         if out is None:
@@ -336,11 +352,9 @@ def batch_call(module: KernelModule, params: bytes, device_index: int, v_offset:
         vp = (kp if v is k else v.data_ptr()) + v_offset
         if (kp | vp | (qp | op) & align_qo) & 15:
             misaligned(module, q, k, v, out)
-        params = pack(qp, kp, vp, op, 0 if lse is None else lse.data_ptr()) + suffix
-        if device_index == _current_device():
-            code = launcher(params, _raw_stream(device_index))
-        else:
-            code = launch_elsewhere(launcher, params, device_index)
+        block = pack(_raw_stream(device_index), qp, kp, vp, op, 0 if lse is None else lse.data_ptr(), suffix)
+        code = launcher(block) if device_index == _current_device() else launch_elsewhere(launcher, block,
+                                                                                          device_index)
         if code:
             raise launch_error(code)
         return (out, lse) if return_lse else out
@@ -349,7 +363,7 @@ def batch_call(module: KernelModule, params: bytes, device_index: int, v_offset:
     return call
 
 
-_Q_PE = struct.Struct("=Q")
+_Q_PE_BYTES = 8  # q_pe, the params struct's last field
 
 
 def mla_call(module: KernelModule, params: bytes, device_index: int, q_nope: torch.Tensor, heads: int,
@@ -360,9 +374,9 @@ def mla_call(module: KernelModule, params: bytes, device_index: int, q_nope: tor
     first five pointers and its last (q_pe: the struct's last field) unread;
     check(q_nope, q_pe, ckv, kpe, out): the first call's placement checks, which
     name a tensor whose address is off 16 bytes."""
-    launcher, launch_error, middle = module.launcher, module.launch_error, params[ADDRESSES.size:-_Q_PE.size]
+    launcher, launch_error, middle = module.launcher, module.launch_error, params[ADDRESSES.size:-_Q_PE_BYTES]
     dense_out, dim, device = dense(q_nope), q_nope.shape[-1], q_nope.device
-    pack, pack_q_pe, empty, empty_like, f32 = ADDRESSES.pack, _Q_PE.pack, torch.empty, torch.empty_like, torch.float32
+    pack, empty, empty_like, f32 = block_packer("5Q", middle, "Q"), torch.empty, torch.empty_like, torch.float32
 
     def call(q_nope, q_pe, ckv, kpe, out, lse):
         if out is None:
@@ -375,11 +389,9 @@ def mla_call(module: KernelModule, params: bytes, device_index: int, q_nope: tor
         qp, pp, kp, vp, op = q_nope.data_ptr(), q_pe.data_ptr(), ckv.data_ptr(), kpe.data_ptr(), out.data_ptr()
         if (qp | pp | kp | vp | op) & 15:
             check(q_nope, q_pe, ckv, kpe, out)
-        params = pack(qp, kp, vp, op, 0 if lse is None else lse.data_ptr()) + middle + pack_q_pe(pp)
-        if device_index == _current_device():
-            code = launcher(params, _raw_stream(device_index))
-        else:
-            code = launch_elsewhere(launcher, params, device_index)
+        block = pack(_raw_stream(device_index), qp, kp, vp, op, 0 if lse is None else lse.data_ptr(), middle, pp)
+        code = launcher(block) if device_index == _current_device() else launch_elsewhere(launcher, block,
+                                                                                          device_index)
         if code:
             raise launch_error(code)
         return (out, lse) if return_lse else out

@@ -51,26 +51,30 @@ CHUNK_KEYS = 2048
 # warpgroup. The backend is the one their prefill op resolves to.
 PREFILL_OPS = {"batch_decode_paged": "batch_prefill_paged", "single_decode": "single_prefill"}
 
-_parsed: dict = {}
+class _Modes(dict):
+    """FLASHJIT_BATCH_INVARIANT's raw value -> the mode, each value parsed once
+    (arch parses) on its first lookup."""
+
+    def __missing__(self, raw):
+        value = self[raw] = arch.batch_invariant()
+        return value
+
+
 # os.environ.get encodes the key and decodes the value in Python (about 0.5 us):
 # the single-request ops ask on every call, so they read the mapping os.environ
-# keeps in step with every assignment (its bytes keys on POSIX) and parse each
-# raw value once.
+# keeps in step with every assignment (its bytes keys on POSIX), as
+# MODES[environ_get(ENV_KEY, b"")], two C calls and no Python frame.
+MODES = _Modes()
 try:
-    _environ_get, _ENV_KEY = os.environ._data.get, os.environ.encodekey(ENV_VAR)
+    environ_get, ENV_KEY = os.environ._data.get, os.environ.encodekey(ENV_VAR)
 except AttributeError:  # another platform's os.environ: the public path
-    _environ_get, _ENV_KEY = os.environ.get, ENV_VAR
+    environ_get, ENV_KEY = os.environ.get, ENV_VAR
 
 
 def env_setting() -> bool:
     """FLASHJIT_BATCH_INVARIANT=1 turns the mode on for every op of the process
-    (an argument batch_invariant=False still turns it off for that call). The
-    single-request ops ask on every call: parsed once per value (arch parses)."""
-    raw = _environ_get(_ENV_KEY, b"")
-    value = _parsed.get(raw)
-    if value is None:
-        value = _parsed[raw] = arch.batch_invariant()
-    return value
+    (an argument batch_invariant=False still turns it off for that call)."""
+    return MODES[environ_get(ENV_KEY, b"")]
 
 
 def resolve(batch_invariant) -> bool:

@@ -2,9 +2,10 @@
 torch.compile(fullgraph=True) traces a model that calls them without a graph
 break (see docs/torch_compile.md).
 
-The public functions and the wrappers' run() ask `tracing()` first. Under
-dynamo or a torch dispatch mode (FakeTensorMode, make_fx, torch.export) they
-call torch.ops.flashjit.*; otherwise they run their Python body directly,
+The public functions and the wrappers' run() ask `tracing()` first (the
+attention ops spell out its two tests). Under dynamo or a torch dispatch mode
+(FakeTensorMode, make_fx, torch.export) they call torch.ops.flashjit.*;
+otherwise they run their Python body directly,
 because a trip through the dispatcher costs host time on every call (paged
 decode run() on an H200 host: 25.5 us eager, 32.1 us through its operator,
 benchmarks/results/2026-11-25-h200-jit-overhead.md). The operators are defined
@@ -29,14 +30,16 @@ import torch
 from . import _checks
 from ._launch import check_qkv
 
-_is_compiling = torch.compiler.is_compiling
-_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+# tracing()'s two tests; the attention ops and wrappers' run() ask them inline
+# (a Python call less on paths measured against 10 us).
+is_compiling = torch.compiler.is_compiling
+dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 
 def tracing() -> bool:
     """True where the ops must appear as operators: while dynamo traces (where
     this folds to a constant) or under a torch dispatch mode."""
-    return _is_compiling() or _dispatch_modes() > 0
+    return is_compiling() or dispatch_modes() > 0
 
 
 # ---------------------------------------------------------------------------
@@ -150,7 +153,17 @@ def _single_decode_fake(q, k, v, kv_layout, use_tensor_cores, sm_scale, window_l
 
 
 def _run(handle, q, k, v, return_lse, window_left=None):
-    res = wrapper_of(handle)._run(q, k, v, None, None, return_lse, window_left)
+    wrapper = wrapper_of(handle)
+    known, check, call = wrapper._launches.fast
+    res = None
+    if window_left is None and known == return_lse:  # run()'s fast slot, its tensors as run() passes them
+        if wrapper._op == "batch_prefill_ragged":
+            res = call(q, k, v, None, None) if check(q, k, v) else None
+        else:
+            cache = _cache_of(k, v)
+            res = call(q, cache, cache, None, None) if check(q, cache) else None
+    if res is None:
+        res = wrapper._run(q, k, v, None, None, return_lse, window_left)
     return list(res) if return_lse else [res]
 
 
@@ -193,7 +206,12 @@ def _run_out_fake(handle, q, k, v, out, lse, window_left=None):
 
 
 def _mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache, return_lse):
-    res = wrapper_of(handle)._run(q_nope, q_pe, ckv_cache, kpe_cache, None, None, return_lse)
+    wrapper = wrapper_of(handle)
+    known, check, call = wrapper._launches.fast  # run()'s fast slot
+    if known == return_lse and check(q_nope, q_pe, ckv_cache, kpe_cache):
+        res = call(q_nope, q_pe, ckv_cache, kpe_cache, None, None)
+    else:
+        res = wrapper._run(q_nope, q_pe, ckv_cache, kpe_cache, None, None, return_lse)
     return list(res) if return_lse else [res]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _invariant, _library
+from ._library import dispatch_modes, is_compiling
+from ._invariant import ENV_KEY as _ENV_KEY, MODES as _MODES, environ_get as _environ_get
 from ._calls import Signatures
 from ._launch import check_qkv, prepare_single_request, run_single_request
 from .prefill import _check_traced_mode
@@ -22,7 +24,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     return_lse the base-2 log-sum-exp [num_qo_heads]. batch_invariant=True: the
     prefill kernel's output for this query row (docs/numerics.md); None:
     FLASHJIT_BATCH_INVARIANT."""
-    if _library.tracing():
+    if is_compiling() or dispatch_modes():  # _library.tracing()
         _check_traced_mode(batch_invariant)
         _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, q_scale=q_scale, k_scale=k_scale,
                                   v_scale=v_scale)
@@ -30,7 +32,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
                                                        logits_soft_cap, backend, bool(return_lse), strict)
         return (res[0], res[1]) if return_lse else res[0]
     # run_single's body, spelled out: one Python call less on a path measured against 10 us.
-    invariant = _invariant.env_setting() if batch_invariant is None else _invariant.resolve(batch_invariant)
+    invariant = _MODES[_environ_get(_ENV_KEY, b"")] if batch_invariant is None else _invariant.resolve(batch_invariant)
     options = (kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
                logits_soft_cap, sm_scale, return_lse, backend, strict, invariant)
     known, check, call = _prepared.fast  # the last call, if these options and tensors are its signature

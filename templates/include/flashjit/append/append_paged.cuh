@@ -30,7 +30,13 @@ struct FlashjitAppendParams {
   int64_t v_stride_page, v_stride_slot, v_stride_h;
 };
 
-int flashjit_append_run(const FlashjitAppendParams* params, void* stream);
+// As flashjit_attention_run: the stream, then the params, in one block.
+struct FlashjitAppendLaunch {
+  void* stream;  // cudaStream_t
+  FlashjitAppendParams params;
+};
+
+int flashjit_append_run(const FlashjitAppendLaunch* launch);
 
 }  // extern "C"
 

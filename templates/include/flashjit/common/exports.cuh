@@ -2,6 +2,8 @@
 // defines namespace flashjit_generated with launch(), ctas_per_sm(), kRowsPerCta
 // and kSplitAlign first.
 #pragma once
+#include <cstddef>
+
 #include "flashjit/common/attention_params.cuh"
 
 namespace flashjit_generated {
@@ -10,11 +12,14 @@ using Params = FlashjitAttentionParams;
 
 #include "flashjit/common/common_exports.cuh"
 
+// The host packs the stream as the block's first 8 bytes, the params right after.
+static_assert(offsetof(FlashjitAttentionLaunch, params) == 8, "params follow the 8-byte stream");
+
 extern "C" {
 
-FLASHJIT_EXPORT int flashjit_attention_run(const FlashjitAttentionParams* params, void* stream) {
-  if (params == nullptr) return cudaErrorInvalidValue;
-  return flashjit_generated::launch(*params, static_cast<cudaStream_t>(stream));
+FLASHJIT_EXPORT int flashjit_attention_run(const FlashjitAttentionLaunch* launch) {
+  if (launch == nullptr) return cudaErrorInvalidValue;
+  return flashjit_generated::launch(launch->params, static_cast<cudaStream_t>(launch->stream));
 }
 
 FLASHJIT_EXPORT int flashjit_rows_per_cta(void) { return flashjit_generated::kRowsPerCta; }
