@@ -1,14 +1,18 @@
-// Programmatic dependent launch (sm_90 and newer): the split-KV merge pass is
-// launched while the attention grid is still running, so that its launch
-// latency (a few microseconds, a tenth of a short decode step) overlaps the
-// attention grid's last wave instead of following it.
-//  - Every attention CTA allows dependents as it starts: the merge grid may then
-//    be scheduled once every attention CTA has started, taking SM slots only
-//    as attention CTAs leave them.
-//  - The merge kernels wait for the attention grid to complete, its memory
-//    writes visible, before they read a partial state.
-// Older GPUs launch the merge in plain stream order; the instructions compile
-// to nothing there.
+// Programmatic dependent launch (sm_90 and newer): a grid is launched while
+// the grid before it in the stream is still running, so that its launch
+// latency (a few microseconds, as much as a tiny attention call's own work)
+// overlaps that grid instead of following it.
+//  - Every attention CTA allows dependents as it starts, and then waits for the
+//    grid before it (if one of ours: it allowed dependents too) to complete
+//    with its memory writes visible, before it touches global memory. A
+//    dependent grid is scheduled once every CTA of the one before has started,
+//    taking SM slots only as they free up; what overlaps is its launch, never
+//    its reads or writes.
+//  - The split-KV merge pass is such a dependent of its attention grid, and
+//    waits likewise before it reads a partial state. A grid that never allows
+//    dependents (a torch kernel, a copy) releases the next at its end.
+// Older GPUs launch in plain stream order; the instructions compile to nothing
+// there.
 #pragma once
 #include <cuda_runtime.h>
 #include <utility>
@@ -27,10 +31,13 @@ __device__ __forceinline__ void wait_for_primary_grid() {
 #endif
 }
 
-// Launches `kernel` on `stream`, overlapping the kernel before it where the
-// current device supports programmatic dependent launch (compute capability 9+).
+// Launches `kernel` on `stream` (smem_bytes of dynamic shared memory),
+// overlapping the kernel before it where the current device supports
+// programmatic dependent launch (compute capability 9+). The kernel must call
+// wait_for_primary_grid() before its first global memory access.
 template <class... Params, class... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
+                             Args&&... args) {
   constexpr int kMaxDevices = 64;
   static int major[kMaxDevices] = {};  // 0: not queried yet
   int device = 0;
@@ -50,7 +57,7 @@ cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, c
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
-  config.dynamicSmemBytes = 0;
+  config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = cc >= 9 ? 1 : 0;

@@ -64,8 +64,7 @@ int launch_attention_ctas(const FlashjitAttentionParams& p, int threads, int sme
   if (ctas * splits > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
   dim3 grid(static_cast<unsigned>(ctas), 1, splits);
   if (max_ctas > 0) grid = dim3(static_cast<unsigned>(std::min<long long>(ctas * splits, max_ctas)), 1, 1);
-  kKernel<<<grid, threads, smem_bytes, stream>>>(p, extra...);
-  err = cudaGetLastError();
+  err = launch_dependent(kKernel, grid, dim3(threads), smem_bytes, stream, p, extra...);
   if (err != cudaSuccess || !has_partial_states(p)) return err;
   return launch_merge_split_states<DTypeO, kHeadDimVO>(p, kLse, stream);
 }

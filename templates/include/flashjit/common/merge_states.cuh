@@ -233,19 +233,19 @@ int launch_merge_split_states(const FlashjitAttentionParams& p, bool write_lse, 
     // Few rows (long contexts in small batches): four warps per row.
     constexpr int kSplitWarps = kHeadDim >= 128 ? 4 : kHeadDim / 32;
     if (rows >= kWarpMergeRows) {
-      return launch_dependent(merge_fold_states_kernel<DTypeO, kHeadDim, 1>, dim3((rows + 3) / 4), dim3(128),
+      return launch_dependent(merge_fold_states_kernel<DTypeO, kHeadDim, 1>, dim3((rows + 3) / 4), dim3(128), 0,
                               stream, merged, rows);
     }
     return launch_dependent(merge_fold_states_kernel<DTypeO, kHeadDim, kSplitWarps>,
-                            dim3((rows * kSplitWarps + 3) / 4), dim3(128), stream, merged, rows);
+                            dim3((rows * kSplitWarps + 3) / 4), dim3(128), 0, stream, merged, rows);
   }
   // Rows enough to fill the GPU four to a CTA: a warp per row. Else (a long
   // context cut into many chunks over few rows) a CTA per row.
   if (rows >= kWarpMergeRows) {
-    return launch_dependent(merge_split_states_warp_kernel<DTypeO, kHeadDim>, dim3((rows + 3) / 4), dim3(128), stream,
+    return launch_dependent(merge_split_states_warp_kernel<DTypeO, kHeadDim>, dim3((rows + 3) / 4), dim3(128), 0, stream,
                             merged, rows);
   }
-  return launch_dependent(merge_split_states_kernel<DTypeO, kHeadDim>, dim3(rows), dim3(128), stream, merged);
+  return launch_dependent(merge_split_states_kernel<DTypeO, kHeadDim>, dim3(rows), dim3(128), 0, stream, merged);
 }
 
 // True when the attention launch leaves partial states for the merge pass.

@@ -151,7 +151,9 @@ __device__ __forceinline__ CtaWork decode_work_at(const FlashjitAttentionParams&
 
 template <bool kPaged>
 __device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p, int rows_per_cta) {
-  allow_dependent_grids();  // every attention kernel starts here; see grid_dependency.cuh
+  // Every attention kernel but fa3's starts here; see grid_dependency.cuh.
+  allow_dependent_grids();
+  wait_for_primary_grid();
   return decode_work_at<kPaged>(p, rows_per_cta, blockIdx.x, blockIdx.z);
 }
 

@@ -75,6 +75,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     tma::prefetch_map(&tma_arg.maps.v);
   }
   allow_dependent_grids();  // see grid_dependency.cuh
+  wait_for_primary_grid();
   // Clamped so that q + offset - window_left cannot overflow int.
   const int window_left = Traits::kWindow ? min(p.window_left, 1 << 30) : 0;
   // What one launch position (work slot, KV head, split) computes: its rows

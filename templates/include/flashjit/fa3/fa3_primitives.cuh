@@ -4,6 +4,7 @@
 // loader's copy of a ragged request's partial last tile.
 #pragma once
 #include <stdint.h>
+#include "flashjit/common/async_copy.cuh"
 #include "flashjit/common/attention_params.cuh"
 #include "flashjit/common/work.cuh"
 
@@ -32,6 +33,11 @@ __device__ __forceinline__ void loader_barrier() { warpgroup_barrier(3); }
 
 // The loader's first warp: a partial tile of keys k0 .. kv_len - 1 of K and V
 // into ring slot `dst` (K, then V kKvTileBytes on), rows past the request zero.
+// Every copy is in flight at once (cp.async, zero-filled past the request): a
+// load and store at a time cost one memory round trip per row pair and lane,
+// 20-25 us on an H200 for a 64-key tile (ncu,
+// benchmarks/results/2026-11-25-h200-tiny-call-gpu-time.md), a request's whole
+// time where it has one tile, hidden behind the consumers where it has many.
 template <class Traits>
 __device__ __forceinline__ void copy_partial_tile(const FlashjitAttentionParams& p, const CtaWork& w,
                                                   unsigned char* dst, int k0, int lane) {
@@ -41,17 +47,18 @@ __device__ __forceinline__ void copy_partial_tile(const FlashjitAttentionParams&
   const auto k_rows = kv_rows<T, false>(p, w, p.k, p.k_stride_n, p.k_stride_h, 0);
   const auto v_rows = kv_rows<T, false>(p, w, p.v, p.v_stride_n, p.v_stride_h, 0);
   const int rows = w.kv_len - k0;
+  const uint32_t k_dst = smem_addr(dst), v_dst = k_dst + Traits::kKvTileBytes;
+#pragma unroll 1
   for (int i = lane; i < KEYS * CHUNKS; i += 32) {
     const int r = i / CHUNKS, c = i % CHUNKS;
-    uint4 kv[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-    if (r < rows) {
-      kv[0] = *reinterpret_cast<const uint4*>(k_rows.row(k0 + r) + 8 * c);
-      kv[1] = *reinterpret_cast<const uint4*>(v_rows.row(k0 + r) + 8 * c);
-    }
+    const bool valid = r < rows;
+    const int key = k0 + (valid ? r : 0);  // a mapped row where nothing is read
     const uint32_t at = KvLayout::at(r, c);
-    *reinterpret_cast<uint4*>(dst + at) = kv[0];
-    *reinterpret_cast<uint4*>(dst + Traits::kKvTileBytes + at) = kv[1];
+    cp_async_16(k_dst + at, k_rows.row(key) + 8 * c, valid);
+    cp_async_16(v_dst + at, v_rows.row(key) + 8 * c, valid);
   }
+  cp_async_commit();
+  cp_async_wait<0>();
   fence_async_shared();
   __syncwarp();
 }
