@@ -141,17 +141,23 @@ inline EncodeTiledFn encode_tiled_fn() {
   return fn;
 }
 
+// A launch over one request (no qo_indptr): its keys are all of K and V, so
+// its maps end where they do and a partial last tile loads by TMA, zero-filled.
+__host__ __device__ __forceinline__ bool single_request_maps(const FlashjitAttentionParams& p) {
+  return p.qo_indptr == nullptr;
+}
+
 // Tensor map of a ragged K or V tensor ([tokens, heads, head_dim], element
 // strides stride_n, stride_h) with boxes of 64 head dims x 1 head x kBoxRows
-// tokens. The token count is left unbounded (2^31 - 1): the kernel loads only
-// whole tiles of a request's keys and copies a partial last tile itself.
-// Returns a cudaError_t value.
+// of `tokens` tokens. A batch's maps leave the count unbounded (2^31 - 1): the
+// kernel loads only whole tiles of a request's keys and copies a partial last
+// tile itself. Returns a cudaError_t value.
 template <int kBoxRows>
 int encode_kv_map(CUtensorMap* map, int32_t* heads_outer, const void* data, CUtensorMapDataType dtype, int head_dim,
-                  int heads, int64_t stride_n, int64_t stride_h) {
+                  int heads, int64_t stride_n, int64_t stride_h, cuuint64_t tokens) {
   const EncodeTiledFn encode = encode_tiled_fn();
   if (encode == nullptr) return cudaErrorNotSupported;
-  constexpr cuuint64_t kTokens = 0x7fffffff;
+  const cuuint64_t kTokens = tokens;
   if (heads == 1) stride_h = stride_n;  // never stepped; whatever a view left there (even 0) must not reach the map
   *heads_outer = stride_h > stride_n;   // the smaller stride first
   const cuuint64_t dims[3] = {cuuint64_t(head_dim), *heads_outer ? kTokens : cuuint64_t(heads),
@@ -198,11 +204,15 @@ template <class DType, int kBoxRows>
 int encode_kv_maps(KvTensorMaps* maps, const FlashjitAttentionParams& p, int head_dim) {
   constexpr CUtensorMapDataType kType =
       std::is_same<DType, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  // A single request's keys are the whole tensor: the map ends there, and a
+  // box past the end reads zeros (single_request_maps). A batch's run on into
+  // the next request's, so its maps are left unbounded and partial tiles copied.
+  const cuuint64_t tokens = single_request_maps(p) ? cuuint64_t(p.kv_len > 0 ? p.kv_len : 1) : 0x7fffffff;
   const int err = encode_kv_map<kBoxRows>(&maps->k, &maps->heads_outer_k, p.k, kType, head_dim, p.num_kv_heads,
-                                          p.k_stride_n, p.k_stride_h);
+                                          p.k_stride_n, p.k_stride_h, tokens);
   if (err != cudaSuccess) return err;
   return encode_kv_map<kBoxRows>(&maps->v, &maps->heads_outer_v, p.v, kType, head_dim, p.num_kv_heads,
-                                 p.v_stride_n, p.v_stride_h);
+                                 p.v_stride_n, p.v_stride_h, tokens);
 }
 
 // Both maps of a paged launch's caches, boxes of box_rows slots. Returns a cudaError_t value.

@@ -114,7 +114,7 @@ __device__ __forceinline__ void load_kv_tiles(const FlashjitAttentionParams& p, 
     const CtaWork& w = it.w;
     for (int t = 0; t < it.num_tiles; ++t) {
       const int gt = seq + t, k0 = it.key_begin + t * KEYS, token = w.kv_start + k0;
-      const bool whole = w.kv_len - k0 >= KEYS;
+      const bool whole = w.kv_len - k0 >= KEYS || tma::single_request_maps(p);  // else a partial tile, copied
       wait_empty(empty_k(gt), gt);
       if (whole && lane == 0)
         load(k_slot(gt), &tma_arg.maps.k, tma_arg.maps.heads_outer_k, full_k(gt), w.kv_head, token);
