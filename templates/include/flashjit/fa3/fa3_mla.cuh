@@ -121,7 +121,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   fa3::consumers_barrier();
 
   // Per tile parity, the factor each row's O takes (1 where the max stays): a
-  // buffer is rewritten two tiles on, after a barrier the reader has passed.
+  // buffer is rewritten two tiles on, once that tile's keys have landed in the
+  // slot the other consumer frees only after it has read the factors.
   float* factors = reinterpret_cast<float*>(smem + Traits::kFactorOffset);
   float* row_sums = reinterpret_cast<float*>(smem + Traits::kSumOffset);
   const int row_in_cta[2] = {16 * wq + g, 16 * wq + g + 8};
