@@ -76,7 +76,7 @@ def launch_alone() -> float:
     p.num_work, p.qo_len, p.kv_len, p.num_splits = 1, 1, 16, 1
     launcher = jit.get_module(spec).launcher
     block = LAUNCH_HEAD.pack(torch.cuda.current_stream().cuda_stream) + bytes(p)
-    return host.measure(lambda: launcher(block), sync=torch.cuda.synchronize)
+    return host.measure(lambda: launcher(block), sync=torch.cuda.synchronize)[0]
 
 
 def stream_and_device() -> float:
@@ -87,7 +87,7 @@ def stream_and_device() -> float:
     from flashjit.ops import _calls
 
     device, stream = _calls._current_device, _calls._raw_stream
-    return host.measure(lambda: stream(device()), sync=torch.cuda.synchronize)
+    return host.measure(lambda: stream(device()), sync=torch.cuda.synchronize)[0]
 
 
 def plan_ms() -> float:

@@ -194,14 +194,18 @@ def test_reports_written_and_png_skipped_without_matplotlib(tmp_path, monkeypatc
 
 def test_host_table():
     section = {"device": "NVIDIA H200", "calls": 3000, "rounds": 3, "target_us": 10.0,
-               "rows": [{"op": "single_decode_with_kv_cache", "us": 6.25, "rounds_us": [6.2, 6.25, 7.0], "note": "n"},
-                        {"op": "BatchDecodeWithPagedKVCacheWrapper.run", "us": 12.0, "rounds_us": [12.0], "note": "m"}]}
+               "rows": [{"op": "single_decode_with_kv_cache", "us": 6.25, "gpu_us": 4.0, "rounds_us": [6.2, 6.25, 7.0],
+                         "note": "n"},
+                        {"op": "BatchDecodeWithPagedKVCacheWrapper.run", "us": 12.0, "gpu_us": 12.1, "rounds_us": [12.0],
+                         "note": "m"},
+                        {"op": "BatchMLAPagedAttentionWrapper.run", "us": 8.0, "rounds_us": [8.0], "note": "o"}]}
     results = synthetic()
     results["sections"]["host"] = section
     md = report.markdown(results)
     assert "## Host time per call (NVIDIA H200, bf16, tiny inputs; median of 3 rounds, each the mean of 3000 calls)" in md
-    assert "| single_decode_with_kv_cache | 6.2 | < 10 us | n |" in md
-    assert "| BatchDecodeWithPagedKVCacheWrapper.run | 12.0 (over) | < 10 us | m |" in md
+    assert "| single_decode_with_kv_cache | 6.2 | < 10 us | 4.0 | n |" in md
+    assert "| BatchDecodeWithPagedKVCacheWrapper.run | 12.0 (over) | < 10 us | 12.1 (kernel-paced) | m |" in md
+    assert "| BatchMLAPagedAttentionWrapper.run | 8.0 | < 10 us | - | o |" in md  # a report from before the GPU column
     assert [title for title, *_ in report.plot_series(results)][:1] == ["Prefill (0 = not applicable)"]
 
 
@@ -223,7 +227,7 @@ def test_host_cases_run_on_the_cpu_stub_and_load_what_bench_builds(tmp_path):
         section = host.run(calls=5, device="cpu", workspace=host_cost_cpu._workspace, rounds=1)
         assert set(loaded) == set(host.specs())
     assert [row["op"] for row in section["rows"]] == [label for label, _ in host.CASES]
-    assert all(row["us"] > 0 for row in section["rows"])
+    assert all(row["us"] > 0 and row["gpu_us"] is None for row in section["rows"])
 
 
 def test_failed_section_is_reported():

@@ -1,11 +1,10 @@
-"""The host rows of `flashjit bench --only host` (flashjit.bench.host's cases,
-mean of 3000 back-to-back calls) with the GPU time of the same loop beside
-each: CUDA events recorded before the first and after the last call, read
-after a synchronize. Where the GPU time per call reaches the host time, the
-loop waited for the GPU and the row measures the kernels, not the host.
-
-Runs against whichever flashjit PYTHONPATH finds (an A/B of two trees: run it
-once per tree, alternating, each with its own FLASHJIT_CACHE_DIR).
+"""The host rows of `flashjit bench --only host` (flashjit.bench.host's cases and
+measure: the mean of 3000 back-to-back calls, and the GPU time of the same loop
+from CUDA events around it; where the GPU time per call reaches the host time,
+the loop waited for the kernels and the row measures them, not the host), with
+each round's host time, for an A/B of two trees: it runs against whichever
+flashjit PYTHONPATH finds (run it once per tree, alternating, each with its own
+FLASHJIT_CACHE_DIR).
 
 Usage: python benchmarks/dev/host_gpu_time.py [--rounds 3] [--label NAME] [--json FILE]
 """
@@ -15,28 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from flashjit.bench import host
-
-
-def measure(fn, calls: int) -> tuple[float, float]:
-    """(host us, GPU us) per call over `calls` calls after host.WARMUP."""
-    for _ in range(host.WARMUP):
-        fn()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    end.record()
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6, begin.elapsed_time(end) / calls * 1e3
 
 
 def main() -> int:
@@ -48,10 +30,11 @@ def main() -> int:
     args = parser.parse_args()
     torch.manual_seed(0)
     fns = host.cases("cuda")
+    timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
     samples: dict[str, list] = {label: [] for label, _ in host.CASES}
     for _ in range(args.rounds):
         for label, _ in host.CASES:
-            samples[label].append(measure(fns[label], args.calls))
+            samples[label].append(host.measure(fns[label], args.calls, torch.cuda.synchronize, gpu_timer=timer))
     rows = []
     print(f"| call ({args.label}) | host us | GPU us | rounds (host) |\n|---|---|---|---|")
     for label, _ in host.CASES:

@@ -108,41 +108,54 @@ def cases(device: str = "cuda", workspace=None) -> dict:
     return calls
 
 
-def measure(fn, calls: int = CALLS, sync=None, clock=time.perf_counter) -> float:
-    """Mean microseconds per call over `calls` back-to-back calls, after WARMUP
-    calls (the first compiles or loads the kernel and prepares the call)."""
+def measure(fn, calls: int = CALLS, sync=None, clock=time.perf_counter, gpu_timer=None) -> tuple:
+    """(host us, GPU us or None) per call: the mean over `calls` back-to-back
+    calls, after WARMUP calls (the first compiles or loads the kernel and
+    prepares the call). gpu_timer: a pair of CUDA events recorded around the
+    loop, whose elapsed time per call is the GPU's; where it reaches the host
+    time, the loop waited for the kernels and the row measures them, not the host."""
     for _ in range(WARMUP):
         fn()
     if sync:
         sync()
+    if gpu_timer:
+        gpu_timer[0].record()
     start = clock()
     for _ in range(calls):
         fn()
     elapsed = clock() - start
+    if gpu_timer:
+        gpu_timer[1].record()
     if sync:
         sync()
-    return elapsed / calls * 1e6
+    gpu_us = gpu_timer[0].elapsed_time(gpu_timer[1]) / calls * 1e3 if gpu_timer else None
+    return elapsed / calls * 1e6, gpu_us
 
 
 def run(calls: int = CALLS, device: str = "cuda", workspace=None, progress=None, sync=None,
         rounds: int = ROUNDS, clock=time.perf_counter) -> dict:
-    """The `host` section: {device, calls, rounds, target_us, rows: [{op, us, rounds_us, note}]},
-    us the median over `rounds` rounds (each case once per round, in turn) of the
-    mean of `calls` calls: a busy host slows one round, not the row. clock: wall
-    time (default); a shared machine's thread CPU time leaves out other processes."""
+    """The `host` section: {device, calls, rounds, target_us, rows: [{op, us,
+    gpu_us, rounds_us, note}]}, us (and gpu_us, None off CUDA) the median over
+    `rounds` rounds (each case once per round, in turn) of the mean of `calls`
+    calls: a busy host slows one round, not the row. clock: wall time (default);
+    a shared machine's thread CPU time leaves out other processes."""
     import torch
 
-    if device == "cuda" and sync is None:
-        sync = torch.cuda.synchronize
+    gpu_timer = None
+    if device == "cuda":
+        sync = sync or torch.cuda.synchronize
+        gpu_timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
     fns = cases(device, workspace)
-    means: dict[str, list[float]] = {label: [] for label, _ in CASES}
+    samples: dict[str, list[tuple]] = {label: [] for label, _ in CASES}
     for _ in range(rounds):
         for label, _ in CASES:
-            means[label].append(measure(fns[label], calls, sync, clock))
+            samples[label].append(measure(fns[label], calls, sync, clock, gpu_timer))
     rows = []
     for label, note in CASES:
-        ordered = sorted(means[label])
-        rows.append({"op": label, "us": ordered[len(ordered) // 2], "rounds_us": means[label], "note": note})
+        hosts = sorted(h for h, _ in samples[label])
+        gpus = sorted(g for _, g in samples[label] if g is not None)
+        rows.append({"op": label, "us": hosts[len(hosts) // 2], "gpu_us": gpus[len(gpus) // 2] if gpus else None,
+                     "rounds_us": [h for h, _ in samples[label]], "note": note})
         if progress:
             progress(f"host {label}")
     name = torch.cuda.get_device_name() if device == "cuda" else device
@@ -150,11 +163,16 @@ def run(calls: int = CALLS, device: str = "cuda", workspace=None, progress=None,
 
 
 def table(section: dict) -> str:
-    """The markdown rows: one per call, its mean host time against the target."""
+    """The markdown rows: one per call, its mean host time against the target,
+    and the GPU's time per call in the same loop where it was measured (a row
+    whose GPU time reaches its host time was paced by its kernels)."""
     lines = [f"## Host time per call ({section['device']}, bf16, tiny inputs; median of {section['rounds']} rounds, "
              f"each the mean of {section['calls']} calls)", "",
-             "| call | host us per call | target | note |", "|---|---|---|---|"]
+             "| call | host us per call | target | GPU us per call | note |", "|---|---|---|---|---|"]
     for row in section["rows"]:
         mark = "" if row["us"] < section["target_us"] else " (over)"
-        lines.append(f"| {row['op']} | {row['us']:.1f}{mark} | < {section['target_us']:.0f} us | {row['note']} |")
+        gpu = row.get("gpu_us")
+        gpu_cell = "-" if gpu is None else f"{gpu:.1f}" + (" (kernel-paced)" if gpu >= 0.98 * row["us"] else "")
+        lines.append(f"| {row['op']} | {row['us']:.1f}{mark} | < {section['target_us']:.0f} us | {gpu_cell} | "
+                     f"{row['note']} |")
     return "\n".join(lines)
