@@ -1,7 +1,7 @@
 """The host rows of `flashjit bench --only host` (flashjit.bench.host's cases and
 measure: the mean of 3000 back-to-back calls, and the GPU time of the same loop
-from CUDA events around it; where the GPU time per call reaches the host time,
-the loop waited for the kernels and the row measures them, not the host), with
+from CUDA events around it; where the GPU's exceeds the host's, the kernels fell
+behind and the row measures them, not the host: host.table), with
 each round's host time, for an A/B of two trees: it runs against whichever
 flashjit PYTHONPATH finds (run it once per tree, alternating, each with its own
 FLASHJIT_CACHE_DIR).
