@@ -163,10 +163,10 @@ def run(calls: int = CALLS, device: str = "cuda", workspace=None, progress=None,
 
 def table(section: dict) -> str:
     """The markdown rows: one per call, its mean host time against the target,
-    and the GPU's time per call in the same loop where it was measured. Both
-    agree when the host paces the loop (the GPU idles between kernels) and when
-    a full launch queue makes the host wait; a GPU time above the host's means
-    the kernels fell behind: the row measures them, not the host."""
+    and the GPU's time per call in the same loop where it was measured. The two
+    agree when the host paces the loop (the GPU idles between kernels); a GPU
+    time above the host's means kernels were still queued when the host was
+    done: they fell behind, and the row measures them, not the host."""
     lines = [f"## Host time per call ({section['device']}, bf16, tiny inputs; median of {section['rounds']} rounds, "
              f"each the mean of {section['calls']} calls)", "",
              "| call | host us per call | target | GPU us per call | note |", "|---|---|---|---|---|"]
