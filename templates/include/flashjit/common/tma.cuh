@@ -157,11 +157,10 @@ int encode_kv_map(CUtensorMap* map, int32_t* heads_outer, const void* data, CUte
                   int heads, int64_t stride_n, int64_t stride_h, cuuint64_t tokens) {
   const EncodeTiledFn encode = encode_tiled_fn();
   if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t kTokens = tokens;
   if (heads == 1) stride_h = stride_n;  // never stepped; whatever a view left there (even 0) must not reach the map
   *heads_outer = stride_h > stride_n;   // the smaller stride first
-  const cuuint64_t dims[3] = {cuuint64_t(head_dim), *heads_outer ? kTokens : cuuint64_t(heads),
-                              *heads_outer ? cuuint64_t(heads) : kTokens};
+  const cuuint64_t dims[3] = {cuuint64_t(head_dim), *heads_outer ? tokens : cuuint64_t(heads),
+                              *heads_outer ? cuuint64_t(heads) : tokens};
   const cuuint64_t strides[2] = {cuuint64_t(*heads_outer ? stride_n : stride_h) * 2,
                                  cuuint64_t(*heads_outer ? stride_h : stride_n) * 2};
   const cuuint32_t box[3] = {64, *heads_outer ? cuuint32_t(kBoxRows) : 1u, *heads_outer ? 1u : cuuint32_t(kBoxRows)};
