@@ -34,6 +34,22 @@ def kernel_times(fn, calls: int = 20) -> dict[str, float]:
     return dict(times)
 
 
+def kernel_spans(fn, calls: int = 20) -> list[tuple[str, float, float]]:
+    """Every CUDA kernel that `calls` back-to-back calls of fn launch, as (name,
+    start µs, end µs) from torch.profiler, in start order."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(spans, key=lambda s: s[1])
+
+
 def use_templates(folder) -> None:
     """Renders kernels from `folder` (a copy of another templates/ folder, e.g.
     from `git archive`), or from the package's own when None, so that a kernel

@@ -5,15 +5,22 @@ BatchMLAPagedAttentionWrapper (backend fa2 and fa3) when importable, each row ti
 TFLOP/s counts 2 * heads * kv_len * (576 + 512) per request. Every cell's
 output is first checked against float64 within flashjit's mla_paged profile.
 
-Usage: python benchmarks/mla.py [--reps 20] [--out results.md]
+--baseline-templates DIR adds a column of flashjit fa3 with its kernels rendered
+from another templates/ folder (e.g. `git archive` of an earlier commit), for
+an A/B of a kernel change in one run.
+
+Usage: python benchmarks/mla.py [--reps 20] [--out results.md] [--baseline-templates DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -43,12 +50,33 @@ def make_row(batch, kv_len, heads, page_size):
                 kv_lens=torch.full((batch,), kv_len, dtype=torch.int32, device="cuda"))
 
 
-def runner(lib, backend, r, heads, page_size):
+@contextlib.contextmanager
+def templates(folder):
+    """flashjit's kernels rendered from `folder` (None: its own) for the plans made inside."""
+    if folder is None:
+        yield
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import use_templates
+
+    from flashjit import jit
+
+    use_templates(folder)
+    jit._modules.clear()  # the plan loads its kernel from these sources, not the process's memo
+    try:
+        yield
+    finally:
+        use_templates(None)
+        jit._modules.clear()
+
+
+def runner(lib, backend, r, heads, page_size, folder=None):
     """A zero-argument call of one library's planned wrapper (None if it cannot plan)."""
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     wrapper = lib.BatchMLAPagedAttentionWrapper(workspace, backend=backend)
-    wrapper.plan(r["qo_indptr"], r["kv_indptr"], r["kv_indices"], r["kv_lens"], heads, 512, 64, page_size, False,
-                 SM_SCALE, DTYPE, DTYPE)
+    with templates(folder):
+        wrapper.plan(r["qo_indptr"], r["kv_indptr"], r["kv_indices"], r["kv_lens"], heads, 512, 64, page_size, False,
+                     SM_SCALE, DTYPE, DTYPE)
     return lambda: wrapper.run(r["q_nope"], r["q_pe"], r["ckv"], r["kpe"])
 
 
@@ -66,10 +94,15 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20, help="timed samples per cell and round (median reported)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", help="append the markdown table to this file")
+    parser.add_argument("--baseline-templates", type=Path, help="also flashjit fa3 rendered from this templates/")
     args = parser.parse_args()
     libs = [("flashjit fa2", flashjit, "fa2")]
+    folders = {}
     if torch.cuda.get_device_capability() == (9, 0):
         libs.append(("flashjit fa3", flashjit, "fa3"))
+        if args.baseline_templates:
+            libs.append(("flashjit fa3 baseline", flashjit, "fa3"))
+            folders["flashjit fa3 baseline"] = args.baseline_templates.resolve()
     try:
         import flashinfer
 
@@ -86,7 +119,7 @@ def main() -> int:
         calls = {}
         for name, lib, backend in libs:
             try:
-                calls[name] = runner(lib, backend, r, heads, page_size)
+                calls[name] = runner(lib, backend, r, heads, page_size, folders.get(name))
                 out = calls[name]()
                 torch.cuda.synchronize()
                 check(out, r, kv_len, f"{name} {label}", backend)

@@ -13,8 +13,13 @@ what the mode costs where the kernel does not fold them itself); every
 batch-invariant output is first checked against the normal one within the sum
 of their profiles.
 
+--head-dims and --decode-head-dims pick the head dims of the prefill and
+decode rows (decode.py's rows are head_dim 128 only), --rows the rows whose
+label starts with one of the given strings.
+
 Usage: python benchmarks/dev/batch_invariant_cost.py [--quick] [--chunks 4096] [--split] [--rounds 3] [--reps 30]
-       [--only prefill decode] [--out FILE] [--json FILE]
+       [--only prefill decode] [--head-dims 64 128 256] [--decode-head-dims 128] [--rows LABEL ...]
+       [--out FILE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -94,27 +99,28 @@ def prefill_rows(plan, chunks, rounds, results):
         torch.cuda.empty_cache()
 
 
-def decode_rows(rows, chunks, reps, results):
+def decode_rows(rows, chunks, reps, results, head_dim):
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     for label, batch, kv_len, qo_heads, kv_heads in rows:
         torch.manual_seed(0)
-        cache, indptr, indices, last = dec.paged_cache(batch, kv_len, kv_heads)
-        q = torch.randn(batch, qo_heads, dec.D, dtype=dec.BF16, device="cuda")
+        cache, indptr, indices, last = dec.paged_cache(batch, kv_len, kv_heads, head_dim=head_dim)
+        q = torch.randn(batch, qo_heads, head_dim, dtype=dec.BF16, device="cuda")
         cells, outs = {}, {}
         first = chunks[next(iter(chunks))]
         for name, tc, bi, variant in [("normal cc", False, False, first), ("normal tc", True, False, first),
                                       *[(f"invariant {c}", False, True, v) for c, v in chunks.items()]]:
             w = flashjit.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
             with chunk_size(variant):
-                w.plan(indptr, indices, last, qo_heads, kv_heads, dec.D, dec.PAGE, q_data_type=dec.BF16,
+                w.plan(indptr, indices, last, qo_heads, kv_heads, head_dim, dec.PAGE, q_data_type=dec.BF16,
                        batch_invariant=bi)
             outs[name] = w.run(q, cache)
             cells[name] = time_us(lambda w=w, q=q, cache=cache: w.run(q, cache), reps)[0]
-        spec = KernelSpec.make("batch_decode_paged", "bfloat16", dec.D, use_tensor_cores=True)
-        k_all = cache[:, 0].reshape(-1, kv_heads, dec.D)
+        spec = KernelSpec.make("batch_decode_paged", "bfloat16", head_dim, use_tensor_cores=True)
+        k_all = cache[:, 0].reshape(-1, kv_heads, head_dim)
         for c in chunks:
             check(f"decode {label} chunk {c}", outs[f"invariant {c}"], outs["normal tc"], spec, q, k_all,
-                  cache[:, 1].reshape(-1, kv_heads, dec.D), kv_len)
+                  cache[:, 1].reshape(-1, kv_heads, head_dim), kv_len)
+        label = label if head_dim == dec.D else f"d{head_dim} {label}"
         results.append({"kind": "decode", "label": label, "unit": "us", "normal cc": cells["normal cc"],
                         "normal tc": cells["normal tc"], "normal": min(cells["normal cc"], cells["normal tc"]),
                         "invariant": {c: cells[f"invariant {c}"] for c in chunks}})
@@ -157,17 +163,24 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--only", nargs="+", choices=("prefill", "decode"), default=["prefill", "decode"])
+    parser.add_argument("--head-dims", type=int, nargs="+", help="prefill rows' head dims (default prefill.py's)")
+    parser.add_argument("--decode-head-dims", type=int, nargs="+", default=[dec.D])
+    parser.add_argument("--rows", nargs="+", help="only the rows whose label starts with one of these")
     parser.add_argument("--out")
     parser.add_argument("--json")
     args = parser.parse_args()
-    plan = pre.rows(args.quick) if "prefill" in args.only else []
-    decode = [r for r in dec.ROWS if not args.quick or r[0] in dec.QUICK_ROWS] if "decode" in args.only else []
+    picked = (lambda label: not args.rows or any(label.startswith(r) for r in args.rows))
+    plan = [r for r in pre.rows(args.quick, head_dims=args.head_dims) if picked(r["label"])] \
+        if "prefill" in args.only else []
+    decode = [r for r in dec.ROWS if (not args.quick or r[0] in dec.QUICK_ROWS) and picked(r[0])] \
+        if "decode" in args.only else []
     chunks = {str(c): (c, "auto") for c in args.chunks}  # column label -> (chunk, fold policy)
     if args.split:
         chunks[f"{args.chunks[0]} split"] = (args.chunks[0], "never")
     results = []
     prefill_rows(plan, chunks, args.rounds, results)
-    decode_rows(decode, chunks, args.reps, results)
+    for head_dim in args.decode_head_dims:
+        decode_rows(decode, chunks, args.reps, results, head_dim)
     emit(table(results, chunks), args.out)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,7 +1,11 @@
 """Per-kernel GPU time of paged decode calls (attention, split-KV merge), from
 torch.profiler: where a split-KV row's time goes beyond its attention kernel.
 --batch-invariant adds each row planned in batch-invariant mode (fixed chunks,
-the prefill kernel, the fold merge) beside the planner's choices.
+the prefill kernel, the fold merge) beside the planner's choices. With PDL a
+merge kernel starts while the attention kernel runs, so its duration includes
+the wait; the last column comes from the kernels' timestamps instead: the time
+between successive calls' attention kernels' ends (the call's time on a
+GPU-paced loop).
 
 Usage: python benchmarks/dev/decode_breakdown.py [--rows LABEL ...] [--batch-invariant] [--out FILE]
 """
@@ -15,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, decode, prefill
-from common import emit, kernel_times
+from common import emit, kernel_spans, kernel_times
 from decode import BF16, D, PAGE, paged_cache
 
 import flashjit
@@ -34,6 +38,14 @@ def short_name(kernel: str) -> str:
     return kernel[:40]
 
 
+def call_period(spans) -> float:
+    """Mean µs between successive calls' ends, from kernel_spans: the call's
+    time on a GPU-paced loop. (A kernel's own span is no measure of its tail:
+    a dependent grid (PDL) starts before its primary ends.)"""
+    ends = sorted(end for name, _, end in spans if "_attention" in name)
+    return (ends[-1] - ends[0]) / max(len(ends) - 1, 1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
@@ -43,7 +55,7 @@ def main() -> int:
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     lines = [f"device: {torch.cuda.get_device_name()}; bf16 paged decode, head_dim {D}, page {PAGE}; "
              f"mean µs per call over {CALLS} calls (torch.profiler)", "",
-             "| row | cores | split chunk (keys) | kernel | µs |", "|---|---|---|---|---|"]
+             "| row | cores | split chunk (keys) | kernel | µs | µs per call |", "|---|---|---|---|---|---|"]
     for label, batch, kv_len, qo_heads, kv_heads in ROWS:
         if args.rows and not any(label.startswith(r) for r in args.rows):
             continue
@@ -58,9 +70,10 @@ def main() -> int:
                    batch_invariant=invariant)
             chunk = w._plan.work.kv_chunk or "none"  # the plan's split, for the table
             chunk = f"{chunk} (split disabled)" if no_split else f"{chunk} (batch-invariant)" if invariant else chunk
+            period = call_period(kernel_spans(lambda: w.run(q, cache), CALLS))
             for kernel, us in sorted(kernel_times(lambda: w.run(q, cache), CALLS).items(), key=lambda kv: -kv[1]):
                 lines.append(f"| {label} | {'tensor' if tensor_cores else 'CUDA'} | {chunk} | "
-                             f"{short_name(kernel)} | {us:.1f} |")
+                             f"{short_name(kernel)} | {us:.1f} | {period:.1f} |")
                 print(lines[-1], flush=True)
     emit("\n".join(lines), args.out)
     return 0

@@ -59,11 +59,11 @@ def spec_bandwidth() -> float | None:
     return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9 if clock_khz and bus_bits else None
 
 
-def paged_cache(batch: int, kv_len: int, kv_heads: int, fill: str = "randn"):
+def paged_cache(batch: int, kv_len: int, kv_heads: int, fill: str = "randn", head_dim: int = D):
     """5-D NHD cache with each request's pages at random ids; (cache, indptr, indices, last_page_len)."""
     ppr = -(-kv_len // PAGE)
     pages = batch * ppr
-    cache = torch.empty(pages, 2, PAGE, kv_heads, D, dtype=BF16, device="cuda")
+    cache = torch.empty(pages, 2, PAGE, kv_heads, head_dim, dtype=BF16, device="cuda")
     cache.normal_() if fill == "randn" else cache.zero_()
     indices = torch.randperm(pages, dtype=torch.int32, device="cuda")
     indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * ppr

@@ -17,6 +17,10 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
+// 16 zero bytes to shared memory by address (a plain store: the generic proxy).
+__device__ __forceinline__ void st_shared_zero_16(uint32_t addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+}
 // One 16-byte shared-memory load by address (of data this thread copied).
 __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
   uint4 raw;

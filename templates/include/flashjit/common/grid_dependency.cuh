@@ -8,9 +8,12 @@
 //    dependent grid is scheduled once every CTA of the one before has started,
 //    taking SM slots only as they free up; what overlaps is its launch, never
 //    its reads or writes.
-//  - The split-KV merge pass is such a dependent of its attention grid, and
-//    waits likewise before it reads a partial state. A grid that never allows
-//    dependents (a torch kernel, a copy) releases the next at its end.
+//  - The split-KV merge pass is such a dependent of its attention grid: it
+//    allows dependents as it starts (the next call's attention grid) and waits
+//    likewise before it reads a partial state; only the plan's own arrays,
+//    written before the attention grid ran, are read ahead of the wait. A grid
+//    that never allows dependents (a torch kernel, a copy) releases the next at
+//    its end.
 // Older GPUs launch in plain stream order; the instructions compile to nothing
 // there.
 #pragma once

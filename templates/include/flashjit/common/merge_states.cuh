@@ -49,7 +49,7 @@ constexpr int kMergeWays = 4;
 // warp walking all of them serially costs microseconds of latency.
 template <class DTypeO, int kHeadDim>
 __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_constant__ FlashjitAttentionParams p) {
-  wait_for_primary_grid();  // partial states come from the attention grid (grid_dependency.cuh)
+  allow_dependent_grids();  // the next call's grid launches while this one merges (grid_dependency.cuh)
   static_assert(kHeadDim % 32 == 0, "one lane per 32 dims");
   constexpr int kWarps = kMergeWays, kDimsPerLane = kHeadDim / 32;
   __shared__ float s_max[kWarps], s_sum[kWarps], s_acc[kWarps][kHeadDim];
@@ -58,7 +58,8 @@ __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_co
   const int token = row / p.num_qo_heads, head = row % p.num_qo_heads;
   int64_t first;
   int count;
-  partial_rows_of(p, token, first, count);
+  partial_rows_of(p, token, first, count);  // written by the plan, before the attention grid ran
+  wait_for_primary_grid();  // partial states come from the attention grid
   if (count == 0) return;  // uniform across the CTA
   auto lse_of = [&](int s) { return p.partial_lse[(first + s) * p.num_qo_heads + head]; };
 
@@ -104,7 +105,7 @@ __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_co
 template <class DTypeO, int kHeadDim>
 __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __grid_constant__ FlashjitAttentionParams p,
                                                                      int rows) {
-  wait_for_primary_grid();  // partial states come from the attention grid (grid_dependency.cuh)
+  allow_dependent_grids();  // the next call's grid launches while this one merges (grid_dependency.cuh)
   constexpr int kDimsPerLane = kHeadDim / 32;
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * 4 + threadIdx.x / 32;
@@ -112,7 +113,8 @@ __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __gr
   const int token = row / p.num_qo_heads, head = row % p.num_qo_heads;
   int64_t first;
   int count;
-  partial_rows_of(p, token, first, count);
+  partial_rows_of(p, token, first, count);  // written by the plan, before the attention grid ran
+  wait_for_primary_grid();  // partial states come from the attention grid
   if (count == 0) return;
   auto lse_of = [&](int s) { return p.partial_lse[(first + s) * p.num_qo_heads + head]; };
   float m = -CUDART_INF_F;
@@ -156,13 +158,26 @@ __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __gr
 // the chains then take them by shuffle, one FMA pair per state and element,
 // on outputs loaded kAhead states at a time. kWarpsPerRow warps take a row's
 // dims apart (a long context over few rows: 128k keys are 64 states).
+// The kernel is the tail of a call, so its memory round trips are counted in
+// latency: the plan's indptr is read before the wait for the attention grid,
+// the next block's LSEs while this block folds, and a block's first outputs
+// go out with its LSEs, ahead of the prefix maximum.
+// A global load issued where the code places it: the compiler sinks a plain
+// one to its first use, behind the block's prefix maximum (SASS).
+__device__ __forceinline__ float load_issued_here(const float* src) {
+  float v;
+  asm volatile("ld.global.f32 %0, [%1];\n" : "=f"(v) : "l"(src));
+  return v;
+}
+
 template <class DTypeO, int kHeadDim, int kWarpsPerRow>
 __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_constant__ FlashjitAttentionParams p,
                                                                 int rows) {
-  wait_for_primary_grid();  // partial states come from the attention grid (grid_dependency.cuh)
+  allow_dependent_grids();  // the next call's grid launches while this one folds (grid_dependency.cuh)
   static_assert(kHeadDim % (32 * kWarpsPerRow) == 0 && 4 % kWarpsPerRow == 0, "whole dims per lane, rows per CTA");
   constexpr int kDimsPerLane = kHeadDim / (32 * kWarpsPerRow);
-  constexpr int kAhead = kDimsPerLane >= 4 ? 8 : 32 / kDimsPerLane;  // states whose outputs load together
+  // States whose outputs load together: 64 registers' worth, live across the prefix maximum.
+  constexpr int kAhead = kDimsPerLane >= 2 ? (64 / kDimsPerLane > 1 ? 64 / kDimsPerLane : 1) : 32;
   const float kNegInf = -CUDART_INF_F;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row = blockIdx.x * (4 / kWarpsPerRow) + warp / kWarpsPerRow;
@@ -171,7 +186,8 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
   const int token = row / p.num_qo_heads, head = row % p.num_qo_heads;
   int64_t first;
   int count;
-  partial_rows_of(p, token, first, count);
+  partial_rows_of(p, token, first, count);  // written by the plan, before the attention grid ran
+  wait_for_primary_grid();  // partial states come from the attention grid
   if (count == 0) return;
   ChunkFold fold;
   fold.reset();
@@ -179,9 +195,21 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
 #pragma unroll
   for (int i = 0; i < kDimsPerLane; ++i) acc[i] = 0.f;
   auto row_of = [&](int s) { return (first + min(s, count - 1)) * p.num_qo_heads + head; };
+  float o[kAhead][kDimsPerLane];
+  auto load_outputs = [&](int s) {  // states past the row reread its last one: no bounds to test
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j)
+#pragma unroll
+      for (int i = 0; i < kDimsPerLane; ++i)
+        o[j][i] = load_issued_here(p.partial_o + row_of(s + j) * kHeadDim + dim0 + 32 * i);
+  };
+  auto lse_at = [&](int s) { return s < count ? load_issued_here(p.partial_lse + row_of(s)) : kNegInf; };
+  float lse_next = lse_at(lane);
   for (int s0 = 0; s0 < count; s0 += 32) {
     const int n = min(32, count - s0);
-    const float lse = lane < n ? p.partial_lse[row_of(s0 + lane)] : kNegInf;
+    const float lse = lse_next;
+    load_outputs(s0);
+    lse_next = lse_at(s0 + 32 + lane);
     float m_after = lse;  // inclusive prefix maximum over this block's lanes, then the earlier blocks'
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
@@ -194,11 +222,7 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
     float a_lane, b_lane;
     ChunkFold::weights(m_before, m_after, lse, a_lane, b_lane);
     for (int j0 = 0; j0 < n; j0 += kAhead) {
-      float o[kAhead][kDimsPerLane];
-#pragma unroll
-      for (int j = 0; j < kAhead; ++j)
-#pragma unroll
-        for (int i = 0; i < kDimsPerLane; ++i) o[j][i] = p.partial_o[row_of(s0 + j0 + j) * kHeadDim + dim0 + 32 * i];
+      if (j0 > 0) load_outputs(s0 + j0);
 #pragma unroll
       for (int j = 0; j < kAhead; ++j) {
         const float a = __shfl_sync(0xffffffffu, a_lane, (j0 + j) & 31);

@@ -32,12 +32,16 @@ __device__ __forceinline__ void warpgroup_barrier(int id) {
 __device__ __forceinline__ void loader_barrier() { warpgroup_barrier(3); }
 
 // The loader's first warp: a partial tile of keys k0 .. kv_len - 1 of K and V
-// into ring slot `dst` (K, then V kKvTileBytes on), rows past the request zero.
-// Every copy is in flight at once (cp.async, zero-filled past the request): a
-// load and store at a time cost one memory round trip per row pair and lane,
-// 20-25 us on an H200 for a 64-key tile (ncu,
+// into ring slot `dst` (K, then V kKvTileBytes on). Every copy is in flight at
+// once (cp.async): a load and store at a time cost one memory round trip per
+// row pair and lane, 20-25 us on an H200 for a 64-key tile (ncu,
 // benchmarks/results/2026-11-25-h200-tiny-call-gpu-time.md), a request's whole
 // time where it has one tile, hidden behind the consumers where it has many.
+// Only V's rows past the request are written (zeros, by plain stores): their
+// probabilities are 0, but 0 times a stale NaN is NaN. K's keep whatever the
+// slot held, as their logits are masked to -inf before any use (the tile is
+// partial, so its mask applies). A tiny request copies few rows and zeroes the
+// rest of V, not the whole tile twice.
 template <class Traits>
 __device__ __forceinline__ void copy_partial_tile(const FlashjitAttentionParams& p, const CtaWork& w,
                                                   unsigned char* dst, int k0, int lane) {
@@ -46,18 +50,19 @@ __device__ __forceinline__ void copy_partial_tile(const FlashjitAttentionParams&
   constexpr int KEYS = Traits::kKeysPerTile, CHUNKS = Traits::kHeadDim / 8;
   const auto k_rows = kv_rows<T, false>(p, w, p.k, p.k_stride_n, p.k_stride_h, 0);
   const auto v_rows = kv_rows<T, false>(p, w, p.v, p.v_stride_n, p.v_stride_h, 0);
-  const int rows = w.kv_len - k0;
+  const int copied = (w.kv_len - k0) * CHUNKS;
   const uint32_t k_dst = smem_addr(dst), v_dst = k_dst + Traits::kKvTileBytes;
 #pragma unroll 1
-  for (int i = lane; i < KEYS * CHUNKS; i += 32) {
+  for (int i = lane; i < copied; i += 32) {
     const int r = i / CHUNKS, c = i % CHUNKS;
-    const bool valid = r < rows;
-    const int key = k0 + (valid ? r : 0);  // a mapped row where nothing is read
     const uint32_t at = KvLayout::at(r, c);
-    cp_async_16(k_dst + at, k_rows.row(key) + 8 * c, valid);
-    cp_async_16(v_dst + at, v_rows.row(key) + 8 * c, valid);
+    cp_async_16(k_dst + at, k_rows.row(k0 + r) + 8 * c, true);
+    cp_async_16(v_dst + at, v_rows.row(k0 + r) + 8 * c, true);
   }
   cp_async_commit();
+#pragma unroll 4
+  for (int i = copied + lane; i < KEYS * CHUNKS; i += 32)
+    st_shared_zero_16(v_dst + KvLayout::at(i / CHUNKS, i % CHUNKS));
   cp_async_wait<0>();
   fence_async_shared();
   __syncwarp();
