@@ -7,10 +7,11 @@
 // - the loader (warpgroup 0, registers given up by setmaxnreg): one thread
 //   loads each K/V tile of whole rows by TMA into a ring of kStages slots,
 //   each with a "full" mbarrier (bytes landed) and an "empty" one (every
-//   consumer warp done with the slot). A partial last tile, whose rows past
-//   the request TMA would read from the next request, is copied by the
-//   loader's first warp with plain loads, zero-filled, then fenced for the
-//   async proxy and published by one arrival on the slot's full barrier.
+//   consumer warp done with the slot). A batch's partial last tile, whose rows
+//   past the request TMA would read from the next request, is copied by the
+//   loader's first warp (cp.async, V's rows past the request zeroed), then
+//   fenced for the async proxy and published by one arrival on the slot's
+//   full barrier (fa3::copy_partial_tile).
 //   From a paged cache (kPaged), whole tiles come by TMA too, one box per page
 //   (or a tile's worth of a larger page) where boxes are 64 rows or more
 //   (fa3_launch.cuh); otherwise, and for a partial last tile, the whole loader
