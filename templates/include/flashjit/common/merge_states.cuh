@@ -176,8 +176,9 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
   allow_dependent_grids();  // the next call's grid launches while this one folds (grid_dependency.cuh)
   static_assert(kHeadDim % (32 * kWarpsPerRow) == 0 && 4 % kWarpsPerRow == 0, "whole dims per lane, rows per CTA");
   constexpr int kDimsPerLane = kHeadDim / (32 * kWarpsPerRow);
-  // States whose outputs load together: 64 registers' worth, live across the prefix maximum.
-  constexpr int kAhead = kDimsPerLane >= 2 ? (64 / kDimsPerLane > 1 ? 64 / kDimsPerLane : 1) : 32;
+  // States whose outputs load together (live across the prefix maximum: at
+  // most 64 registers, or the MLA width spills).
+  constexpr int kAhead = kDimsPerLane >= 4 ? (kDimsPerLane > 8 ? 64 / kDimsPerLane : 8) : 32 / kDimsPerLane;
   const float kNegInf = -CUDART_INF_F;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row = blockIdx.x * (4 / kWarpsPerRow) + warp / kWarpsPerRow;
@@ -194,14 +195,14 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
   float acc[kDimsPerLane];
 #pragma unroll
   for (int i = 0; i < kDimsPerLane; ++i) acc[i] = 0.f;
-  auto row_of = [&](int s) { return (first + min(s, count - 1)) * p.num_qo_heads + head; };
+  auto row_of = [&](int s) { return (first + s) * p.num_qo_heads + head; };
   float o[kAhead][kDimsPerLane];
-  auto load_outputs = [&](int s) {  // states past the row reread its last one: no bounds to test
+  auto load_outputs = [&](int s) {  // only the row's states: a batch's rows have two or three
 #pragma unroll
     for (int j = 0; j < kAhead; ++j)
 #pragma unroll
       for (int i = 0; i < kDimsPerLane; ++i)
-        o[j][i] = load_issued_here(p.partial_o + row_of(s + j) * kHeadDim + dim0 + 32 * i);
+        o[j][i] = s + j < count ? load_issued_here(p.partial_o + row_of(s + j) * kHeadDim + dim0 + 32 * i) : 0.f;
   };
   auto lse_at = [&](int s) { return s < count ? load_issued_here(p.partial_lse + row_of(s)) : kNegInf; };
   float lse_next = lse_at(lane);
