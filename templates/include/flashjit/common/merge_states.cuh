@@ -160,8 +160,8 @@ __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __gr
 // dims apart (a long context over few rows: 128k keys are 64 states).
 // The kernel is the tail of a call, so its memory round trips are counted in
 // latency: the plan's indptr is read before the wait for the attention grid,
-// the next block's LSEs while this block folds, and a block's first outputs
-// go out with its LSEs, ahead of the prefix maximum.
+// the next block's LSEs while this block folds, and (few rows) a block's first
+// outputs go out with its LSEs, ahead of the prefix maximum.
 // A global load issued where the code places it: the compiler sinks a plain
 // one to its first use, behind the block's prefix maximum (SASS).
 __device__ __forceinline__ float load_issued_here(const float* src) {
@@ -176,9 +176,12 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
   allow_dependent_grids();  // the next call's grid launches while this one folds (grid_dependency.cuh)
   static_assert(kHeadDim % (32 * kWarpsPerRow) == 0 && 4 % kWarpsPerRow == 0, "whole dims per lane, rows per CTA");
   constexpr int kDimsPerLane = kHeadDim / (32 * kWarpsPerRow);
-  // States whose outputs load together (live across the prefix maximum: at
-  // most 64 registers, or the MLA width spills).
-  constexpr int kAhead = kDimsPerLane >= 4 ? (kDimsPerLane > 8 ? 64 / kDimsPerLane : 8) : 32 / kDimsPerLane;
+  constexpr int kAhead = kDimsPerLane >= 4 ? 8 : 32 / kDimsPerLane;  // states whose outputs load together
+  // Few rows (several warps a row): a block's first outputs load before its
+  // prefix maximum, the call's tail being a chain of round trips. Many rows: at
+  // their use, as registers live across the maximum would halve the CTAs an SM
+  // holds (62 -> 128 registers at d64), and the rows' CTAs hide the latency.
+  constexpr bool kLoadsFirst = kWarpsPerRow > 1;
   const float kNegInf = -CUDART_INF_F;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row = blockIdx.x * (4 / kWarpsPerRow) + warp / kWarpsPerRow;
@@ -197,19 +200,25 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
   for (int i = 0; i < kDimsPerLane; ++i) acc[i] = 0.f;
   auto row_of = [&](int s) { return (first + s) * p.num_qo_heads + head; };
   float o[kAhead][kDimsPerLane];
-  auto load_outputs = [&](int s) {  // only the row's states: a batch's rows have two or three
+  auto load_outputs = [&](int s) {
 #pragma unroll
     for (int j = 0; j < kAhead; ++j)
 #pragma unroll
-      for (int i = 0; i < kDimsPerLane; ++i)
-        o[j][i] = s + j < count ? load_issued_here(p.partial_o + row_of(s + j) * kHeadDim + dim0 + 32 * i) : 0.f;
+      for (int i = 0; i < kDimsPerLane; ++i) {
+        const float* src = p.partial_o + row_of(min(s + j, count - 1)) * kHeadDim + dim0 + 32 * i;
+        if constexpr (kLoadsFirst) {
+          o[j][i] = s + j < count ? load_issued_here(src) : 0.f;  // only the row's states
+        } else {
+          o[j][i] = *src;  // past the row: its last state again, an L1 hit (fewer registers than a predicate)
+        }
+      }
   };
   auto lse_at = [&](int s) { return s < count ? load_issued_here(p.partial_lse + row_of(s)) : kNegInf; };
   float lse_next = lse_at(lane);
   for (int s0 = 0; s0 < count; s0 += 32) {
     const int n = min(32, count - s0);
     const float lse = lse_next;
-    load_outputs(s0);
+    if constexpr (kLoadsFirst) load_outputs(s0);
     lse_next = lse_at(s0 + 32 + lane);
     float m_after = lse;  // inclusive prefix maximum over this block's lanes, then the earlier blocks'
 #pragma unroll
@@ -223,7 +232,7 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
     float a_lane, b_lane;
     ChunkFold::weights(m_before, m_after, lse, a_lane, b_lane);
     for (int j0 = 0; j0 < n; j0 += kAhead) {
-      if (j0 > 0) load_outputs(s0 + j0);
+      if (!kLoadsFirst || j0 > 0) load_outputs(s0 + j0);
 #pragma unroll
       for (int j = 0; j < kAhead; ++j) {
         const float a = __shfl_sync(0xffffffffu, a_lane, (j0 + j) & 31);
