@@ -205,11 +205,10 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
     for (int j = 0; j < kAhead; ++j)
 #pragma unroll
       for (int i = 0; i < kDimsPerLane; ++i) {
-        const float* src = p.partial_o + row_of(min(s + j, count - 1)) * kHeadDim + dim0 + 32 * i;
-        if constexpr (kLoadsFirst) {
-          o[j][i] = s + j < count ? load_issued_here(src) : 0.f;  // only the row's states
-        } else {
-          o[j][i] = *src;  // past the row: its last state again, an L1 hit (fewer registers than a predicate)
+        if constexpr (kLoadsFirst) {  // only the row's states
+          o[j][i] = s + j < count ? load_issued_here(p.partial_o + row_of(s + j) * kHeadDim + dim0 + 32 * i) : 0.f;
+        } else {  // past the row: its last state again, an L1 hit (fewer registers than a predicate)
+          o[j][i] = p.partial_o[row_of(min(s + j, count - 1)) * kHeadDim + dim0 + 32 * i];
         }
       }
   };
