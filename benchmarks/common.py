@@ -15,10 +15,8 @@ def emit(text: str, out: str | None) -> None:
             f.write(text + "\n")
 
 
-def kernel_times(fn, calls: int = 20) -> dict[str, float]:
-    """Mean µs per call of each CUDA kernel that fn launches (torch.profiler)."""
-    from collections import defaultdict
-
+def _profile(fn, calls: int):
+    """torch.profiler's record of `calls` back-to-back calls of fn (after one unrecorded)."""
     import torch
 
     fn()
@@ -27,8 +25,15 @@ def kernel_times(fn, calls: int = 20) -> dict[str, float]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_times(fn, calls: int = 20) -> dict[str, float]:
+    """Mean µs per call of each CUDA kernel that fn launches (torch.profiler)."""
+    from collections import defaultdict
+
     times = defaultdict(float)
-    for event in prof.key_averages():
+    for event in _profile(fn, calls).key_averages():
         if event.device_time_total > 0:
             times[event.key] += event.device_time_total / calls
     return dict(times)
@@ -39,13 +44,7 @@ def kernel_spans(fn, calls: int = 20) -> list[tuple[str, float, float]]:
     start µs, end µs) from torch.profiler, in start order."""
     import torch
 
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in _profile(fn, calls).events()
              if e.device_type == torch.autograd.DeviceType.CUDA]
     return sorted(spans, key=lambda s: s[1])
 

@@ -148,6 +148,14 @@ __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __gr
   store_merged<DTypeO>(p, token, head, lane, acc, sum, m);
 }
 
+// A global load issued where the code places it: the compiler sinks a plain
+// one to its first use, behind the block's prefix maximum (SASS).
+__device__ __forceinline__ float load_issued_here(const float* src) {
+  float v;
+  asm volatile("ld.global.f32 %0, [%1];\n" : "=f"(v) : "l"(src));
+  return v;
+}
+
 // Batch-invariant mode (p.invariant_chunk != 0): each (token, head) row folds
 // its chunk states in chunk order (chunk_fold.cuh), exactly as an fa3 CTA that
 // walks a row's chunks itself, so that a row's bits do not depend on whether
@@ -162,14 +170,6 @@ __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __gr
 // latency: the plan's indptr is read before the wait for the attention grid,
 // the next block's LSEs while this block folds, and (few rows) a block's first
 // outputs go out with its LSEs, ahead of the prefix maximum.
-// A global load issued where the code places it: the compiler sinks a plain
-// one to its first use, behind the block's prefix maximum (SASS).
-__device__ __forceinline__ float load_issued_here(const float* src) {
-  float v;
-  asm volatile("ld.global.f32 %0, [%1];\n" : "=f"(v) : "l"(src));
-  return v;
-}
-
 template <class DTypeO, int kHeadDim, int kWarpsPerRow>
 __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_constant__ FlashjitAttentionParams p,
                                                                 int rows) {
