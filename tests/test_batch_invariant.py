@@ -17,7 +17,8 @@ from flashjit import arch, cli, jit
 from flashjit.errors import SettingError
 from flashjit.ops import _batch, _calls, _invariant, _launch
 from flashjit.ops._invariant import CHUNK_KEYS as C
-from helpers_cache import no_compile  # noqa: F401 (a fixture)
+from helpers_cache import needs_nvcc, no_compile, set_cache_env  # noqa: F401 (no_compile: a fixture)
+from test_backend_choice import sass
 from test_bad_input_wrappers import _i32, _workspace
 
 
@@ -348,3 +349,31 @@ def test_prewarm_command_of_an_invariant_decode_builds_it(op):
     argv = shlex.split(jit.prewarm_command(spec, ("sm_90a",)))[1:]
     args = cli.build_parser().parse_args(argv)
     assert cli.specs_from_args(args, ("sm_90a",)) == [spec]
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+def test_fold_merge_loads_ahead_for_few_rows_and_keeps_its_registers_for_many(monkeypatch, tmp_path):
+    """The fold pass over few rows (several warps a row: a long context) issues a
+    block's output loads before its prefix maximum's shuffles (ptxas had sunk plain
+    loads behind them, leaving the call's tail a chain of round trips); over many
+    rows (a warp a row) it loads at their use and keeps an SM's eight CTAs (loads
+    first took 96-128 registers and cost the split prefill merge up to 20 points:
+    benchmarks/results/2026-11-25-h200-batch-invariant-merge-tail.md)."""
+    import re
+
+    set_cache_env(monkeypatch, tmp_path / "cache")
+    spec = flashjit.KernelSpec.make("batch_decode_paged", "bfloat16", 128, use_tensor_cores=True, return_lse=True)
+    result, = jit.build_many([spec], arches=("sm_90a",))
+    assert result.entry is not None
+    fold = {int(re.search(r"ELi(\d+)EEEv", u["kernel"]).group(1)): u for u in result.entry.manifest["resources"]
+            if "merge_fold_states_kernel" in u["kernel"]}
+    assert sorted(fold) == [1, 4]
+    assert all(u["spill_stores"] == 0 and u["spill_loads"] == 0 for u in fold.values()), fold
+    assert fold[1]["registers"] <= 64, fold[1]  # 8 CTAs of 128 threads an SM
+    text = sass(result.entry.artifact)
+    few = text[text.index("merge_fold_states_kernelI13__nv_bfloat16Li128ELi4E"):]
+    few = few[:few.index("Function :")] if "Function :" in few else few
+    ops = [m.group(1) for m in re.finditer(r"\s(LDG|SHFL)\.", few)]
+    first_shuffle = ops.index("SHFL")
+    assert ops[:first_shuffle].count("LDG") >= 32, ops[:first_shuffle + 1]
