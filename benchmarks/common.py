@@ -4,6 +4,8 @@ The timing itself lives in flashjit.bench.timing, where `flashjit bench` uses it
 
 from __future__ import annotations
 
+import contextlib
+
 from flashjit.bench.timing import event_ms, round_orders  # noqa: F401 (the scripts import them from here)
 
 
@@ -60,3 +62,22 @@ def use_templates(folder) -> None:
     render.templates_dir = (lambda: folder) if folder else use_templates.own
     render.environment.cache_clear()
     render.generator_digest.cache_clear()
+
+
+@contextlib.contextmanager
+def rendered_from(folder):
+    """Plans made inside load flashjit's kernels rendered from `folder` (None:
+    the package's own); the process's module memo is dropped on the way in and
+    out, so that a wrapper planned inside keeps the kernel of those sources."""
+    from flashjit import jit
+
+    if folder is None:
+        yield
+        return
+    use_templates(folder)
+    jit._modules.clear()
+    try:
+        yield
+    finally:
+        use_templates(None)
+        jit._modules.clear()

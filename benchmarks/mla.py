@@ -15,14 +15,13 @@ Usage: python benchmarks/mla.py [--reps 20] [--out results.md] [--baseline-templ
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import os
 import statistics
 import sys
 from pathlib import Path
 
 import torch
+from common import rendered_from
 
 import flashjit
 from flashjit.bench.timing import bench_ms, round_orders
@@ -50,31 +49,11 @@ def make_row(batch, kv_len, heads, page_size):
                 kv_lens=torch.full((batch,), kv_len, dtype=torch.int32, device="cuda"))
 
 
-@contextlib.contextmanager
-def templates(folder):
-    """flashjit's kernels rendered from `folder` (None: its own) for the plans made inside."""
-    if folder is None:
-        yield
-        return
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import use_templates
-
-    from flashjit import jit
-
-    use_templates(folder)
-    jit._modules.clear()  # the plan loads its kernel from these sources, not the process's memo
-    try:
-        yield
-    finally:
-        use_templates(None)
-        jit._modules.clear()
-
-
 def runner(lib, backend, r, heads, page_size, folder=None):
     """A zero-argument call of one library's planned wrapper (None if it cannot plan)."""
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     wrapper = lib.BatchMLAPagedAttentionWrapper(workspace, backend=backend)
-    with templates(folder):
+    with rendered_from(folder):
         wrapper.plan(r["qo_indptr"], r["kv_indptr"], r["kv_indices"], r["kv_lens"], heads, 512, 64, page_size, False,
                      SM_SCALE, DTYPE, DTYPE)
     return lambda: wrapper.run(r["q_nope"], r["q_pe"], r["ckv"], r["kpe"])

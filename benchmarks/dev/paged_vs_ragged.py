@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
-from common import emit, round_orders, use_templates  # noqa: E402
+from common import emit, rendered_from, round_orders, use_templates  # noqa: E402
 
 import flashjit  # noqa: E402
 from flashjit import jit  # noqa: E402
@@ -132,15 +132,12 @@ def main() -> int:
                 for name, make in impls.items():
                     try:
                         # A wrapper keeps the module it first ran: load it with its sources in place.
-                        use_templates(folders.get(name))
-                        jit._modules.clear()
-                        fns[name] = make([s] * b, [s] * b, h, d, causal, k, v)
-                        fns[name](q)
+                        with rendered_from(folders.get(name)):
+                            fns[name] = make([s] * b, [s] * b, h, d, causal, k, v)
+                            fns[name](q)
                         rates[name] = []
                     except Exception as exc:  # the cell reads n/a; the reason goes to stderr
                         print(f"{name} d={d} {b}x{s}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
-                use_templates(None)
-                jit._modules.clear()
                 for order in round_orders(list(fns), args.rounds):
                     for name in order:
                         rates[name].append(flops / bench_ms(lambda fn=fns[name], q=q: fn(q), reps=10) / 1e9)
