@@ -151,7 +151,9 @@ __device__ __forceinline__ CtaWork decode_work_at(const FlashjitAttentionParams&
 
 template <bool kPaged>
 __device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p, int rows_per_cta) {
-  // Every attention kernel but fa3's starts here; see grid_dependency.cuh.
+  // Every attention kernel starts here, fa3's MLA kernel too, except
+  // fa3_attention_kernel, whose persistent CTAs wait once before their first
+  // position; see grid_dependency.cuh.
   allow_dependent_grids();
   wait_for_primary_grid();
   return decode_work_at<kPaged>(p, rows_per_cta, blockIdx.x, blockIdx.z);
