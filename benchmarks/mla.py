@@ -5,11 +5,18 @@ BatchMLAPagedAttentionWrapper (backend fa2 and fa3) when importable, each row ti
 TFLOP/s counts 2 * heads * kv_len * (576 + 512) per request. Every cell's
 output is first checked against float64 within flashjit's mla_paged profile.
 
---baseline-templates DIR adds a column of flashjit fa3 with its kernels rendered
-from another templates/ folder (e.g. `git archive` of an earlier commit), for
-an A/B of a kernel change in one run.
+--baseline-templates DIR [DIR ...] adds a column of flashjit fa3 per folder,
+its kernels rendered from that templates/ folder (e.g. `git archive` of an
+earlier commit), for an A/B of a kernel change in one run. The first baseline
+column stands before the package's own fa3 column and the others after it, so
+that the change is read between two baselines: a column's place in the round
+moves its time by a few percent (benchmarks/results/2026-11-22-h200-interleaved-timing.md;
+alternating the order does not cancel what the column before it does to the
+GPU, and the column after fa2 follows a lighter kernel in every forward
+round). Naming the same folder twice, or this checkout's templates/, times
+identical kernels in two places: the spread an A/B must beat.
 
-Usage: python benchmarks/mla.py [--reps 20] [--out results.md] [--baseline-templates DIR]
+Usage: python benchmarks/mla.py [--reps 20] [--out results.md] [--baseline-templates DIR [DIR ...]]
 """
 
 from __future__ import annotations
@@ -73,15 +80,17 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20, help="timed samples per cell and round (median reported)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", help="append the markdown table to this file")
-    parser.add_argument("--baseline-templates", type=Path, help="also flashjit fa3 rendered from this templates/")
+    parser.add_argument("--baseline-templates", type=Path, nargs="+", default=[], metavar="DIR",
+                        help="also flashjit fa3 rendered from each of these templates/ folders")
     args = parser.parse_args()
     libs = [("flashjit fa2", flashjit, "fa2")]
     folders = {}
     if torch.cuda.get_device_capability() == (9, 0):
-        libs.append(("flashjit fa3", flashjit, "fa3"))
-        if args.baseline_templates:
-            libs.append(("flashjit fa3 baseline", flashjit, "fa3"))
-            folders["flashjit fa3 baseline"] = args.baseline_templates.resolve()
+        baselines = [(f"flashjit fa3 baseline {i + 1}", flashjit, "fa3") for i in range(len(args.baseline_templates))]
+        libs += baselines[:1] + [("flashjit fa3", flashjit, "fa3")] + baselines[1:]
+        for (name, _, _), folder in zip(baselines, args.baseline_templates):
+            folders[name] = folder.resolve()
+            print(f"{name}: kernels rendered from {folders[name]}", flush=True)
     try:
         import flashinfer
 
