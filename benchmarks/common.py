@@ -81,3 +81,36 @@ def rendered_from(folder):
     finally:
         use_templates(None)
         jit._modules.clear()
+
+
+@contextlib.contextmanager
+def fa3_mla_tiling(tiling):
+    """Plans made inside load fa3 MLA kernels of `tiling` (a
+    kernels.fa3.Fa3MlaTiling; None: the shipped one), built into a cache of
+    their own (one per tiling, kept for the next process in the temporary
+    folder): the cached-load fast path finds entries by the generator's files,
+    which a tiling set at run time does not change. The module memo is dropped
+    on the way in and out, as in rendered_from."""
+    import hashlib
+    import os
+    import tempfile
+
+    from flashjit import jit, kernels
+
+    if tiling is None:
+        yield
+        return
+    shipped, cache_dir = kernels.fa3.MLA_TILING, os.environ.get("FLASHJIT_CACHE_DIR")
+    kernels.fa3.MLA_TILING = tiling
+    digest = hashlib.sha256(repr(tiling).encode()).hexdigest()[:12]
+    os.environ["FLASHJIT_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"flashjit-fa3-mla-tiling-{digest}")
+    jit._modules.clear()
+    try:
+        yield
+    finally:
+        kernels.fa3.MLA_TILING = shipped
+        if cache_dir is None:
+            os.environ.pop("FLASHJIT_CACHE_DIR", None)
+        else:
+            os.environ["FLASHJIT_CACHE_DIR"] = cache_dir
+        jit._modules.clear()

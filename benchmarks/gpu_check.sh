@@ -2,8 +2,14 @@
 # GPU check in one call: info, GPU tests (prewarm + numerical sweep), JIT
 # benchmarks, prefill/decode benchmarks. Run from the repository root; logs and
 # reports go to $OUT (or ./gpu_out); a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill]
+#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla]
 # tests: GPU tests only; prefill: GPU tests and prefill.py --rounds 3;
+# mla: the MLA GPU tests, dev/mla_check.py on fa3 with the shipped tiling and
+# with $MLA_VARIANT (default: key groups of 3), each also under compute-sanitizer
+# racecheck, synccheck and memcheck, dev/racecheck_barriers.py (racecheck on a
+# race-free named-barrier hand-off), then benchmarks/mla.py beside FlashInfer
+# with the variant read between shipped kernels (--baseline-templates templates
+# templates);
 # bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
 # compare: GPU tests, dev/fa2_tilings.py for each of $HEAD_DIMS (default 128; with
 # --baseline-templates $BASELINE_TEMPLATES when set, one or more folders, absolute
@@ -31,7 +37,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee
 start=$(date +%s)
 test_rc=skipped
 if [ "$MODE" != bench ] && [ -z "${SKIP_TESTS:-}" ]; then
-python3 -m pytest -q --maxfail=30 --tb=short -m gpu tests -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+selection=()
+[ "$MODE" = mla ] && selection=(-k mla)
+python3 -m pytest -q --maxfail=30 --tb=short -m gpu tests "${selection[@]}" -p no:cacheprovider --durations=5 2>&1 \
+  | tee "$OUT/pytest_gpu.log" | tail -25
 test_rc=${PIPESTATUS[0]}
 [ "$test_rc" = 0 ] || status=1
 echo "gpu tests: rc=$test_rc in $(( $(date +%s) - start )) s"
@@ -54,10 +63,27 @@ if [ "$MODE" = compare ]; then
       2>"$OUT/decode.err" | tail -20 || status=1
   fi
 fi
+if [ "$MODE" = mla ]; then
+  variant=${MLA_VARIANT:-Fa3MlaTiling(stages=2, key_groups=3)}
+  for tiling in "" "$variant"; do
+    tag=${tiling:+_variant}
+    timeout 300 python3 benchmarks/dev/mla_check.py --backends fa3 ${tiling:+--fa3-tiling "$tiling"} \
+      >"$OUT/mla_check$tag.log" 2>&1 || status=1
+    echo "mla_check fa3 ${tiling:-shipped}: $(tail -n 1 "$OUT/mla_check$tag.log")"
+    for tool in racecheck synccheck memcheck; do
+      timeout 420 compute-sanitizer --tool $tool --error-exitcode 1 python3 benchmarks/dev/mla_check.py --small \
+        --backends fa3 ${tiling:+--fa3-tiling "$tiling"} >"$OUT/sanitizer_$tool$tag.log" 2>&1 || status=1
+      echo "$tool ${tiling:-shipped}: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool$tag.log" | tail -n 1)"
+    done
+  done
+  timeout 300 python3 benchmarks/dev/racecheck_barriers.py --out "$OUT/racecheck_barriers" || status=1
+  timeout ${MLA_LIMIT:-420} python3 benchmarks/mla.py --rounds 3 --baseline-templates templates templates \
+    --fa3-variant "$variant" --out "$OUT/mla.md" 2>"$OUT/mla.err" | grep "|" || status=1
+fi
 if [ "$MODE" = prefill ]; then
   python3 benchmarks/prefill.py --rounds 3 --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | grep "|" || status=1
 fi
-if [ "$MODE" = tests ] || [ "$MODE" = compare ] || [ "$MODE" = prefill ]; then
+if [ "$MODE" = tests ] || [ "$MODE" = compare ] || [ "$MODE" = prefill ] || [ "$MODE" = mla ]; then
   summarize_errors || status=1
   echo "== summary: gpu tests rc=$test_rc, overall status=$status"
   exit $status

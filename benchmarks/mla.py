@@ -16,7 +16,14 @@ GPU, and the column after fa2 follows a lighter kernel in every forward
 round). Naming the same folder twice, or this checkout's templates/, times
 identical kernels in two places: the spread an A/B must beat.
 
+--fa3-variant 'Fa3MlaTiling(...)' (repeatable) adds a column of flashjit fa3
+with that tiling (kernels.fa3.Fa3MlaTiling, e.g. key_groups=3), built into a
+cache of its own; variant columns follow the package's fa3 column and precede
+the second and later baselines, so `--baseline-templates templates templates
+--fa3-variant ...` reads a variant between shipped kernels.
+
 Usage: python benchmarks/mla.py [--reps 20] [--out results.md] [--baseline-templates DIR [DIR ...]]
+       [--fa3-variant 'Fa3MlaTiling(stages=2, key_groups=3)' ...]
 """
 
 from __future__ import annotations
@@ -28,11 +35,12 @@ import sys
 from pathlib import Path
 
 import torch
-from common import rendered_from
+from common import fa3_mla_tiling, rendered_from
 
 import flashjit
 from flashjit.bench.timing import bench_ms, round_orders
 from flashjit.error_model import mla_tolerance
+from flashjit.kernels.fa3 import Fa3MlaTiling
 
 # (label, batch, kv_len, heads, page_size)
 ROWS = [("128 x 4k, 16 heads, page 64", 128, 4096, 16, 64),
@@ -56,11 +64,11 @@ def make_row(batch, kv_len, heads, page_size):
                 kv_lens=torch.full((batch,), kv_len, dtype=torch.int32, device="cuda"))
 
 
-def runner(lib, backend, r, heads, page_size, folder=None):
+def runner(lib, backend, r, heads, page_size, folder=None, tiling=None):
     """A zero-argument call of one library's planned wrapper (None if it cannot plan)."""
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     wrapper = lib.BatchMLAPagedAttentionWrapper(workspace, backend=backend)
-    with rendered_from(folder):
+    with rendered_from(folder), fa3_mla_tiling(tiling):
         wrapper.plan(r["qo_indptr"], r["kv_indptr"], r["kv_indices"], r["kv_lens"], heads, 512, 64, page_size, False,
                      SM_SCALE, DTYPE, DTYPE)
     return lambda: wrapper.run(r["q_nope"], r["q_pe"], r["ckv"], r["kpe"])
@@ -82,15 +90,21 @@ def main() -> int:
     parser.add_argument("--out", help="append the markdown table to this file")
     parser.add_argument("--baseline-templates", type=Path, nargs="+", default=[], metavar="DIR",
                         help="also flashjit fa3 rendered from each of these templates/ folders")
+    parser.add_argument("--fa3-variant", action="append", default=[], metavar="EXPR",
+                        help="also flashjit fa3 with this Fa3MlaTiling(...)")
     args = parser.parse_args()
     libs = [("flashjit fa2", flashjit, "fa2")]
-    folders = {}
+    folders, tilings = {}, {}
     if torch.cuda.get_device_capability() == (9, 0):
         baselines = [(f"flashjit fa3 baseline {i + 1}", flashjit, "fa3") for i in range(len(args.baseline_templates))]
-        libs += baselines[:1] + [("flashjit fa3", flashjit, "fa3")] + baselines[1:]
+        variants = [(f"flashjit fa3 variant {i + 1}", flashjit, "fa3") for i in range(len(args.fa3_variant))]
+        libs += baselines[:1] + [("flashjit fa3", flashjit, "fa3")] + variants + baselines[1:]
         for (name, _, _), folder in zip(baselines, args.baseline_templates):
             folders[name] = folder.resolve()
             print(f"{name}: kernels rendered from {folders[name]}", flush=True)
+        for (name, _, _), text in zip(variants, args.fa3_variant):
+            tilings[name] = eval(text, {"Fa3MlaTiling": Fa3MlaTiling})
+            print(f"{name}: {tilings[name]}", flush=True)
     try:
         import flashinfer
 
@@ -107,7 +121,7 @@ def main() -> int:
         calls = {}
         for name, lib, backend in libs:
             try:
-                calls[name] = runner(lib, backend, r, heads, page_size, folders.get(name))
+                calls[name] = runner(lib, backend, r, heads, page_size, folders.get(name), tilings.get(name))
                 out = calls[name]()
                 torch.cuda.synchronize()
                 check(out, r, kv_len, f"{name} {label}", backend)

@@ -5,6 +5,7 @@ no wgmma in the SASS), fa3 for sm_90a (0 spills, wgmma not serialized)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -223,11 +224,15 @@ def test_mla_builds_for_sm80_and_sm89_without_spills_or_wgmma(monkeypatch, tmp_p
 
 @pytest.mark.nvcc
 @needs_nvcc
-def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch, tmp_path):
+@pytest.mark.parametrize("key_groups", [1, 3])
+def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch, tmp_path, key_groups):
     """S by 64x64 wgmma, P.V by 64x256 with V transposed; a wgmma whose
     accumulators ptxas cannot track gets a wait of its own (C7515): every
-    HGMMA would then carry gsb0. Here only the last of each group does."""
+    HGMMA would then carry gsb0. Here only the last of each group does. With
+    key groups, S's k-steps wait for each group at a named barrier between
+    its HGMMA, which leaves them unserialized too."""
     set_cache_env(monkeypatch, tmp_path / "cache")
+    monkeypatch.setattr(fa3, "MLA_TILING", dataclasses.replace(fa3.MLA_TILING, key_groups=key_groups))
     spec = mla_spec("bfloat16", causal=True, backend="fa3")
     result, = jit.build_many([spec], arches=("sm_90a",))
     assert result.entry is not None
@@ -239,6 +244,15 @@ def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch
     assert any("HGMMA.64x256x16.F32.BF16" in line and "tnspB" in line for line in hgmma)
     waited = sum("gsb0" in line for line in hgmma)
     assert len(hgmma) >= 40 and waited <= 4, f"{waited} of {len(hgmma)} HGMMA wait for their own results"
+    # Named-barrier waits inside an S (between its first 64x64 HGMMA and its last):
+    # key_groups - 1 of them in each of the kernel's S sequences.
+    inside, in_s = 0, False
+    for line in text.splitlines():
+        if "HGMMA.64x64x16" in line:
+            in_s = "gsb0" not in line
+        elif in_s and "BAR.SYNC" in line:
+            inside += 1
+    assert inside == 2 * (key_groups - 1), inside
 
 
 @pytest.mark.usefixtures("no_compile")

@@ -5,7 +5,10 @@ plan. Small enough for compute-sanitizer (memcheck, racecheck, synccheck), so
 that a clean sanitizer run is also a correct one; with a time limit per launch
 set by the caller (`timeout`), a hang shows as such.
 
-Usage: python benchmarks/dev/mla_check.py [--backends fa2 fa3] [--small]
+--fa3-tiling 'Fa3MlaTiling(...)' runs the fa3 cases on that tiling (e.g. key_groups=3),
+built into a cache of its own.
+
+Usage: python benchmarks/dev/mla_check.py [--backends fa2 fa3] [--small] [--fa3-tiling EXPR]
        compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/dev/mla_check.py --small
 """
 
@@ -14,11 +17,16 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
+from common import fa3_mla_tiling
+
 import flashjit
 from flashjit.error_model import mla_tolerance
+from flashjit.kernels.fa3 import Fa3MlaTiling
 
 SM_SCALE = 1 / math.sqrt(192)
 
@@ -52,23 +60,32 @@ def case(backend, dtype, heads, page_size, qo_len, causal, kv_lens, **plan_kw) -
     return ratio
 
 
+def run_backend(backend: str, small: bool) -> float:
+    """Worst err/bound of the backend's cases."""
+    cases = [(torch.bfloat16, 16, 16, 1, False, [70, 0, 200]),
+             (torch.float16, 128, 3, 4, True, [5, 130])]
+    if not small:
+        cases += [(torch.bfloat16, 128, 64, 1, False, [1, 64, 65, 1000]),
+                  (torch.bfloat16, 16, 1, 4, True, [4, 17, 300]),
+                  (torch.float16, 32, 16, 2, True, [2, 2000])]
+    worst = 0.0
+    for dtype, heads, page_size, qo_len, causal, kv_lens in cases:
+        worst = max(worst, case(backend, dtype, heads, page_size, qo_len, causal, kv_lens))
+    return max(worst, case(backend, torch.bfloat16, 16, 16, 1, False, [3000, 1, 700], fixed_split_size=4))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", nargs="+", default=["fa2", "fa3"])
     parser.add_argument("--small", action="store_true", help="two cases per backend (for compute-sanitizer)")
+    parser.add_argument("--fa3-tiling", metavar="EXPR", help="run fa3 on this Fa3MlaTiling(...)")
     args = parser.parse_args()
+    tiling = eval(args.fa3_tiling, {"Fa3MlaTiling": Fa3MlaTiling}) if args.fa3_tiling else None
     torch.manual_seed(0)
     worst = 0.0
     for backend in args.backends:
-        cases = [(torch.bfloat16, 16, 16, 1, False, [70, 0, 200]),
-                 (torch.float16, 128, 3, 4, True, [5, 130])]
-        if not args.small:
-            cases += [(torch.bfloat16, 128, 64, 1, False, [1, 64, 65, 1000]),
-                      (torch.bfloat16, 16, 1, 4, True, [4, 17, 300]),
-                      (torch.float16, 32, 16, 2, True, [2, 2000])]
-        for dtype, heads, page_size, qo_len, causal, kv_lens in cases:
-            worst = max(worst, case(backend, dtype, heads, page_size, qo_len, causal, kv_lens))
-        worst = max(worst, case(backend, torch.bfloat16, 16, 16, 1, False, [3000, 1, 700], fixed_split_size=4))
+        with fa3_mla_tiling(tiling if backend == "fa3" else None):
+            worst = max(worst, run_backend(backend, args.small))
     print(f"worst max err / bound: {worst:.3f}")
     return 0
 

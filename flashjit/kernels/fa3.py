@@ -81,10 +81,13 @@ class Fa3MlaTiling:
     warpgroups over 64 packed rows; one consumer computes each 64-key tile's
     Q.K^T and softmax, both multiply P by their half of O's 512 columns. Keys
     per tile and rows per CTA are fixed by the wgmma shapes (the template
-    checks them)."""
+    checks them). key_groups: what the softmax consumer's S waits for, the
+    whole tile (1) or each of that many groups of its nine 64-column blocks as
+    it lands (3: named barriers the loader arrives at, Fa3MlaTraits)."""
     stages: int
     keys_per_tile: int = 64
     rows_per_cta: int = 64
+    key_groups: int = 1
 
     def rescales(self, spec: KernelSpec) -> tuple[int, int]:
         """(keys per online-softmax rescale, merge rescales): one step per tile;

@@ -9,7 +9,10 @@
 //   cp.async into a ring of kStages slots (any page size, pages in any order),
 //   every thread arriving on the slot's "full" mbarrier once its copies land;
 //   it looks up the next tile's pages while this one's copies fly, and only
-//   its first warp polls the slot's "empty" mbarrier before a refill.
+//   its first warp polls the slot's "empty" mbarrier before a refill. With key
+//   groups (Traits::kKeyGroups > 1) it copies a tile in groups of blocks and
+//   also arrives at a named barrier per group once its copies of the group
+//   have landed, where the softmax consumer waits before S's k-steps over it.
 // - two consumers share the 64 rows. One warpgroup cannot hold O (64 x 512
 //   fp32: 256 registers a thread), so each owns half of O's columns; the
 //   softmax consumer (warpgroup 2) also computes S = Q.K^T over the whole tile
@@ -99,9 +102,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (tid < 32) tma::mbar_wait(empty(t), ((t / STAGES) - 1) & 1);
         fa3::loader_barrier();
       }
-      gather.issue(slot_of(t), rows);
-      cp_async_arrive_noinc(full(t));
-      if (t + 1 < num_tiles) lookup(t + 1);
+      if constexpr (Traits::kKeyGroups == 1) {
+        gather.issue(slot_of(t), rows);
+        cp_async_arrive_noinc(full(t));
+        if (t + 1 < num_tiles) lookup(t + 1);
+      } else {
+        gather.issue_groups(slot_of(t), rows);
+        cp_async_arrive_noinc(full(t));  // the whole tile, for the other consumer
+        if (t + 1 < num_tiles) lookup(t + 1);
+        gather.arrive_groups(t);
+      }
     }
     cp_async_commit();
     cp_async_wait<0>();  // exits with no copy of this thread in flight
@@ -135,24 +145,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
   float s[NT_S][4];  // the softmax consumer's
 
-  // S = Q.K^T of tile t (issued and committed). Its own wgmma.fence: S's
-  // registers were last written by the softmax.
+  // Until tile t's keys have landed; the gather wrote them through the generic
+  // proxy, so a proxy fence orders them before wgmma's reads.
+  auto wait_full = [&](int t) {
+    tma::mbar_wait(full(t), (t / STAGES) & 1);
+    fa3::fence_async_shared();
+  };
+  // S = Q.K^T of tile t (issued and committed): after wait_full(t), or, where
+  // the tiling has key groups, waiting for each group before its k-steps. Its
+  // own wgmma.fence: S's registers were last written by the softmax.
   auto issue_qk = [&](int t) {
     fa3::fence();
     const uint64_t q_desc = fa3::fresh(fa3::smem_desc(q_smem, 16, 1024));
     const uint64_t k_desc = fa3::smem_desc(slot_of(t), 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < KSTEPS_QK; ++kk) {
+      if constexpr (Traits::kKeyGroups > 1) {
+        if (kk % (4 * Traits::kBlocksPerGroup) == 0) {  // a k-step is a quarter of a 64-column block
+          fa3::key_group_sync<Traits>(t, kk / (4 * Traits::kBlocksPerGroup));
+          fa3::fence_async_shared();
+        }
+      }
       const uint32_t at = Tile::block(kk / 4) + (kk % 4) * 32;
       fa3::mma_ss<T, KEYS>(s, fa3::advance(q_desc, at), fa3::advance(k_desc, at), kk > 0);
     }
     fa3::commit();
-  };
-  // Until tile t's keys have landed; the gather wrote them through the generic
-  // proxy, so a proxy fence orders them before wgmma's reads.
-  auto wait_full = [&](int t) {
-    tma::mbar_wait(full(t), (t / STAGES) & 1);
-    fa3::fence_async_shared();
   };
   // O[:, 256c ...] += P.V of tile t: P in the slot's kpe block, V its ckv part.
   auto issue_pv = [&](int t) {
@@ -190,7 +207,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // the other, which multiplies its half when they arrive.
   if (softmax_wg) {
     if (num_tiles > 0) {
-      wait_full(0);
+      if constexpr (Traits::kKeyGroups == 1) wait_full(0);
       issue_qk(0);
       fa3::wait<0>();
       fa3::fence_operands(s);
@@ -247,7 +264,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       issue_pv(t);
       fa3::handoff_arrive(t);  // P_t and its factors, to the other consumer
       if (t + 1 < num_tiles) {
-        wait_full(t + 1);
+        if constexpr (Traits::kKeyGroups == 1) wait_full(t + 1);
         issue_qk(t + 1);
       }
       fa3::wait<0>();  // P.V_t (and S_{t+1}) landed

@@ -25,6 +25,23 @@ __device__ __forceinline__ void handoff_arrive(int t) {
   asm volatile("bar.arrive %0, 256;\n" ::"r"(4 + (t & 1)) : "memory");
 }
 __device__ __forceinline__ void handoff_sync(int t) { asm volatile("bar.sync %0, 256;\n" ::"r"(4 + (t & 1)) : "memory"); }
+// Key group g of tile t, from the loader warpgroup (arrive, once its copies of
+// the group have landed) to the softmax consumer (sync, before S's k-steps over
+// it): an id per slot and group, so that the loader's arrivals for the next
+// tile never meet this one's (the loader refills a slot only after both
+// consumers have released it, after S passed every group of it).
+template <class Traits>
+__device__ __forceinline__ int key_group_barrier(int t, int g) {
+  return Traits::kGroupBarrier0 + (t % Traits::kStages) * Traits::kKeyGroups + g;
+}
+template <class Traits>
+__device__ __forceinline__ void key_group_arrive(int t, int g) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(key_group_barrier<Traits>(t, g)) : "memory");
+}
+template <class Traits>
+__device__ __forceinline__ void key_group_sync(int t, int g) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(key_group_barrier<Traits>(t, g)) : "memory");
+}
 
 // One loader thread's share of a tile: chunk `sub` of each 128-byte block of
 // keys key0, key0 + 16, ... (kLoaderPasses rows), into the blocked layout.
@@ -58,9 +75,10 @@ struct MlaGather : fa2::MlaCacheRows<typename Traits::DType> {
     }
   }
 
-  // Copies this thread's chunks of the looked-up rows into `dst`; rows past
-  // the request are zero-filled, reading nothing (their logits are masked, and
-  // a zero V row keeps 0 * V finite).
+  // Copies this thread's chunks of blocks kFirst .. kEnd - 1 of the looked-up
+  // rows into `dst`; rows past the request are zero-filled, reading nothing
+  // (their logits are masked, and a zero V row keeps 0 * V finite).
+  template <int kFirst = 0, int kEnd = Traits::kBlocks>
   __device__ __forceinline__ void issue(uint32_t dst, const Rows& rows) const {
     using Tile = typename Traits::Tile;
 #pragma unroll
@@ -70,8 +88,28 @@ struct MlaGather : fa2::MlaCacheRows<typename Traits::DType> {
       Base::row(uint32_t(ok ? rows.page[i] : 0), uint32_t(rows.slot[i]), c_src, k_src);
       const uint32_t row = dst + Tile::at(key0 + i * kRowsPerPass, sub);
 #pragma unroll
-      for (int b = 0; b < Traits::kBlocks; ++b)
+      for (int b = kFirst; b < kEnd; ++b)
         cp_async_16(row + Tile::block(b), b + 1 < Traits::kBlocks ? c_src + b * 128 : k_src, ok);
+    }
+  }
+
+  // The tile as kKeyGroups commit groups of copies, in block order.
+  template <int kGroup = 0>
+  __device__ __forceinline__ void issue_groups(uint32_t dst, const Rows& rows) const {
+    if constexpr (kGroup < Traits::kKeyGroups) {
+      issue<kGroup * Traits::kBlocksPerGroup, (kGroup + 1) * Traits::kBlocksPerGroup>(dst, rows);
+      cp_async_commit();
+      issue_groups<kGroup + 1>(dst, rows);
+    }
+  }
+  // Tile t's groups, each once this thread's copies of it have landed, in
+  // order, to the softmax consumer (after issue_groups, every copy in flight).
+  template <int kGroup = 0>
+  __device__ __forceinline__ void arrive_groups(int t) const {
+    if constexpr (kGroup < Traits::kKeyGroups) {
+      cp_async_wait<Traits::kKeyGroups - 1 - kGroup>();
+      key_group_arrive<Traits>(t, kGroup);
+      arrive_groups<kGroup + 1>(t);
     }
   }
 };

@@ -11,7 +11,7 @@
 
 namespace flashjit {
 
-template <class DType_, int kStages_, bool kCausal_, bool kLse_>
+template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1>
 struct Fa3MlaTraits {
   using DType = DType_;
   static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
@@ -20,6 +20,15 @@ struct Fa3MlaTraits {
   static constexpr int kStages = kStages_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kLse = kLse_;
+  // What S waits for before its k-steps over a tile's keys: 1, the whole tile
+  // (the slot's full mbarrier); more, each group of kBlocks / kKeyGroups
+  // blocks as it lands, so that S starts on the first blocks while the rest
+  // fly. A group's wait is a named barrier the loader warpgroup arrives at
+  // (ids kGroupBarrier0 .., one per slot and group): an mbarrier's try-wait
+  // loop between one S's wgmma makes ptxas serialize every wgmma (C7515).
+  static constexpr int kKeyGroups = kKeyGroups_;
+  static constexpr int kBlocksPerGroup = kBlocks / kKeyGroups;
+  static constexpr int kGroupBarrier0 = 6;  // 0 __syncthreads, 1 the consumers, 2 and 3 a warpgroup's, 4 and 5 the hand-off
 
   // One wgmma M of packed rows (query token x head) per CTA, shared by both
   // consumer warpgroups: one warpgroup cannot hold 64 x 512 fp32 accumulators,
@@ -63,6 +72,8 @@ struct Fa3MlaTraits {
   static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
                 "fa3 MLA takes __half or __nv_bfloat16");
   static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
+  static_assert(kKeyGroups >= 1 && kBlocks % kKeyGroups == 0, "key groups of whole 64-column blocks");
+  static_assert(kKeyGroups == 1 || kGroupBarrier0 + kStages * kKeyGroups <= 16, "named barrier ids 0 .. 15");
   static_assert(kKeysPerTile * 2 == 128 && kKpeDim == 64, "P's row of keys is one 128-byte block, as a kpe row");
 };
 
