@@ -18,12 +18,12 @@ Usage: python benchmarks/dev/racecheck_barriers.py [--build-only] [--tiles 6] [-
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from flashjit import arch
 
 SOURCE = r"""
 #include <cstdio>
@@ -106,7 +106,9 @@ int main(int argc, char** argv) {
 
 
 def build(folder: Path) -> Path:
-    nvcc = os.environ.get("FLASHJIT_NVCC") or shutil.which("nvcc") or "nvcc"
+    nvcc = arch.find_nvcc()
+    if nvcc is None:
+        raise SystemExit("racecheck_barriers: nvcc not found (set FLASHJIT_NVCC or CUDA_HOME, or put it on PATH)")
     (folder / "racecheck_barriers.cu").write_text(SOURCE)
     exe = folder / "racecheck_barriers"
     subprocess.run([nvcc, "-O3", "-arch=sm_90a", "-lineinfo", "-o", str(exe), str(folder / "racecheck_barriers.cu")],

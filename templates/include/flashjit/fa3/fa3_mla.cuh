@@ -102,16 +102,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (tid < 32) tma::mbar_wait(empty(t), ((t / STAGES) - 1) & 1);
         fa3::loader_barrier();
       }
-      if constexpr (Traits::kKeyGroups == 1) {
+      if constexpr (Traits::kKeyGroups == 1)
         gather.issue(slot_of(t), rows);
-        cp_async_arrive_noinc(full(t));
-        if (t + 1 < num_tiles) lookup(t + 1);
-      } else {
+      else
         gather.issue_groups(slot_of(t), rows);
-        cp_async_arrive_noinc(full(t));  // the whole tile, for the other consumer
-        if (t + 1 < num_tiles) lookup(t + 1);
-        gather.arrive_groups(t);
-      }
+      cp_async_arrive_noinc(full(t));
+      if (t + 1 < num_tiles) lookup(t + 1);
+      if constexpr (Traits::kKeyGroups > 1) gather.arrive_groups(t);  // as each group lands, to the softmax consumer
     }
     cp_async_commit();
     cp_async_wait<0>();  // exits with no copy of this thread in flight
