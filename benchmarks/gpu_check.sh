@@ -9,7 +9,7 @@
 # racecheck, synccheck and memcheck, dev/racecheck_barriers.py (racecheck on a
 # race-free named-barrier hand-off), then benchmarks/mla.py beside FlashInfer
 # with the variant read between shipped kernels (--baseline-templates templates
-# templates);
+# templates); SANITIZE_SHIPPED=0 runs the sanitizers on the variant alone;
 # bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
 # compare: GPU tests, dev/fa2_tilings.py for each of $HEAD_DIMS (default 128; with
 # --baseline-templates $BASELINE_TEMPLATES when set, one or more folders, absolute
@@ -70,6 +70,8 @@ if [ "$MODE" = mla ]; then
     timeout 300 python3 benchmarks/dev/mla_check.py --backends fa3 ${tiling:+--fa3-tiling "$tiling"} \
       >"$OUT/mla_check$tag.log" 2>&1 || status=1
     echo "mla_check fa3 ${tiling:-shipped}: $(tail -n 1 "$OUT/mla_check$tag.log")"
+    # SANITIZE_SHIPPED=0: the sanitizers on the variant alone (the shipped kernel's last clean run is a results file)
+    [ -z "$tiling" ] && [ "${SANITIZE_SHIPPED:-1}" = 0 ] && continue
     for tool in racecheck synccheck memcheck; do
       timeout 420 compute-sanitizer --tool $tool --error-exitcode 1 python3 benchmarks/dev/mla_check.py --small \
         --backends fa3 ${tiling:+--fa3-tiling "$tiling"} >"$OUT/sanitizer_$tool$tag.log" 2>&1 || status=1
