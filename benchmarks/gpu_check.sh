@@ -4,8 +4,9 @@
 # reports go to $OUT (or ./gpu_out); a short summary is printed last.
 #   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla]
 # tests: GPU tests only; prefill: GPU tests and prefill.py --rounds 3;
-# mla: the MLA GPU tests, dev/mla_check.py on fa3 with the shipped tiling and
-# with $MLA_VARIANT (default: key groups of 3), each also under compute-sanitizer
+# mla: the MLA GPU tests (FLASHJIT_PREWARM_OPS=mla_paged: only MLA kernels built)
+# for the shipped fa3 tiling and for $MLA_VARIANT (default: key groups of 3,
+# dev/pytest_mla_tiling.py), dev/mla_check.py on both, each also under compute-sanitizer
 # racecheck, synccheck and memcheck, dev/racecheck_barriers.py (racecheck on a
 # race-free named-barrier hand-off), then benchmarks/mla.py beside FlashInfer
 # with the variant read between shipped kernels (--baseline-templates templates
@@ -38,7 +39,7 @@ start=$(date +%s)
 test_rc=skipped
 if [ "$MODE" != bench ] && [ -z "${SKIP_TESTS:-}" ]; then
 selection=()
-[ "$MODE" = mla ] && selection=(-k mla)
+[ "$MODE" = mla ] && selection=(-k mla) && export FLASHJIT_PREWARM_OPS=mla_paged
 python3 -m pytest -q --maxfail=30 --tb=short -m gpu tests "${selection[@]}" -p no:cacheprovider --durations=5 2>&1 \
   | tee "$OUT/pytest_gpu.log" | tail -25
 test_rc=${PIPESTATUS[0]}
@@ -65,6 +66,11 @@ if [ "$MODE" = compare ]; then
 fi
 if [ "$MODE" = mla ]; then
   variant=${MLA_VARIANT:-Fa3MlaTiling(stages=2, key_groups=3)}
+  if [ -z "${SKIP_TESTS:-}" ]; then
+    FLASHJIT_ERROR_REPORT=$OUT/error_report_variant.json python3 benchmarks/dev/pytest_mla_tiling.py "$variant" \
+      -q --maxfail=30 --tb=short -m gpu -k mla tests -p no:cacheprovider >"$OUT/pytest_gpu_variant.log" 2>&1 || status=1
+    echo "gpu tests, $variant: $(tail -n 1 "$OUT/pytest_gpu_variant.log")"
+  fi
   for tiling in "" "$variant"; do
     tag=${tiling:+_variant}
     timeout 300 python3 benchmarks/dev/mla_check.py --backends fa3 ${tiling:+--fa3-tiling "$tiling"} \
@@ -79,7 +85,7 @@ if [ "$MODE" = mla ]; then
     done
   done
   timeout 300 python3 benchmarks/dev/racecheck_barriers.py --out "$OUT/racecheck_barriers" || status=1
-  timeout ${MLA_LIMIT:-420} python3 benchmarks/mla.py --rounds 3 --baseline-templates templates templates \
+  timeout ${MLA_LIMIT:-420} python3 benchmarks/mla.py --baseline-templates templates templates \
     --fa3-variant "$variant" --out "$OUT/mla.md" 2>"$OUT/mla.err" | grep "|" || status=1
 fi
 if [ "$MODE" = prefill ]; then

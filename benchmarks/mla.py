@@ -1,20 +1,18 @@
 """MLA paged decode (DeepSeek latent attention, ckv 512 + kpe 64, bf16) on one
 GPU: flashjit's fa2 and (on sm_90a) fa3 kernels beside FlashInfer's
-BatchMLAPagedAttentionWrapper (backend fa2 and fa3) when importable, each row timed in interleaved rounds
-(flashjit.bench.timing). GB/s counts the ckv and kpe bytes the batch reads once;
+BatchMLAPagedAttentionWrapper (backend fa2 and fa3) when importable, each row's
+cells timed sample by sample in a fresh random order per pass
+(flashjit.bench.timing.shuffled_ms: a column's place in the table does not
+decide which kernel runs before it); a cell is the median of its samples. GB/s counts the ckv and kpe bytes the batch reads once;
 TFLOP/s counts 2 * heads * kv_len * (576 + 512) per request. Every cell's
 output is first checked against float64 within flashjit's mla_paged profile.
 
 --baseline-templates DIR [DIR ...] adds a column of flashjit fa3 per folder,
 its kernels rendered from that templates/ folder (e.g. `git archive` of an
 earlier commit), for an A/B of a kernel change in one run. The first baseline
-column stands before the package's own fa3 column and the others after it, so
-that the change is read between two baselines: a column's place in the round
-moves its time by a few percent (benchmarks/results/2026-11-22-h200-interleaved-timing.md;
-alternating the order does not cancel what the column before it does to the
-GPU, and the column after fa2 follows a lighter kernel in every forward
-round). Naming the same folder twice, or this checkout's templates/, times
-identical kernels in two places: the spread an A/B must beat.
+column stands before the package's own fa3 column and the others after it.
+Naming the same folder twice, or this checkout's templates/, times identical
+kernels in two columns: the spread an A/B must beat.
 
 --fa3-variant 'Fa3MlaTiling(...)' (repeatable) adds a column of flashjit fa3
 with that tiling (kernels.fa3.Fa3MlaTiling, e.g. key_groups=3), built into a
@@ -22,7 +20,7 @@ cache of its own; variant columns follow the package's fa3 column and precede
 the second and later baselines, so `--baseline-templates templates templates
 --fa3-variant ...` reads a variant between shipped kernels.
 
-Usage: python benchmarks/mla.py [--reps 20] [--out results.md] [--baseline-templates DIR [DIR ...]]
+Usage: python benchmarks/mla.py [--samples 60] [--out results.md] [--baseline-templates DIR [DIR ...]]
        [--fa3-variant 'Fa3MlaTiling(stages=2, key_groups=3)' ...]
 """
 
@@ -38,7 +36,7 @@ import torch
 from common import fa3_mla_tiling, rendered_from
 
 import flashjit
-from flashjit.bench.timing import bench_ms, round_orders
+from flashjit.bench.timing import shuffled_ms
 from flashjit.error_model import mla_tolerance
 from flashjit.kernels.fa3 import Fa3MlaTiling
 
@@ -85,8 +83,7 @@ def check(out, r, kv_len, label, backend):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=20, help="timed samples per cell and round (median reported)")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=60, help="timed samples per cell (median reported)")
     parser.add_argument("--out", help="append the markdown table to this file")
     parser.add_argument("--baseline-templates", type=Path, nargs="+", default=[], metavar="DIR",
                         help="also flashjit fa3 rendered from each of these templates/ folders")
@@ -129,10 +126,7 @@ def main() -> int:
                 print(f"{name} {label}: {type(exc).__name__}: {exc}", file=sys.stderr)
                 calls.pop(name, None)
                 status |= name.startswith("flashjit")
-        times = {name: [] for name in calls}
-        for order in round_orders(list(calls), args.rounds):
-            for name in order:
-                times[name].append(bench_ms(calls[name], reps=args.reps))
+        times = shuffled_ms(calls, args.samples)
         nbytes = batch * kv_len * (512 + 64) * 2
         flops = 2 * batch * heads * kv_len * (576 + 512)
         cells = []

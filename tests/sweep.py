@@ -4,6 +4,7 @@ parametrize over them and the prewarm fixture builds exactly their product."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 
@@ -72,6 +73,16 @@ def spec_for(op: str, dtype, head_dim: int, causal: bool = False, variant: str =
 
 
 def all_specs() -> list[KernelSpec]:
+    """Every configuration the GPU sweep uses; with FLASHJIT_PREWARM_OPS=mla_paged
+    (a comma list of ops) only those ops', for a run of their tests alone
+    (`-k mla`) that should not build the whole sweep first."""
+    ops = os.environ.get("FLASHJIT_PREWARM_OPS")
+    if ops:
+        return [s for s in _all_specs() if s.op in ops.split(",")]
+    return _all_specs()
+
+
+def _all_specs() -> list[KernelSpec]:
     specs = []
     for op, (dtype, tc), head_dim, causal, variant in itertools.product(
             ["single_prefill", "single_decode", *BATCH_OPS], DTYPE_CORES, HEAD_DIMS, CAUSAL, VARIANTS):

@@ -31,16 +31,40 @@ def round_orders(items: list, rounds: int):
         yield list(items) if rnd % 2 == 0 else list(reversed(items))
 
 
-def bench_ms(fn, reps: int = 10, sample_ms: float = 2.0) -> float:
-    """Median ms per call over `reps` samples (CUDA events) after two warm-ups.
-    A sample times enough back-to-back calls to last about `sample_ms`, so that
-    the host's launch work overlaps the GPU's as in a serving loop, instead of
-    adding to a lone call's time."""
+def calls_per_sample(fn, sample_ms: float = 2.0) -> int:
+    """After two warm-ups, how many back-to-back calls of fn last about
+    `sample_ms` (1 to 50): enough that the host's launch work overlaps the
+    GPU's as in a serving loop, instead of adding to a lone call's time."""
     for _ in range(2):
         fn()
-    calls = max(1, min(50, int(sample_ms / max(event_ms(fn, 1), 1e-3))))
+    return max(1, min(50, int(sample_ms / max(event_ms(fn, 1), 1e-3))))
+
+
+def bench_ms(fn, reps: int = 10, sample_ms: float = 2.0) -> float:
+    """Median ms per call over `reps` samples (CUDA events) of
+    calls_per_sample back-to-back calls each."""
+    calls = calls_per_sample(fn, sample_ms)
     times = sorted(event_ms(fn, calls) / calls for _ in range(reps))
     return times[len(times) // 2]
+
+
+def shuffled_ms(fns: dict, passes: int, sample_ms: float = 2.0, seed: int = 0) -> dict:
+    """{name: `passes` samples of ms per call}: each pass takes one sample of
+    every fn, in a fresh random order (seeded). Timed as whole cells, even in
+    alternating rounds, a column's time depended on the kernel before it: one
+    MLA fa3 kernel ran 6% faster behind the lighter fa2 kernel than behind
+    itself (benchmarks/results/2026-11-27-h200-mla-key-groups.md); shuffled,
+    every fn follows every other alike."""
+    import random
+
+    rng = random.Random(seed)
+    calls = {name: calls_per_sample(fn, sample_ms) for name, fn in fns.items()}
+    names, out = list(fns), {name: [] for name in fns}
+    for _ in range(passes):
+        rng.shuffle(names)
+        for name in names:
+            out[name].append(event_ms(fns[name], calls[name]) / calls[name])
+    return out
 
 
 # Calls per timing sample, at least: a sample starts on an idle GPU, and its

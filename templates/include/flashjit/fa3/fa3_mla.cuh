@@ -281,7 +281,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   }
 
-  // Row sums: the softmax consumer's partials over each quad, published once.
+  // Row sums: the softmax consumer sums its partials over each quad and hands
+  // them to the other as it hands over P (arrive; the other syncs), keeping
+  // its own in registers.
   if (softmax_wg) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -289,12 +291,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
       if (tq == 0) row_sums[row_in_cta[r]] = l[r];
     }
+    fa3::row_sums_arrive();
+  } else {
+    fa3::row_sums_sync();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = row_sums[row_in_cta[r]];
   }
-  fa3::consumers_barrier();
   float inv_l[2], lse[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float sum = row_sums[row_in_cta[r]];
+    const float sum = l[r];
     // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
     inv_l[r] = sum > 0.f ? 1.f / sum : 0.f;
     lse[r] = sum > 0.f ? m_ref[r] + log2f(sum) : kNegInf;

@@ -1,0 +1,33 @@
+"""pytest with the fa3 MLA kernels of another tiling: the GPU tests of a
+kernels.fa3.Fa3MlaTiling (e.g. key_groups=3) before it is shipped, built into
+a cache of its own (benchmarks/common.py, fa3_mla_tiling). The arguments after
+the tiling go to pytest.
+
+Usage: python benchmarks/dev/pytest_mla_tiling.py 'Fa3MlaTiling(stages=2, key_groups=3)' -m gpu -k mla tests
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
+from common import fa3_mla_tiling
+
+import pytest
+
+from flashjit.kernels.fa3 import Fa3MlaTiling
+
+
+def main() -> int:
+    if len(sys.argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    tiling = eval(sys.argv[1], {"Fa3MlaTiling": Fa3MlaTiling})
+    print(f"fa3 MLA tiling: {tiling}", flush=True)
+    with fa3_mla_tiling(tiling):
+        return int(pytest.main(sys.argv[2:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
