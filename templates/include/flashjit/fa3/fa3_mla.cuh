@@ -255,6 +255,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           *reinterpret_cast<uint32_t*>(p_tile + row_in_cta[r] * 128 + ((j ^ g) << 4) + 4 * tq) =
               fa2::pack2<T>(s[j][2 * r], s[j][2 * r + 1]);
       }
+      // After the last tile, the rows' sums over each quad go with its P and
+      // factors: the other consumer reads them past the same hand-off, and
+      // this one keeps them.
+      if (t + 1 == num_tiles) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+          l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+          if (tq == 0) row_sums[row_in_cta[r]] = l[r];
+        }
+      }
       fa3::fence_async_shared();
       fa3::warpgroup_barrier(2);  // P_t of all four warps, for this warpgroup's wgmma
       rescale(factor);
@@ -281,21 +292,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   }
 
-  // Row sums: the softmax consumer sums its partials over each quad and hands
-  // them to the other as it hands over P (arrive; the other syncs), keeping
-  // its own in registers.
-  if (softmax_wg) {
+  // The row sums came with the last tile's P (none without tiles).
+  if (!softmax_wg) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-      if (tq == 0) row_sums[row_in_cta[r]] = l[r];
-    }
-    fa3::row_sums_arrive();
-  } else {
-    fa3::row_sums_sync();
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = row_sums[row_in_cta[r]];
+    for (int r = 0; r < 2; ++r) l[r] = num_tiles > 0 ? row_sums[row_in_cta[r]] : 0.f;
   }
   float inv_l[2], lse[2];
 #pragma unroll

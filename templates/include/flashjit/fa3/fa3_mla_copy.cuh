@@ -15,12 +15,8 @@ namespace flashjit {
 namespace fa3 {
 
 // The two consumer warpgroups' barrier (id 1; the loader's is 3, the softmax
-// consumer's own 2): both wait once, after their Q copies; at the end the
-// softmax consumer only arrives, once it has stored the row sums, which the
-// other reads after its wait.
+// consumer's own 2), once their Q copies have landed.
 __device__ __forceinline__ void consumers_barrier() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
-__device__ __forceinline__ void row_sums_arrive() { asm volatile("bar.arrive 1, 256;\n" ::: "memory"); }
-__device__ __forceinline__ void row_sums_sync() { consumers_barrier(); }
 // Tile t's P and factors, from the softmax consumer (arrive) to the other
 // (sync): ids 4 and 5 by the tile's parity, so that the softmax consumer may
 // arrive for tile t + 1 before the other has passed tile t; it cannot reach
