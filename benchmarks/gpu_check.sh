@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla]
 # tests: GPU tests only; prefill: GPU tests and prefill.py --rounds 3;
 # mla: the MLA GPU tests (FLASHJIT_PREWARM_OPS=mla_paged: only MLA kernels built)
-# for the shipped fa3 tiling and for $MLA_VARIANT (default: key groups of 3,
+# for the shipped fa3 tiling and for $MLA_VARIANT (default: whole-tile waits,
 # dev/pytest_mla_tiling.py), dev/mla_check.py on both, each also under compute-sanitizer
 # racecheck, synccheck and memcheck, dev/racecheck_barriers.py (racecheck on a
 # race-free named-barrier hand-off), then benchmarks/mla.py beside FlashInfer
@@ -65,7 +65,7 @@ if [ "$MODE" = compare ]; then
   fi
 fi
 if [ "$MODE" = mla ]; then
-  variant=${MLA_VARIANT:-Fa3MlaTiling(stages=2, key_groups=3)}
+  variant=${MLA_VARIANT:-Fa3MlaTiling(stages=2)}
   if [ -z "${SKIP_TESTS:-}" ]; then
     FLASHJIT_ERROR_REPORT=$OUT/error_report_variant.json python3 benchmarks/dev/pytest_mla_tiling.py "$variant" \
       -q --maxfail=30 --tb=short -m gpu -k mla tests -p no:cacheprovider >"$OUT/pytest_gpu_variant.log" 2>&1 || status=1

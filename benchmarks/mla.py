@@ -15,13 +15,13 @@ Naming the same folder twice, or this checkout's templates/, times identical
 kernels in two columns: the spread an A/B must beat.
 
 --fa3-variant 'Fa3MlaTiling(...)' (repeatable) adds a column of flashjit fa3
-with that tiling (kernels.fa3.Fa3MlaTiling, e.g. key_groups=3), built into a
+with that tiling (kernels.fa3.Fa3MlaTiling, e.g. key_groups=1), built into a
 cache of its own; variant columns follow the package's fa3 column and precede
 the second and later baselines, so `--baseline-templates templates templates
 --fa3-variant ...` reads a variant between shipped kernels.
 
 Usage: python benchmarks/mla.py [--samples 60] [--out results.md] [--baseline-templates DIR [DIR ...]]
-       [--fa3-variant 'Fa3MlaTiling(stages=2, key_groups=3)' ...]
+       [--fa3-variant 'Fa3MlaTiling(stages=2, key_groups=1)' ...]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ plan. Small enough for compute-sanitizer (memcheck, racecheck, synccheck), so
 that a clean sanitizer run is also a correct one; with a time limit per launch
 set by the caller (`timeout`), a hang shows as such.
 
---fa3-tiling 'Fa3MlaTiling(...)' runs the fa3 cases on that tiling (e.g. key_groups=3),
+--fa3-tiling 'Fa3MlaTiling(...)' runs the fa3 cases on that tiling (e.g. key_groups=1),
 built into a cache of its own.
 
 Usage: python benchmarks/dev/mla_check.py [--backends fa2 fa3] [--small] [--fa3-tiling EXPR]

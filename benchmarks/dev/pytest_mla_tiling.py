@@ -1,9 +1,9 @@
 """pytest with the fa3 MLA kernels of another tiling: the GPU tests of a
-kernels.fa3.Fa3MlaTiling (e.g. key_groups=3) before it is shipped, built into
+kernels.fa3.Fa3MlaTiling other than the shipped one, built into
 a cache of its own (benchmarks/common.py, fa3_mla_tiling). The arguments after
 the tiling go to pytest.
 
-Usage: python benchmarks/dev/pytest_mla_tiling.py 'Fa3MlaTiling(stages=2, key_groups=3)' -m gpu -k mla tests
+Usage: python benchmarks/dev/pytest_mla_tiling.py 'Fa3MlaTiling(stages=2, key_groups=1)' -m gpu -k mla tests
 """
 
 from __future__ import annotations
