@@ -109,9 +109,9 @@ def synthetic() -> dict:
     pre = {"kind": "prefill", "device": "NVIDIA H200", "dtype": "bfloat16", "unit": "TFLOP/s", "rounds": 3,
            "impls": ["flashjit fa2", "sdpa-flash"],
            "rows": [{"head_dim": 128, "label": "16 x 1024", "causal": False, "heads": 16,
-                     "values": {"flashjit fa2": 401.4, "sdpa-flash": 351.6}, "rounds": {}, "errors": {}},
+                     "values": {"flashjit fa2": 401.4, "sdpa-flash": 351.6}, "samples": {}, "errors": {}},
                     {"head_dim": 128, "label": "skewed 1x16k + 64x100", "causal": True, "heads": 16,
-                     "values": {"flashjit fa2": 380.0, "sdpa-flash": None}, "rounds": {},
+                     "values": {"flashjit fa2": 380.0, "sdpa-flash": None}, "samples": {},
                      "errors": {"sdpa-flash": "NotImplementedError: SDPA takes equal-length batches only"}}],
            "single_decode": {"kv_len": 32768, "us": 41.25, "gbps": 3254.2}}
     base = {"row": "GQA 64x4k 32/8", "batch": 64, "kv_len": 4096, "qo_heads": 32, "kv_heads": 8, "bytes": 1 << 29}
@@ -136,7 +136,7 @@ def synthetic() -> dict:
 def test_prefill_table_is_the_scripts_table():
     text = report.prefill_table(synthetic()["sections"]["prefill"])
     assert text.splitlines() == [
-        "device: NVIDIA H200, bf16, TFLOP/s, mean of 3 interleaved rounds", "",
+        "device: NVIDIA H200, bf16, TFLOP/s, median of 3 x reps samples per cell, taken in shuffled passes", "",
         "| head_dim | batch x S | causal | flashjit fa2 | sdpa-flash |", "|---|---|---|---|---|",
         "| 128 | 16 x 1024 | False | 401 | 352 |",
         "| 128 | skewed 1x16k + 64x100 | True | 380 | n/a |", "",

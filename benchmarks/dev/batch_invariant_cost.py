@@ -2,8 +2,8 @@
 benchmarks/decode.py, measured beside normal mode in one run on one GPU.
 
 Prefill: the ragged wrapper, backend auto (fa3 on sm_90a), normal against
-batch_invariant=True, TFLOP/s as prefill.py (mean of --rounds interleaved
-rounds). Decode: the paged decode wrapper with use_tensor_cores False and True
+batch_invariant=True, TFLOP/s as prefill.py (median of its samples, taken in
+shuffled passes). Decode: the paged decode wrapper with use_tensor_cores False and True
 (normal) against batch_invariant=True, µs per call as decode.py (median of
 CUDA-graph samples). The last column is the mode's time against the faster
 normal cell, + meaning slower. --chunks times the mode at other split-KV chunk

@@ -6,21 +6,24 @@ batch * seqlen = 16k tokens, heads * head_dim = 2048, bf16, TFLOP/s =
 (flashjit, FlashInfer) and SDPA's batched call. A skewed ragged batch (one long
 request among many short ones) and a long-context single decode close the table.
 
-Each row's implementations are timed in `rounds` rounds, one after another
-within a round and in reverse order every other round; a cell is the mean of
-its rounds (why: timing.round_orders; single timings of one kernel differed by
-up to 9%, benchmarks/results/2026-11-22-h200-prefill-order.md).
+Each row's implementations are timed sample by sample, in `rounds` x reps
+passes that take one sample of each in a fresh random order; a cell is the
+median of its samples (timing.shuffled_ms: timed as whole cells, a kernel's
+time depended on its place and on the kernel before it, up to 9% in
+benchmarks/results/2026-11-22-h200-prefill-order.md and 6.8% in
+2026-11-27-h200-mla-key-groups.md).
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 
 import torch
 
 import flashjit
 
-from .timing import bench_ms, round_orders
+from .timing import bench_ms, shuffled_ms
 
 SKEWED_LABEL = "skewed 1x16k + 64x100"
 SINGLE_DECODE_KV = 32768
@@ -120,8 +123,8 @@ def rows(quick: bool = False, head_dims=None, seqlens=None, skewed: bool = True)
 
 
 def run_row(impls, qo_lens, kv_lens, h, d, causal, flops, reps, rounds) -> dict:
-    """{'values': {impl: mean TFLOP/s or None}, 'rounds': {impl: [TFLOP/s per round]},
-    'errors': {impl: why its cell is empty}}."""
+    """{'values': {impl: median TFLOP/s or None}, 'samples': {impl: [TFLOP/s per
+    sample]}, 'errors': {impl: why its cell is empty}}."""
     dtype = torch.bfloat16
     q = torch.randn(sum(qo_lens), h, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(sum(kv_lens), h, d, device="cuda", dtype=dtype) for _ in range(2))
@@ -135,17 +138,15 @@ def run_row(impls, qo_lens, kv_lens, h, d, causal, flops, reps, rounds) -> dict:
     for name, make in impls.items():
         try:
             fns[name] = make(qo_lens, kv_lens, h, d, causal, dtype)
-            rates[name] = []
+            fns[name](q, k, v)  # fails here, not in the middle of the timing
+            torch.cuda.synchronize()
         except Exception as exc:
             failed(name, exc)
-    for order in round_orders(list(fns), rounds):
-        for name in (n for n in order if n in fns):
-            try:
-                rates[name].append(flops / bench_ms(lambda: fns[name](q, k, v), reps=reps) / 1e9)
-            except Exception as exc:
-                failed(name, exc)
-    values = {name: sum(rates[name]) / len(rates[name]) if name in fns else None for name in impls}
-    return {"values": values, "rounds": {name: rates.get(name, []) for name in impls}, "errors": errors}
+    samples = shuffled_ms({name: (lambda fn=fn: fn(q, k, v)) for name, fn in fns.items()}, reps * rounds)
+    for name, ms in samples.items():
+        rates[name] = [flops / t / 1e9 for t in ms]
+    values = {name: flops / statistics.median(samples[name]) / 1e9 if name in fns else None for name in impls}
+    return {"values": values, "samples": {name: rates.get(name, []) for name in impls}, "errors": errors}
 
 
 def single_decode(kv_len: int = SINGLE_DECODE_KV) -> dict:

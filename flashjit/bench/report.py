@@ -56,7 +56,8 @@ def prefill_row_line(row: dict, impls: list[str]) -> str:
 
 def prefill_table(section: dict) -> str:
     impls = section["impls"]
-    lines = [f"device: {section['device']}, bf16, TFLOP/s, mean of {section['rounds']} interleaved rounds", "",
+    lines = [f"device: {section['device']}, bf16, TFLOP/s, median of {section['rounds']} x reps samples per cell, "
+             f"taken in shuffled passes", "",
              "| head_dim | batch x S | causal | " + " | ".join(impls) + " |", "|---|---|---|" + "---|" * len(impls)]
     lines += [prefill_row_line(row, impls) for row in section["rows"]]
     sd = section.get("single_decode")
