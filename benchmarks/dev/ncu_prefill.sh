@@ -6,7 +6,7 @@
 # folder DIR), and FlashInfer fa2 when importable. Reports (.ncu-rep, raw CSV,
 # SASS with stall samples) go to $OUT; a table of the throughput and stall
 # metrics that locate a loop's limit is printed last (ncu_ops.md: stall samples per
-# opcode).
+# opcode). INVARIANT=1 adds flashjit's call in batch-invariant mode.
 #   bash benchmarks/dev/ncu_prefill.sh ['Fa2Tiling(...)' ...]
 # Runs from any directory, in the repository root (a '@DIR' is relative to it);
 # $OUT (default ./ncu_out) is relative to the caller's directory.
@@ -27,6 +27,8 @@ profile() {  # name, extra profile_prefill.py arguments...
 }
 
 profile flashjit --no-flashinfer
+# INVARIANT=1: also the call planned in batch-invariant mode (fa3: the chunk-fold kernel).
+[ -n "${INVARIANT:-}" ] && profile flashjit_invariant --no-flashinfer --batch-invariant
 i=0
 for tiling in "$@"; do
   i=$((i + 1))

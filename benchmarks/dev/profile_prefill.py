@@ -5,7 +5,8 @@ Shape: 4 requests x 4096 tokens, head_dim 128 (`--head-dim`), 2048 / head_dim he
 `--shape B S` and `--causal` change it.
 `--templates DIR` renders from another templates/ copy (as fa2_tilings.py's --baseline-templates);
 `--tiling 'Fa2Tiling(...)'` replaces the d128 default tiling; `--no-flashinfer` skips FlashInfer;
-`--paged P` runs flashjit's paged prefill on the same K/V in pages of P slots (random order)."""
+`--paged P` runs flashjit's paged prefill on the same K/V in pages of P slots (random order);
+`--batch-invariant` plans flashjit's call in batch-invariant mode (fa3: the chunk-fold kernel)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ parser.add_argument("--causal", action="store_true")
 parser.add_argument("--backend", choices=["fa2", "fa3"], default="fa2")
 parser.add_argument("--head-dim", type=int, default=128)
 parser.add_argument("--paged", type=int, metavar="P", help="paged prefill, pages of P slots")
+parser.add_argument("--batch-invariant", action="store_true")
 args = parser.parse_args()
 if args.templates:
     use_templates(args.templates.resolve())
@@ -56,14 +58,16 @@ if args.paged:
     from paged_vs_ragged import paged_cache  # benchmarks/dev/
 
     cache, kv_indptr, indices, last = paged_cache(k, v, [s] * b, args.paged)
-    w = flashjit.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
+    w = flashjit.BatchPrefillWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
                                                      backend=args.backend)
-    w.plan(indptr, kv_indptr, indices, last, h, h, d, args.paged, causal=args.causal, q_data_type=torch.bfloat16)
+    w.plan(indptr, kv_indptr, indices, last, h, h, d, args.paged, causal=args.causal, q_data_type=torch.bfloat16,
+           batch_invariant=args.batch_invariant)
     w.run(q, cache)
 else:
-    w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
+    w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
                                                       backend=args.backend)
-    w.plan(indptr, indptr, h, h, d, causal=args.causal, q_data_type=torch.bfloat16)
+    w.plan(indptr, indptr, h, h, d, causal=args.causal, q_data_type=torch.bfloat16,
+           batch_invariant=args.batch_invariant)
     w.run(q, k, v)
 try:
     if args.no_flashinfer:
