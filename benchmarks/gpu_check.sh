@@ -5,12 +5,12 @@
 #   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla]
 # tests: GPU tests only; prefill: GPU tests and prefill.py --rounds 3;
 # mla: the MLA GPU tests (FLASHJIT_PREWARM_OPS=mla_paged: only MLA kernels built)
-# for the shipped fa3 tiling and for $MLA_VARIANT (default: whole-tile waits,
-# dev/pytest_mla_tiling.py), dev/mla_check.py on both, each also under compute-sanitizer
-# racecheck, synccheck and memcheck, dev/racecheck_barriers.py (racecheck on a
-# race-free named-barrier hand-off), then benchmarks/mla.py beside FlashInfer
-# with the variant read between shipped kernels (--baseline-templates templates
-# templates); SANITIZE_SHIPPED=0 runs the sanitizers on the variant alone;
+# for the shipped fa3 tiling and for each of $MLA_VARIANTS (';'-separated
+# Fa3MlaTiling(...) expressions; default: whole-tile waits; dev/pytest_mla_tiling.py),
+# dev/mla_check.py on each, each also under compute-sanitizer racecheck, synccheck
+# and memcheck (SANITIZE_SHIPPED=0: the variants alone), then benchmarks/mla.py
+# beside FlashInfer with the variants and a second column of the shipped kernel
+# (--baseline-templates templates: the spread an A/B must beat);
 # bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
 # compare: GPU tests, dev/fa2_tilings.py for each of $HEAD_DIMS (default 128; with
 # --baseline-templates $BASELINE_TEMPLATES when set, one or more folders, absolute
@@ -65,18 +65,22 @@ if [ "$MODE" = compare ]; then
   fi
 fi
 if [ "$MODE" = mla ]; then
-  variant=${MLA_VARIANT:-Fa3MlaTiling(stages=2)}
-  if [ -z "${SKIP_TESTS:-}" ]; then
-    FLASHJIT_ERROR_REPORT=$OUT/error_report_variant.json python3 benchmarks/dev/pytest_mla_tiling.py "$variant" \
-      -q --maxfail=30 --tb=short -m gpu -k mla tests -p no:cacheprovider >"$OUT/pytest_gpu_variant.log" 2>&1 || status=1
-    echo "gpu tests, $variant: $(tail -n 1 "$OUT/pytest_gpu_variant.log")"
-  fi
-  for tiling in "" "$variant"; do
-    tag=${tiling:+_variant}
+  IFS=';' read -r -a variants <<< "${MLA_VARIANTS:-Fa3MlaTiling(stages=2)}"
+  fa3_variant_args=()
+  for i in "${!variants[@]}"; do
+    variant=${variants[$i]}
+    fa3_variant_args+=(--fa3-variant "$variant")
+    [ -n "${SKIP_TESTS:-}" ] && continue
+    FLASHJIT_ERROR_REPORT=$OUT/error_report_variant$i.json python3 benchmarks/dev/pytest_mla_tiling.py "$variant" \
+      -q --maxfail=30 --tb=short -m gpu -k mla tests -p no:cacheprovider >"$OUT/pytest_gpu_variant$i.log" 2>&1 || status=1
+    echo "gpu tests, $variant: $(tail -n 1 "$OUT/pytest_gpu_variant$i.log")"
+  done
+  for tiling in "" "${variants[@]}"; do
+    tag=${tiling:+_$(echo "$tiling" | tr -c 'A-Za-z0-9=\n' '_')}
     timeout 300 python3 benchmarks/dev/mla_check.py --backends fa3 ${tiling:+--fa3-tiling "$tiling"} \
       >"$OUT/mla_check$tag.log" 2>&1 || status=1
     echo "mla_check fa3 ${tiling:-shipped}: $(tail -n 1 "$OUT/mla_check$tag.log")"
-    # SANITIZE_SHIPPED=0: the sanitizers on the variant alone (the shipped kernel's last clean run is a results file)
+    # SANITIZE_SHIPPED=0: the sanitizers on the variants alone (the shipped kernel's last clean run is a results file)
     [ -z "$tiling" ] && [ "${SANITIZE_SHIPPED:-1}" = 0 ] && continue
     for tool in racecheck synccheck memcheck; do
       timeout 420 compute-sanitizer --tool $tool --error-exitcode 1 python3 benchmarks/dev/mla_check.py --small \
@@ -84,9 +88,8 @@ if [ "$MODE" = mla ]; then
       echo "$tool ${tiling:-shipped}: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool$tag.log" | tail -n 1)"
     done
   done
-  timeout 300 python3 benchmarks/dev/racecheck_barriers.py --out "$OUT/racecheck_barriers" || status=1
-  timeout ${MLA_LIMIT:-420} python3 benchmarks/mla.py --baseline-templates templates templates \
-    --fa3-variant "$variant" --out "$OUT/mla.md" 2>"$OUT/mla.err" | grep "|" || status=1
+  timeout ${MLA_LIMIT:-420} python3 benchmarks/mla.py --baseline-templates templates "${fa3_variant_args[@]}" \
+    --out "$OUT/mla.md" 2>"$OUT/mla.err" | grep "|" || status=1
 fi
 if [ "$MODE" = prefill ]; then
   python3 benchmarks/prefill.py --rounds 3 --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | grep "|" || status=1
