@@ -83,26 +83,14 @@ class Fa3MlaTiling:
     per tile and rows per CTA are fixed by the wgmma shapes (the template
     checks them). key_groups: what the softmax consumer's S waits for, the
     whole tile (1) or each of that many groups of its nine 64-column blocks as
-    it lands (3: named barriers the loader arrives at, Fa3MlaTraits). handoff:
-    when the softmax consumer hands a tile's P to the other consumer, "pv"
-    once it has issued its own P.V, "s" once it has also issued the next
-    tile's S, "landed" once both have landed (Traits::kHandoff)."""
+    it lands (3: named barriers the loader arrives at, Fa3MlaTraits).
+    early_release: the softmax consumer gives a tile's slot back as its P.V of
+    the tile lands, not once the next tile's S has landed too."""
     stages: int
     keys_per_tile: int = 64
     rows_per_cta: int = 64
     key_groups: int = 1
-    handoff: str = "pv"
-
-    HANDOFFS = ("pv", "s", "landed")
-
-    def __post_init__(self):
-        if self.handoff not in self.HANDOFFS:
-            raise ValueError(f"Fa3MlaTiling.handoff: expected one of {self.HANDOFFS}, got {self.handoff!r}")
-
-    @property
-    def handoff_code(self) -> int:
-        """The template's kHandoff."""
-        return self.HANDOFFS.index(self.handoff)
+    early_release: bool = False
 
     def rescales(self, spec: KernelSpec) -> tuple[int, int]:
         """(keys per online-softmax rescale, merge rescales): one step per tile;

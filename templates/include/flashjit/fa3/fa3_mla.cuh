@@ -270,19 +270,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fa3::warpgroup_barrier(2);  // P_t of all four warps, for this warpgroup's wgmma
       rescale(factor);
       issue_pv(t);
-      // P_t and its factors go to the other consumer (Traits::kHandoff says
-      // when): the later, the more of its P.V runs beside the next softmax
-      // rather than ahead of S_{t+1} on the tensor cores.
-      if constexpr (Traits::kHandoff == 0) fa3::handoff_arrive(t);
+      fa3::handoff_arrive(t);  // P_t and its factors, to the other consumer
       if (t + 1 < num_tiles) {
         if constexpr (Traits::kKeyGroups == 1) wait_full(t + 1);
         issue_qk(t + 1);
       }
-      if constexpr (Traits::kHandoff == 1) fa3::handoff_arrive(t);
-      fa3::wait<0>();  // P.V_t (and S_{t+1}) landed
-      fa3::fence_operands(s);
-      if constexpr (Traits::kHandoff == 2) fa3::handoff_arrive(t);
-      release(t);
+      if constexpr (Traits::kEarlyRelease) {
+        // The slot goes back as P.V_t lands, while S_{t+1} (the next slot) runs.
+        if (t + 1 < num_tiles)
+          fa3::wait<1>();
+        else
+          fa3::wait<0>();
+        release(t);
+        fa3::wait<0>();
+        fa3::fence_operands(s);
+      } else {
+        fa3::wait<0>();  // P.V_t (and S_{t+1}) landed
+        fa3::fence_operands(s);
+        release(t);
+      }
     }
   } else {
     for (int t = 0; t < num_tiles; ++t) {

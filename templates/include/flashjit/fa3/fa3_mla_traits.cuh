@@ -11,7 +11,7 @@
 
 namespace flashjit {
 
-template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, int kHandoff_ = 0>
+template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false>
 struct Fa3MlaTraits {
   using DType = DType_;
   static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
@@ -28,10 +28,10 @@ struct Fa3MlaTraits {
   // loop between one S's wgmma makes ptxas serialize every wgmma (C7515).
   static constexpr int kKeyGroups = kKeyGroups_;
   static constexpr int kBlocksPerGroup = kBlocks / kKeyGroups;
-  // When the softmax consumer hands tile t's P and factors to the other: 0
-  // once it has issued its own P.V of the tile, 1 once it has also issued the
-  // next tile's S, 2 once both have landed.
-  static constexpr int kHandoff = kHandoff_;
+  // When the softmax consumer gives tile t's slot back: once its P.V of the
+  // tile has landed (early), or once the next tile's S, issued behind it, has
+  // landed too.
+  static constexpr bool kEarlyRelease = kEarlyRelease_;
   static constexpr int kGroupBarrier0 = 6;  // 0 __syncthreads, 1 the consumers, 2 and 3 a warpgroup's, 4 and 5 the hand-off
 
   // One wgmma M of packed rows (query token x head) per CTA, shared by both
@@ -77,7 +77,6 @@ struct Fa3MlaTraits {
                 "fa3 MLA takes __half or __nv_bfloat16");
   static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
   static_assert(kKeyGroups >= 1 && kBlocks % kKeyGroups == 0, "key groups of whole 64-column blocks");
-  static_assert(kHandoff >= 0 && kHandoff <= 2, "hand-off after the P.V issue, the next S's issue or both landed");
   static_assert(kKeyGroups == 1 || kGroupBarrier0 + kStages * kKeyGroups <= 16, "named barrier ids 0 .. 15");
   static_assert(kKeysPerTile * 2 == 128 && kKpeDim == 64, "P's row of keys is one 128-byte block, as a kpe row");
 };
