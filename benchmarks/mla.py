@@ -3,8 +3,8 @@ GPU: flashjit's fa2 and (on sm_90a) fa3 kernels beside FlashInfer's
 BatchMLAPagedAttentionWrapper (backend fa2 and fa3) when importable, each row's
 cells timed sample by sample in a fresh random order per pass
 (flashjit.bench.timing.shuffled_ms: a column's place in the table does not
-decide which kernel runs before it); a cell is the median of its samples. GB/s counts the ckv and kpe bytes the batch reads once;
-TFLOP/s counts 2 * heads * kv_len * (576 + 512) per request. Every cell's
+decide which kernel runs before it); a cell is the median of its samples.
+GB/s counts the ckv and kpe bytes the batch reads once; TFLOP/s counts 2 * heads * kv_len * (576 + 512) per request. Every cell's
 output is first checked against float64 within flashjit's mla_paged profile.
 
 --baseline-templates DIR [DIR ...] adds a column of flashjit fa3 per folder,

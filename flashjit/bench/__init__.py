@@ -36,7 +36,8 @@ def add_arguments(parser, positive_int) -> None:
     parser.add_argument("--peers", nargs="*", choices=PEERS,
                         help="the other libraries to time (default: every one that imports; --peers alone: "
                              "flashjit alone); decode has no SDPA column (SDPA reads no paged cache)")
-    parser.add_argument("--rounds", type=positive_int, default=3, help="prefill: timed samples per cell, in reps per row x this many shuffled passes")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="prefill: passes of reps samples per cell, every cell once a pass in shuffled order")
     parser.add_argument("--reps", type=positive_int, default=50, help="decode: timed samples per cell (median)")
 
 

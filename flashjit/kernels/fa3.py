@@ -107,8 +107,9 @@ class Fa3MlaTiling:
 
 # Two stages: Q and two 72 KB tiles of [ckv | kpe] rows fill the SM's shared memory.
 # Key groups of three blocks: 3.8-5.6% faster on every row of benchmarks/mla.py
-# than waiting for whole tiles; slots given back as their P.V lands: another
-# 0.6-1.7% (benchmarks/results/2026-11-27-h200-mla-key-groups.md).
+# than waiting for whole tiles (benchmarks/results/2026-11-27-h200-mla-key-groups.md);
+# slots given back as their P.V lands: another 0.6-1.7%
+# (2026-11-27-h200-mla-handoff-and-release.md).
 MLA_TILING = Fa3MlaTiling(stages=2, key_groups=3, early_release=True)
 
 
