@@ -83,6 +83,14 @@ def rendered_from(folder):
         jit._modules.clear()
 
 
+def parse_fa3_mla_tiling(text: str):
+    """The kernels.fa3.Fa3MlaTiling a command line names, e.g.
+    'Fa3MlaTiling(stages=2, key_groups=1)'."""
+    from flashjit.kernels.fa3 import Fa3MlaTiling
+
+    return eval(text, {"Fa3MlaTiling": Fa3MlaTiling})
+
+
 @contextlib.contextmanager
 def fa3_mla_tiling(tiling):
     """Plans made inside load fa3 MLA kernels of `tiling` (a

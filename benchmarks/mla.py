@@ -4,21 +4,19 @@ BatchMLAPagedAttentionWrapper (backend fa2 and fa3) when importable, each row's
 cells timed sample by sample in a fresh random order per pass
 (flashjit.bench.timing.shuffled_ms: a column's place in the table does not
 decide which kernel runs before it); a cell is the median of its samples.
-GB/s counts the ckv and kpe bytes the batch reads once; TFLOP/s counts 2 * heads * kv_len * (576 + 512) per request. Every cell's
-output is first checked against float64 within flashjit's mla_paged profile.
+GB/s counts the ckv and kpe bytes the batch reads once; TFLOP/s counts
+2 * heads * kv_len * (576 + 512) per request. Every cell's output is first
+checked against float64 within flashjit's mla_paged profile.
 
 --baseline-templates DIR [DIR ...] adds a column of flashjit fa3 per folder,
 its kernels rendered from that templates/ folder (e.g. `git archive` of an
-earlier commit), for an A/B of a kernel change in one run. The first baseline
-column stands before the package's own fa3 column and the others after it.
-Naming the same folder twice, or this checkout's templates/, times identical
-kernels in two columns: the spread an A/B must beat.
+earlier commit), for an A/B of a kernel change in one run. Naming this
+checkout's templates/ times the shipped kernels in a second column: the spread
+an A/B must beat.
 
 --fa3-variant 'Fa3MlaTiling(...)' (repeatable) adds a column of flashjit fa3
 with that tiling (kernels.fa3.Fa3MlaTiling, e.g. key_groups=1), built into a
-cache of its own; variant columns follow the package's fa3 column and precede
-the second and later baselines, so `--baseline-templates templates templates
---fa3-variant ...` reads a variant between shipped kernels.
+cache of its own.
 
 Usage: python benchmarks/mla.py [--samples 60] [--out results.md] [--baseline-templates DIR [DIR ...]]
        [--fa3-variant 'Fa3MlaTiling(stages=2, key_groups=1)' ...]
@@ -33,12 +31,11 @@ import sys
 from pathlib import Path
 
 import torch
-from common import fa3_mla_tiling, rendered_from
+from common import fa3_mla_tiling, parse_fa3_mla_tiling, rendered_from
 
 import flashjit
 from flashjit.bench.timing import shuffled_ms
 from flashjit.error_model import mla_tolerance
-from flashjit.kernels.fa3 import Fa3MlaTiling
 
 # (label, batch, kv_len, heads, page_size)
 ROWS = [("128 x 4k, 16 heads, page 64", 128, 4096, 16, 64),
@@ -95,12 +92,12 @@ def main() -> int:
     if torch.cuda.get_device_capability() == (9, 0):
         baselines = [(f"flashjit fa3 baseline {i + 1}", flashjit, "fa3") for i in range(len(args.baseline_templates))]
         variants = [(f"flashjit fa3 variant {i + 1}", flashjit, "fa3") for i in range(len(args.fa3_variant))]
-        libs += baselines[:1] + [("flashjit fa3", flashjit, "fa3")] + variants + baselines[1:]
+        libs += [("flashjit fa3", flashjit, "fa3")] + variants + baselines
         for (name, _, _), folder in zip(baselines, args.baseline_templates):
             folders[name] = folder.resolve()
             print(f"{name}: kernels rendered from {folders[name]}", flush=True)
         for (name, _, _), text in zip(variants, args.fa3_variant):
-            tilings[name] = eval(text, {"Fa3MlaTiling": Fa3MlaTiling})
+            tilings[name] = parse_fa3_mla_tiling(text)
             print(f"{name}: {tilings[name]}", flush=True)
     try:
         import flashinfer

@@ -22,11 +22,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
-from common import fa3_mla_tiling
+from common import fa3_mla_tiling, parse_fa3_mla_tiling
 
 import flashjit
 from flashjit.error_model import mla_tolerance
-from flashjit.kernels.fa3 import Fa3MlaTiling
 
 SM_SCALE = 1 / math.sqrt(192)
 
@@ -80,7 +79,7 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help="two cases per backend (for compute-sanitizer)")
     parser.add_argument("--fa3-tiling", metavar="EXPR", help="run fa3 on this Fa3MlaTiling(...)")
     args = parser.parse_args()
-    tiling = eval(args.fa3_tiling, {"Fa3MlaTiling": Fa3MlaTiling}) if args.fa3_tiling else None
+    tiling = parse_fa3_mla_tiling(args.fa3_tiling) if args.fa3_tiling else None
     torch.manual_seed(0)
     worst = 0.0
     for backend in args.backends:

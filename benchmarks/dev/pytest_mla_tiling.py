@@ -12,18 +12,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
-from common import fa3_mla_tiling
+from common import fa3_mla_tiling, parse_fa3_mla_tiling
 
 import pytest
-
-from flashjit.kernels.fa3 import Fa3MlaTiling
 
 
 def main() -> int:
     if len(sys.argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
-    tiling = eval(sys.argv[1], {"Fa3MlaTiling": Fa3MlaTiling})
+    tiling = parse_fa3_mla_tiling(sys.argv[1])
     print(f"fa3 MLA tiling: {tiling}", flush=True)
     with fa3_mla_tiling(tiling):
         return int(pytest.main(sys.argv[2:]))

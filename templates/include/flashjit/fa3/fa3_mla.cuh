@@ -148,10 +148,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     tma::mbar_wait(full(t), (t / STAGES) & 1);
     fa3::fence_async_shared();
   };
-  // S = Q.K^T of tile t (issued and committed): after wait_full(t), or, where
-  // the tiling has key groups, waiting for each group before its k-steps. Its
-  // own wgmma.fence: S's registers were last written by the softmax.
+  // S = Q.K^T of tile t (issued and committed), once the tile has landed, or,
+  // where the tiling has key groups, waiting for each group before its
+  // k-steps. Its own wgmma.fence: S's registers were last written by the softmax.
   auto issue_qk = [&](int t) {
+    if constexpr (Traits::kKeyGroups == 1) wait_full(t);
     fa3::fence();
     const uint64_t q_desc = fa3::fresh(fa3::smem_desc(q_smem, 16, 1024));
     const uint64_t k_desc = fa3::smem_desc(slot_of(t), 16, 1024);
@@ -204,7 +205,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // the other, which multiplies its half when they arrive.
   if (softmax_wg) {
     if (num_tiles > 0) {
-      if constexpr (Traits::kKeyGroups == 1) wait_full(0);
       issue_qk(0);
       fa3::wait<0>();
       fa3::fence_operands(s);
@@ -271,10 +271,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       rescale(factor);
       issue_pv(t);
       fa3::handoff_arrive(t);  // P_t and its factors, to the other consumer
-      if (t + 1 < num_tiles) {
-        if constexpr (Traits::kKeyGroups == 1) wait_full(t + 1);
-        issue_qk(t + 1);
-      }
+      if (t + 1 < num_tiles) issue_qk(t + 1);
       if constexpr (Traits::kEarlyRelease) {
         // The slot goes back as P.V_t lands, while S_{t+1} (the next slot) runs.
         if (t + 1 < num_tiles)
