@@ -314,28 +314,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     lse[r] = sum > 0.f ? m_ref[r] + log2f(sum) : kNegInf;
   }
 
-  // Traits::kStagedStore: each warp's rows through its own 8 KB of the Q tile,
-  // 16-byte stores (split-KV partials, and an output whose rows are not 16-byte
-  // aligned, take the fragments' own stores).
-  const bool staged = Traits::kStagedStore && w.split < 0 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0 &&
-                      p.o_stride_n % 8 == 0 && p.o_stride_h % 8 == 0;
-  if (staged) {
-    unsigned char* stage = smem + Traits::kQOffset + (4 * c + wq) * Traits::kStageBytesPerWarp;
-    fa3::store_mla_rows_staged<Traits>(p, w, o, inv_l, stage, w.row_begin + 16 * wq, c * WG_COLS, rows_total);
-  }
   const auto packed = w.packed_rows();
   const int col0 = c * WG_COLS + 2 * tq;
-  const bool writes_lse = softmax_wg && tq == 0;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = w.row_begin + row_in_cta[r];
     if (row >= rows_total) continue;
     int token, head;
     packed.locate(row, token, head);
-    if (!staged)
-      fa2::store_mla_row<T, Traits::kVoDim, Traits::kLse>(p, w, token, head, o, r, inv_l[r], lse[r], col0, writes_lse);
-    else if (Traits::kLse && p.lse != nullptr && writes_lse)
-      p.lse[int64_t(token) * p.lse_stride_n + head] = lse[r];
+    fa2::store_mla_row<T, Traits::kVoDim, Traits::kLse>(p, w, token, head, o, r, inv_l[r], lse[r], col0,
+                                                        softmax_wg && tq == 0);
   }
 }
 

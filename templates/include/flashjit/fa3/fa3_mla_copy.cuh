@@ -1,7 +1,6 @@
-// What the fa3 MLA kernel (fa3_mla.cuh) copies through shared memory: the
-// loader warpgroup's gather of [ckv | kpe] key rows from the pages, the
-// consumers' barriers (their Q rows come by fa2::copy_mla_q), and the staged
-// store of the output.
+// What the fa3 MLA kernel (fa3_mla.cuh) copies into shared memory: the loader
+// warpgroup's gather of [ckv | kpe] key rows from the pages, and the consumers'
+// barrier (their Q rows come by fa2::copy_mla_q).
 #pragma once
 #include <stdint.h>
 #include "flashjit/common/async_copy.cuh"
@@ -114,41 +113,6 @@ struct MlaGather : fa2::MlaCacheRows<typename Traits::DType> {
     }
   }
 };
-
-// One consumer warp's 16 rows of O (its warpgroup's 256 columns from
-// col_begin), normalised and rounded to T, to the output through `stage`, 8 KB
-// of the Q tile (free once the last S has landed): the fragments into 16 rows
-// of 512 bytes (16-byte chunk n of row r at n ^ (r % 8), so that neither the
-// fragment stores nor a row's reads share a bank), then 16-byte stores, a row's
-// 32 chunks a pass. A thread's 64 four-byte stores straight from its fragments
-// had throttled the global store path (benchmarks/results/2026-11-27-h200-mla-fa3-ncu-shipped.md).
-template <class Traits, int NT>
-__device__ __forceinline__ void store_mla_rows_staged(const FlashjitAttentionParams& p, const CtaWork& w,
-                                                      const float (&o)[NT][4], const float (&inv_l)[2],
-                                                      unsigned char* stage, int warp_row0, int col_begin,
-                                                      int rows_total) {
-  using T = typename Traits::DType;
-  constexpr int kRowBytes = NT * 8 * int(sizeof(T)), kChunks = kRowBytes / 16;
-  static_assert(kChunks == 32, "a warp stores one row's 32 chunks a pass");
-  const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-  __syncwarp();
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const int at = g * kRowBytes + ((n ^ g) << 4) + tq * 4;  // rows g and g + 8 share g's swizzle
-    *reinterpret_cast<uint32_t*>(stage + at) = fa2::pack2<T>(o[n][0] * inv_l[0], o[n][1] * inv_l[0]);
-    *reinterpret_cast<uint32_t*>(stage + at + 8 * kRowBytes) = fa2::pack2<T>(o[n][2] * inv_l[1], o[n][3] * inv_l[1]);
-  }
-  __syncwarp();
-  T* out = static_cast<T*>(p.o) + col_begin + lane * 8;
-  auto rows = w.packed_rows().template walk<1>(warp_row0, p.o_stride_n, p.o_stride_h);
-#pragma unroll
-  for (int r = 0; r < 16; ++r) {
-    if (warp_row0 + r < rows_total)
-      *reinterpret_cast<uint4*>(out + rows.offset) =
-          *reinterpret_cast<const uint4*>(stage + r * kRowBytes + ((lane ^ (r % 8)) << 4));
-    rows.next();
-  }
-}
 
 }  // namespace fa3
 

@@ -11,8 +11,7 @@
 
 namespace flashjit {
 
-template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false,
-          bool kStagedStore_ = false>
+template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false>
 struct Fa3MlaTraits {
   using DType = DType_;
   static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
@@ -33,9 +32,6 @@ struct Fa3MlaTraits {
   // tile has landed (early), or once the next tile's S, issued behind it, has
   // landed too.
   static constexpr bool kEarlyRelease = kEarlyRelease_;
-  // The output (not split-KV partials) through shared memory, 16 bytes a lane
-  // (fa3::store_mla_rows_staged), or straight from each thread's fragments.
-  static constexpr bool kStagedStore = kStagedStore_;
   static constexpr int kGroupBarrier0 = 6;  // 0 __syncthreads, 1 the consumers, 2 and 3 a warpgroup's, 4 and 5 the hand-off
 
   // One wgmma M of packed rows (query token x head) per CTA, shared by both
@@ -46,8 +42,6 @@ struct Fa3MlaTraits {
   static constexpr int kKeysPerTile = 64;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kColsPerWarpgroup = kVoDim / kConsumerWarpgroups;
-  // The staged output: a consumer warp's 16 rows of its warpgroup's columns.
-  static constexpr int kStageBytesPerWarp = 16 * kColsPerWarpgroup * int(sizeof(DType));
   static constexpr int kLoaderThreads = 128;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
@@ -85,8 +79,6 @@ struct Fa3MlaTraits {
   static_assert(kKeyGroups >= 1 && kBlocks % kKeyGroups == 0, "key groups of whole 64-column blocks");
   static_assert(kKeyGroups == 1 || kGroupBarrier0 + kStages * kKeyGroups <= 16, "named barrier ids 0 .. 15");
   static_assert(kKeysPerTile * 2 == 128 && kKpeDim == 64, "P's row of keys is one 128-byte block, as a kpe row");
-  static_assert(kConsumerWarps * kStageBytesPerWarp <= kTileBytes,
-                "the staged output (every consumer warp's 16 rows) fits in Q's tile");
 };
 
 }  // namespace flashjit
