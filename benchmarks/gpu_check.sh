@@ -2,7 +2,7 @@
 # GPU check in one call: info, GPU tests (prewarm + numerical sweep), JIT
 # benchmarks, prefill/decode benchmarks. Run from the repository root; logs and
 # reports go to $OUT (or ./gpu_out); a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla]
+#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla|invariant]
 # tests: GPU tests only; prefill: GPU tests and prefill.py --rounds 3;
 # mla: the MLA GPU tests (FLASHJIT_PREWARM_OPS=mla_paged: only MLA kernels built)
 # for the shipped fa3 tiling and for each of $MLA_VARIANTS (';'-separated
@@ -11,6 +11,8 @@
 # and memcheck (SANITIZE_SHIPPED=0: the variants alone), then benchmarks/mla.py
 # beside FlashInfer with the variants and a second column of the shipped kernel
 # (--baseline-templates templates: the spread an A/B must beat);
+# invariant: the batch-invariant GPU tests, then dev/batch_invariant_cost.py
+# with $INVARIANT_ARGS (default: every prefill and decode row);
 # bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
 # compare: GPU tests, dev/fa2_tilings.py for each of $HEAD_DIMS (default 128; with
 # --baseline-templates $BASELINE_TEMPLATES when set, one or more folders, absolute
@@ -19,7 +21,8 @@
 # decode.py (with $BASELINE_TEMPLATES: dev/decode_tilings.py, the shipped decode
 # tiling from each folder and from this tree in one run), each step under a time
 # limit.
-# SKIP_TESTS=1 leaves out the GPU tests, SKIP_DECODE=1 decode.py. FlashInfer comes
+# SKIP_TESTS=1 leaves out the GPU tests, SKIP_DECODE=1 decode.py, SKIP_BENCH=1 the
+# invariant mode's benchmark. FlashInfer comes
 # from .whl/site.txz (benchmarks/pack_flashinfer.sh) or wheels in .whl/.
 set -uo pipefail
 MODE=${1:-full}
@@ -40,6 +43,15 @@ test_rc=skipped
 if [ "$MODE" != bench ] && [ -z "${SKIP_TESTS:-}" ]; then
 selection=()
 [ "$MODE" = mla ] && selection=(-k mla) && export FLASHJIT_PREWARM_OPS=mla_paged
+if [ "$MODE" = invariant ]; then  # its tests load kernels outside the sweep's prewarm: build them in one run first
+  selection=(-k invariant)
+  ops="single_prefill single_decode batch_prefill_ragged batch_prefill_paged batch_decode_paged"
+  { python3 -m flashjit prewarm --batch-invariant --op $ops --dtype bf16 fp16 fp32 --head-dim 64 128 256 \
+      --backend auto fa2 --causal on &&
+    python3 -m flashjit prewarm --op batch_prefill_ragged batch_decode_paged --dtype bf16 --head-dim 64 128 256 \
+      --tensor-cores both --causal both; } >"$OUT/prewarm_invariant.log" 2>&1 || status=1
+  echo "prewarm (batch-invariant kernels): $(tail -n 1 "$OUT/prewarm_invariant.log") in $(( $(date +%s) - start )) s"
+fi
 python3 -m pytest -q --maxfail=30 --tb=short -m gpu tests "${selection[@]}" -p no:cacheprovider --durations=5 2>&1 \
   | tee "$OUT/pytest_gpu.log" | tail -25
 test_rc=${PIPESTATUS[0]}
@@ -91,10 +103,15 @@ if [ "$MODE" = mla ]; then
   timeout ${MLA_LIMIT:-420} python3 benchmarks/mla.py --baseline-templates templates "${fa3_variant_args[@]}" \
     --out "$OUT/mla.md" 2>"$OUT/mla.err" | grep "|" || status=1
 fi
+if [ "$MODE" = invariant ] && [ -z "${SKIP_BENCH:-}" ]; then
+  timeout ${INVARIANT_LIMIT:-480} python3 benchmarks/dev/batch_invariant_cost.py ${INVARIANT_ARGS:-} \
+    --out "$OUT/batch_invariant_cost.md" --json "$OUT/batch_invariant_cost.json" 2>"$OUT/batch_invariant_cost.err" \
+    | grep "|" || status=1
+fi
 if [ "$MODE" = prefill ]; then
   python3 benchmarks/prefill.py --rounds 3 --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | grep "|" || status=1
 fi
-if [ "$MODE" = tests ] || [ "$MODE" = compare ] || [ "$MODE" = prefill ] || [ "$MODE" = mla ]; then
+if [ "$MODE" = tests ] || [ "$MODE" = compare ] || [ "$MODE" = prefill ] || [ "$MODE" = mla ] || [ "$MODE" = invariant ]; then
   summarize_errors || status=1
   echo "== summary: gpu tests rc=$test_rc, overall status=$status"
   exit $status
