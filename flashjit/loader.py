@@ -16,7 +16,7 @@ from pathlib import Path
 from .errors import FlashjitError, KernelLaunchError
 from .spec import UTILITY_OPS, KernelSpec
 
-ABI_VERSION = 8  # FLASHJIT_ABI_VERSION in templates/include/flashjit/common/attention_params.cuh
+ABI_VERSION = 7  # FLASHJIT_ABI_VERSION in templates/include/flashjit/common/attention_params.cuh
 
 # A launch block's head: the stream, in front of the params (FlashjitAttentionLaunch).
 LAUNCH_HEAD = struct.Struct("=Q")
@@ -35,7 +35,7 @@ class AttentionParams(ctypes.Structure):
         ("work", _p), ("merge_indptr", _p), ("partial_o", _p), ("partial_lse", _p),
         ("num_work", _i32), ("qo_len", _i32), ("kv_len", _i32), ("num_splits", _i32), ("kv_chunk", _i32),
         ("band_items", _i32),
-        ("num_qo_heads", _i32), ("num_kv_heads", _i32), ("page_size", _i32), ("row_tile", _i32),
+        ("num_qo_heads", _i32), ("num_kv_heads", _i32), ("page_size", _i32),
         ("q_stride_n", _i64), ("q_stride_h", _i64),
         ("k_stride_n", _i64), ("k_stride_h", _i64), ("k_stride_page", _i64),
         ("v_stride_n", _i64), ("v_stride_h", _i64), ("v_stride_page", _i64),

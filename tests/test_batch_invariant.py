@@ -19,7 +19,7 @@ from flashjit.ops import _batch, _calls, _invariant, _launch
 from flashjit.ops._invariant import CHUNK_KEYS as C
 from helpers_cache import needs_nvcc, no_compile, set_cache_env  # noqa: F401 (no_compile: a fixture)
 from test_backend_choice import sass
-from test_bad_input_wrappers import _i32, _on_fake_cuda, _workspace
+from test_bad_input_wrappers import _i32, _workspace
 
 
 @pytest.fixture(autouse=True)
@@ -251,66 +251,10 @@ def test_fold_scratch_fits_the_persistent_grid(planned):
         assert base == w._workspace.data_ptr() and w._workspace.numel() * w._workspace.element_size() >= need
 
 
-def _module(backend="fa3", head_dim=128, split_align=128):
-    return SimpleNamespace(spec=SimpleNamespace(backend=backend, head_dim_qk=head_dim), split_align=split_align)
-
-
 def test_chunk_size():
-    assert _invariant.chunk_keys(None, True, _module()) == C
-    assert _invariant.chunk_keys(100, True, _module(split_align=64)) == 128  # a fixed split, rounded up to the tile
-    assert _invariant.chunk_keys(None, False, _module(split_align=64)) == 0  # disable_split_kv
-    # One chunk per backend and head_dim: fa3 at 256 takes 4096 keys, every other kernel C.
-    assert _invariant.chunk_keys(None, True, _module(head_dim=256, split_align=64)) == 4096
-    assert _invariant.chunk_keys(None, True, _module("fa2", 256, 64)) == C
-    assert _invariant.chunk_keys(3000, True, _module(head_dim=256, split_align=64)) == 3008
-
-
-def test_row_tile_fills_a_wave_where_a_decode_grid_is_short():
-    from flashjit.kernels import fa3
-
-    # Only one-consumer fa3 kernels honour params.row_tile (work.cuh, kRowTile): the decode tilings.
-    assert all(t.consumers == 1 for t in fa3.FA3_DECODE_TILINGS.values())
-    assert all(t.consumers == 2 for t in fa3.FA3_TILINGS.values())
-    assert _invariant.row_tile(64, 4, 64, 132) == 2  # 1 x 32k, 8 KV heads, chunks of 4096: 128 CTAs
-    assert _invariant.row_tile(8, 4, 64, 132) == 1
-    assert _invariant.row_tile(8, 6, 64, 132) == 1
-    assert _invariant.row_tile(40, 6, 64, 132) == 2  # three cuts of two rows
-    assert _invariant.row_tile(128, 4, 64, 132) == 0  # the grid fills a wave
-    assert _invariant.row_tile(2, 1, 64, 132) == 0  # MHA: one row per KV head
-    assert _invariant.row_tile(2, 128, 64, 132) == 1  # MQA: two tiles of 64 rows, cut to a row each
-    assert _invariant.row_tile(100, 128, 64, 132) == 0  # 50 tokens' tiles: cut in two, still 64 rows
-
-
-def test_decode_rows_cut_across_ctas_cover_every_row_once_per_chunk():
-    """A short decode grid cuts each KV head's query rows into tiles of
-    row_tile rows; every token still merges the chunks it sees, and a batch
-    that fills the wave keeps whole tiles. CUDA graphs fix the tile at the
-    first plan (rows=...)."""
-    kw = dict(group=4, rows_per_cta=64, num_kv_heads=8, resident_ctas=132, chunk=2 * C, causal=True)
-    cut = _invariant.plan([1], [16 * C], rows=None, **kw)
-    assert cut.row_tile == 2 and cut.kv_chunk == 2 * C and cut.merge_indptr == [0, 8]
-    assert _request_items(cut, 0) == sorted((t, s, 2 * C) for t in (0, 1) for s in range(8))
-    assert _invariant.plan([1], [16 * C], rows=2, **kw) == cut
-    whole = _invariant.plan([1], [16 * C], **kw)
-    assert whole.row_tile == 0 and len(whole.items) == 8
-    assert _invariant.plan([1] * 32, [16 * C] * 32, rows=None, **kw).row_tile == 0  # 2048 CTAs
-    assert _invariant.plan([3], [16 * C], rows=None, **kw).row_tile == 0  # prefill rows: never cut
-    assert _invariant.plan([1], [16 * C], rows=None, max_items=10, **kw) == whole  # no room to cut
-
-
-def test_graph_decode_plan_keeps_its_first_row_tile(planned):
-    """Under CUDA graphs a captured launch keeps its params: the row tile of
-    the first plan stays, and the capacity has room for its tiles."""
-    pages = lambda n: (_i32(0, -(-n // 16)), torch.arange(-(-n // 16), dtype=torch.int32), _i32((n - 1) % 16 + 1))
-    workspace = _on_fake_cuda(torch.empty(1 << 20, dtype=torch.uint8))
-    w = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace, use_cuda_graph=True,
-                                                    paged_kv_indices_buffer=_on_fake_cuda(torch.empty(4096, dtype=torch.int32)))
-    w._device = torch.device("cpu")
-    for n in (3 * C + 1, 30 * C):  # 8 CTAs (rows cut in four), then 60 (cut kept)
-        w.plan(*pages(n), 8, 2, 128, 16, q_data_type=torch.bfloat16, batch_invariant=True)
-    (_, first), (_, second) = planned
-    assert first.row_tile == second.row_tile == 1 and w._capacity[3] == 1
-    assert len(second.items) == 4 * 30
+    assert _invariant.chunk_keys(None, True, 128) == C
+    assert _invariant.chunk_keys(100, True, 64) == 128  # a fixed split, rounded up to the kernel's tile
+    assert _invariant.chunk_keys(None, False, 64) == 0  # disable_split_kv
 
 
 def _request_items(plan, request):

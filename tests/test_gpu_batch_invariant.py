@@ -22,12 +22,6 @@ from test_gpu_attention import randn
 pytestmark = pytest.mark.gpu
 
 C = _invariant.CHUNK_KEYS
-
-
-def chunk_of(head_dim: int, backend: str = "auto") -> int:
-    """The mode's chunk for the kernels `backend` resolves to (auto: fa3 on sm_90a)."""
-    resolved = "fa3" if backend == "auto" and _sm90a_only() else backend
-    return _invariant.KERNEL_CHUNK_KEYS.get((resolved, head_dim), C)
 BACKENDS = ["auto", "fa2"]  # auto: fa3 on sm_90a; fa2 everywhere (on sm_90a its ragged tilings are the wide ones)
 
 
@@ -227,8 +221,7 @@ def test_long_prompt_across_chunk_boundaries(backend, head_dim):
     if backend == "fa2" and head_dim == 256 and _sm90a_only():
         pytest.skip("fa2 on sm_90a: ragged d256 takes 64-key tiles, paged 32 (docs/numerics.md)")
     torch.manual_seed(head_dim)
-    c = chunk_of(head_dim, backend)
-    n = 2 * c + 300
+    n = 2 * C + 300
     prompt = Request(n, n, HEADS, head_dim, torch.bfloat16)
     out, lse = ragged([prompt], backend)[0]
     check_reference(out, lse, prompt, torch.bfloat16, head_dim, "ragged")
@@ -243,7 +236,7 @@ def test_long_prompt_across_chunk_boundaries(backend, head_dim):
                                                    batch_invariant=True)
     assert_same(single, out, "single_prefill")
     picks = random.Random(head_dim).sample(range(n), 8)
-    rows = sorted({0, 1, c - 2, c - 1, c, c + 1, 2 * c - 1, 2 * c, 2 * c + 1, n - 1, *picks})
+    rows = sorted({0, 1, C - 2, C - 1, C, C + 1, 2 * C - 1, 2 * C, 2 * C + 1, n - 1, *picks})
     steps = [prompt.step(j) for j in rows]
     for tc in (False, True):
         got = paged_decode(steps, 16, backend, tensor_cores=tc)
@@ -262,9 +255,8 @@ def test_chunks_folded_in_the_kernel_or_split(monkeypatch, head_dim):
     bits, through ragged and paged prefill and the single-request op; decode
     (which splits under both policies: ops._invariant.folds) against them."""
     torch.manual_seed(head_dim + 1)
-    c = chunk_of(head_dim)
-    prompts = [Request(n, n, HEADS, head_dim, torch.bfloat16) for n in (3 * c + 77, c + 1, 300)]
-    decodes = [Request(1, kv, HEADS, head_dim, torch.bfloat16) for kv in (3 * c + 5, 2 * c, c + 1, 64)] * 8
+    prompts = [Request(n, n, HEADS, head_dim, torch.bfloat16) for n in (3 * C + 77, C + 1, 300)]
+    decodes = [Request(1, kv, HEADS, head_dim, torch.bfloat16) for kv in (3 * C + 5, 2 * C, C + 1, 64)] * 8
     got = {}
     for policy in ("always", "never"):
         monkeypatch.setattr(_invariant, "fold_policy", policy)

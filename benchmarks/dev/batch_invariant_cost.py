@@ -7,7 +7,7 @@ shuffled passes). Decode: the paged decode wrapper with use_tensor_cores False a
 (normal) against batch_invariant=True, µs per call as decode.py (median of
 CUDA-graph samples). The last column is the mode's time against the faster
 normal cell, + meaning slower. --chunks times the mode at other split-KV chunk
-sizes ("default": ops._invariant.default_chunk, per kernel); --split adds the first chunk
+sizes (ops._invariant.CHUNK_KEYS is the default); --split adds the first chunk
 with every request's chunks split across CTAs and merged (fold_policy "never":
 what the mode costs where the kernel does not fold them itself); every
 batch-invariant output is first checked against the normal one within the sum
@@ -17,7 +17,7 @@ of their profiles.
 decode rows (decode.py's rows are head_dim 128 only), --rows the rows whose
 label starts with one of the given strings.
 
-Usage: python benchmarks/dev/batch_invariant_cost.py [--quick] [--chunks default 4096] [--split] [--rounds 3] [--reps 30]
+Usage: python benchmarks/dev/batch_invariant_cost.py [--quick] [--chunks 4096] [--split] [--rounds 3] [--reps 30]
        [--only prefill decode] [--head-dims 64 128 256] [--decode-head-dims 128] [--rows LABEL ...]
        [--out FILE] [--json FILE]
 """
@@ -53,20 +53,18 @@ def ragged(batch_invariant: bool, variant):
 
 
 class chunk_size:
-    """The mode's chunk (None: its default for each kernel) and fold policy
-    set for one plan(); variant: (chunk, policy)."""
+    """The mode's default chunk and fold policy set for one plan(); variant:
+    (chunk, policy)."""
 
     def __init__(self, variant):
         self.chunk, self.policy = variant
 
     def __enter__(self):
-        self.saved = _invariant.default_chunk, _invariant.fold_policy
-        if self.chunk is not None:
-            _invariant.default_chunk = lambda spec, chunk=self.chunk: chunk
-        _invariant.fold_policy = self.policy
+        self.saved = _invariant.CHUNK_KEYS, _invariant.fold_policy
+        _invariant.CHUNK_KEYS, _invariant.fold_policy = self.chunk, self.policy
 
     def __exit__(self, *exc):
-        _invariant.default_chunk, _invariant.fold_policy = self.saved
+        _invariant.CHUNK_KEYS, _invariant.fold_policy = self.saved
 
 
 def check(name, out, ref, spec, q, k, v, kv_len):
@@ -160,8 +158,7 @@ def table(results, chunks) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="prefill d128 1k/4k, decode GQA 64x4k and 1x32k")
-    parser.add_argument("--chunks", nargs="+", default=["default"],
-                        help="chunks of keys to time the mode at ('default': ops._invariant.default_chunk)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[_invariant.CHUNK_KEYS])
     parser.add_argument("--split", action="store_true", help="also the first chunk with every request split")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=30)
@@ -177,10 +174,9 @@ def main() -> int:
         if "prefill" in args.only else []
     decode = [r for r in dec.ROWS if (not args.quick or r[0] in dec.QUICK_ROWS) and picked(r[0])] \
         if "decode" in args.only else []
-    # column label -> (chunk, fold policy); chunk None: the mode's default for each kernel
-    chunks = {c: (None if c == "default" else int(c), "auto") for c in args.chunks}
+    chunks = {str(c): (c, "auto") for c in args.chunks}  # column label -> (chunk, fold policy)
     if args.split:
-        chunks[f"{args.chunks[0]} split"] = (chunks[args.chunks[0]][0], "never")
+        chunks[f"{args.chunks[0]} split"] = (args.chunks[0], "never")
     results = []
     prefill_rows(plan, chunks, args.rounds, results)
     for head_dim in args.decode_head_dims:

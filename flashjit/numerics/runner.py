@@ -85,7 +85,7 @@ def single_kv_chunk(spec: KernelSpec, p: Problem) -> int | None:
     group, num_kv = p.q.shape[1] // p.k.shape[1], p.k.shape[1]
     qo_len = p.q.shape[0] if spec.op == "single_prefill" else 1
     ctas = -(-qo_len * group // module.rows_per_cta) * num_kv
-    chunk = _invariant.chunk_keys(None, True, module) if _invariant.env_setting() else 0
+    chunk = _invariant.chunk_keys(None, True, module.split_align) if _invariant.env_setting() else 0
     return _calls.single_request_split(p.kv_lens[0], ctas, _calls.resident_ctas(module, p.q.device), chunk)[1]
 
 

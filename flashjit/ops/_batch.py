@@ -85,7 +85,7 @@ class BatchAttention:
         self._plan: BatchPlan | None = None
         self._ints: torch.Tensor | None = None
         self._pages: torch.Tensor | None = None
-        self._capacity: tuple | None = None  # graph mode: (batch, tokens, work items, row tile)
+        self._capacity: tuple | None = None  # graph mode: (batch, tokens, work items)
         self._launches = Signatures()  # argument signature -> prepared run() (ops._calls), for the current plan
         self._own_partials: torch.Tensor | None = None  # batch-invariant partial state past the workspace
         self._qo_rows = "qo_indptr[-1]"  # what sets q's row count, for error messages
@@ -112,11 +112,7 @@ class BatchAttention:
         tokens = qo_indptr[-1]
         wave = resident_ctas(module, self._device)
         max_items = None
-        chunk = _invariant.chunk_keys(fixed_chunk, allow_split, module) if batch_invariant else 0
-        # fa3's batch-invariant decode may cut a KV head's query rows across
-        # CTAs (ops._invariant.row_tile): chosen here, or, under CUDA graphs,
-        # at the first plan (a captured launch keeps its params).
-        row_tile = None if chunk and module.spec.backend == "fa3" and module.spec.invariant_decode else 0
+        chunk = _invariant.chunk_keys(fixed_chunk, allow_split, module.split_align) if batch_invariant else 0
         if self._use_cuda_graph:
             if self._capacity is None:
                 slots = ceil_div(wave, num_kv_heads)
@@ -126,15 +122,10 @@ class BatchAttention:
                     # the page-id buffer can address (ragged: this plan's keys).
                     keys = self._page_buffer.shape[0] * page_size if page_size and self._page_buffer is not None \
                         else kv_indptr[-1]
-                    if row_tile is None:
-                        row_tile = _invariant.plan(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta,
-                                                   num_kv_heads=num_kv_heads, resident_ctas=wave, chunk=chunk,
-                                                   causal=spec.causal, rows=None).row_tile
-                    tiles = ceil_div(group, row_tile or module.rows_per_cta) if self._op == "batch_decode_paged" \
-                        else ceil_div(tokens * group, module.rows_per_cta)
+                    tiles = 1 if self._op == "batch_decode_paged" else ceil_div(tokens * group, module.rows_per_cta)
                     items += (ceil_div(keys, chunk) + batch) * tiles
-                self._capacity = (batch, tokens, items, row_tile or 0)
-            cap_batch, cap_tokens, max_items, row_tile = self._capacity
+                self._capacity = (batch, tokens, items)
+            cap_batch, cap_tokens, max_items = self._capacity
             if batch != cap_batch or tokens > cap_tokens:
                 raise ValueError(f"qo_indptr: with use_cuda_graph=True the batch is fixed at the first plan() "
                                  f"({cap_batch} requests, at most {cap_tokens} query tokens), got {batch} requests "
@@ -147,7 +138,7 @@ class BatchAttention:
         if batch_invariant:
             work = _invariant.plan(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta,
                                    num_kv_heads=num_kv_heads, resident_ctas=wave, chunk=chunk, causal=spec.causal,
-                                   max_items=max_items, fold=_invariant.folds(module.spec), rows=row_tile)
+                                   max_items=max_items, fold=_invariant.folds(module.spec))
             rows = work.partial_rows
             if work.folds:  # the fold scratch, in partial rows (num_qo_heads x (head_dim + 1) floats)
                 rows = ceil_div(_invariant.scratch_floats(wave, module.rows_per_cta, head_dim),
@@ -165,7 +156,7 @@ class BatchAttention:
         items = work.items
         merge_tokens = tokens if merge is not None else 0
         if self._use_cuda_graph:
-            _, cap_tokens, cap_items, _ = self._capacity
+            _, cap_tokens, cap_items = self._capacity
             merge = (merge or [0] * (tokens + 1)) + [merge[-1] if merge else 0] * (cap_tokens - tokens)
             items = items + [_EMPTY_ITEM] * (cap_items - len(items))
             merge_tokens = cap_tokens
@@ -282,7 +273,6 @@ class BatchAttention:
                              (plan.num_qo_heads * plan.head_dim, plan.head_dim), plan.num_qo_heads, *plan.scalars)
         # Negative: no CTA spans two chunks, the plain kernel runs (attention_params.cuh).
         params.invariant_chunk = plan.invariant_chunk if plan.work.folds else -plan.invariant_chunk
-        params.row_tile = plan.work.row_tile
         head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1,
                              0, plan.work.band_items)
         call = batch_call(plan.module, head + bytes(params)[PER_CALL.size:], self._device.index, v_offset, q,

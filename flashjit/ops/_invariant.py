@@ -29,7 +29,6 @@ Pure host arithmetic (no torch), so that the CPU tests check it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from .. import arch
@@ -44,18 +43,6 @@ ENV_VAR = "FLASHJIT_BATCH_INVARIANT"
 # first chunk in fp32 partial state and a merge pass (docs/numerics.md,
 # batch-invariant mode, has the table).
 CHUNK_KEYS = 2048
-# Kernels (backend, head_dim) with a chunk of their own. fa3 at head_dim 256:
-# a boundary costs its 64-key tiles more than at 128 (1 x 16384 prefill ran
-# 15-18% slower than normal mode at 2048 keys, 13% at 4096: benchmarks/results/
-# 2026-11-25-h200-batch-invariant-d256-chunk.md); the decodes that longer
-# chunks leave short of a wave get their query heads cut across CTAs (plan()).
-KERNEL_CHUNK_KEYS = {("fa3", 256): 4096}
-
-
-def default_chunk(spec) -> int:
-    """The mode's chunk of keys for a kernel: one for every op of a model (its
-    backend and head_dim), which is what makes those ops agree."""
-    return KERNEL_CHUNK_KEYS.get((spec.backend, spec.head_dim_qk), CHUNK_KEYS)
 
 # Decode ops run their backend's prefill kernel, as the spec of a decode op
 # with causal=True (spec.KernelSpec.invariant_decode: one query row sees every
@@ -161,15 +148,14 @@ def scratch_floats(resident_ctas: int, rows_per_cta: int, head_dim: int) -> int:
     return resident_ctas * rows_per_cta * (head_dim + 8)
 
 
-def chunk_keys(fixed_chunk: int | None, allow_split: bool, module) -> int:
-    """Keys per chunk (0: no split) of a launch of `module` (a loaded kernel:
-    its spec and split_align): the caller's fixed chunk, rounded up to the
-    kernel's tile, else default_chunk. Outputs agree across calls that use the
-    same chunk; the default is the same for every op of a backend and head_dim."""
+def chunk_keys(fixed_chunk: int | None, allow_split: bool, split_align: int) -> int:
+    """Keys per chunk (0: no split): the caller's fixed chunk, rounded up to the
+    kernel's tile, else CHUNK_KEYS. Outputs agree across calls that use the same
+    chunk; the default is the same for every op."""
     if not allow_split:
         return 0
-    align = max(int(module.split_align), 1)
-    chunk = int(fixed_chunk) if fixed_chunk is not None else default_chunk(module.spec)
+    align = max(int(split_align), 1)
+    chunk = int(fixed_chunk) if fixed_chunk is not None else CHUNK_KEYS
     return ceil_div(max(chunk, 1), align) * align
 
 
@@ -208,47 +194,16 @@ def _fold_plan(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads:
     return unsplit_plan(base, heads, slots, kv_chunk=chunk if folds else 0, folds=folds)
 
 
-def row_tile(ctas: int, group: int, rows_per_cta: int, resident_ctas: int) -> int:
-    """Query rows per tile for a decode launch of `ctas` CTAs (each holding a
-    KV head's `group` rows of one token) that leaves SMs idle: the group cut
-    into as many tiles as the wave has room for, each CTA reading the same keys
-    (the second reader finds them in L2); 0 (the kernel's rows per CTA) where
-    the grid fills a wave or a group has one row. A row's arithmetic does not
-    depend on its CTA, so the bits stay the same."""
-    tiles = ceil_div(group, rows_per_cta)  # a token's tiles at the kernel's rows per CTA
-    cuts = min(group, resident_ctas // max(ctas // tiles, 1)) if ctas > 0 else 1
-    if cuts < 2:
-        return 0
-    rows = ceil_div(group, cuts)
-    return rows if rows < rows_per_cta else 0
-
-
 def plan(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, resident_ctas: int, chunk: int,
-         causal: bool, max_items: int | None = None, fold: bool = False,
-         rows: int | None = 0) -> WorkPlan:
+         causal: bool, max_items: int | None = None, fold: bool = False) -> WorkPlan:
     """The work plan of a batch in batch-invariant mode. fold (the kernel folds
     chunks itself: folds()): one item per query tile, its CTA folding its
     chunks, unless splitting them promises a shorter run (_fold_plan). Else
     each query tile is cut into as many chunk items as its last token's keys
     span; tiles that share a token (a group that does not divide rows_per_cta)
     take the larger count, so that every token's partial rows are written by
-    every item that covers it. rows (kernels that honour params.row_tile, on
-    decode batches): the query rows per tile, 0 for the kernel's, None to
-    choose them (row_tile(), where they fit max_items). ValueError where the
-    items do not fit max_items (chunks never grow here)."""
-    if rows is None:
-        whole = plan(qo_lens, kv_lens, group=group, rows_per_cta=rows_per_cta, num_kv_heads=num_kv_heads,
-                     resident_ctas=resident_ctas, chunk=chunk, causal=causal, max_items=max_items, fold=fold)
-        tile = row_tile(len(whole.items) * max(num_kv_heads, 1), group, rows_per_cta, resident_ctas) \
-            if all(n == 1 for n in qo_lens) else 0
-        cut = ceil_div(group, tile) if tile else 1
-        if not tile or (max_items is not None and len(whole.items) * cut > max_items):
-            return whole
-        rows = tile
-    if rows:
-        finer = plan(qo_lens, kv_lens, group=group, rows_per_cta=rows, num_kv_heads=num_kv_heads,
-                     resident_ctas=resident_ctas, chunk=chunk, causal=causal, max_items=max_items, fold=fold)
-        return dataclasses.replace(finer, row_tile=rows)
+    every item that covers it. ValueError where the items do not fit max_items
+    (chunks never grow here)."""
     if fold and chunk and fold_policy != "never":
         folded = _fold_plan(qo_lens, kv_lens, group=group, rows_per_cta=rows_per_cta, num_kv_heads=num_kv_heads,
                             resident_ctas=resident_ctas, chunk=chunk, causal=causal)

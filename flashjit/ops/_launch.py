@@ -101,7 +101,7 @@ def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_
     module = jit.get_module(spec)
     params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
                          window_left, cap)
-    chunk = _invariant.chunk_keys(None, True, module) if batch_invariant else 0
+    chunk = _invariant.chunk_keys(None, True, module.split_align) if batch_invariant else 0
     return single_request_call(module, params, q, k, v, kv_layout, num_qo_heads // num_kv_heads, q.dim() == 3,
                                bool(return_lse), invariant_chunk=chunk)
 

@@ -48,9 +48,6 @@ class WorkPlan:
     # Batch-invariant mode: some item's keys span several chunks, which its CTA
     # folds itself (ops._invariant.plan); the launch needs scratch at partial_o.
     folds: bool = False
-    # Batch-invariant decode on fa3: query rows per tile where a KV head's rows
-    # are cut across CTAs (params.row_tile); 0: the kernel's rows_per_cta.
-    row_tile: int = 0
 
 
 def _item_cost(qo_len: int, kv_len: int, tile: int, rows_per_cta: int, group: int, causal: bool) -> int:

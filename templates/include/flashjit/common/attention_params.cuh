@@ -4,13 +4,12 @@
 #pragma once
 #include <stdint.h>
 
-#define FLASHJIT_ABI_VERSION 8
+#define FLASHJIT_ABI_VERSION 7
 
 extern "C" {
 
 // One CTA's assignment in a batched launch, written by plan(): rows
-// [tile * R, (tile + 1) * R) of `request` (R: the params' row_tile, else the
-// kernel's rows_per_cta) against its keys [split * chunk,
+// [tile * rows_per_cta, ...) of `request` against its keys [split * chunk,
 // (split + 1) * chunk), or all its keys when split < 0. request < 0 marks an
 // empty slot (a CUDA graph's grid is sized for the largest plan it replays).
 struct FlashjitWorkItem {
@@ -52,10 +51,6 @@ struct FlashjitAttentionParams {
   int32_t num_qo_heads;
   int32_t num_kv_heads;
   int32_t page_size;                // paged only
-  // Query rows per work item's tile where the plan cut a KV head's rows finer
-  // than a CTA holds (fa3 only: batch-invariant decode of a grid short of a
-  // wave, ops._invariant.plan); 0: the kernel's rows_per_cta.
-  int32_t row_tile;
   int64_t q_stride_n, q_stride_h;   // in elements
   int64_t k_stride_n, k_stride_h, k_stride_page;  // stride_n: between tokens (within a page)
   int64_t v_stride_n, v_stride_h, v_stride_page;

@@ -31,7 +31,6 @@ struct CtaWork {
   int kv_begin, kv_end;  // the keys this CTA covers (a split-KV chunk, or all of them)
   int split;             // chunk index, or -1: the CTA sees every key and writes o itself
   int row_begin;         // first packed row of this CTA
-  int row_end;           // past its last: the tile's end or the request's
   int kv_head;
   int group;             // query heads per KV head
 
@@ -100,11 +99,7 @@ struct CtaWork {
 //
 // decode_work_at decodes launch position (x, z) for kernels whose CTAs walk
 // several positions (a persistent grid); decode_work is the CTA's own.
-//
-// kRowTile: the kernel honours p.row_tile, tiles of fewer rows than it holds
-// (fa3's one-consumer decode kernels); the others keep tiles of rows_per_cta,
-// with no instruction spent on it.
-template <bool kPaged, bool kRowTile = false>
+template <bool kPaged>
 __device__ __forceinline__ CtaWork decode_work_at(const FlashjitAttentionParams& p, int rows_per_cta, unsigned x,
                                                   unsigned z) {
   CtaWork w;
@@ -149,10 +144,8 @@ __device__ __forceinline__ CtaWork decode_work_at(const FlashjitAttentionParams&
   }
   w.kv_begin = w.split >= 0 ? w.split * chunk : 0;
   w.kv_end = w.split >= 0 ? min(w.kv_begin + chunk, w.kv_len) : w.kv_len;
-  const int tile_rows = kRowTile && p.row_tile > 0 ? p.row_tile : rows_per_cta;
-  w.row_begin = tile * tile_rows;
+  w.row_begin = tile * rows_per_cta;
   w.group = p.num_qo_heads / p.num_kv_heads;
-  w.row_end = min(w.row_begin + tile_rows, w.qo_len * w.group);
   return w;
 }
 

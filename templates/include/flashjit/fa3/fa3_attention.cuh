@@ -96,12 +96,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto item_at = [&](unsigned position) {
     Item it;
     const unsigned at = min(position, positions - 1);
-    // Decode kernels (one consumer) take a plan's finer row tiles (p.row_tile):
-    // the rows of a tile end at w.row_end.
-    constexpr bool kRowTile = Traits::kConsumerWarpgroups == 1;
-    it.w = decode_work_at<Traits::kPaged, kRowTile>(p, ROWS, at % slots, at / slots);
+    it.w = decode_work_at<Traits::kPaged>(p, ROWS, at % slots, at / slots);
     const CtaWork& w = it.w;
-    it.rows_total = kRowTile ? w.row_end : w.qo_len * w.group;
+    it.rows_total = w.qo_len * w.group;
     it.active = position < positions && w.valid && w.row_begin < it.rows_total;  // uniform across the CTA
     it.offset = w.kv_len - w.qo_len;
     const Mask<Traits::kCausal, Traits::kWindow> mask{it.offset, window_left};
