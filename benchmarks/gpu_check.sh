@@ -10,7 +10,9 @@
 # dev/mla_check.py on each, each also under compute-sanitizer racecheck, synccheck
 # and memcheck (SANITIZE_SHIPPED=0: the variants alone), then benchmarks/mla.py
 # beside FlashInfer with the variants and a second column of the shipped kernel
-# (--baseline-templates templates: the spread an A/B must beat);
+# (--baseline-templates templates: the spread an A/B must beat; $MLA_BASELINE: other
+# sources' folder instead); MLA_SAME_BITS=1: the variants' mla_check also asks
+# for the shipped tiling's outputs bit for bit (mla_check.py --same-bits);
 # invariant: the batch-invariant GPU tests, then dev/batch_invariant_cost.py
 # with $INVARIANT_ARGS (default: every prefill and decode row);
 # bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
@@ -90,7 +92,7 @@ if [ "$MODE" = mla ]; then
   for tiling in "" "${variants[@]}"; do
     tag=${tiling:+_$(echo "$tiling" | tr -c 'A-Za-z0-9=\n' '_')}
     timeout 300 python3 benchmarks/dev/mla_check.py --backends fa3 ${tiling:+--fa3-tiling "$tiling"} \
-      >"$OUT/mla_check$tag.log" 2>&1 || status=1
+      ${tiling:+${MLA_SAME_BITS:+--same-bits}} >"$OUT/mla_check$tag.log" 2>&1 || status=1
     echo "mla_check fa3 ${tiling:-shipped}: $(tail -n 1 "$OUT/mla_check$tag.log")"
     # SANITIZE_SHIPPED=0: the sanitizers on the variants alone (the shipped kernel's last clean run is a results file)
     [ -z "$tiling" ] && [ "${SANITIZE_SHIPPED:-1}" = 0 ] && continue
@@ -100,7 +102,7 @@ if [ "$MODE" = mla ]; then
       echo "$tool ${tiling:-shipped}: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool$tag.log" | tail -n 1)"
     done
   done
-  timeout ${MLA_LIMIT:-420} python3 benchmarks/mla.py --baseline-templates templates "${fa3_variant_args[@]}" \
+  timeout ${MLA_LIMIT:-420} python3 benchmarks/mla.py --baseline-templates ${MLA_BASELINE:-templates} "${fa3_variant_args[@]}" \
     --out "$OUT/mla.md" 2>"$OUT/mla.err" | grep "|" || status=1
 fi
 if [ "$MODE" = invariant ] && [ -z "${SKIP_BENCH:-}" ]; then

@@ -6,9 +6,11 @@ that a clean sanitizer run is also a correct one; with a time limit per launch
 set by the caller (`timeout`), a hang shows as such.
 
 --fa3-tiling 'Fa3MlaTiling(...)' runs the fa3 cases on that tiling (e.g. key_groups=1),
-built into a cache of its own.
+built into a cache of its own; with --same-bits each of its outputs must also
+equal the shipped tiling's bit for bit (a tiling that reorders the work but not
+the arithmetic, such as alternate=True).
 
-Usage: python benchmarks/dev/mla_check.py [--backends fa2 fa3] [--small] [--fa3-tiling EXPR]
+Usage: python benchmarks/dev/mla_check.py [--backends fa2 fa3] [--small] [--fa3-tiling EXPR [--same-bits]]
        compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/dev/mla_check.py --small
 """
 
@@ -26,8 +28,11 @@ from common import fa3_mla_tiling, parse_fa3_mla_tiling
 
 import flashjit
 from flashjit.error_model import mla_tolerance
+from flashjit.kernels import fa3
 
 SM_SCALE = 1 / math.sqrt(192)
+SHIPPED = fa3.MLA_TILING
+SAME_BITS = False  # --same-bits
 
 
 def case(backend, dtype, heads, page_size, qo_len, causal, kv_lens, **plan_kw) -> float:
@@ -41,14 +46,24 @@ def case(backend, dtype, heads, page_size, qo_len, causal, kv_lens, **plan_kw) -
     qo_indptr = torch.arange(len(kv_lens) + 1, dtype=torch.int32, device="cuda") * qo_len
     kv_indptr = torch.tensor([0, *pages], device="cuda").cumsum(0).to(torch.int32)
     kv_indices = torch.randperm(num_pages, device="cuda")[:sum(pages)].to(torch.int32)
-    wrapper = flashjit.BatchMLAPagedAttentionWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"),
-                                                     backend=backend, strict=True)
-    wrapper.plan(qo_indptr, kv_indptr, kv_indices, torch.tensor(kv_lens, dtype=torch.int32, device="cuda"), heads,
-                 512, 64, page_size, causal, SM_SCALE, dtype, dtype, **plan_kw)
-    assert wrapper._plan.module.spec.backend == backend
-    out = torch.full_like(q_nope, float("nan"))
-    wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
-    torch.cuda.synchronize()
+
+    def run():
+        wrapper = flashjit.BatchMLAPagedAttentionWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"),
+                                                         backend=backend, strict=True)
+        wrapper.plan(qo_indptr, kv_indptr, kv_indices, torch.tensor(kv_lens, dtype=torch.int32, device="cuda"),
+                     heads, 512, 64, page_size, causal, SM_SCALE, dtype, dtype, **plan_kw)
+        assert wrapper._plan.module.spec.backend == backend
+        out = torch.full_like(q_nope, float("nan"))
+        wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+        torch.cuda.synchronize()
+        return out
+
+    out = run()
+    if SAME_BITS and backend == "fa3":
+        with fa3_mla_tiling(SHIPPED):
+            shipped = run()
+        differ = int((out.view(torch.int16) != shipped.view(torch.int16)).sum())
+        assert differ == 0, f"{differ} of {out.numel()} elements differ from the shipped tiling's"
     ref, _ = flashjit.mla_reference(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_lens,
                                     causal=causal, sm_scale=SM_SCALE)
     tol = mla_tolerance(dtype, kv_len=max(max(kv_lens), 1), q_nope=q_nope, q_pe=q_pe, ckv=ckv, kpe=kpe,
@@ -78,7 +93,10 @@ def main() -> int:
     parser.add_argument("--backends", nargs="+", default=["fa2", "fa3"])
     parser.add_argument("--small", action="store_true", help="two cases per backend (for compute-sanitizer)")
     parser.add_argument("--fa3-tiling", metavar="EXPR", help="run fa3 on this Fa3MlaTiling(...)")
+    parser.add_argument("--same-bits", action="store_true", help="its outputs bit for bit the shipped tiling's")
     args = parser.parse_args()
+    global SAME_BITS
+    SAME_BITS = args.same_bits and args.fa3_tiling is not None
     tiling = parse_fa3_mla_tiling(args.fa3_tiling) if args.fa3_tiling else None
     torch.manual_seed(0)
     worst = 0.0
