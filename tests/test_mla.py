@@ -224,21 +224,19 @@ def test_mla_builds_for_sm80_and_sm89_without_spills_or_wgmma(monkeypatch, tmp_p
 
 @pytest.mark.nvcc
 @needs_nvcc
-@pytest.mark.parametrize("key_groups, early_release, alternate",
-                         [(1, False, False), (3, False, False), (3, True, False), (3, False, True)])
+@pytest.mark.parametrize("key_groups, early_release", [(1, False), (3, False), (3, True)])
 def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch, tmp_path, key_groups,
-                                                                     early_release, alternate):
+                                                                     early_release):
     """S by 64x64 wgmma, P.V by 64x256 with V transposed; a wgmma whose
     accumulators ptxas cannot track gets a wait of its own (C7515): every
-    HGMMA would then carry gsb0. Here only the last of each group does (4
-    groups in the code; 7 where the consumers alternate). With key groups,
-    S's k-steps wait for each group at a named barrier between its HGMMA,
-    which leaves them unserialized too; with early release the softmax
-    consumer waits for its P.V alone (one group still in flight) before it
-    gives the slot back."""
+    HGMMA would then carry gsb0. Here only the last of each group does. With
+    key groups, S's k-steps wait for each group at a named barrier between
+    its HGMMA, which leaves them unserialized too; with early release the
+    softmax consumer waits for its P.V alone (one group still in flight)
+    before it gives the slot back."""
     set_cache_env(monkeypatch, tmp_path / "cache")
     monkeypatch.setattr(fa3, "MLA_TILING", dataclasses.replace(fa3.MLA_TILING, key_groups=key_groups,
-                                                               early_release=early_release, alternate=alternate))
+                                                               early_release=early_release))
     spec = mla_spec("bfloat16", causal=True, backend="fa3")
     result, = jit.build_many([spec], arches=("sm_90a",))
     assert result.entry is not None
@@ -249,7 +247,7 @@ def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch
     assert any("HGMMA.64x64x16.F32.BF16" in line for line in hgmma)
     assert any("HGMMA.64x256x16.F32.BF16" in line and "tnspB" in line for line in hgmma)
     waited = sum("gsb0" in line for line in hgmma)
-    assert len(hgmma) >= 40 and waited <= (7 if alternate else 4), f"{waited} of {len(hgmma)} HGMMA wait for their own results"
+    assert len(hgmma) >= 40 and waited <= 4, f"{waited} of {len(hgmma)} HGMMA wait for their own results"
     # Named-barrier waits inside an S (between its first 64x64 HGMMA and its last):
     # key_groups - 1 of them in each of the kernel's S sequences.
     inside, in_s = 0, False

@@ -85,15 +85,12 @@ class Fa3MlaTiling:
     whole tile (1) or each of that many groups of its nine 64-column blocks as
     it lands (3: named barriers the loader arrives at, Fa3MlaTraits).
     early_release: the softmax consumer gives a tile's slot back as its P.V of
-    the tile lands, not once the next tile's S has landed too. alternate: the
-    two consumers take S and the softmax in turn, tile by tile (the same
-    arithmetic; early_release does not apply)."""
+    the tile lands, not once the next tile's S has landed too."""
     stages: int
     keys_per_tile: int = 64
     rows_per_cta: int = 64
     key_groups: int = 1
     early_release: bool = False
-    alternate: bool = False
 
     def rescales(self, spec: KernelSpec) -> tuple[int, int]:
         """(keys per online-softmax rescale, merge rescales): one step per tile;
@@ -102,12 +99,10 @@ class Fa3MlaTiling:
 
     def smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of Fa3MlaTraits::kSmemBytes: alignment slack, Q, the K/V ring
-        (P lives in a slot's kpe block), the rescale factors and row sums (or,
-        alternate, two tiles' softmax states: 8 floats a consumer thread),
+        (P lives in a slot's kpe block), the rescale factors and row sums,
         mbarriers."""
         tile = self.keys_per_tile * 2 * spec.head_dim_qk
-        handoff = 2 * 128 * 8 * 4 if self.alternate else 3 * self.rows_per_cta * 4
-        return 1024 + (1 + self.stages) * tile + handoff + 16 * self.stages
+        return 1024 + (1 + self.stages) * tile + 3 * self.rows_per_cta * 4 + 16 * self.stages
 
 
 # Two stages: Q and two 72 KB tiles of [ckv | kpe] rows fill the SM's shared memory.

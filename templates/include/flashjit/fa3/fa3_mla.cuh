@@ -197,153 +197,64 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (lane == 0) tma::mbar_arrive(empty(t));
   };
 
-  // Tile t's online-softmax step on S: the mask where the tile needs one, the
-  // lazy max of the fa2 family (fa2_softmax.cuh: a row moves only once it has
-  // grown by more than kLazyLog2 in log2 units; (-inf) - (-inf) = NaN compares
-  // false, so a row that sees no key yet never moves, and a first visible key
-  // always does), the rows' O factors into factor (and, with share, to
-  // factor_t in shared memory for the other consumer), P = 2^(s * scale - m_ref)
-  // summed into l in fp32 and rounded to T into the slot's kpe block (a
-  // 64 x 64 tile: chunk j of row r at j ^ (r % 8), and rows r and r + 8 share
-  // r % 8 = g).
-  auto softmax_step = [&](int t, float (&factor)[2], float* factor_t, auto share) {
-    const int k0 = key_begin + t * KEYS;
-    const bool need_mask = k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > cta_q_first + offset);
-    if (need_mask) {
-      int q_pos[2];  // query position of this thread's rows (clamped past the request)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) q_pos[r] = min(w.row_begin + row_in_cta[r], rows_total - 1) / w.group + offset;
-      fa2::mask_mla_fragment<Traits::kCausal>(s, k0, tq, w.kv_len, q_pos);
-    }
-    float mx[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) mx[r] = fmaxf(m[r], fa2::row_max<NT_S>(s, r));
-    fa2::quad_max(mx);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const bool moves = (mx[r] - m[r]) * scale > kLazyLog2;
-      const float ref = mx[r] == kNegInf ? 0.f : mx[r] * scale;
-      // From m itself, not m_ref: a first move (m = -inf) gives 0, never 2^-ref.
-      factor[r] = moves ? fa2::exp2_fast(m[r] * scale - ref) : 1.f;
-      if (moves) {
-        m[r] = mx[r];
-        m_ref[r] = ref;
-        l[r] *= factor[r];
-      }
-      if (decltype(share)::value && tq == 0) factor_t[row_in_cta[r]] = factor[r];
-    }
-    unsigned char* p_tile = smem + Traits::kKvOffset + (t % STAGES) * Traits::kTileBytes +
-                            Tile::block(Traits::kBlocks - 1);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      fa2::exp2_row<NT_S>(s, r, scale, m_ref[r]);
-      l[r] += fa2::row_sum<NT_S>(s, r);
-#pragma unroll
-      for (int j = 0; j < NT_S; ++j)
-        *reinterpret_cast<uint32_t*>(p_tile + row_in_cta[r] * 128 + ((j ^ g) << 4) + 4 * tq) =
-            fa2::pack2<T>(s[j][2 * r], s[j][2 * r + 1]);
-    }
-  };
-
   // No product is left in flight across a loop's back edge: ptxas serializes
   // every wgmma of a kernel whose accumulators it cannot track through one
-  // (C7515). The consumers run loops of their own.
-  if constexpr (Traits::kAlternate) {
-    // Warpgroup 0 takes S and the softmax of the even tiles, 1 of the odd, a
-    // pair of tiles an iteration: 1 issues S of the odd tile before it waits
-    // for the even one's P, so that it runs beside 0's softmax, and its own
-    // softmax runs beside both P.V of the even tile. Each tile's P, factors
-    // and this thread's softmax state go to the other warpgroup at a barrier
-    // per tile parity (fa3::handoff_*: the one that computed it arrives, the
-    // other syncs), the state through shared memory, thread to same thread.
-    float4* const states = reinterpret_cast<float4*>(smem + Traits::kStateOffset) + 2 * (tid % 128);
-    auto hand_state = [&](int t, const float (&factor)[2]) {
-      float4* at = states + (t & 1) * 2 * 128;
-      at[0] = make_float4(m[0], m[1], m_ref[0], m_ref[1]);
-      at[1] = make_float4(l[0], l[1], factor[0], factor[1]);
-    };
-    auto take_state = [&](int t, float (&factor)[2]) {
-      const float4* at = states + (t & 1) * 2 * 128;
-      const float4 a = at[0], b = at[1];
-      m[0] = a.x, m[1] = a.y, m_ref[0] = a.z, m_ref[1] = a.w;
-      l[0] = b.x, l[1] = b.y, factor[0] = b.z, factor[1] = b.w;
-    };
-    // S of tile t landed: its softmax step, handed over, then this warpgroup's P.V.
-    auto own_tile = [&](int t, float (&factor)[2]) {
-      fa3::fence_operands(s);
-      softmax_step(t, factor, nullptr, std::false_type());
-      hand_state(t, factor);
-      fa3::fence_async_shared();
-      fa3::warpgroup_barrier(c == 0 ? 2 : Traits::kOddSoftmaxBarrier);  // P_t of all four warps, for this warpgroup's wgmma
-      fa3::handoff_arrive(t);
-    };
-    // The other warpgroup's tile t: its state, once its P is written.
-    auto take_tile = [&](int t, float (&factor)[2]) {
-      fa3::handoff_sync(t);
-      take_state(t, factor);
-      wait_full(t);  // passes at once (tile t landed before P_t); orders it before this warpgroup's wgmma
-    };
-    for (int t = 0; t < num_tiles; t += 2) {
-      const bool odd = t + 1 < num_tiles;
-      float factor[2];
-      if (c == 0) {
-        issue_qk(t);
-        fa3::wait<0>();
-        own_tile(t, factor);
-        rescale(factor);
-        issue_pv(t);
-        fa3::wait<0>();
-        release(t);
-        if (odd) {
-          take_tile(t + 1, factor);
-          rescale(factor);
-          issue_pv(t + 1);
-          fa3::wait<0>();
-          release(t + 1);
-        }
-      } else if (odd) {
-        // O is rescaled only once S has landed: an accumulator written while
-        // another wgmma is in flight makes ptxas serialize them all (C7515),
-        // as does one wgmma's issue and wait under two separate branches.
-        issue_qk(t + 1);
-        take_tile(t, factor);
-        fa3::wait<0>();
-        rescale(factor);
-        issue_pv(t);
-        own_tile(t + 1, factor);  // beside this warpgroup's P.V of the even tile
-        fa3::wait<0>();
-        release(t);
-        rescale(factor);
-        issue_pv(t + 1);
-        fa3::wait<0>();
-        release(t + 1);
-      } else {
-        take_tile(t, factor);
-        rescale(factor);
-        issue_pv(t);
-        fa3::wait<0>();
-        release(t);
-      }
-    }
-    // Both hold the last tile's state: the row sums over each quad.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-  } else if (softmax_wg) {
-    // The softmax consumer hands each tile's P and factors over (a barrier per
-    // tile parity, so that it can be a tile ahead) and goes on to its P.V and
-    // the next S without waiting for the other, which multiplies its half when
-    // they arrive.
+  // (C7515). The consumers run loops of their own: the softmax consumer hands
+  // each tile's P and factors over (a barrier per tile parity, so that it can
+  // be a tile ahead) and goes on to its P.V and the next S without waiting for
+  // the other, which multiplies its half when they arrive.
+  if (softmax_wg) {
     if (num_tiles > 0) {
       issue_qk(0);
       fa3::wait<0>();
       fa3::fence_operands(s);
     }
     for (int t = 0; t < num_tiles; ++t) {
+      float* factor_t = factors + (t & 1) * ROWS;
       float factor[2];
-      softmax_step(t, factor, factors + (t & 1) * ROWS, std::true_type());
+      const int k0 = key_begin + t * KEYS;
+      const bool need_mask = k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > cta_q_first + offset);
+      if (need_mask) {
+        int q_pos[2];  // query position of this thread's rows (clamped past the request)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) q_pos[r] = min(w.row_begin + row_in_cta[r], rows_total - 1) / w.group + offset;
+        fa2::mask_mla_fragment<Traits::kCausal>(s, k0, tq, w.kv_len, q_pos);
+      }
+      // The lazy max of the fa2 family (fa2_softmax.cuh): a row moves only once
+      // it has grown by more than kLazyLog2 in log2 units; (-inf) - (-inf) =
+      // NaN compares false, so a row that sees no key yet never moves, and a
+      // first visible key always does.
+      float mx[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) mx[r] = fmaxf(m[r], fa2::row_max<NT_S>(s, r));
+      fa2::quad_max(mx);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const bool moves = (mx[r] - m[r]) * scale > kLazyLog2;
+        const float ref = mx[r] == kNegInf ? 0.f : mx[r] * scale;
+        // From m itself, not m_ref: a first move (m = -inf) gives 0, never 2^-ref.
+        factor[r] = moves ? fa2::exp2_fast(m[r] * scale - ref) : 1.f;
+        if (moves) {
+          m[r] = mx[r];
+          m_ref[r] = ref;
+          l[r] *= factor[r];
+        }
+        if (tq == 0) factor_t[row_in_cta[r]] = factor[r];
+      }
+      // P = 2^(s * scale - m_ref): fp32 sums into l, rounded to T into the
+      // slot's kpe block (a 64 x 64 tile: chunk j of row r at j ^ (r % 8), and
+      // rows r and r + 8 share r % 8 = g).
+      unsigned char* p_tile = smem + Traits::kKvOffset + (t % STAGES) * Traits::kTileBytes +
+                              Tile::block(Traits::kBlocks - 1);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        fa2::exp2_row<NT_S>(s, r, scale, m_ref[r]);
+        l[r] += fa2::row_sum<NT_S>(s, r);
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j)
+          *reinterpret_cast<uint32_t*>(p_tile + row_in_cta[r] * 128 + ((j ^ g) << 4) + 4 * tq) =
+              fa2::pack2<T>(s[j][2 * r], s[j][2 * r + 1]);
+      }
       // After the last tile, the rows' sums over each quad go with its P and
       // factors: the other consumer reads them past the same hand-off, and
       // this one keeps them.
@@ -390,7 +301,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   // The row sums came with the last tile's P (none without tiles).
-  if (!Traits::kAlternate && !softmax_wg) {
+  if (!softmax_wg) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) l[r] = num_tiles > 0 ? row_sums[row_in_cta[r]] : 0.f;
   }

@@ -11,8 +11,7 @@
 
 namespace flashjit {
 
-template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false,
-          bool kAlternate_ = false>
+template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false>
 struct Fa3MlaTraits {
   using DType = DType_;
   static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
@@ -33,15 +32,7 @@ struct Fa3MlaTraits {
   // tile has landed (early), or once the next tile's S, issued behind it, has
   // landed too.
   static constexpr bool kEarlyRelease = kEarlyRelease_;
-  // Who computes S and the softmax: the second consumer for every tile, or
-  // (alternate) the two in turn, warpgroup 0 the even tiles and 1 the odd, so
-  // that one's softmax runs beside the other's products. The softmax state
-  // (each thread's m, m_ref, l and the tile's O factors) goes from one to the
-  // other's same thread with each tile's P: the arithmetic is the same.
-  static constexpr bool kAlternate = kAlternate_;
   static constexpr int kGroupBarrier0 = 6;  // 0 __syncthreads, 1 the consumers, 2 and 3 a warpgroup's, 4 and 5 the hand-off
-  // Alternate: consumer warpgroup 1's own barrier (0's is 2, the loader's 3), past the key groups'.
-  static constexpr int kOddSoftmaxBarrier = kGroupBarrier0 + kStages * kKeyGroups;
 
   // One wgmma M of packed rows (query token x head) per CTA, shared by both
   // consumer warpgroups: one warpgroup cannot hold 64 x 512 fp32 accumulators,
@@ -67,17 +58,13 @@ struct Fa3MlaTraits {
   static constexpr int kTileBytes = kBlocks * Tile::kBlockBytes;
 
   // Shared memory from a 1024-byte boundary: [Q | stage 0 | stage 1 ... | the
-  // rows' rescale factors (two tiles' worth) | the final row sums | mbarriers],
-  // or, alternate, [... stages | the softmax states (two tiles' worth: 8
-  // floats a consumer thread) | mbarriers]. A tile's P (64 x 64) lives in its
-  // slot's kpe block once S has read it.
+  // rows' rescale factors (two tiles' worth) | the final row sums | mbarriers].
+  // A tile's P (64 x 64) lives in its slot's kpe block once S has read it.
   static constexpr int kQOffset = 0;
   static constexpr int kKvOffset = kTileBytes;
   static constexpr int kFactorOffset = kKvOffset + kStages * kTileBytes;
   static constexpr int kSumOffset = kFactorOffset + 2 * kRowsPerCta * 4;
-  static constexpr int kStateOffset = kFactorOffset;
-  static constexpr int kStateBytes = 2 * 128 * 8 * 4;
-  static constexpr int kBarOffset = kAlternate ? kStateOffset + kStateBytes : kSumOffset + kRowsPerCta * 4;
+  static constexpr int kBarOffset = kSumOffset + kRowsPerCta * 4;
   // Per stage: "full" (the tile landed) and "empty" (every consumer warp done).
   static constexpr size_t kSmemBytes = 1024 + size_t(kBarOffset) + 16 * kStages;
 
@@ -91,7 +78,6 @@ struct Fa3MlaTraits {
   static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
   static_assert(kKeyGroups >= 1 && kBlocks % kKeyGroups == 0, "key groups of whole 64-column blocks");
   static_assert(kKeyGroups == 1 || kGroupBarrier0 + kStages * kKeyGroups <= 16, "named barrier ids 0 .. 15");
-  static_assert(!kAlternate || kOddSoftmaxBarrier < 16, "named barrier ids 0 .. 15");
   static_assert(kKeysPerTile * 2 == 128 && kKpeDim == 64, "P's row of keys is one 128-byte block, as a kpe row");
 };
 
