@@ -85,14 +85,12 @@ class Fa3MlaTiling:
     whole tile (1) or each of that many groups of its nine 64-column blocks as
     it lands (3: named barriers the loader arrives at, Fa3MlaTraits).
     early_release: the softmax consumer gives a tile's slot back as its P.V of
-    the tile lands, not once the next tile's S has landed too. prefetch: the
-    loader asks L2 for the next tile's rows a tile before their copies."""
+    the tile lands, not once the next tile's S has landed too."""
     stages: int
     keys_per_tile: int = 64
     rows_per_cta: int = 64
     key_groups: int = 1
     early_release: bool = False
-    prefetch: bool = False
 
     def rescales(self, spec: KernelSpec) -> tuple[int, int]:
         """(keys per online-softmax rescale, merge rescales): one step per tile;

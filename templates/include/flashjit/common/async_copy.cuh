@@ -29,12 +29,6 @@ __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
                : "r"(addr));
   return raw;
 }
-// Asks L2 for the 128-byte line holding `src` (no register, no wait), so that
-// a copy of it issued later finds it there.
-__device__ __forceinline__ void prefetch_l2(const void* src) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src));
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // An arrival on mbarrier `bar` once every cp.async this thread has issued so
 // far has landed. noinc: the arrival counts against the barrier's expected

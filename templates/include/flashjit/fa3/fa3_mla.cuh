@@ -107,10 +107,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       else
         gather.issue_groups(slot_of(t), rows);
       cp_async_arrive_noinc(full(t));
-      if (t + 1 < num_tiles) {
-        lookup(t + 1);
-        if constexpr (Traits::kPrefetch) gather.prefetch(rows);  // tile t + 1, ahead of its slot
-      }
+      if (t + 1 < num_tiles) lookup(t + 1);
       if constexpr (Traits::kKeyGroups > 1) gather.arrive_groups(t);  // as each group lands, to the softmax consumer
     }
     cp_async_commit();

@@ -75,20 +75,6 @@ struct MlaGather : fa2::MlaCacheRows<typename Traits::DType> {
     }
   }
 
-  // Asks L2 for the looked-up rows' lines, a tile before their copies: the
-  // eight threads of a row one 128-byte block of ckv each, the first also its
-  // kpe line.
-  __device__ __forceinline__ void prefetch(const Rows& rows) const {
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      if (rows.page[i] < 0) continue;
-      const char *c_src, *k_src;
-      Base::row(uint32_t(rows.page[i]), uint32_t(rows.slot[i]), c_src, k_src);
-      prefetch_l2(c_src + sub * 128);
-      if (sub == 0) prefetch_l2(k_src);
-    }
-  }
-
   // Copies this thread's chunks of blocks kFirst .. kEnd - 1 of the looked-up
   // rows into `dst`; rows past the request are zero-filled, reading nothing
   // (their logits are masked, and a zero V row keeps 0 * V finite).

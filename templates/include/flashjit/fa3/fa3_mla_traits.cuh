@@ -11,8 +11,7 @@
 
 namespace flashjit {
 
-template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false,
-          bool kPrefetch_ = false>
+template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false>
 struct Fa3MlaTraits {
   using DType = DType_;
   static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
@@ -33,9 +32,6 @@ struct Fa3MlaTraits {
   // tile has landed (early), or once the next tile's S, issued behind it, has
   // landed too.
   static constexpr bool kEarlyRelease = kEarlyRelease_;
-  // The loader asks L2 for the next tile's rows once it has looked their pages
-  // up, a tile before its slot is free for their copies.
-  static constexpr bool kPrefetch = kPrefetch_;
   static constexpr int kGroupBarrier0 = 6;  // 0 __syncthreads, 1 the consumers, 2 and 3 a warpgroup's, 4 and 5 the hand-off
 
   // One wgmma M of packed rows (query token x head) per CTA, shared by both
