@@ -1,6 +1,6 @@
 """A few small MLA launches per backend, each checked against float64 within
 its profile: decode and a causal chunk of 4, 16 and 128 heads, pages of 1, 16
-and 64 in random order, ragged lengths with an empty request and a split-KV
+and 64 in random order (64 in the small set too), ragged lengths with an empty request and a split-KV
 plan. Small enough for compute-sanitizer (memcheck, racecheck, synccheck), so
 that a clean sanitizer run is also a correct one; with a time limit per launch
 set by the caller (`timeout`), a hang shows as such.
@@ -77,7 +77,8 @@ def case(backend, dtype, heads, page_size, qo_len, causal, kv_lens, **plan_kw) -
 def run_backend(backend: str, small: bool) -> float:
     """Worst err/bound of the backend's cases."""
     cases = [(torch.bfloat16, 16, 16, 1, False, [70, 0, 200]),
-             (torch.float16, 128, 3, 4, True, [5, 130])]
+             (torch.float16, 128, 3, 4, True, [5, 130]),
+             (torch.bfloat16, 64, 64, 1, False, [130, 64])]  # pages of 64: whole tiles by TMA where a tiling has it
     if not small:
         cases += [(torch.bfloat16, 128, 64, 1, False, [1, 64, 65, 1000]),
                   (torch.bfloat16, 16, 1, 4, True, [4, 17, 300]),

@@ -85,12 +85,14 @@ class Fa3MlaTiling:
     whole tile (1) or each of that many groups of its nine 64-column blocks as
     it lands (3: named barriers the loader arrives at, Fa3MlaTraits).
     early_release: the softmax consumer gives a tile's slot back as its P.V of
-    the tile lands, not once the next tile's S has landed too."""
+    the tile lands, not once the next tile's S has landed too. tma: whole
+    tiles in pages of 64 keys or more come by TMA boxes, not cp.async."""
     stages: int
     keys_per_tile: int = 64
     rows_per_cta: int = 64
     key_groups: int = 1
     early_release: bool = False
+    tma: bool = False
 
     def rescales(self, spec: KernelSpec) -> tuple[int, int]:
         """(keys per online-softmax rescale, merge rescales): one step per tile;
@@ -100,9 +102,10 @@ class Fa3MlaTiling:
     def smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of Fa3MlaTraits::kSmemBytes: alignment slack, Q, the K/V ring
         (P lives in a slot's kpe block), the rescale factors and row sums,
-        mbarriers."""
+        mbarriers (with TMA, one more per stage and key group)."""
         tile = self.keys_per_tile * 2 * spec.head_dim_qk
-        return 1024 + (1 + self.stages) * tile + 3 * self.rows_per_cta * 4 + 16 * self.stages
+        group_bars = 8 * self.stages * self.key_groups if self.tma else 0
+        return 1024 + (1 + self.stages) * tile + 3 * self.rows_per_cta * 4 + 16 * self.stages + group_bars
 
 
 # Two stages: Q and two 72 KB tiles of [ckv | kpe] rows fill the SM's shared memory.

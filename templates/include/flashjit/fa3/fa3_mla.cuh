@@ -47,7 +47,8 @@ namespace flashjit {
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
-    fa3_mla_kernel(const __grid_constant__ FlashjitAttentionParams p) {
+    fa3_mla_kernel(const __grid_constant__ FlashjitAttentionParams p,
+                   const __grid_constant__ typename Traits::TmaArg tma_arg) {
   using T = typename Traits::DType;
   using Tile = typename Traits::Tile;
   constexpr int KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages, ROWS = Traits::kRowsPerCta;
@@ -66,6 +67,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto slot_of = [&](int t) { return base + Traits::kKvOffset + (t % STAGES) * Traits::kTileBytes; };
   auto full = [&](int t) { return bars + 8 * (t % STAGES); };
   auto empty = [&](int t) { return bars + 8 * (STAGES + t % STAGES); };
+  auto group_bar = [&](int t, int g) { return bars + 8 * (2 * STAGES + (t % STAGES) * Traits::kKeyGroups + g); };
 
   const int tid = threadIdx.x, warpgroup = tid / 128, lane = tid % 32;
   const CtaWork w = decode_work<true>(p, ROWS);
@@ -80,6 +82,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int s = 0; s < STAGES; ++s) {
       tma::mbar_init(full(s), Traits::kLoaderThreads);
       tma::mbar_init(empty(s), Traits::kConsumerWarps);
+      if constexpr (Traits::kTma)
+        for (int g = 0; g < Traits::kKeyGroups; ++g) tma::mbar_init(group_bar(s, g), 1);
     }
     tma::fence_mbar_init();
   }
@@ -101,6 +105,29 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // The slot's previous tile (t - STAGES) completed phase t / STAGES - 1.
         if (tid < 32) tma::mbar_wait(empty(t), ((t / STAGES) - 1) & 1);
         fa3::loader_barrier();
+      }
+      // By TMA (Traits::kTma): a whole tile within one page (page_box_rows: 64
+      // where the page size is a multiple of 64, else 0).
+      if constexpr (Traits::kTma) {
+        const int k0 = key_begin + t * KEYS;
+        if (tma_arg.page_box_rows > 0 && k0 % KEYS == 0 && k0 + KEYS <= w.kv_len) {
+          if (tid == 0)
+            fa3::load_mla_tile_tma<Traits>(tma_arg.maps, slot_of(t), rows.page[0], rows.slot[0],
+                                           [&](int g) { return group_bar(t, g); });
+          if (t + 1 < num_tiles) lookup(t + 1);
+          // Each group once its boxes landed (the first warp polls), to the
+          // softmax consumer; then the whole tile, on "full".
+#pragma unroll
+          for (int g = 0; g < Traits::kKeyGroups; ++g) {
+            if (tid < 32) tma::mbar_wait(group_bar(t, g), (t / STAGES) & 1);
+            fa3::loader_barrier();
+            if constexpr (Traits::kKeyGroups > 1) fa3::key_group_arrive<Traits>(t, g);
+          }
+          tma::mbar_arrive(full(t));
+          continue;
+        }
+        if (tid == 0)  // a gathered tile: its group barriers' phases stay in step with the slot's tiles
+          for (int g = 0; g < Traits::kKeyGroups; ++g) tma::mbar_arrive(group_bar(t, g));
       }
       if constexpr (Traits::kKeyGroups == 1)
         gather.issue(slot_of(t), rows);
@@ -329,8 +356,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
 template <class Traits>
 int launch_fa3_mla(const FlashjitAttentionParams& p, cudaStream_t stream) {
+  typename Traits::TmaArg tma_arg{};
+  // Pages of 64 keys or more by TMA where the driver encodes the maps (ckv as
+  // K, kpe as V, one KV head); else every tile is gathered.
+  if constexpr (Traits::kTma) {
+    if (p.num_work > 0 && p.page_size >= Traits::kKeysPerTile && p.page_size % Traits::kKeysPerTile == 0) {
+      using T = typename Traits::DType;
+      constexpr CUtensorMapDataType kType =
+          std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+      const int rows = Traits::kKeysPerTile;
+      if (tma::encode_paged_kv_map(&tma_arg.maps.k, &tma_arg.maps.heads_outer_k, p.k, kType, Traits::kCkvDim, 1,
+                                   p.page_size, p.k_stride_n, p.k_stride_n, p.k_stride_page, rows) == cudaSuccess &&
+          tma::encode_paged_kv_map(&tma_arg.maps.v, &tma_arg.maps.heads_outer_v, p.v, kType, Traits::kKpeDim, 1,
+                                   p.page_size, p.v_stride_n, p.v_stride_n, p.v_stride_page, rows) == cudaSuccess)
+        tma_arg.page_box_rows = rows;
+    }
+  }
   return launch_attention<fa3_mla_kernel<Traits>, typename Traits::DType, Traits::kVoDim, Traits::kLse>(
-      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream);
+      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream, tma_arg);
 }
 
 template <class Traits>

@@ -1,11 +1,12 @@
 // What the fa3 MLA kernel (fa3_mla.cuh) copies into shared memory: the loader
-// warpgroup's gather of [ckv | kpe] key rows from the pages, and the consumers'
-// barrier (their Q rows come by fa2::copy_mla_q).
+// warpgroup's gather of [ckv | kpe] key rows from the pages or its TMA boxes of
+// whole tiles, and the consumers' barrier (their Q rows come by fa2::copy_mla_q).
 #pragma once
 #include <stdint.h>
 #include "flashjit/common/async_copy.cuh"
 #include "flashjit/common/attention_params.cuh"
 #include "flashjit/common/numeric.cuh"
+#include "flashjit/common/tma.cuh"
 #include "flashjit/common/work.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/fa2/fa2_mla_primitives.cuh"
@@ -113,6 +114,26 @@ struct MlaGather : fa2::MlaCacheRows<typename Traits::DType> {
     }
   }
 };
+
+// Tile of 64 keys by TMA, issued by one thread: a 64-row box of each
+// 64-column block from slot `slot` of page `page` (ckv blocks 0-7 from the K
+// map, the kpe block from the V map), each key group's boxes counted on its
+// own mbarrier (group_bar(g)), so that S can start on a group as it lands.
+template <class Traits, class GroupBar>
+__device__ __forceinline__ void load_mla_tile_tma(const KvTensorMaps& maps, uint32_t dst, int page, int slot,
+                                                  const GroupBar& group_bar) {
+  using Tile = typename Traits::Tile;
+  constexpr int kGroupBytes = Traits::kBlocksPerGroup * Traits::kKeysPerTile * 128;
+#pragma unroll
+  for (int g = 0; g < Traits::kKeyGroups; ++g) {
+    tma::mbar_arrive_expect_tx(group_bar(g), kGroupBytes);
+#pragma unroll
+    for (int b = g * Traits::kBlocksPerGroup; b < (g + 1) * Traits::kBlocksPerGroup; ++b) {
+      const bool kpe = b + 1 == Traits::kBlocks;
+      tma::load_4d(dst + Tile::block(b), kpe ? &maps.v : &maps.k, kpe ? 0 : 64 * b, 0, slot, page, group_bar(g));
+    }
+  }
+}
 
 }  // namespace fa3
 

@@ -7,11 +7,13 @@
 #include <cuda_fp16.h>
 #include <stddef.h>
 #include <type_traits>
+#include "flashjit/common/tma.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
 
 namespace flashjit {
 
-template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false>
+template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false,
+          bool kTma_ = false>
 struct Fa3MlaTraits {
   using DType = DType_;
   static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
@@ -32,6 +34,12 @@ struct Fa3MlaTraits {
   // tile has landed (early), or once the next tile's S, issued behind it, has
   // landed too.
   static constexpr bool kEarlyRelease = kEarlyRelease_;
+  // Whole tiles that lie in one page of 64 keys or more come by TMA, a 64-row
+  // box per 64-column block (nine a tile, from one thread), each key group's
+  // boxes counted on an mbarrier of its own; other tiles (small pages, a
+  // partial last tile) are gathered by every loader thread's cp.async.
+  static constexpr bool kTma = kTma_;
+  using TmaArg = std::conditional_t<kTma, KvMapsPagedArg, KvMapsArg<false>>;  // the kernel's K/V map argument
   static constexpr int kGroupBarrier0 = 6;  // 0 __syncthreads, 1 the consumers, 2 and 3 a warpgroup's, 4 and 5 the hand-off
 
   // One wgmma M of packed rows (query token x head) per CTA, shared by both
@@ -65,8 +73,9 @@ struct Fa3MlaTraits {
   static constexpr int kFactorOffset = kKvOffset + kStages * kTileBytes;
   static constexpr int kSumOffset = kFactorOffset + 2 * kRowsPerCta * 4;
   static constexpr int kBarOffset = kSumOffset + kRowsPerCta * 4;
-  // Per stage: "full" (the tile landed) and "empty" (every consumer warp done).
-  static constexpr size_t kSmemBytes = 1024 + size_t(kBarOffset) + 16 * kStages;
+  // Per stage: "full" (the tile landed) and "empty" (every consumer warp
+  // done), then, with TMA, one per stage and key group (its boxes landed).
+  static constexpr size_t kSmemBytes = 1024 + size_t(kBarOffset) + 16 * kStages + (kTma ? 8 * kStages * kKeyGroups : 0);
 
   // Each loader thread copies 16-byte chunk `sub` of every 128-byte block of
   // its key rows: 8 threads a key row, 16 rows a pass.
