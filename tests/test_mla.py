@@ -225,7 +225,7 @@ def test_mla_builds_for_sm80_and_sm89_without_spills_or_wgmma(monkeypatch, tmp_p
 @pytest.mark.nvcc
 @needs_nvcc
 @pytest.mark.parametrize("key_groups, early_release, tma", [(1, False, False), (3, False, False), (3, True, False),
-                                                              (3, True, True)])
+                                                              (3, True, True), (1, False, True)])
 def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch, tmp_path, key_groups,
                                                                      early_release, tma):
     """S by 64x64 wgmma, P.V by 64x256 with V transposed; a wgmma whose

@@ -126,8 +126,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           tma::mbar_arrive(full(t));
           continue;
         }
-        if (tid == 0)  // a gathered tile: its group barriers' phases stay in step with the slot's tiles
-          for (int g = 0; g < Traits::kKeyGroups; ++g) tma::mbar_arrive(group_bar(t, g));
+        if (tma_arg.page_box_rows > 0) {
+          // A gathered tile where others come by TMA: its group barriers' phases
+          // stay in step with the slot's tiles (an arrival and its wait).
+          if (tid == 0)
+            for (int g = 0; g < Traits::kKeyGroups; ++g) tma::mbar_arrive(group_bar(t, g));
+          if (tid < 32)
+            for (int g = 0; g < Traits::kKeyGroups; ++g) tma::mbar_wait(group_bar(t, g), (t / STAGES) & 1);
+        }
       }
       if constexpr (Traits::kKeyGroups == 1)
         gather.issue(slot_of(t), rows);
@@ -357,10 +363,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 template <class Traits>
 int launch_fa3_mla(const FlashjitAttentionParams& p, cudaStream_t stream) {
   typename Traits::TmaArg tma_arg{};
-  // Pages of 64 keys or more by TMA where the driver encodes the maps (ckv as
-  // K, kpe as V, one KV head); else every tile is gathered.
+  // Pages of 64 keys or more by TMA where a request's query heads span more
+  // than one CTA (which then read the same keys) and the driver encodes the
+  // maps (ckv as K, kpe as V, one KV head); else every tile is gathered. On an
+  // H200, TMA took the 128-head row of benchmarks/mla.py 6.9% faster, and the
+  // 64- and 16-head rows 1.1% and 3.0% slower
+  // (benchmarks/results/2026-11-27-h200-mla-tma.md).
   if constexpr (Traits::kTma) {
-    if (p.num_work > 0 && p.page_size >= Traits::kKeysPerTile && p.page_size % Traits::kKeysPerTile == 0) {
+    if (p.num_work > 0 && p.num_qo_heads > Traits::kRowsPerCta && p.page_size >= Traits::kKeysPerTile &&
+        p.page_size % Traits::kKeysPerTile == 0) {
       using T = typename Traits::DType;
       constexpr CUtensorMapDataType kType =
           std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
