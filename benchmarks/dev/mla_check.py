@@ -1,7 +1,7 @@
 """A few small MLA launches per backend, each checked against float64 within
 its profile: decode and a causal chunk of 4, 16 and 128 heads, pages of 1, 16
-and 64 in random order (64 in the small set too), ragged lengths with an empty request and a split-KV
-plan. Small enough for compute-sanitizer (memcheck, racecheck, synccheck), so
+and 64 in random order (64 in the small set too), ragged lengths with an empty
+request and a split-KV plan. Small enough for compute-sanitizer (memcheck, racecheck, synccheck), so
 that a clean sanitizer run is also a correct one; with a time limit per launch
 set by the caller (`timeout`), a hang shows as such.
 
@@ -92,7 +92,7 @@ def run_backend(backend: str, small: bool) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", nargs="+", default=["fa2", "fa3"])
-    parser.add_argument("--small", action="store_true", help="two cases per backend (for compute-sanitizer)")
+    parser.add_argument("--small", action="store_true", help="four cases per backend (for compute-sanitizer)")
     parser.add_argument("--fa3-tiling", metavar="EXPR", help="run fa3 on this Fa3MlaTiling(...)")
     parser.add_argument("--same-bits", action="store_true", help="its outputs bit for bit the shipped tiling's")
     args = parser.parse_args()

@@ -39,7 +39,8 @@ struct Fa3MlaTraits {
   // boxes counted on an mbarrier of its own; other tiles (small pages, a
   // partial last tile) are gathered by every loader thread's cp.async.
   static constexpr bool kTma = kTma_;
-  using TmaArg = std::conditional_t<kTma, KvMapsPagedArg, KvMapsArg<false>>;  // the kernel's K/V map argument
+  // The kernel's K/V map argument (an empty stand-in without TMA).
+  using TmaArg = std::conditional_t<kTma, KvMapsPagedArg, KvMapsArg<false>>;
   static constexpr int kGroupBarrier0 = 6;  // 0 __syncthreads, 1 the consumers, 2 and 3 a warpgroup's, 4 and 5 the hand-off
 
   // One wgmma M of packed rows (query token x head) per CTA, shared by both
@@ -75,7 +76,8 @@ struct Fa3MlaTraits {
   static constexpr int kBarOffset = kSumOffset + kRowsPerCta * 4;
   // Per stage: "full" (the tile landed) and "empty" (every consumer warp
   // done), then, with TMA, one per stage and key group (its boxes landed).
-  static constexpr size_t kSmemBytes = 1024 + size_t(kBarOffset) + 16 * kStages + (kTma ? 8 * kStages * kKeyGroups : 0);
+  static constexpr size_t kSmemBytes =
+      1024 + size_t(kBarOffset) + 16 * kStages + (kTma ? 8 * kStages * kKeyGroups : 0);
 
   // Each loader thread copies 16-byte chunk `sub` of every 128-byte block of
   // its key rows: 8 threads a key row, 16 rows a pass.
