@@ -214,15 +214,17 @@ int encode_kv_maps(KvTensorMaps* maps, const FlashjitAttentionParams& p, int hea
                                  p.v_stride_n, p.v_stride_h, tokens);
 }
 
-// Both maps of a paged launch's caches, boxes of box_rows slots. Returns a cudaError_t value.
+// Both maps of a paged launch's caches, K head_dim_k and V head_dim_v wide (MLA:
+// ckv 512 as K, kpe 64 as V), boxes of box_rows slots. Returns a cudaError_t value.
 template <class DType>
-int encode_paged_kv_maps(KvTensorMaps* maps, const FlashjitAttentionParams& p, int head_dim, int box_rows) {
+int encode_paged_kv_maps(KvTensorMaps* maps, const FlashjitAttentionParams& p, int head_dim_k, int head_dim_v,
+                         int box_rows) {
   constexpr CUtensorMapDataType kType =
       std::is_same<DType, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const int err = encode_paged_kv_map(&maps->k, &maps->heads_outer_k, p.k, kType, head_dim, p.num_kv_heads,
+  const int err = encode_paged_kv_map(&maps->k, &maps->heads_outer_k, p.k, kType, head_dim_k, p.num_kv_heads,
                                       p.page_size, p.k_stride_n, p.k_stride_h, p.k_stride_page, box_rows);
   if (err != cudaSuccess) return err;
-  return encode_paged_kv_map(&maps->v, &maps->heads_outer_v, p.v, kType, head_dim, p.num_kv_heads, p.page_size,
+  return encode_paged_kv_map(&maps->v, &maps->heads_outer_v, p.v, kType, head_dim_v, p.num_kv_heads, p.page_size,
                              p.v_stride_n, p.v_stride_h, p.v_stride_page, box_rows);
 }
 

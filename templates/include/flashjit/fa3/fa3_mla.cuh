@@ -365,23 +365,16 @@ int launch_fa3_mla(const FlashjitAttentionParams& p, cudaStream_t stream) {
   typename Traits::TmaArg tma_arg{};
   // Pages of 64 keys or more by TMA where a request's query heads span more
   // than one CTA (which then read the same keys) and the driver encodes the
-  // maps (ckv as K, kpe as V, one KV head); else every tile is gathered. On an
-  // H200, TMA took the 128-head row of benchmarks/mla.py 6.9% faster, and the
-  // 64- and 16-head rows 1.1% and 3.0% slower
-  // (benchmarks/results/2026-11-27-h200-mla-tma.md).
+  // maps (ckv as K, kpe as V, one KV head: p.num_kv_heads is 1); else every
+  // tile is gathered. On an H200, TMA took the 128-head row of
+  // benchmarks/mla.py 6.9% faster, and the 64- and 16-head rows 1.1% and 3.0%
+  // slower (benchmarks/results/2026-11-27-h200-mla-tma.md).
   if constexpr (Traits::kTma) {
     if (p.num_work > 0 && p.num_qo_heads > Traits::kRowsPerCta && p.page_size >= Traits::kKeysPerTile &&
-        p.page_size % Traits::kKeysPerTile == 0) {
-      using T = typename Traits::DType;
-      constexpr CUtensorMapDataType kType =
-          std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-      const int rows = Traits::kKeysPerTile;
-      if (tma::encode_paged_kv_map(&tma_arg.maps.k, &tma_arg.maps.heads_outer_k, p.k, kType, Traits::kCkvDim, 1,
-                                   p.page_size, p.k_stride_n, p.k_stride_n, p.k_stride_page, rows) == cudaSuccess &&
-          tma::encode_paged_kv_map(&tma_arg.maps.v, &tma_arg.maps.heads_outer_v, p.v, kType, Traits::kKpeDim, 1,
-                                   p.page_size, p.v_stride_n, p.v_stride_n, p.v_stride_page, rows) == cudaSuccess)
-        tma_arg.page_box_rows = rows;
-    }
+        p.page_size % Traits::kKeysPerTile == 0 &&
+        tma::encode_paged_kv_maps<typename Traits::DType>(&tma_arg.maps, p, Traits::kCkvDim, Traits::kKpeDim,
+                                                           Traits::kKeysPerTile) == cudaSuccess)
+      tma_arg.page_box_rows = Traits::kKeysPerTile;
   }
   return launch_attention<fa3_mla_kernel<Traits>, typename Traits::DType, Traits::kVoDim, Traits::kLse>(
       p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream, tma_arg);
