@@ -111,17 +111,18 @@ def test_mla_against_float64(prewarmed, error_report, backend, dtype, num_heads,
     batch.check(out, lse, causal, error_report, "mla", backend, qo_len=qo_len)
 
 
+@pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("split", ["fixed", "auto"])
 @pytest.mark.parametrize("mode", MODES, ids=["decode", "qo4_causal"])
 @pytest.mark.parametrize("dtype", MLA_DTYPES, ids=str)
 @pytest.mark.parametrize("backend", MLA_BACKENDS)
-def test_mla_split_kv(prewarmed, error_report, backend, dtype, mode, split, num_heads):
+def test_mla_split_kv(prewarmed, error_report, backend, dtype, mode, split, num_heads, page_size):
     """fixed: 64-key chunks over every request; auto: two long requests leave the
     GPU idle unless the planner splits them. 128 heads: fa2's 64-row kernel on
-    sm_90a-only builds (fa2_mla_wide.cuh)."""
+    sm_90a-only builds (fa2_mla_wide.cuh); on fa3 with pages of 64, whole tiles
+    by TMA and a token's two row tiles one cluster (fa3_mla.cuh)."""
     qo_len, causal = mode
-    page_size = 16
     kv_lens = [2000, 1, 777, 0, 64] if split == "fixed" else [20000, 9000]
     batch = MlaBatch([qo_len] * len(kv_lens), kv_lens, page_size, num_heads, dtype)
     wrapper = mla_wrapper(backend)
@@ -150,11 +151,14 @@ def test_mla_out_buffer_without_lse(prewarmed, error_report, dtype):
     batch.check(out, None, True, error_report, "mla_out_buffer")
 
 
+@pytest.mark.parametrize(("num_heads", "page_size"), [(16, 16), (128, 64)], ids=["heads16_page16", "heads128_page64"])
 @pytest.mark.parametrize("backend", MLA_BACKENDS)
-def test_mla_cuda_graph_replays_after_replanning(prewarmed, error_report, backend):
+def test_mla_cuda_graph_replays_after_replanning(prewarmed, error_report, backend, num_heads, page_size):
     """Capture once; plan() new lengths (short, long enough to split, one empty)
-    within the batch size; replay; check each."""
-    dtype, num_heads, page_size, bsz, num_pages = torch.bfloat16, 16, 16, 4, 4096
+    within the batch size; replay; check each. 128 heads on pages of 64: fa3
+    launches clusters of two CTAs (paired work items, fa3_mla.cuh)."""
+    dtype, bsz = torch.bfloat16, 4
+    num_pages = 65536 // page_size
     ckv = randn(num_pages, page_size, CKV, dtype=dtype)
     kpe = randn(num_pages, page_size, KPE, dtype=dtype)
     page_buf = torch.zeros(num_pages, dtype=torch.int32, device="cuda")

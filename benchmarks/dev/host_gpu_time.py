@@ -6,7 +6,7 @@ each round's host time, for an A/B of two trees: it runs against whichever
 flashjit PYTHONPATH finds (run it once per tree, alternating, each with its own
 FLASHJIT_CACHE_DIR).
 
-Usage: python benchmarks/dev/host_gpu_time.py [--rounds 3] [--label NAME] [--json FILE]
+Usage: python benchmarks/dev/host_gpu_time.py [--rounds 3] [--label NAME] [--json FILE] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -27,17 +27,18 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="median of this many rounds per row")
     parser.add_argument("--label", default="", help="names the tree in the output")
     parser.add_argument("--json", help="append the rows as one JSON line to this file")
+    parser.add_argument("--only", metavar="TEXT", help="the rows whose label contains TEXT (their kernels alone built)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    fns = host.cases("cuda")
+    fns = host.cases("cuda", only=args.only)
     timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-    samples: dict[str, list] = {label: [] for label, _ in host.CASES}
+    samples: dict[str, list] = {label: [] for label in fns}
     for _ in range(args.rounds):
-        for label, _ in host.CASES:
+        for label in fns:
             samples[label].append(host.measure(fns[label], args.calls, torch.cuda.synchronize, gpu_timer=timer))
     rows = []
     print(f"| call ({args.label}) | host us | GPU us | rounds (host) |\n|---|---|---|---|")
-    for label, _ in host.CASES:
+    for label in fns:
         hosts = sorted(s[0] for s in samples[label])
         gpus = sorted(s[1] for s in samples[label])
         rows.append({"op": label, "us": hosts[len(hosts) // 2], "gpu_us": gpus[len(gpus) // 2],

@@ -1,7 +1,7 @@
 """A few small MLA launches per backend, each checked against float64 within
-its profile: decode and a causal chunk of 4, 16 and 128 heads, pages of 1, 16
+its profile: decode and causal chunks of 4, 16 and 128 heads, pages of 1, 16
 and 64 in random order (64 in the small set too), ragged lengths with an empty
-request and a split-KV plan. Small enough for compute-sanitizer (memcheck, racecheck, synccheck), so
+request and split-KV plans of 16 and 128 heads. Small enough for compute-sanitizer (memcheck, racecheck, synccheck), so
 that a clean sanitizer run is also a correct one; with a time limit per launch
 set by the caller (`timeout`), a hang shows as such.
 
@@ -75,9 +75,12 @@ def case(backend, dtype, heads, page_size, qo_len, causal, kv_lens, same_bits=Fa
 
 def run_backend(backend: str, small: bool, same_bits: bool = False) -> float:
     """Worst err/bound of the backend's cases; same_bits: every fa3 output must also equal the shipped tiling's."""
+    # Pages of 64 and 128 heads: whole tiles by TMA, a token's two row tiles one
+    # cluster of two CTAs where the fa3 tiling has clusters (a causal chunk of
+    # two tokens: two clusters per request).
     cases = [(torch.bfloat16, 16, 16, 1, False, [70, 0, 200]),
              (torch.float16, 128, 3, 4, True, [5, 130]),
-             (torch.bfloat16, 128, 64, 1, False, [130, 64])]  # pages of 64 and 128 heads: whole tiles by TMA
+             (torch.bfloat16, 128, 64, 2, True, [130, 64])]
     if not small:
         cases += [(torch.bfloat16, 128, 64, 1, False, [1, 64, 65, 1000]),
                   (torch.bfloat16, 16, 1, 4, True, [4, 17, 300]),
@@ -85,14 +88,16 @@ def run_backend(backend: str, small: bool, same_bits: bool = False) -> float:
     worst = 0.0
     for dtype, heads, page_size, qo_len, causal, kv_lens in cases:
         worst = max(worst, case(backend, dtype, heads, page_size, qo_len, causal, kv_lens, same_bits))
-    return max(worst, case(backend, torch.bfloat16, 16, 16, 1, False, [3000, 1, 700], same_bits,
-                           fixed_split_size=4))
+    worst = max(worst, case(backend, torch.bfloat16, 16, 16, 1, False, [3000, 1, 700], same_bits,
+                            fixed_split_size=4))
+    return max(worst, case(backend, torch.bfloat16, 128, 64, 1, False, [300, 1, 129], same_bits,
+                           fixed_split_size=2))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", nargs="+", default=["fa2", "fa3"])
-    parser.add_argument("--small", action="store_true", help="four cases per backend (for compute-sanitizer)")
+    parser.add_argument("--small", action="store_true", help="five cases per backend (for compute-sanitizer)")
     parser.add_argument("--fa3-tiling", metavar="EXPR", help="run fa3 on this Fa3MlaTiling(...)")
     parser.add_argument("--same-bits", action="store_true", help="its outputs bit for bit the shipped tiling's")
     args = parser.parse_args()

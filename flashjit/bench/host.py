@@ -12,6 +12,7 @@ kernel launch stubbed out (the Python side alone).
 
 from __future__ import annotations
 
+import functools
 import time
 
 CALLS = 3000
@@ -29,6 +30,8 @@ CASES = (
     ("BatchDecodeWithPagedKVCacheWrapper.run(out=)", "as above, into a given out"),
     ("torch.ops.flashjit.batch_decode_paged_run", "as above, the operator a compiled graph calls"),
     ("BatchMLAPagedAttentionWrapper.run", "4 requests x 64 keys, 16 heads, page 64"),
+    ("BatchMLAPagedAttentionWrapper.run (128 heads)",
+     "as above, 128 heads: on sm_90a, TMA maps encoded each call and clusters of two CTAs"),
 )
 
 
@@ -55,8 +58,9 @@ def specs() -> list:
                         return_lse=True, head_dim_vo=MLA_HEAD_DIM_CKV, **plain)]
 
 
-def cases(device: str = "cuda", workspace=None) -> dict:
-    """{label: zero-argument call} for every row of CASES, inputs on `device`.
+def cases(device: str = "cuda", workspace=None, only: str | None = None) -> dict:
+    """{label: zero-argument call} for every row of CASES, inputs on `device`
+    (only: the rows whose label contains it, and only their kernels loaded).
     workspace(nbytes) makes a wrapper's float workspace (default: torch.empty on device)."""
     import torch
 
@@ -71,40 +75,53 @@ def cases(device: str = "cuda", workspace=None) -> dict:
     def i32(values):
         return torch.tensor(values, dtype=torch.int32, device=device)
 
+    def want(*labels):
+        return only is None or any(only in label for label in labels)
+
     calls = {}
     q, k, v = randn(16, 8, 128), randn(64, 2, 128), randn(64, 2, 128)
-    calls["single_prefill_with_kv_cache"] = lambda: flashjit.single_prefill_with_kv_cache(q, k, v, causal=True)
+    if want("single_prefill_with_kv_cache"):
+        calls["single_prefill_with_kv_cache"] = lambda: flashjit.single_prefill_with_kv_cache(q, k, v, causal=True)
     q1, k1, v1 = randn(8, 128), randn(16, 8, 128), randn(16, 8, 128)
-    calls["single_decode_with_kv_cache"] = lambda: flashjit.single_decode_with_kv_cache(q1, k1, v1)
+    if want("single_decode_with_kv_cache"):
+        calls["single_decode_with_kv_cache"] = lambda: flashjit.single_decode_with_kv_cache(q1, k1, v1)
 
-    ragged = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(16 << 20))
-    ragged.plan([0, 8, 16], [0, 32, 64], 8, 2, 128, causal=True, q_data_type=bf16)
-    calls["BatchPrefillWithRaggedKVCacheWrapper.run"] = lambda: ragged.run(q, k, v)
+    if want("BatchPrefillWithRaggedKVCacheWrapper.run"):
+        ragged = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(16 << 20))
+        ragged.plan([0, 8, 16], [0, 32, 64], 8, 2, 128, causal=True, q_data_type=bf16)
+        calls["BatchPrefillWithRaggedKVCacheWrapper.run"] = lambda: ragged.run(q, k, v)
 
-    cache = randn(4, 2, 16, 2, 128)
-    paged = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace(16 << 20))
-    paged.plan(i32([0, 8, 16]), i32([0, 2, 4]), i32([3, 1, 0, 2]), i32([16, 16]), 8, 2, 128, 16, causal=True,
-               q_data_type=bf16)
-    calls["BatchPrefillWithPagedKVCacheWrapper.run"] = lambda: paged.run(q, cache)
+    if want("BatchPrefillWithPagedKVCacheWrapper.run"):
+        cache = randn(4, 2, 16, 2, 128)
+        paged = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace(16 << 20))
+        paged.plan(i32([0, 8, 16]), i32([0, 2, 4]), i32([3, 1, 0, 2]), i32([16, 16]), 8, 2, 128, 16, causal=True,
+                   q_data_type=bf16)
+        calls["BatchPrefillWithPagedKVCacheWrapper.run"] = lambda: paged.run(q, cache)
 
-    batch, page, qo_heads, kv_heads = 64, 16, 32, 8
-    decode_cache = randn(batch, 2, page, kv_heads, 128)
-    qd, out = randn(batch, qo_heads, 128), randn(batch, qo_heads, 128)
-    decode = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace(64 << 20), use_tensor_cores=True)
-    decode.plan(torch.arange(batch + 1, dtype=torch.int32), i32(list(range(batch))),
-                torch.full((batch,), page, dtype=torch.int32), qo_heads, kv_heads, 128, page, q_data_type=bf16)
-    calls["BatchDecodeWithPagedKVCacheWrapper.run"] = lambda: decode.run(qd, decode_cache)
-    calls["BatchDecodeWithPagedKVCacheWrapper.run(out=)"] = lambda: decode.run(qd, decode_cache, out=out)
-    op = torch.ops.flashjit.batch_decode_paged_run.default
-    calls["torch.ops.flashjit.batch_decode_paged_run"] = lambda: op(decode._handle, qd, decode_cache, None, False,
-                                                                     None)
+    decode_labels = ("BatchDecodeWithPagedKVCacheWrapper.run", "BatchDecodeWithPagedKVCacheWrapper.run(out=)",
+                     "torch.ops.flashjit.batch_decode_paged_run")
+    if want(*decode_labels):
+        batch, page, qo_heads, kv_heads = 64, 16, 32, 8
+        decode_cache = randn(batch, 2, page, kv_heads, 128)
+        qd, out = randn(batch, qo_heads, 128), randn(batch, qo_heads, 128)
+        decode = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace(64 << 20), use_tensor_cores=True)
+        decode.plan(torch.arange(batch + 1, dtype=torch.int32), i32(list(range(batch))),
+                    torch.full((batch,), page, dtype=torch.int32), qo_heads, kv_heads, 128, page, q_data_type=bf16)
+        op = torch.ops.flashjit.batch_decode_paged_run.default
+        decode_calls = (lambda: decode.run(qd, decode_cache), lambda: decode.run(qd, decode_cache, out=out),
+                        lambda: op(decode._handle, qd, decode_cache, None, False, None))
+        calls.update((label, fn) for label, fn in zip(decode_labels, decode_calls) if want(label))
 
-    mla = flashjit.BatchMLAPagedAttentionWrapper(workspace(16 << 20))
-    mla.plan(i32([0, 1, 2, 3, 4]), i32([0, 1, 2, 3, 4]), i32([2, 0, 3, 1]), i32([64] * 4), 16, 512, 64, 64, False,
-             1 / 192 ** 0.5, bf16, bf16)
-    q_nope, q_pe, ckv, kpe = randn(4, 16, 512), randn(4, 16, 64), randn(4, 64, 512), randn(4, 64, 64)
-    calls["BatchMLAPagedAttentionWrapper.run"] = lambda: mla.run(q_nope, q_pe, ckv, kpe)
-    assert list(calls) == [label for label, _ in CASES]
+    ckv, kpe = randn(4, 64, 512), randn(4, 64, 64)
+    mla_rows = (("BatchMLAPagedAttentionWrapper.run", 16), ("BatchMLAPagedAttentionWrapper.run (128 heads)", 128))
+    for label, heads in mla_rows:
+        if want(label):
+            mla = flashjit.BatchMLAPagedAttentionWrapper(workspace(16 << 20))
+            mla.plan(i32([0, 1, 2, 3, 4]), i32([0, 1, 2, 3, 4]), i32([2, 0, 3, 1]), i32([64] * 4), heads, 512, 64, 64,
+                     False, 1 / 192 ** 0.5, bf16, bf16)
+            q_nope, q_pe = randn(4, heads, 512), randn(4, heads, 64)
+            calls[label] = functools.partial(mla.run, q_nope, q_pe, ckv, kpe)
+    assert list(calls) == [label for label, _ in CASES if want(label)]
     return calls
 
 
