@@ -121,7 +121,7 @@ def test_mla_split_kv(prewarmed, error_report, backend, dtype, mode, split, num_
     """fixed: 64-key chunks over every request; auto: two long requests leave the
     GPU idle unless the planner splits them. 128 heads: fa2's 64-row kernel on
     sm_90a-only builds (fa2_mla_wide.cuh); on fa3 with pages of 64, whole tiles
-    by TMA and a token's two row tiles one cluster (fa3_mla.cuh)."""
+    by TMA (fa3_mla.cuh)."""
     qo_len, causal = mode
     kv_lens = [2000, 1, 777, 0, 64] if split == "fixed" else [20000, 9000]
     batch = MlaBatch([qo_len] * len(kv_lens), kv_lens, page_size, num_heads, dtype)
@@ -156,7 +156,7 @@ def test_mla_out_buffer_without_lse(prewarmed, error_report, dtype):
 def test_mla_cuda_graph_replays_after_replanning(prewarmed, error_report, backend, num_heads, page_size):
     """Capture once; plan() new lengths (short, long enough to split, one empty)
     within the batch size; replay; check each. 128 heads on pages of 64: fa3
-    launches clusters of two CTAs (paired work items, fa3_mla.cuh)."""
+    loads whole tiles by TMA, from tensor maps encoded at capture."""
     dtype, bsz = torch.bfloat16, 4
     num_pages = 65536 // page_size
     ckv = randn(num_pages, page_size, CKV, dtype=dtype)

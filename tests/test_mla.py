@@ -224,11 +224,10 @@ def test_mla_builds_for_sm80_and_sm89_without_spills_or_wgmma(monkeypatch, tmp_p
 
 @pytest.mark.nvcc
 @needs_nvcc
-@pytest.mark.parametrize("key_groups, early_release, tma, cluster", [
-    (1, False, False, False), (3, False, False, False), (3, True, False, False), (3, True, True, False),
-    (1, False, True, False), (3, True, True, True)])
+@pytest.mark.parametrize("key_groups, early_release, tma", [(1, False, False), (3, False, False), (3, True, False),
+                                                              (3, True, True), (1, False, True)])
 def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch, tmp_path, key_groups,
-                                                                     early_release, tma, cluster):
+                                                                     early_release, tma):
     """S by 64x64 wgmma, P.V by 64x256 with V transposed; a wgmma whose
     accumulators ptxas cannot track gets a wait of its own (C7515): every
     HGMMA would then carry gsb0. Here only the last of each group does. With
@@ -236,12 +235,10 @@ def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch
     its HGMMA, which leaves them unserialized too; with early release the
     softmax consumer waits for its P.V alone (one group still in flight)
     before it gives the slot back; with TMA the loader also issues a tile's
-    nine boxes (UTMALDG), and with clusters nine more that go to both CTAs of
-    a pair (UTMALDG.MULTICAST)."""
+    nine boxes (UTMALDG)."""
     set_cache_env(monkeypatch, tmp_path / "cache")
     monkeypatch.setattr(fa3, "MLA_TILING", dataclasses.replace(fa3.MLA_TILING, key_groups=key_groups,
-                                                               early_release=early_release, tma=tma,
-                                                               cluster=cluster))
+                                                               early_release=early_release, tma=tma))
     spec = mla_spec("bfloat16", causal=True, backend="fa3")
     result, = jit.build_many([spec], arches=("sm_90a",))
     assert result.entry is not None
@@ -263,8 +260,7 @@ def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch
             inside += 1
     assert inside == 2 * (key_groups - 1), inside
     assert ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in text) == early_release
-    assert text.count("UTMALDG") == (18 if cluster else 9 if tma else 0)
-    assert text.count("UTMALDG.4D.MULTICAST") == (9 if cluster else 0)
+    assert text.count("UTMALDG") == (9 if tma else 0)
 
 
 @pytest.mark.usefixtures("no_compile")

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from flashjit.ops._plan import MIN_CHUNK_KEYS, _item_cost, pair_tiles, plan_work
+from flashjit.ops._plan import MIN_CHUNK_KEYS, _item_cost, plan_work
 
 H200 = dict(resident_ctas=132, split_align=64)  # 132 SMs, one CTA each
 
@@ -159,34 +159,3 @@ def test_causal_bands_keep_the_tail_short(batch, seqlen, rows):
     if rows == 128:
         assert plan.band_items > 0
         assert greedy_makespan(launch_order(costs, heads, 0), slots) > 1.08 * balanced
-
-
-@pytest.mark.parametrize("qo_lens,kv_lens,fixed", [
-    ([1] * 128, [4096] * 128, None),          # the 128-head decode row: two tiles a request
-    ([1, 3, 2], [30000, 700, 5], None),       # long enough to split: pairs within a split
-    ([4, 1], [2000, 1], 128),                 # causal chunks, fixed chunks
-])
-def test_paired_plans_put_a_tokens_two_tiles_side_by_side(qo_lens, kv_lens, fixed):
-    """pair_tiles (params.cta_pairs): with 128 heads and 64 rows a CTA, slots 2i
-    and 2i + 1 hold tiles 2j and 2j + 1 (one token's heads) of one request and
-    split; every item of the plan stays, once, and the first of each pair keeps
-    its place in the longest-first order."""
-    kw = dict(group=128, rows_per_cta=64, num_kv_heads=1, causal=True, fixed_chunk=fixed, **H200)
-    plan = plan_work(qo_lens, kv_lens, **kw)
-    paired = pair_tiles(plan)
-    assert paired.pairs and not plan.pairs
-    assert sorted(paired.items) == sorted(plan.items)
-    assert (paired.merge_indptr, paired.kv_chunk) == (plan.merge_indptr, plan.kv_chunk)
-    for first, second in zip(paired.items[::2], paired.items[1::2]):
-        assert first[1] % 2 == 0 and second[1] == first[1] + 1, (first, second)
-        assert (first[0], first[2], first[3]) == (second[0], second[2], second[3])
-    order = {tuple(item): i for i, item in enumerate(plan.items)}
-    positions = [min(order[item], order[(item[0], item[1] + 1, item[2], item[3])]) for item in paired.items[::2]]
-    assert positions == sorted(positions)
-    covered(paired, qo_lens, kv_lens, 128, 64)
-
-
-def test_pairing_a_plan_with_an_odd_tile_count_is_an_error():
-    plan = plan_work([1], [100], group=64, rows_per_cta=64, num_kv_heads=1, **H200)
-    with pytest.raises(ValueError, match="no pair of tiles 0 and 1"):
-        pair_tiles(plan)

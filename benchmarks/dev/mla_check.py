@@ -75,9 +75,8 @@ def case(backend, dtype, heads, page_size, qo_len, causal, kv_lens, same_bits=Fa
 
 def run_backend(backend: str, small: bool, same_bits: bool = False) -> float:
     """Worst err/bound of the backend's cases; same_bits: every fa3 output must also equal the shipped tiling's."""
-    # Pages of 64 and 128 heads: whole tiles by TMA, a token's two row tiles one
-    # cluster of two CTAs where the fa3 tiling has clusters (a causal chunk of
-    # two tokens: two clusters per request).
+    # Pages of 64 and 128 heads: whole tiles by TMA (the last, partial one
+    # gathered), in a causal chunk of two tokens (four row tiles a request).
     cases = [(torch.bfloat16, 16, 16, 1, False, [70, 0, 200]),
              (torch.float16, 128, 3, 4, True, [5, 130]),
              (torch.bfloat16, 128, 64, 2, True, [130, 64])]

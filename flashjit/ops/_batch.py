@@ -26,7 +26,7 @@ from ..loader import KernelModule
 from . import _checks, _invariant, _library
 from ._calls import PER_CALL, Signatures, batch_call, check_placement, resident_ctas
 from ._launch import fill_params
-from ._plan import WorkPlan, ceil_div, pair_tiles, plan_work
+from ._plan import WorkPlan, ceil_div, plan_work
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,6 @@ _EMPTY_ITEM = (-1, 0, -1, 0)
 class BatchAttention:
     """Base of the batch wrappers: subclasses check their arguments, then call
     _plan_batch() from plan() and _launch() from run()."""
-
-    # Plans put query tiles that see the same keys side by side (_plan.pair_tiles)
-    # where the head count allows, for kernels that share their loads.
-    _pair_tiles = False
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, backend: str,
                  page_indices_buffer=None, strict: bool | None = None):
@@ -117,7 +113,6 @@ class BatchAttention:
         wave = resident_ctas(module, self._device)
         max_items = None
         chunk = _invariant.chunk_keys(fixed_chunk, allow_split, module.split_align) if batch_invariant else 0
-        pairs = self._pair_tiles and group % (2 * module.rows_per_cta) == 0
         if self._use_cuda_graph:
             if self._capacity is None:
                 slots = ceil_div(wave, num_kv_heads)
@@ -129,7 +124,6 @@ class BatchAttention:
                         else kv_indptr[-1]
                     tiles = 1 if self._op == "batch_decode_paged" else ceil_div(tokens * group, module.rows_per_cta)
                     items += (ceil_div(keys, chunk) + batch) * tiles
-                items += items % 2 if pairs else 0  # a paired plan's pairs fill it
                 self._capacity = (batch, tokens, items)
             cap_batch, cap_tokens, max_items = self._capacity
             if batch != cap_batch or tokens > cap_tokens:
@@ -156,8 +150,6 @@ class BatchAttention:
                              causal=spec.causal, fixed_chunk=fixed_chunk, allow_split=allow_split,
                              max_items=max_items, max_partial_rows=rows_fit)
             base = self._workspace.data_ptr()
-        if pairs:
-            work = pair_tiles(work)
         partials = (base, base + 4 * rows_fit * num_qo_heads * head_dim)
 
         merge = work.merge_indptr

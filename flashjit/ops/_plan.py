@@ -14,7 +14,6 @@ not run a nearly empty last wave. A merge pass then combines the chunks.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -49,9 +48,6 @@ class WorkPlan:
     # Batch-invariant mode: some item's keys span several chunks, which its CTA
     # folds itself (ops._invariant.plan); the launch needs scratch at partial_o.
     folds: bool = False
-    # Items in pairs (params.cta_pairs): slots 2i and 2i + 1 hold tiles 2j and
-    # 2j + 1 of one request and split, which see the same keys (pair_tiles).
-    pairs: bool = False
 
 
 def _item_cost(qo_len: int, kv_len: int, tile: int, rows_per_cta: int, group: int, causal: bool) -> int:
@@ -178,28 +174,6 @@ def unsplit_plan(base, heads: int, slots: int, kv_chunk: int = 0, folds: bool = 
     shared = any(b[2] > 0 for b in base)  # a request with several query tiles
     return WorkPlan([(r, t, -1, 0) for _, r, t, _, _ in ordered], None, 0, kv_chunk,
                     choose_band_items([b[0] for b in ordered], heads, slots, shared), folds)
-
-
-def pair_tiles(work: WorkPlan) -> WorkPlan:
-    """`work` with its items in pairs: tiles 2j and 2j + 1 of a request and
-    split side by side, each pair where the first of the two stood. A kernel
-    may run a pair as a cluster of CTAs that load their keys once for both
-    (fa3 MLA). Every request must have an even number of query tiles whose
-    pairs see the same keys (a GQA group of a multiple of twice the rows per
-    CTA: tiles 2j and 2j + 1 then hold the heads of one query token)."""
-    units: dict = {}
-    for item in work.items:
-        units.setdefault((item[0], item[1] // 2, item[2]), []).append(item)
-    items = []
-    for item in work.items:
-        unit = units.pop((item[0], item[1] // 2, item[2]), None)
-        if unit is None:
-            continue
-        if sorted(i[1] for i in unit) != [item[1] // 2 * 2, item[1] // 2 * 2 + 1]:
-            raise ValueError(f"pair_tiles: request {item[0]} has no pair of tiles {item[1] // 2 * 2} and "
-                             f"{item[1] // 2 * 2 + 1} in split {item[2]}")
-        items.extend(sorted(unit, key=lambda i: i[1]))
-    return dataclasses.replace(work, items=items, pairs=True)
 
 
 def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, resident_ctas: int,

@@ -35,7 +35,6 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
     kv_indices[kv_indptr[i]:kv_indptr[i + 1]] (in that order, any page ids)."""
 
     _op = "mla_paged"
-    _pair_tiles = True  # a 128-head request's two tiles of a token: one cluster on fa3 (fa3_mla.cuh)
 
     def __init__(self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool = False, qo_indptr=None,
                  kv_indptr=None, kv_indices=None, kv_len_arr=None, backend: str = "auto", *,
@@ -189,7 +188,6 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
                              *plan.scalars)
         params.q_pe_stride_n, params.q_pe_stride_h = q_pe.stride(0), q_pe.stride(1)
         params.invariant_chunk = -plan.invariant_chunk  # MLA kernels never fold: the merge pass does
-        params.cta_pairs = int(plan.work.pairs)
         head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1, 0,
                              plan.work.band_items)
         launch = mla_call(plan.module, head + bytes(params)[PER_CALL.size:], self._device.index, q_nope,

@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FLASHJIT_ABI_VERSION 8
+#define FLASHJIT_ABI_VERSION 7
 
 extern "C" {
 
@@ -69,11 +69,6 @@ struct FlashjitAttentionParams {
   // nothing else. Negative (-chunk): no CTA spans two chunks (a plan that
   // splits them), and the launch runs the kernel normal mode runs.
   int32_t invariant_chunk;
-  // 1: the plan's work items come in pairs, slots 2i and 2i + 1 holding tiles
-  // 2j and 2j + 1 of one request and split, which see the same keys; a kernel
-  // may then run each pair as a cluster of two CTAs that share their key loads
-  // (fa3 MLA). 0: any order.
-  int32_t cta_pairs;
 
   // MLA only (mla_paged): the rotary part of the query, [tokens, num_qo_heads,
   // 64]; q then holds the 512-wide latent part, k the ckv cache and v the kpe

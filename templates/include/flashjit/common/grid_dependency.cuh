@@ -36,13 +36,11 @@ __device__ __forceinline__ void wait_for_primary_grid() {
 
 // Launches `kernel` on `stream` (smem_bytes of dynamic shared memory),
 // overlapping the kernel before it where the current device supports
-// programmatic dependent launch (compute capability 9+), in clusters of
-// `cluster_x` consecutive CTAs in x where it is above 1 (compute capability 9+
-// as well; grid.x a multiple of it). The kernel must call
+// programmatic dependent launch (compute capability 9+). The kernel must call
 // wait_for_primary_grid() before its first global memory access.
 template <class... Params, class... Args>
-cudaError_t launch_dependent_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
-                                      int cluster_x, cudaStream_t stream, Args&&... args) {
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
+                             Args&&... args) {
   constexpr int kMaxDevices = 64;
   static int major[kMaxDevices] = {};  // 0: not queried yet
   int device = 0;
@@ -56,32 +54,17 @@ cudaError_t launch_dependent_clusters(void (*kernel)(Params...), dim3 grid, dim3
     if (err != cudaSuccess) return err;
     if (device >= 0 && device < kMaxDevices) major[device] = cc;
   }
-  cudaLaunchAttribute attributes[2];
-  unsigned count = 0;
-  if (cc >= 9) {
-    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[count++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster_x > 1) {
-    attributes[count].id = cudaLaunchAttributeClusterDimension;
-    attributes[count].val.clusterDim.x = unsigned(cluster_x);
-    attributes[count].val.clusterDim.y = 1;
-    attributes[count++].val.clusterDim.z = 1;
-  }
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  config.attrs = attributes;
-  config.numAttrs = count;
+  config.attrs = &attribute;
+  config.numAttrs = cc >= 9 ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-}
-
-template <class... Params, class... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
-                             Args&&... args) {
-  return launch_dependent_clusters(kernel, grid, block, smem_bytes, 1, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace flashjit

@@ -53,11 +53,9 @@ int ctas_per_sm(int threads, int smem_bytes) {
 // `max_ctas` > 0: a persistent grid of at most that many CTAs, each walking
 // launch positions x + k * gridDim.x of the (work slot, KV head, split) space
 // (see decode_work_at); the kernel then takes the whole space in x.
-// `cluster_x` > 1: clusters of that many consecutive CTAs in x (the grid's x a
-// multiple of it; the host's plan pairs the work items, params.cta_pairs).
 template <auto kKernel, class DTypeO, int kHeadDimVO, bool kLse, class... Extra>
 int launch_attention_ctas(const FlashjitAttentionParams& p, int threads, int smem_bytes, int max_ctas,
-                          int cluster_x, cudaStream_t stream, const Extra&... extra) {
+                          cudaStream_t stream, const Extra&... extra) {
   cudaError_t err = ensure_smem_limit<kKernel>(smem_bytes);
   if (err != cudaSuccess) return err;
   if (p.num_work == 0 || p.num_kv_heads == 0) return cudaSuccess;
@@ -66,8 +64,7 @@ int launch_attention_ctas(const FlashjitAttentionParams& p, int threads, int sme
   if (ctas * splits > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
   dim3 grid(static_cast<unsigned>(ctas), 1, splits);
   if (max_ctas > 0) grid = dim3(static_cast<unsigned>(std::min<long long>(ctas * splits, max_ctas)), 1, 1);
-  if (cluster_x > 1 && grid.x % unsigned(cluster_x) != 0) return cudaErrorInvalidConfiguration;
-  err = launch_dependent_clusters(kKernel, grid, dim3(threads), smem_bytes, cluster_x, stream, p, extra...);
+  err = launch_dependent(kKernel, grid, dim3(threads), smem_bytes, stream, p, extra...);
   if (err != cudaSuccess || !has_partial_states(p)) return err;
   return launch_merge_split_states<DTypeO, kHeadDimVO>(p, kLse, stream);
 }
@@ -75,7 +72,7 @@ int launch_attention_ctas(const FlashjitAttentionParams& p, int threads, int sme
 template <auto kKernel, class DTypeO, int kHeadDimVO, bool kLse, class... Extra>
 int launch_attention(const FlashjitAttentionParams& p, int threads, int smem_bytes, cudaStream_t stream,
                      const Extra&... extra) {
-  return launch_attention_ctas<kKernel, DTypeO, kHeadDimVO, kLse>(p, threads, smem_bytes, 0, 1, stream, extra...);
+  return launch_attention_ctas<kKernel, DTypeO, kHeadDimVO, kLse>(p, threads, smem_bytes, 0, stream, extra...);
 }
 
 }  // namespace flashjit

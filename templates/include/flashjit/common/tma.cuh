@@ -109,17 +109,6 @@ __device__ __forceinline__ void load_4d(uint32_t dst, const CUtensorMap* map, in
       : "memory");
 }
 
-// load_4d's box written at `dst` in every CTA of the cluster that `cta_mask`
-// names, its bytes counted on the mbarrier at `bar` in each of them.
-__device__ __forceinline__ void load_4d_multicast(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
-                                                  uint32_t bar, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], "
-      "[%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(cta_mask)
-      : "memory");
-}
-
 // Loads block `block` (head dims 64 * block .. + 63 for 16-bit types) of keys
 // token .. token + box rows - 1 of KV head `head`.
 __device__ __forceinline__ void load_kv_block(uint32_t dst, const CUtensorMap* map, int heads_outer, int block,

@@ -45,10 +45,10 @@ int launch_fa3_attention(const FlashjitAttentionParams& p, cudaStream_t stream) 
   using Fold = typename Traits::WithChunkFold;
   if (fold) {
     return launch_attention_ctas<fa3_attention_kernel<Fold>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
-        p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), max_ctas, 1, stream, tma_arg);
+        p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), max_ctas, stream, tma_arg);
   }
   return launch_attention_ctas<fa3_attention_kernel<Traits>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
-      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), max_ctas, 1, stream, tma_arg);
+      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), max_ctas, stream, tma_arg);
 }
 
 template <class Traits>

@@ -30,7 +30,6 @@
 #include <math_constants.h>
 #include <stdint.h>
 #include "flashjit/common/async_copy.cuh"
-#include "flashjit/common/cluster.cuh"
 #include "flashjit/common/kernel_config.cuh"
 #include "flashjit/common/merge_states.cuh"
 #include "flashjit/common/numeric.cuh"
@@ -77,27 +76,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const fa2::MlaCtaKeys<Traits::kCausal, ROWS, KEYS> keys(w, rows_total);
   const int offset = keys.offset, cta_q_first = keys.cta_q_first;
   const int key_begin = keys.key_begin, num_tiles = keys.num_tiles;
-  // A pair of CTAs launched as a cluster (Traits::kCluster, params.cta_pairs)
-  // reads the same keys: each loader brings half of every TMA tile to both,
-  // and a slot goes back to the loaders once both CTAs' consumers are done.
-  const uint32_t ctas = Traits::kCluster ? cluster::num_ctas() : 1;
-  const uint32_t rank = Traits::kCluster ? cluster::cta_rank() : 0;
-  const bool paired = Traits::kCluster && ctas > 1;
 
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       tma::mbar_init(full(s), Traits::kLoaderThreads);
-      tma::mbar_init(empty(s), Traits::kConsumerWarps * int(ctas));
+      tma::mbar_init(empty(s), Traits::kConsumerWarps);
       if constexpr (Traits::kTma)
         for (int g = 0; g < Traits::kKeyGroups; ++g) tma::mbar_init(group_bar(s, g), 1);
     }
     tma::fence_mbar_init();
   }
-  if (paired)
-    cluster::sync_relaxed();  // the peer's barriers are initialised before a box or an arrival reaches them
-  else
-    __syncthreads();
+  __syncthreads();
 
   if (warpgroup == 0) {
     // ---- Loader.
@@ -123,7 +113,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (tma_arg.page_box_rows > 0 && k0 % KEYS == 0 && k0 + KEYS <= w.kv_len) {
           if (tid == 0)
             fa3::load_mla_tile_tma<Traits>(tma_arg.maps, slot_of(t), rows.page[0], rows.slot[0],
-                                           [&](int g) { return group_bar(t, g); }, rank, ctas);
+                                           [&](int g) { return group_bar(t, g); });
           if (t + 1 < num_tiles) lookup(t + 1);
           // Each group once its boxes landed (the first warp polls), to the
           // softmax consumer; then the whole tile, on "full".
@@ -155,11 +145,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     cp_async_commit();
     cp_async_wait<0>();  // exits with no copy of this thread in flight
-    // In a pair, the CTA outlives the peer's arrivals on its barriers: the
-    // first warp waits for the last tiles' releases, by both CTAs' consumers.
-    if (paired && tid < 32)
-      for (int t = max(num_tiles, STAGES); t < num_tiles + STAGES; ++t)
-        tma::mbar_wait(empty(t), ((t / STAGES) - 1) & 1);
     return;
   }
 
@@ -242,10 +227,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto release = [&](int t) {
     fa3::fence_operands(o);
     __syncwarp();
-    if (lane == 0) {
-      tma::mbar_arrive(empty(t));
-      if (paired) cluster::mbar_arrive_remote(empty(t), rank ^ 1u);
-    }
+    if (lane == 0) tma::mbar_arrive(empty(t));
   };
 
   // No product is left in flight across a loop's back edge: ptxas serializes
@@ -381,29 +363,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 template <class Traits>
 int launch_fa3_mla(const FlashjitAttentionParams& p, cudaStream_t stream) {
   typename Traits::TmaArg tma_arg{};
-  int cluster_x = 1;
   // Pages of 64 keys or more by TMA where a request's query heads span more
   // than one CTA (which then read the same keys) and the driver encodes the
   // maps (ckv as K, kpe as V, one KV head: p.num_kv_heads is 1); else every
   // tile is gathered. On an H200, TMA took the 128-head row of
   // benchmarks/mla.py 6.9% faster, and the 64- and 16-head rows 1.1% and 3.0%
-  // slower (benchmarks/results/2026-11-27-h200-mla-tma.md). Where the plan
-  // paired the work items (Traits::kCluster), each pair runs as a cluster of
-  // two CTAs and each box is half a tile, brought to both.
+  // slower (benchmarks/results/2026-11-27-h200-mla-tma.md).
   if constexpr (Traits::kTma) {
     if (p.num_work > 0 && p.num_qo_heads > Traits::kRowsPerCta && p.page_size >= Traits::kKeysPerTile &&
-        p.page_size % Traits::kKeysPerTile == 0) {
-      if (Traits::kCluster && p.cta_pairs != 0 && p.num_work % 2 == 0) cluster_x = 2;
-      const int box_rows = Traits::kKeysPerTile / cluster_x;
-      if (tma::encode_paged_kv_maps<typename Traits::DType>(&tma_arg.maps, p, Traits::kCkvDim, Traits::kKpeDim,
-                                                            box_rows) == cudaSuccess)
-        tma_arg.page_box_rows = box_rows;
-      else
-        cluster_x = 1;
-    }
+        p.page_size % Traits::kKeysPerTile == 0 &&
+        tma::encode_paged_kv_maps<typename Traits::DType>(&tma_arg.maps, p, Traits::kCkvDim, Traits::kKpeDim,
+                                                           Traits::kKeysPerTile) == cudaSuccess)
+      tma_arg.page_box_rows = Traits::kKeysPerTile;
   }
-  return launch_attention_ctas<fa3_mla_kernel<Traits>, typename Traits::DType, Traits::kVoDim, Traits::kLse>(
-      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), 0, cluster_x, stream, tma_arg);
+  return launch_attention<fa3_mla_kernel<Traits>, typename Traits::DType, Traits::kVoDim, Traits::kLse>(
+      p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream, tma_arg);
 }
 
 template <class Traits>

@@ -115,33 +115,22 @@ struct MlaGather : fa2::MlaCacheRows<typename Traits::DType> {
   }
 };
 
-// Tile of 64 keys by TMA, issued by one thread: a box of each 64-column block
-// from slot `slot` of page `page` (ckv blocks 0-7 from the K map, the kpe block
-// from the V map), each key group's boxes counted on its own mbarrier
-// (group_bar(g)), so that S can start on a group as it lands. Alone (ctas 1), a
-// box is the tile's 64 rows; in a pair of CTAs that read the same keys (ctas
-// 2), each issues its half of the rows (boxes of 32, the maps' box height) to
-// both, so that each key row leaves L2 once for the two SMs. Every CTA's group
-// barrier counts the whole group's bytes, whichever CTA's boxes bring them.
+// Tile of 64 keys by TMA, issued by one thread: a 64-row box of each
+// 64-column block from slot `slot` of page `page` (ckv blocks 0-7 from the K
+// map, the kpe block from the V map), each key group's boxes counted on its
+// own mbarrier (group_bar(g)), so that S can start on a group as it lands.
 template <class Traits, class GroupBar>
 __device__ __forceinline__ void load_mla_tile_tma(const KvTensorMaps& maps, uint32_t dst, int page, int slot,
-                                                  const GroupBar& group_bar, uint32_t rank, uint32_t ctas) {
+                                                  const GroupBar& group_bar) {
   using Tile = typename Traits::Tile;
   constexpr int kGroupBytes = Traits::kBlocksPerGroup * Traits::kKeysPerTile * 128;
-  const int box_rows = Traits::kKeysPerTile / int(ctas), row0 = int(rank) * box_rows;
 #pragma unroll
   for (int g = 0; g < Traits::kKeyGroups; ++g) {
     tma::mbar_arrive_expect_tx(group_bar(g), kGroupBytes);
 #pragma unroll
     for (int b = g * Traits::kBlocksPerGroup; b < (g + 1) * Traits::kBlocksPerGroup; ++b) {
       const bool kpe = b + 1 == Traits::kBlocks;
-      const CUtensorMap* map = kpe ? &maps.v : &maps.k;
-      const uint32_t at = dst + Tile::block(b) + row0 * 128;
-      if (Traits::kCluster && ctas > 1)
-        tma::load_4d_multicast(at, map, kpe ? 0 : 64 * b, 0, slot + row0, page, group_bar(g),
-                               uint16_t((1u << ctas) - 1));
-      else
-        tma::load_4d(at, map, kpe ? 0 : 64 * b, 0, slot + row0, page, group_bar(g));
+      tma::load_4d(dst + Tile::block(b), kpe ? &maps.v : &maps.k, kpe ? 0 : 64 * b, 0, slot, page, group_bar(g));
     }
   }
 }

@@ -13,7 +13,7 @@
 namespace flashjit {
 
 template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false,
-          bool kTma_ = false, bool kCluster_ = false>
+          bool kTma_ = false>
 struct Fa3MlaTraits {
   using DType = DType_;
   static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
@@ -39,13 +39,6 @@ struct Fa3MlaTraits {
   // boxes counted on an mbarrier of its own; other tiles (small pages, a
   // partial last tile) are gathered by every loader thread's cp.async.
   static constexpr bool kTma = kTma_;
-  // With TMA: a launch whose work items come in pairs that read the same keys
-  // (the two 64-row tiles of a 128-head request's token: params.cta_pairs)
-  // may run each pair as a cluster of two CTAs on two SMs, each loading half
-  // of every box to both (TMA multicast), each giving its slots back to both
-  // loaders (a slot is refilled once both CTAs' consumers are done with it).
-  static constexpr bool kCluster = kCluster_;
-  static_assert(!kCluster || kTma, "clusters share TMA loads");
   // The kernel's K/V map argument (an empty stand-in without TMA).
   using TmaArg = std::conditional_t<kTma, KvMapsPagedArg, KvMapsArg<false>>;
   static constexpr int kGroupBarrier0 = 6;  // 0 __syncthreads, 1 the consumers, 2 and 3 a warpgroup's, 4 and 5 the hand-off
