@@ -214,17 +214,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     fa3::commit();
   };
 
-  // The same with P from this thread's registers (the softmax consumer's,
-  // Traits::kPInRegisters): no wait for the other warps' P stores.
-  auto issue_pv_rs = [&](int t, const uint32_t (&pa)[KSTEPS_PV][4]) {
-    fa3::fence();
-    const uint64_t v_desc =
-        fa3::smem_desc(slot_of(t) + Tile::block(c * (WG_COLS / 64)), Tile::kBlockBytes, 1024);
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS_PV; ++kk) fa3::mma_rs<T, WG_COLS>(o, pa[kk], fa3::advance(v_desc, kk * 16 * 128), 1);
-    fa3::commit();
-  };
-
   // O *= each row's factor, skipped where every row of the warp keeps its max.
   auto rescale = [&](const float (&factor)[2]) {
     if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) {
@@ -294,31 +283,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int r = 0; r < 2; ++r) {
         fa2::exp2_row<NT_S>(s, r, scale, m_ref[r]);
         l[r] += fa2::row_sum<NT_S>(s, r);
-        if constexpr (!Traits::kPInRegisters) {
-#pragma unroll
-          for (int j = 0; j < NT_S; ++j)
-            *reinterpret_cast<uint32_t*>(p_tile + row_in_cta[r] * 128 + ((j ^ g) << 4) + 4 * tq) =
-                fa2::pack2<T>(s[j][2 * r], s[j][2 * r + 1]);
-        }
-      }
-      if constexpr (Traits::kPInRegisters) {
-        // P in the A layout of a 64 x 16 k-step (keys 8j .. 8j + 7 of rows g
-        // and g + 8 are S's n-tile j: k-step kk takes n-tiles 2kk and 2kk + 1).
-        // This warpgroup's P.V takes it from registers at once; the other's
-        // comes past the hand-off, after the stores.
-        uint32_t pa[KSTEPS_PV][4];
 #pragma unroll
         for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) pa[j / 2][(j % 2) * 2 + r] = fa2::pack2<T>(s[j][2 * r], s[j][2 * r + 1]);
-        rescale(factor);
-        issue_pv_rs(t, pa);
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int j = 0; j < NT_S; ++j)
-            *reinterpret_cast<uint32_t*>(p_tile + row_in_cta[r] * 128 + ((j ^ g) << 4) + 4 * tq) =
-                pa[j / 2][(j % 2) * 2 + r];
+          *reinterpret_cast<uint32_t*>(p_tile + row_in_cta[r] * 128 + ((j ^ g) << 4) + 4 * tq) =
+              fa2::pack2<T>(s[j][2 * r], s[j][2 * r + 1]);
       }
       // After the last tile, the rows' sums over each quad go with its P and
       // factors: the other consumer reads them past the same hand-off, and
@@ -332,11 +300,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
       fa3::fence_async_shared();
-      if constexpr (!Traits::kPInRegisters) {
-        fa3::warpgroup_barrier(2);  // P_t of all four warps, for this warpgroup's wgmma
-        rescale(factor);
-        issue_pv(t);
-      }
+      fa3::warpgroup_barrier(2);  // P_t of all four warps, for this warpgroup's wgmma
+      rescale(factor);
+      issue_pv(t);
       fa3::handoff_arrive(t);  // P_t and its factors, to the other consumer
       if (t + 1 < num_tiles) issue_qk(t + 1);
       if constexpr (Traits::kEarlyRelease) {

@@ -13,7 +13,7 @@
 namespace flashjit {
 
 template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false,
-          bool kTma_ = false, bool kPInRegisters_ = false>
+          bool kTma_ = false>
 struct Fa3MlaTraits {
   using DType = DType_;
   static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
@@ -39,11 +39,6 @@ struct Fa3MlaTraits {
   // boxes counted on an mbarrier of its own; other tiles (small pages, a
   // partial last tile) are gathered by every loader thread's cp.async.
   static constexpr bool kTma = kTma_;
-  // The softmax consumer's P.V takes P from its registers (wgmma with A in
-  // registers) as soon as its softmax is done; P still goes to shared memory
-  // for the other consumer. Else both read P from shared memory, once all
-  // four of the softmax consumer's warps have stored it.
-  static constexpr bool kPInRegisters = kPInRegisters_;
   // The kernel's K/V map argument (an empty stand-in without TMA).
   using TmaArg = std::conditional_t<kTma, KvMapsPagedArg, KvMapsArg<false>>;
   static constexpr int kGroupBarrier0 = 6;  // 0 __syncthreads, 1 the consumers, 2 and 3 a warpgroup's, 4 and 5 the hand-off
