@@ -129,7 +129,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
           for (int g = 0; g < Traits::kKeyGroups; ++g) {
             if (tid == 0 && early) {
-              while (!tma::mbar_test_wait(group_bar(t, g), (t / STAGES) & 1)) {
+              // Suspended while it waits (a spinning thread takes issue slots
+              // from the consumers' warps), checking the next slot every ~100 ns.
+              while (!tma::mbar_try_wait_for(group_bar(t, g), (t / STAGES) & 1, 100)) {
                 if (!next_issued && slot_free(t + 1)) {
                   fa3::load_mla_tile_tma<Traits>(tma_arg.maps, slot_of(t + 1), rows.page[0], rows.slot[0],
                                                  [&](int g2) { return group_bar(t + 1, g2); });
