@@ -1,0 +1,174 @@
+"""Where a tile of the fa3 MLA kernel's time goes: builds the shipped kernel from
+a copy of templates/ with clock64 stamps added (the loader's first thread: slot
+free and boxes issued, each key group landed; the softmax consumer's first
+thread: S issued, past each key group's barrier, S landed, P.V issued, slot
+released; the other consumer's first thread: hand-off passed, slot released),
+runs rows of benchmarks/mla.py, and reports the median of each interval over
+the CTAs' middle tiles, in SM cycles and in ns (the SM clock from %globaltimer
+against clock64 over each CTA).
+
+Non-split plans only: the stamps go to the partial-output pointer, which such
+a plan leaves unused. The instrumented copy lives in a temporary folder; the
+shipped templates are not touched. Only whole tiles by TMA are stamped
+(pages of 64, more than 64 heads); gathered tiles leave the loader's stamps 0.
+
+Usage: python benchmarks/dev/mla_trace.py [--rows 1 2] [--tiling 'Fa3MlaTiling(...)']
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, mla
+import mla  # noqa: E402
+from common import fa3_mla_tiling, parse_fa3_mla_tiling, use_templates  # noqa: E402
+
+import flashjit  # noqa: E402
+from flashjit import jit, render  # noqa: E402
+
+HEADER = "include/flashjit/fa3/fa3_mla.cuh"
+TILES, EVENTS, HEAD = 64, 16, 4  # stamped tiles, stamps a tile, header words a CTA
+STRIDE = HEAD + TILES * EVENTS
+# Stamp slots of a tile.
+SLOT_FREE, ISSUED, LANDED0 = 0, 1, 2  # loader; LANDED0 + g for key group g
+S_ISSUE, GROUP0, S_LANDED, PV_ISSUE, RELEASE1 = 5, 6, 9, 10, 11  # softmax consumer; GROUP0 + g
+HANDOFF, RELEASE0 = 12, 13  # the other consumer
+
+
+def stamp(thread: int, slot: int, t: str = "t", indent: str = "      ") -> str:
+    """CUDA by which thread `thread` writes clock64 into slot `slot` of tile `t`."""
+    return (f"{indent}if (threadIdx.x == {thread} && ({t}) < {TILES}) fj_out[{HEAD} + ({t}) * {EVENTS} + {slot}] = "
+            "clock64();\n")
+
+
+ENTRY = (f"  unsigned long long* fj_out = reinterpret_cast<unsigned long long*>(p.partial_o) + {STRIDE} * "
+         "size_t(blockIdx.x);\n"
+         "  if (threadIdx.x == 0) {\n"
+         "    unsigned long long fj_g;\n"
+         "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
+         "    fj_out[0] = fj_g;\n"
+         "    fj_out[1] = clock64();\n"
+         "  }\n")
+EXIT = ("  if (threadIdx.x == 256) {\n"
+        "    unsigned long long fj_g;\n"
+        "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
+        "    fj_out[2] = fj_g;\n"
+        "    fj_out[3] = clock64();\n"
+        "  }\n")
+# (anchor in the shipped kernel, code, "before" or "after" the anchor's first occurrence)
+PROBES = [
+    ("  const int tid = threadIdx.x, warpgroup = tid / 128, lane = tid % 32;\n", ENTRY, "after"),
+    ("        if (tma_arg.page_box_rows > 0 && k0 % KEYS == 0 && k0 + KEYS <= w.kv_len) {\n",
+     stamp(0, SLOT_FREE, indent="          "), "after"),
+    ("          if (t + 1 < num_tiles) lookup(t + 1);\n", stamp(0, ISSUED, indent="          "), "before"),
+    ("            fa3::loader_barrier();\n            if constexpr (Traits::kKeyGroups > 1) fa3::key_group_arrive",
+     stamp(0, f"{LANDED0} + g", indent="            "), "after_first_line"),
+    ("  auto issue_qk = [&](int t) {\n", stamp(256, S_ISSUE, indent="    "), "after"),
+    ("          fa3::key_group_sync<Traits>(t, kk / (4 * Traits::kBlocksPerGroup));\n",
+     stamp(256, f"{GROUP0} + kk / (4 * Traits::kBlocksPerGroup)", indent="          "), "after"),
+    ("      float* factor_t = factors + (t & 1) * ROWS;\n", stamp(256, S_LANDED), "before"),
+    ("      rescale(factor);\n      issue_pv(t);\n      fa3::handoff_arrive(t);", stamp(256, PV_ISSUE), "before"),
+    ("    if (lane == 0) tma::mbar_arrive(empty(t));\n",
+     stamp(256, RELEASE1, indent="    ") + stamp(128, RELEASE0, indent="    "), "after"),
+    ("      fa3::handoff_sync(t);\n", stamp(128, HANDOFF), "after"),
+    ("  // The row sums came with the last tile's P (none without tiles).\n", EXIT, "before"),
+]
+
+
+def instrumented_templates() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="mla-trace-")) / "templates"
+    shutil.copytree(render.templates_dir(), folder)
+    path = folder / HEADER
+    text = path.read_text()
+    for anchor, code, where in PROBES:
+        assert anchor in text, anchor
+        if where == "after_first_line":
+            first = anchor.split("\n")[0] + "\n"
+            text = text.replace(anchor, first + code + anchor[len(first):], 1)
+        else:
+            text = text.replace(anchor, code + anchor if where == "before" else anchor + code, 1)
+    path.write_text(text)
+    return folder
+
+
+def intervals(t: torch.Tensor) -> dict:
+    """Median cycles of each interval over every CTA's middle tiles (from the 4th
+    to the 4th from last), from the [CTAs, TILES, EVENTS] stamps."""
+    t = t.double()
+    num = int((t[0, :, S_ISSUE] > 0).sum())
+    mid = slice(4, max(5, min(num, TILES) - 4))
+    cur, nxt = t[:, mid], t[:, mid.start + 1: mid.stop + 1]
+    prev2 = t[:, mid.start - 2: mid.stop - 2]  # the tile two back (its slot)
+    parts = {
+        "tile period (S issued to the next S issued)": nxt[..., S_ISSUE] - cur[..., S_ISSUE],
+        "slot freed by both consumers to the loader seeing it": cur[..., SLOT_FREE]
+        - torch.maximum(prev2[..., RELEASE0], prev2[..., RELEASE1]),
+        "loader: slot seen to boxes issued": cur[..., ISSUED] - cur[..., SLOT_FREE],
+        "load: boxes issued to key group 0 landed": cur[..., LANDED0] - cur[..., ISSUED],
+        "load: boxes issued to key group 2 landed": cur[..., LANDED0 + 2] - cur[..., ISSUED],
+        "S issued to past key group 0's barrier (waits for keys)": cur[..., GROUP0] - cur[..., S_ISSUE],
+        "past group 0 to past group 1": cur[..., GROUP0 + 1] - cur[..., GROUP0],
+        "past group 1 to past group 2": cur[..., GROUP0 + 2] - cur[..., GROUP0 + 1],
+        "past group 2 to S landed": cur[..., S_LANDED] - cur[..., GROUP0 + 2],
+        "S landed to P.V issued (softmax, P stores, barrier)": cur[..., PV_ISSUE] - cur[..., S_LANDED],
+        "P.V issued to the next S issued": nxt[..., S_ISSUE] - cur[..., PV_ISSUE],
+        "P.V issued to softmax consumer's release": cur[..., RELEASE1] - cur[..., PV_ISSUE],
+        "P.V issued to the other consumer past the hand-off": cur[..., HANDOFF] - cur[..., PV_ISSUE],
+        "hand-off to the other consumer's release": cur[..., RELEASE0] - cur[..., HANDOFF],
+        "key group 2 landed to S issued (keys early, +) or late (-)": cur[..., S_ISSUE] - cur[..., LANDED0 + 2],
+    }
+    return {k: statistics.median(v.flatten().tolist()) for k, v in parts.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2], help="indices into benchmarks/mla.py's ROWS")
+    parser.add_argument("--tiling", help="a Fa3MlaTiling(...) expression in place of the shipped one")
+    args = parser.parse_args()
+    use_templates(instrumented_templates())
+    os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="mla-trace-cache-")
+    jit._modules.clear()
+    tiling = parse_fa3_mla_tiling(args.tiling) if args.tiling else None
+    print(f"{torch.cuda.get_device_name()}, flashjit fa3 MLA ({args.tiling or 'shipped tiling'}), bf16")
+    for row in args.rows:
+        label, batch, kv_len, heads, page_size = mla.ROWS[row]
+        r = mla.make_row(batch, kv_len, heads, page_size)
+        w = flashjit.BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
+                                                   backend="fa3")
+        with fa3_mla_tiling(tiling):
+            w.plan(r["qo_indptr"], r["kv_indptr"], r["kv_indices"], r["kv_lens"], heads, 512, 64, page_size, False,
+                   mla.SM_SCALE, mla.DTYPE, mla.DTYPE)
+        plan = w._plan
+        if plan.merge_tokens:
+            print(f"{label}: the plan splits keys, no stamps", file=sys.stderr)
+            continue
+        ctas = plan.num_work
+        stamps = torch.zeros(ctas * STRIDE, dtype=torch.int64, device="cuda")
+        w._plan = dataclasses.replace(plan, partials=(stamps.data_ptr(), 0))
+        for _ in range(3):
+            out = w.run(r["q_nope"], r["q_pe"], r["ckv"], r["kpe"])
+        torch.cuda.synchronize()
+        mla.check(out, r, kv_len, label, "fa3")
+        s = stamps.view(ctas, STRIDE).cpu()
+        head, tiles = s[:, :HEAD].double(), s[:, HEAD:].view(ctas, TILES, EVENTS)
+        ghz = statistics.median(((head[:, 3] - head[:, 1]) / (head[:, 2] - head[:, 0])).tolist())
+        cta_us = statistics.median(((head[:, 2] - head[:, 0]) / 1e3).tolist())
+        print(f"\n{label}: {ctas} CTAs, median CTA {cta_us:.1f} us (entry to the softmax consumer's last tile), "
+              f"SM clock {ghz:.2f} GHz\n")
+        print("| interval (median over CTAs and middle tiles) | cycles | ns |\n|---|---|---|")
+        for name, cycles in intervals(tiles).items():
+            print(f"| {name} | {cycles:.0f} | {cycles / ghz:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
