@@ -36,7 +36,7 @@ import flashjit  # noqa: E402
 from flashjit import jit, render  # noqa: E402
 
 HEADER = "include/flashjit/fa3/fa3_mla.cuh"
-TILES, EVENTS, HEAD = 64, 16, 4  # stamped tiles, stamps a tile, header words a CTA
+TILES, EVENTS, HEAD = 64, 16, 6  # stamped tiles, stamps a tile, header words a CTA
 STRIDE = HEAD + TILES * EVENTS
 # Stamp slots of a tile.
 SLOT_FREE, ISSUED, LANDED0 = 0, 1, 2  # loader; LANDED0 + g for key group g
@@ -81,6 +81,10 @@ PROBES = [
      stamp(256, RELEASE1, indent="    ") + stamp(128, RELEASE0, indent="    "), "after"),
     ("      fa3::handoff_sync(t);\n", stamp(128, HANDOFF), "after"),
     ("  // The row sums came with the last tile's P (none without tiles).\n", EXIT, "before"),
+    # Both consumers' first threads as they leave one barrier: how far apart
+    # their clocks read at one moment (the cross-warp intervals' error).
+    ("  fa3::consumers_barrier();\n",
+     "  if (threadIdx.x == 128) fj_out[4] = clock64();\n  if (threadIdx.x == 256) fj_out[5] = clock64();\n", "after"),
 ]
 
 
@@ -124,8 +128,11 @@ def intervals(t: torch.Tensor) -> dict:
         "P.V issued to softmax consumer's release": cur[..., RELEASE1] - cur[..., PV_ISSUE],
         "P.V issued to the other consumer past the hand-off": cur[..., HANDOFF] - cur[..., PV_ISSUE],
         "hand-off to the other consumer's release": cur[..., RELEASE0] - cur[..., HANDOFF],
+        "the other consumer's period (hand-off to the next)": nxt[..., HANDOFF] - cur[..., HANDOFF],
         "key group 2 landed to S issued (keys early, +) or late (-)": cur[..., S_ISSUE] - cur[..., LANDED0 + 2],
     }
+    if not bool((t[..., ISSUED] > 0).any()):  # gathered tiles: no loader stamps
+        parts = {k: v for k, v in parts.items() if "load" not in k and "landed to" not in k}
     return {k: statistics.median(v.flatten().tolist()) for k, v in parts.items()}
 
 
@@ -161,9 +168,11 @@ def main() -> int:
         s = stamps.view(ctas, STRIDE).cpu()
         head, tiles = s[:, :HEAD].double(), s[:, HEAD:].view(ctas, TILES, EVENTS)
         ghz = statistics.median(((head[:, 3] - head[:, 1]) / (head[:, 2] - head[:, 0])).tolist())
+        skew = statistics.median((head[:, 5] - head[:, 4]).tolist())
         cta_us = statistics.median(((head[:, 2] - head[:, 0]) / 1e3).tolist())
         print(f"\n{label}: {ctas} CTAs, median CTA {cta_us:.1f} us (entry to the softmax consumer's last tile), "
-              f"SM clock {ghz:.2f} GHz\n")
+              f"SM clock {ghz:.2f} GHz; the softmax consumer's clock read {skew:.0f} cycles after the other's "
+              "leaving one barrier\n")
         print("| interval (median over CTAs and middle tiles) | cycles | ns |\n|---|---|---|")
         for name, cycles in intervals(tiles).items():
             print(f"| {name} | {cycles:.0f} | {cycles / ghz:.0f} |")
