@@ -41,7 +41,7 @@ STRIDE = HEAD + TILES * EVENTS
 # Stamp slots of a tile.
 SLOT_FREE, ISSUED, LANDED0 = 0, 1, 2  # loader; LANDED0 + g for key group g
 S_ISSUE, GROUP0, S_LANDED, PV_ISSUE, RELEASE1 = 5, 6, 9, 10, 11  # softmax consumer; GROUP0 + g
-HANDOFF, RELEASE0 = 12, 13  # the other consumer
+HANDOFF, RELEASE0, AT_HANDOFF = 12, 13, 14  # the other consumer
 
 
 def stamp(thread: int, slot: int, t: str = "t", indent: str = "      ") -> str:
@@ -80,6 +80,7 @@ PROBES = [
     ("    if (lane == 0) tma::mbar_arrive(empty(t));\n",
      stamp(256, RELEASE1, indent="    ") + stamp(128, RELEASE0, indent="    "), "after"),
     ("      fa3::handoff_sync(t);\n", stamp(128, HANDOFF), "after"),
+    ("      fa3::handoff_sync(t);\n", stamp(128, AT_HANDOFF), "before"),
     ("  // The row sums came with the last tile's P (none without tiles).\n", EXIT, "before"),
     # Both consumers' first threads as they leave one barrier: how far apart
     # their clocks read at one moment (the cross-warp intervals' error).
@@ -127,12 +128,14 @@ def intervals(t: torch.Tensor) -> dict:
         "P.V issued to the next S issued": nxt[..., S_ISSUE] - cur[..., PV_ISSUE],
         "P.V issued to softmax consumer's release": cur[..., RELEASE1] - cur[..., PV_ISSUE],
         "P.V issued to the other consumer past the hand-off": cur[..., HANDOFF] - cur[..., PV_ISSUE],
+        "the other consumer: at the hand-off to past it": cur[..., HANDOFF] - cur[..., AT_HANDOFF],
         "hand-off to the other consumer's release": cur[..., RELEASE0] - cur[..., HANDOFF],
         "the other consumer's period (hand-off to the next)": nxt[..., HANDOFF] - cur[..., HANDOFF],
         "key group 2 landed to S issued (keys early, +) or late (-)": cur[..., S_ISSUE] - cur[..., LANDED0 + 2],
     }
     if not bool((t[..., ISSUED] > 0).any()):  # gathered tiles: no loader stamps
-        parts = {k: v for k, v in parts.items() if "load" not in k and "landed to" not in k}
+        loader = ("slot freed", "loader:", "load:", "key group 2 landed")
+        parts = {k: v for k, v in parts.items() if not k.startswith(loader)}
     return {k: statistics.median(v.flatten().tolist()) for k, v in parts.items()}
 
 
