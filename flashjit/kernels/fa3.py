@@ -86,18 +86,13 @@ class Fa3MlaTiling:
     it lands (3: named barriers the loader arrives at, Fa3MlaTraits).
     early_release: the softmax consumer gives a tile's slot back as its P.V of
     the tile lands, not once the next tile's S has landed too. tma: whole
-    tiles in pages of 64 keys or more come by TMA boxes, not cp.async.
-    early_issue (with tma): the loader issues the next tile's boxes as soon as
-    its slot is free, not once this tile's have landed. tma_all_heads (with
-    tma): boxes at every head count, not only above 64."""
+    tiles in pages of 64 keys or more come by TMA boxes, not cp.async."""
     stages: int
     keys_per_tile: int = 64
     rows_per_cta: int = 64
     key_groups: int = 1
     early_release: bool = False
     tma: bool = False
-    early_issue: bool = False
-    tma_all_heads: bool = False
 
     def rescales(self, spec: KernelSpec) -> tuple[int, int]:
         """(keys per online-softmax rescale, merge rescales): one step per tile;

@@ -78,29 +78,6 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   return done != 0;
 }
 
-// Whether the phase of `bar` with this parity has completed, without waiting.
-__device__ __forceinline__ bool mbar_test_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n .reg .pred done;\n mbarrier.test_wait.parity.shared::cta.b64 done, [%1], %2;\n selp.u32 %0, 1, 0, done;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
-// Whether the phase of `bar` with this parity has completed, the thread
-// suspended meanwhile for up to about `suspend_ns` (then false if not yet).
-__device__ __forceinline__ bool mbar_try_wait_for(uint32_t bar, uint32_t parity, uint32_t suspend_ns) {
-  uint32_t done;
-  asm volatile(
-      "{\n .reg .pred done;\n mbarrier.try_wait.parity.shared::cta.b64 done, [%1], %2, %3;\n selp.u32 %0, 1, 0, done;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity), "r"(suspend_ns)
-      : "memory");
-  return done != 0;
-}
-
 // Waits until the phase of `bar` with this parity has completed.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   while (!mbar_try_wait(bar, parity)) {

@@ -100,52 +100,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       gather.lookup(rows, k0, min(KEYS, w.kv_len - k0));
     };
     if (num_tiles > 0) lookup(0);
-    // By TMA (Traits::kTma): a whole tile within one page (page_box_rows: 64
-    // where the page size is a multiple of 64, else 0).
-    auto by_tma = [&](int t) {
-      const int k0 = key_begin + t * KEYS;
-      return tma_arg.page_box_rows > 0 && k0 % KEYS == 0 && k0 + KEYS <= w.kv_len;
-    };
-    auto slot_free = [&](int t) { return t < STAGES || tma::mbar_test_wait(empty(t), ((t / STAGES) - 1) & 1); };
-    bool issued = false;  // the first warp's: tile t's boxes went out early (Traits::kEarlyIssue)
     for (int t = 0; t < num_tiles; ++t) {
       if (t >= STAGES) {
         // The slot's previous tile (t - STAGES) completed phase t / STAGES - 1.
-        if (tid < 32 && !issued) tma::mbar_wait(empty(t), ((t / STAGES) - 1) & 1);
+        if (tid < 32) tma::mbar_wait(empty(t), ((t / STAGES) - 1) & 1);
         fa3::loader_barrier();
       }
+      // By TMA (Traits::kTma): a whole tile within one page (page_box_rows: 64
+      // where the page size is a multiple of 64, else 0).
       if constexpr (Traits::kTma) {
-        if (by_tma(t)) {
-          if (tid == 0 && !issued)
+        const int k0 = key_begin + t * KEYS;
+        if (tma_arg.page_box_rows > 0 && k0 % KEYS == 0 && k0 + KEYS <= w.kv_len) {
+          if (tid == 0)
             fa3::load_mla_tile_tma<Traits>(tma_arg.maps, slot_of(t), rows.page[0], rows.slot[0],
                                            [&](int g) { return group_bar(t, g); });
           if (t + 1 < num_tiles) lookup(t + 1);
-          // Early issue: the next tile's boxes go out as soon as its slot is
-          // free, while this one's still land (else only once they have).
-          const bool early = Traits::kEarlyIssue && t + 1 < num_tiles && by_tma(t + 1);
-          bool next_issued = false;
           // Each group once its boxes landed (the first warp polls), to the
           // softmax consumer; then the whole tile, on "full".
 #pragma unroll
           for (int g = 0; g < Traits::kKeyGroups; ++g) {
-            if (tid == 0 && early) {
-              // Suspended while it waits (a spinning thread takes issue slots
-              // from the consumers' warps), checking the next slot every ~100 ns.
-              while (!tma::mbar_try_wait_for(group_bar(t, g), (t / STAGES) & 1, 100)) {
-                if (!next_issued && slot_free(t + 1)) {
-                  fa3::load_mla_tile_tma<Traits>(tma_arg.maps, slot_of(t + 1), rows.page[0], rows.slot[0],
-                                                 [&](int g2) { return group_bar(t + 1, g2); });
-                  next_issued = true;
-                }
-              }
-            } else if (tid < 32) {
-              tma::mbar_wait(group_bar(t, g), (t / STAGES) & 1);
-            }
+            if (tid < 32) tma::mbar_wait(group_bar(t, g), (t / STAGES) & 1);
             fa3::loader_barrier();
             if constexpr (Traits::kKeyGroups > 1) fa3::key_group_arrive<Traits>(t, g);
-          }
-          if constexpr (Traits::kEarlyIssue) {
-            if (tid < 32) issued = __shfl_sync(0xffffffffu, next_issued, 0);
           }
           tma::mbar_arrive(full(t));
           continue;
@@ -387,16 +363,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 template <class Traits>
 int launch_fa3_mla(const FlashjitAttentionParams& p, cudaStream_t stream) {
   typename Traits::TmaArg tma_arg{};
-  // Pages of 64 keys or more by TMA where a request's query heads span more
-  // than one CTA (which then read the same keys) and the driver encodes the
-  // maps (ckv as K, kpe as V, one KV head: p.num_kv_heads is 1); else every
-  // tile is gathered. On an H200, TMA took the 128-head row of
-  // benchmarks/mla.py 6.9% faster, and the 64- and 16-head rows 1.1% and 3.0%
-  // slower (benchmarks/results/2026-11-27-h200-mla-tma.md).
+  // Pages of 64 keys or more by TMA where the driver encodes the maps (ckv as
+  // K, kpe as V, one KV head: p.num_kv_heads is 1); else every tile is
+  // gathered. On H200s, TMA took the 128-head row of benchmarks/mla.py 6.9%
+  // faster (two CTAs a request read the same keys); with one CTA a request,
+  // the 64- and 16-head rows ran 1.1% and 3.0% slower on one H200
+  // (benchmarks/results/2026-11-27-h200-mla-tma.md) and 3.4-5.0% and 0.4-0.9%
+  // faster on another, where the gathered kernel ran 6-7% slower than on the
+  // first and TMA's 1% (2026-11-27-h200-mla-tma-all-heads.md).
   if constexpr (Traits::kTma) {
-    if (p.num_work > 0 && (p.num_qo_heads > Traits::kRowsPerCta || Traits::kTmaAllHeads) &&
-        p.page_size >= Traits::kKeysPerTile &&
-        p.page_size % Traits::kKeysPerTile == 0 &&
+    if (p.num_work > 0 && p.page_size >= Traits::kKeysPerTile && p.page_size % Traits::kKeysPerTile == 0 &&
         tma::encode_paged_kv_maps<typename Traits::DType>(&tma_arg.maps, p, Traits::kCkvDim, Traits::kKpeDim,
                                                            Traits::kKeysPerTile) == cudaSuccess)
       tma_arg.page_box_rows = Traits::kKeysPerTile;

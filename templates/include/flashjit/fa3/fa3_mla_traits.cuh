@@ -13,7 +13,7 @@
 namespace flashjit {
 
 template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false,
-          bool kTma_ = false, bool kEarlyIssue_ = false, bool kTmaAllHeads_ = false>
+          bool kTma_ = false>
 struct Fa3MlaTraits {
   using DType = DType_;
   static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
@@ -39,14 +39,6 @@ struct Fa3MlaTraits {
   // boxes counted on an mbarrier of its own; other tiles (small pages, a
   // partial last tile) are gathered by every loader thread's cp.async.
   static constexpr bool kTma = kTma_;
-  // With TMA: the loader issues the next tile's boxes as soon as its slot is
-  // free, while this tile's still land, rather than once they have (two
-  // tiles in flight where a tile's load takes longer than its products).
-  static constexpr bool kEarlyIssue = kEarlyIssue_;
-  static_assert(!kEarlyIssue || kTma, "early issue is of TMA boxes");
-  // With TMA: boxes whatever the head count (else only where a request's heads
-  // span more than one CTA).
-  static constexpr bool kTmaAllHeads = kTmaAllHeads_;
   // The kernel's K/V map argument (an empty stand-in without TMA).
   using TmaArg = std::conditional_t<kTma, KvMapsPagedArg, KvMapsArg<false>>;
   static constexpr int kGroupBarrier0 = 6;  // 0 __syncthreads, 1 the consumers, 2 and 3 a warpgroup's, 4 and 5 the hand-off
