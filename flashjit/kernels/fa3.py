@@ -113,8 +113,9 @@ class Fa3MlaTiling:
 # than waiting for whole tiles (benchmarks/results/2026-11-27-h200-mla-key-groups.md);
 # slots given back as their P.V lands: another 0.6-1.7%
 # (2026-11-27-h200-mla-handoff-and-release.md). TMA boxes for whole tiles in
-# pages of 64 keys or more, where a request's heads span two CTAs or more (the
-# launch decides): the 128-head row 6.9% faster (2026-11-27-h200-mla-tma.md).
+# pages of 64 keys or more (the launch decides): the 128-head row 6.9% faster
+# (2026-11-27-h200-mla-tma.md), the 64-head row 3.3-5.0% on a second H200
+# (2026-11-27-h200-mla-tma-all-heads.md).
 MLA_TILING = Fa3MlaTiling(stages=2, key_groups=3, early_release=True, tma=True)
 
 

@@ -368,8 +368,8 @@ int launch_fa3_mla(const FlashjitAttentionParams& p, cudaStream_t stream) {
   // gathered. On H200s, TMA took the 128-head row of benchmarks/mla.py 6.9%
   // faster (two CTAs a request read the same keys); with one CTA a request,
   // the 64- and 16-head rows ran 1.1% and 3.0% slower on one H200
-  // (benchmarks/results/2026-11-27-h200-mla-tma.md) and 3.4-5.0% and 0.4-0.9%
-  // faster on another, where the gathered kernel ran 6-7% slower than on the
+  // (benchmarks/results/2026-11-27-h200-mla-tma.md) and 3.3-5.0% and 0.4-0.9%
+  // faster on another, where the gathered kernel ran 5-8% slower than on the
   // first and TMA's 1% (2026-11-27-h200-mla-tma-all-heads.md).
   if constexpr (Traits::kTma) {
     if (p.num_work > 0 && p.page_size >= Traits::kKeysPerTile && p.page_size % Traits::kKeysPerTile == 0 &&
