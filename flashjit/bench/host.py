@@ -31,7 +31,7 @@ CASES = (
     ("torch.ops.flashjit.batch_decode_paged_run", "as above, the operator a compiled graph calls"),
     ("BatchMLAPagedAttentionWrapper.run", "4 requests x 64 keys, 16 heads, page 64"),
     ("BatchMLAPagedAttentionWrapper.run (128 heads)",
-     "as above, 128 heads: on sm_90a, two TMA maps encoded each call"),
+     "as above, 128 heads (two CTAs a request)"),
 )
 
 
