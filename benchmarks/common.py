@@ -122,3 +122,35 @@ def fa3_mla_tiling(tiling):
         else:
             os.environ["FLASHJIT_CACHE_DIR"] = cache_dir
         jit._modules.clear()
+
+
+def insert_probes(text: str, probes) -> str:
+    """`text` with each probe's code put at the first occurrence of its anchor:
+    probes are (anchor, code, where), where "before", "after", or
+    "after_first_line" (a multi-line anchor that only places the code: after
+    its first line)."""
+    for anchor, code, where in probes:
+        assert anchor in text, anchor
+        if where == "after_first_line":
+            first = anchor.split("\n")[0] + "\n"
+            text = text.replace(anchor, first + code + anchor[len(first):], 1)
+        else:
+            text = text.replace(anchor, code + anchor if where == "before" else anchor + code, 1)
+    return text
+
+
+def instrumented_templates(header: str, probes, source=None, prefix: str = "instrumented-"):
+    """A copy of a templates/ folder (default: the package's) in a temporary
+    folder, with `probes` inserted into `header` (a path inside it): the
+    instruments' kernels, the shipped sources untouched. Returns the copy."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from flashjit import render
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix)) / "templates"
+    shutil.copytree(source or render.templates_dir(), folder)
+    path = folder / header
+    path.write_text(insert_probes(path.read_text(), probes))
+    return folder

@@ -34,11 +34,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, decode, prefill
-from common import use_templates
+from common import insert_probes, use_templates
+from common import instrumented_templates as common_instrumented
 from prefill import indptr
 
 import flashjit
-from flashjit import jit, kernels, render
+from flashjit import jit, kernels
 
 HEADER = "include/flashjit/fa2/fa2_attention.cuh"
 TILES, TILE_STAMPS = 16, 4  # --tiles: stamps per tile, for the first TILES tiles of a CTA
@@ -100,14 +101,6 @@ TILE_PROBES = [  # our kernel: top, K/V landed, next copies issued, before P.V
 ]
 
 
-def insert_probes(text: str, probes) -> str:
-    """`text` with each probe's code put before or after the first occurrence of its anchor."""
-    for anchor, code, where in probes:
-        assert anchor in text, anchor
-        text = text.replace(anchor, code + anchor if where == "before" else anchor + code, 1)
-    return text
-
-
 def stagger_probe(ns: int, second: str) -> tuple:
     """Code that holds back the first wave's CTAs that `second` selects, `ns`
     nanoseconds at entry: a test of whether CTAs running in lockstep cost time."""
@@ -127,12 +120,8 @@ def stagger_probe(ns: int, second: str) -> tuple:
 
 
 def instrumented_templates(source: Path | None = None, stagger: tuple | None = None, tiles: bool = False) -> Path:
-    folder = Path(tempfile.mkdtemp(prefix="cta-timing-")) / "templates"
-    shutil.copytree(source or render.templates_dir(), folder)
-    path = folder / HEADER
     probes = ([stagger] if stagger else []) + PROBES + (TILE_PROBES if tiles else [])
-    path.write_text(insert_probes(path.read_text(), probes))
-    return folder
+    return common_instrumented(HEADER, probes, source, prefix="cta-timing-")
 
 
 # FlashInfer's ragged prefill kernel, instrumented the same way in a private copy

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -31,9 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, mla
 import mla  # noqa: E402
 from common import fa3_mla_tiling, parse_fa3_mla_tiling, use_templates  # noqa: E402
+from common import instrumented_templates as common_instrumented  # noqa: E402
 
 import flashjit  # noqa: E402
-from flashjit import jit, render  # noqa: E402
+from flashjit import jit  # noqa: E402
 
 HEADER = "include/flashjit/fa3/fa3_mla.cuh"
 TILES, EVENTS, HEAD = 64, 16, 6  # stamped tiles, stamps a tile, header words a CTA
@@ -90,19 +90,7 @@ PROBES = [
 
 
 def instrumented_templates() -> Path:
-    folder = Path(tempfile.mkdtemp(prefix="mla-trace-")) / "templates"
-    shutil.copytree(render.templates_dir(), folder)
-    path = folder / HEADER
-    text = path.read_text()
-    for anchor, code, where in PROBES:
-        assert anchor in text, anchor
-        if where == "after_first_line":
-            first = anchor.split("\n")[0] + "\n"
-            text = text.replace(anchor, first + code + anchor[len(first):], 1)
-        else:
-            text = text.replace(anchor, code + anchor if where == "before" else anchor + code, 1)
-    path.write_text(text)
-    return folder
+    return common_instrumented(HEADER, PROBES, prefix="mla-trace-")
 
 
 def intervals(t: torch.Tensor) -> dict:
