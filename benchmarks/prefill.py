@@ -26,7 +26,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="head_dim 128, S = 1k and 4k only")
     parser.add_argument("--head-dims", type=int, nargs="+", help="override the head dims")
     parser.add_argument("--seqlens", type=int, nargs="+", help="override the sequence lengths")
-    parser.add_argument("--rounds", type=int, default=3, help="timed samples per cell: reps per row x this many shuffled passes (flashjit.bench.prefill)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed samples per cell: reps per row x this many shuffled passes "
+                             "(flashjit.bench.prefill)")
     parser.add_argument("--only", nargs="+", help="implementations to run (default: all available)")
     parser.add_argument("--no-skewed", action="store_true", help="leave out the skewed batch and the decode line")
     parser.add_argument("--out")

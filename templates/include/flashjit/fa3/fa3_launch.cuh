@@ -28,7 +28,8 @@ int launch_fa3_attention(const FlashjitAttentionParams& p, cudaStream_t stream) 
     if constexpr (Traits::kPaged) {
       // Pages by TMA where the page size allows and the driver encodes the maps; else every tile is gathered.
       const int rows = fa3_page_box_rows<Traits::kKeysPerTile>(p.page_size);
-      if (rows > 0 && tma::encode_paged_kv_maps<DType>(&tma_arg.maps, p, Traits::kHeadDim, Traits::kHeadDim, rows) == cudaSuccess)
+      if (rows > 0 &&
+          tma::encode_paged_kv_maps<DType>(&tma_arg.maps, p, Traits::kHeadDim, Traits::kHeadDim, rows) == cudaSuccess)
         tma_arg.page_box_rows = rows;
     } else {
       const int err = tma::encode_kv_maps<DType, Traits::kKeysPerTile>(&tma_arg.maps, p, Traits::kHeadDim);
