@@ -6,15 +6,12 @@ the SASS) in the fa3 library for sm_90a, none in an sm_80 / sm_89 build."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 
 from flashjit import arch, jit
 from flashjit.spec import KernelSpec
 from helpers_cache import needs_nvcc, set_cache_env
+from helpers_sass import sass
 
 PREFILL_OPS = ["single_prefill", "batch_prefill_ragged", "batch_prefill_paged"]
 
@@ -114,30 +111,6 @@ def test_fa3_build_for_arches_without_wgmma_fails_before_compiling(monkeypatch, 
 
 # ---------------------------------------------------------------------------
 # SASS of CPU builds
-
-
-def cuobjdump() -> Path | None:
-    """cuobjdump from the nvidia-cuda-cuobjdump wheel (test extra), else from PATH."""
-    try:
-        import nvidia
-    except ImportError:
-        nvidia = None
-    for root in getattr(nvidia, "__path__", []):
-        for found in Path(root).glob("*/bin/cuobjdump"):
-            return found
-    import shutil
-
-    found = shutil.which("cuobjdump")
-    return Path(found) if found else None
-
-
-def sass(library: Path) -> str:
-    tool = cuobjdump()
-    if tool is None:
-        pytest.skip("needs cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    env = {**os.environ, "PATH": f"{tool.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    return subprocess.run([str(tool), "-sass", str(library)], capture_output=True, text=True, check=True,
-                          env=env).stdout
 
 
 @pytest.mark.nvcc

@@ -9,9 +9,12 @@ CUDA-graph samples). The last column is the mode's time against the faster
 normal cell, + meaning slower. --chunks times the mode at other split-KV chunk
 sizes (ops._invariant.CHUNK_KEYS is the default); --split adds the first chunk
 with every request's chunks split across CTAs and merged (fold_policy "never":
-what the mode costs where the kernel does not fold them itself); every
-batch-invariant output is first checked against the normal one within the sum
-of their profiles.
+what the mode costs where the kernel does not fold them itself); --variant
+LABEL=FOLDER adds the mode at the first chunk with kernels rendered from another
+templates/ folder (prefill rows). Every batch-invariant output is first checked
+against the normal one within the sum of their profiles, except the variants'
+with --unchecked: cost attribution, variants that leave out part of the work on
+purpose (their outputs are wrong).
 
 --head-dims and --decode-head-dims pick the head dims of the prefill and
 decode rows (decode.py's rows are head_dim 128 only), --rows the rows whose
@@ -19,7 +22,7 @@ label starts with one of the given strings.
 
 Usage: python benchmarks/dev/batch_invariant_cost.py [--quick] [--chunks 4096] [--split] [--rounds 3] [--reps 30]
        [--only prefill decode] [--head-dims 64 128 256] [--decode-head-dims 128] [--rows LABEL ...]
-       [--out FILE] [--json FILE]
+       [--variant LABEL=FOLDER ...] [--unchecked] [--out FILE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
-from common import emit  # noqa: E402
+from common import emit, rendered_from  # noqa: E402
 
 import flashjit  # noqa: E402
 from flashjit.bench import decode as dec  # noqa: E402
@@ -42,10 +46,10 @@ from flashjit.ops import _invariant  # noqa: E402
 from flashjit.spec import KernelSpec  # noqa: E402
 
 
-def ragged(batch_invariant: bool, variant):
+def ragged(batch_invariant: bool, variant, templates=None):
     def make(qo_lens, kv_lens, h, d, causal, dtype):
         w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
-        with chunk_size(variant):
+        with chunk_size(variant), rendered_from(templates):
             w.plan(pre.indptr(qo_lens), pre.indptr(kv_lens), h, h, d, causal=causal, q_data_type=dtype,
                    batch_invariant=batch_invariant)
         return w.run
@@ -74,19 +78,25 @@ def check(name, out, ref, spec, q, k, v, kv_len):
     (tol + tol).assert_close(out, ref.double(), name)
 
 
-def prefill_rows(plan, chunks, rounds, results):
+def prefill_rows(plan, chunks, rounds, results, variants=(), unchecked=False):
+    """variants: (label, templates folder) of the mode at the first chunk."""
+    first = chunks[next(iter(chunks))]
     for row in plan:
         if row["label"] == "single_decode":
             continue
-        impls = {"normal": ragged(False, chunks[next(iter(chunks))])}
+        impls = {"normal": ragged(False, first)}
         impls.update({f"invariant {c}": ragged(True, v) for c, v in chunks.items()})
+        impls.update({f"invariant {label}": ragged(True, first, folder) for label, folder in variants})
+        columns = [*chunks, *(label for label, _ in variants)]
         h, d, lens = row["heads"], row["head_dim"], row["qo_lens"]
         torch.manual_seed(0)
         q = torch.randn(sum(lens), h, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(sum(lens), h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         ref = impls["normal"](lens, lens, h, d, row["causal"], torch.bfloat16)(q, k, v)
         spec = KernelSpec.make("batch_prefill_ragged", "bfloat16", d, use_tensor_cores=True, causal=row["causal"])
-        for c in chunks:
+        for c in columns:
+            if unchecked and c not in chunks:
+                continue
             out = impls[f"invariant {c}"](lens, lens, h, d, row["causal"], torch.bfloat16)(q, k, v)
             check(f"prefill {row['label']} chunk {c}", out, ref, spec, q, k, v, max(lens))
         del q, k, v, ref
@@ -94,7 +104,7 @@ def prefill_rows(plan, chunks, rounds, results):
         vals = res["values"]
         results.append({"kind": "prefill", "label": f"d{d} {row['label']}{' causal' if row['causal'] else ''}",
                         "unit": "TFLOP/s", "normal": vals["normal"],
-                        "invariant": {c: vals[f"invariant {c}"] for c in chunks}})
+                        "invariant": {c: vals[f"invariant {c}"] for c in columns}})
         print(line(results[-1]), flush=True)
         torch.cuda.empty_cache()
 
@@ -166,6 +176,9 @@ def main() -> int:
     parser.add_argument("--head-dims", type=int, nargs="+", help="prefill rows' head dims (default prefill.py's)")
     parser.add_argument("--decode-head-dims", type=int, nargs="+", default=[dec.D])
     parser.add_argument("--rows", nargs="+", help="only the rows whose label starts with one of these")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=FOLDER",
+                        help="the mode at the first chunk, kernels rendered from a templates/ copy (prefill)")
+    parser.add_argument("--unchecked", action="store_true", help="the variants' outputs are not checked")
     parser.add_argument("--out")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -177,11 +190,14 @@ def main() -> int:
     chunks = {str(c): (c, "auto") for c in args.chunks}  # column label -> (chunk, fold policy)
     if args.split:
         chunks[f"{args.chunks[0]} split"] = (args.chunks[0], "never")
+    variants = [(label, Path(folder).resolve()) for label, folder in (v.split("=", 1) for v in args.variant)]
+    if variants and decode:
+        parser.error("--variant: prefill rows only (--only prefill)")
     results = []
-    prefill_rows(plan, chunks, args.rounds, results)
+    prefill_rows(plan, chunks, args.rounds, results, variants, args.unchecked)
     for head_dim in args.decode_head_dims:
         decode_rows(decode, chunks, args.reps, results, head_dim)
-    emit(table(results, chunks), args.out)
+    emit(table(results, [*chunks, *(label for label, _ in variants)]), args.out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

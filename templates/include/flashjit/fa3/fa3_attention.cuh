@@ -159,7 +159,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const Item it = item_at(position);
     const CtaWork& w = it.w;
     const int rows_total = it.active ? it.rows_total : 0, offset = it.offset;
-    const int key_begin = it.key_begin, num_tiles = it.num_tiles;
+    // The first key of tile 0 for run_tiles, which the fold kernel moves on
+    // chunk by chunk (as it does seq).
+    int key_begin = it.key_begin;
+    const int num_tiles = it.num_tiles;
     const int wg_row0 = w.row_begin + c * WG_ROWS;
     const int warp_row0 = wg_row0 + 16 * warp_in_wg;
     {
@@ -266,11 +269,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (lane == 0) tma::mbar_arrive(empty);
     };
 
-    // Tiles [tb, te) from a fresh state (fresh_state()).
-    auto run_tiles = [&](int tb, int te) {
+    // Tiles [0, count) from key_begin and seq, from a fresh state (fresh_state()).
+    auto run_tiles = [&](int count) {
       if constexpr (!Traits::kOverlap) {
         // Each tile in turn: S, softmax, P.V, each product waited for.
-        for (int t = tb; t < te; ++t) {
+        for (int t = 0; t < count; ++t) {
           wait_full(false, t);
           float s[1][NT_S][4], factor[2];
           uint32_t pa[1][KSTEPS_PV][4];
@@ -279,7 +282,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           fa3::wait<0>();
           fa3::fence_operands(s[0]);
           release(empty_k(seq + t));
-          softmax_tile(s, pa, t, t == tb, false, factor);
+          softmax_tile(s, pa, t, t == 0, false, factor);
           wait_full(true, t);
           fa3::fence();
           issue_pv(pa, t);
@@ -315,34 +318,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
               for (int e = 0; e < 4; ++e) o[0][n][e] *= factor[e >> 1];
           }
         };
-        if (te > tb) {
-          wait_full(false, tb);
+        if (count > 0) {
+          wait_full(false, 0);
           {
             float s[1][NT_S][4], factor[2];
             fa3::fence();
-            issue_qk(s, tb);
+            issue_qk(s, 0);
             fa3::wait<0>();
             fa3::fence_operands(s[0]);
-            release(empty_k(seq + tb));
-            softmax_tile(s, pa0, tb, true, false, factor);
+            release(empty_k(seq));
+            softmax_tile(s, pa0, 0, true, false, factor);
           }
-          int t = tb + 1;
-          for (; t + 1 < te; t += 2) {
+          int t = 1;
+          for (; t + 1 < count; t += 2) {
             step(t, pa0, pa1);
             step(t + 1, pa1, pa0);
           }
-          const bool last_in_pa1 = t < te;
+          const bool last_in_pa1 = t < count;
           if (last_in_pa1) step(t, pa0, pa1);
-          wait_full(true, te - 1);
+          wait_full(true, count - 1);
           fa3::fence();
           if (last_in_pa1) {
-            issue_pv(pa1, te - 1);
+            issue_pv(pa1, count - 1);
           } else {
-            issue_pv(pa0, te - 1);
+            issue_pv(pa0, count - 1);
           }
           fa3::wait<0>();
           fa3::fence_operands(o[0]);
-          release(empty_v(seq + te - 1));
+          release(empty_v(seq + count - 1));
         }
       }
     };
@@ -358,32 +361,47 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // old one's last P.V, cost the kernel 5-8% on rows with no boundary at all
     // and gained nothing measurable on the others:
     // benchmarks/results/2026-11-25-h200-batch-invariant-fold.md.)
+    // Each chunk is run_tiles from tile 0 with key_begin and seq moved on, and
+    // the slot and the chunk are read where the fold uses them: with the chunk's
+    // first tile a variable and the slot live across the tile loop, ptxas
+    // scheduled d256's loop so that every other tile gave its V slot back only
+    // after the softmax's exponentials, and d256 ran 6-7% slower than normal
+    // mode with no boundary crossed (tests/test_backend_choice.py checks the
+    // order; benchmarks/results/2026-11-27-h200-batch-invariant-tile-loop.md).
     if constexpr (Traits::kChunkFold) {
-      const int chunk = p.invariant_chunk;
       constexpr int kConsumerThreads = Traits::kConsumerWarps * 32;
       using Merge = fa2::ChunkMerge<Traits>;
       static_assert(kConsumerThreads * (NT_O + 1) * 4 == ROWS * Merge::kFloatsPerRow, "a CTA's scratch slot");
-      float* const slot = p.partial_o + size_t(blockIdx.x) * ROWS * Merge::kFloatsPerRow;
-      float inv[1][2], lse[1][2];
-      int tb = 0, te = min(num_tiles, ((key_begin / chunk + 1) * chunk - key_begin) / KEYS);
+      auto fold = [&](bool folded, bool keep, float (&inv)[1][2], float (&lse)[1][2]) {
+        float* const slot = p.partial_o + size_t(blockIdx.x) * ROWS * Merge::kFloatsPerRow;
+        Merge::template fold<kConsumerThreads>(o, softmax.m, softmax.l, softmax.scale, slot, tid - 128, folded, keep,
+                                               inv, lse);
+      };
+      int left = num_tiles, folded = 0;  // tiles not yet run, chunks folded
+      int tiles = min(left, ((key_begin / p.invariant_chunk + 1) * p.invariant_chunk - key_begin) / KEYS);
       while (true) {
-        run_tiles(tb, te);
-        if (te >= num_tiles) break;
-        Merge::template fold<kConsumerThreads>(o, softmax.m, softmax.l, softmax.scale, slot, tid - 128, tb > 0, true,
-                                               inv, lse);
+        run_tiles(tiles);
+        key_begin += tiles * KEYS;
+        seq += tiles;
+        left -= tiles;
+        if (left == 0) break;
+        float inv[1][2], lse[1][2];
+        fold(folded > 0, true, inv, lse);
+        ++folded;
         fresh_state();
-        tb = te;
-        te = min(num_tiles, te + chunk / KEYS);
+        tiles = min(left, p.invariant_chunk / KEYS);
       }
-      if (tb > 0) {  // uniform across the CTA: the output is the merge of its chunks
-        Merge::template fold<kConsumerThreads>(o, softmax.m, softmax.l, softmax.scale, slot, tid - 128, true, false,
-                                               inv, lse);
+      if (folded > 0) {  // uniform across the CTA: the output is the merge of its chunks
+        float inv[1][2], lse[1][2];
+        fold(true, false, inv, lse);
         fa2::write_rows<Traits>(p, w, o, inv, lse, smem + Traits::kStoreBase, warp_row0, rows_total);
-        seq += num_tiles;
-        continue;
+      } else {
+        fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0, rows_total,
+                                softmax.scale);
       }
+      continue;  // seq is past the position's tiles already
     } else {
-      run_tiles(0, num_tiles);
+      run_tiles(num_tiles);
     }
     // Rows past rows_total (a whole warpgroup's, past the request) are not stored.
     fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0, rows_total,
