@@ -1,13 +1,18 @@
-"""The order of the fa3 tile loop as ptxas scheduled it (SASS of a CPU build for
-sm_90a): where it is left to the compiler and a measured cost rides on it.
+"""The order of the fa3 tile loop as ptxas scheduled it (SASS of CPU builds for
+sm_90a), where it is left to the compiler and a measured cost rides on it.
 
 Each step of the loop waits for its Q.K^T (giving the K slot back), runs the
 softmax, waits for the P.V before it and gives that tile's V slot back to the
-loader. ptxas is free to move the arrival on the slot's "empty" barrier past
-the softmax's exponentials, and did in the batch-invariant fold kernel at
-head_dim 256 (every other tile), which then ran 6-7% slower than normal mode
-with no chunk boundary crossed; with each chunk run from tile 0 it does not
-(fa3_attention.cuh, benchmarks/results/2026-11-27-h200-batch-invariant-tile-loop.md)."""
+loader (an arrival on the slot's "empty" mbarrier). ptxas is free to move that
+arrival past the softmax's exponentials, and did, every other tile: in the
+batch-invariant fold kernel at head_dim 256, which then ran 6-7% slower than
+normal mode with no chunk boundary crossed
+(benchmarks/results/2026-11-27-h200-batch-invariant-tile-loop.md), and in every
+paged kernel, d256 causal 6-7% slower for it
+(benchmarks/results/2026-11-27-h200-fa3-paged-slot-release.md). The fold kernel
+runs each chunk from tile 0 and the paged kernels order the exponentials after
+the arrival through its token (fa3_attention.cuh); this checks that every fa3
+prefill kernel, normal and fold, gives each slot back before the softmax."""
 
 from __future__ import annotations
 
@@ -18,7 +23,31 @@ from flashjit.spec import KernelSpec
 from helpers_cache import needs_nvcc, set_cache_env
 from helpers_sass import functions, innermost_loop, sass
 
-WAIT, ARRIVE, EXP = "WARPGROUP.DEPBAR", "SYNCS.ARRIVE", "MUFU.EX2"
+WAIT, EXP = "WARPGROUP.DEPBAR", "MUFU.EX2"
+OPS = ["batch_prefill_ragged", "batch_prefill_paged"]
+HEAD_DIMS = [64, 128, 256]
+CAUSAL = [False, True]
+# Fa3Traits' last argument, kChunkFold: normal mode's kernel and batch-invariant mode's.
+KERNELS = {"normal": "ELb0EEEEEv23FlashjitAttentionParamsNS_14KvMapsPagedArgE",
+           "fold": "ELb1EEEEEv23FlashjitAttentionParamsNS_14KvMapsPagedArgE"}
+
+
+def spec(op: str, head_dim: int, causal: bool) -> KernelSpec:
+    return KernelSpec.make(op, "bfloat16", head_dim, use_tensor_cores=True, causal=causal, backend="fa3",
+                           return_lse=True)
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory):
+    """Every configuration's library, built in one parallel run."""
+    mp = pytest.MonkeyPatch()
+    set_cache_env(mp, tmp_path_factory.mktemp("cache"))
+    specs = [spec(op, d, c) for op in OPS for d in HEAD_DIMS for c in CAUSAL]
+    try:
+        results = jit.build_many(specs, arches=("sm_90a",))
+    finally:
+        mp.undo()
+    return {s: r.entry.artifact for s, r in zip(specs, results)}
 
 
 def exponentials_before_release(loop: list[str]) -> list[int]:
@@ -28,27 +57,22 @@ def exponentials_before_release(loop: list[str]) -> list[int]:
     for at, ins in enumerate(loop):
         if WAIT in ins:
             after = loop[at + 1:]
-            release = next(i for i, x in enumerate(after) if ARRIVE in x)
+            release = next(i for i, x in enumerate(after) if "SYNCS.ARRIVE" in x)
             out.append(sum(EXP in x for x in after[:release]))
     return out
 
 
 @pytest.mark.nvcc
 @needs_nvcc
-@pytest.mark.parametrize("causal", [False, True])
-def test_fa3_d256_gives_each_slot_back_before_the_softmax(monkeypatch, tmp_path, causal):
-    set_cache_env(monkeypatch, tmp_path / "cache")
-    spec = KernelSpec.make("batch_prefill_ragged", "bfloat16", 256, use_tensor_cores=True, causal=causal,
-                           backend="fa3", return_lse=True)
-    library = jit.build_many([spec], arches=("sm_90a",))[0].entry.artifact
-    kernels = {name: code for name, code in functions(sass(library)).items() if "fa3_attention_kernel" in name}
-    # Fa3Traits' last argument, kChunkFold: the normal kernel and batch-invariant mode's.
-    assert sorted(name.endswith(("ELb0EEEEEv23FlashjitAttentionParamsNS_14KvMapsPagedArgE",
-                                 "ELb1EEEEEv23FlashjitAttentionParamsNS_14KvMapsPagedArgE"))
-                  for name in kernels) == [True, True]
-    for name, code in kernels.items():
-        loop = innermost_loop(code, must_hold=("HGMMA", WAIT, EXP))
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("op", OPS)
+def test_fa3_gives_each_slot_back_before_the_softmax(libraries, op, head_dim, causal):
+    code = functions(sass(libraries[spec(op, head_dim, causal)]))
+    for kind, suffix in KERNELS.items():
+        (name,) = [n for n in code if "fa3_attention_kernel" in n and n.endswith(suffix)]
+        loop = innermost_loop(code[name], must_hold=("HGMMA", WAIT, EXP))
         counts = exponentials_before_release(loop)
         # Two tiles per iteration, each with its two waits.
-        assert len(counts) == 4, (name, counts)
-        assert counts == [0, 0, 0, 0], f"{name}: exponentials before a slot is given back, per wait: {counts}"
+        assert len(counts) == 4, (kind, counts)
+        assert counts == [0, 0, 0, 0], f"{kind} kernel: exponentials before a slot is given back, per wait: {counts}"

@@ -4,13 +4,16 @@ in random order) beside its ragged wrapper, per backend (fa3 on sm_90a, fa2),
 and FlashInfer's paged wrapper (fa3) with --flashinfer.
 
 Shapes as benchmarks/prefill.py: batch * seqlen = 16k tokens, heads * head_dim =
-2048, bf16, TFLOP/s = 4*B*H*S^2*D / t (halved when causal); cells are the mean
-of --rounds interleaved rounds (common.round_orders). The last column is the
-slowest paged cell of the row's first backend against its ragged cell.
+2048, bf16, TFLOP/s = 4*B*H*S^2*D / t (halved when causal); a cell is the median
+of --samples samples, taken in passes of a fresh random order each
+(flashjit.bench.timing.shuffled_ms). The last column is the slowest paged cell
+of the row's first backend against its ragged cell. --baseline-templates adds
+the ragged and paged kernels rendered from other templates/ folders as more
+columns, for an A/B of a kernel change in one run.
 
 Usage: python benchmarks/dev/paged_vs_ragged.py [--head-dims 128] [--seqlens 1024 4096]
        [--backends fa3 fa2] [--page-sizes 1 16 64] [--flashinfer] [--baseline-templates DIR ...]
-       [--rounds 2] [--out FILE]
+       [--samples 30] [--out FILE]
 """
 
 from __future__ import annotations
@@ -18,18 +21,19 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
-from common import emit, rendered_from, round_orders, use_templates  # noqa: E402
+from common import emit, rendered_from, use_templates  # noqa: E402
 
 import flashjit  # noqa: E402
 from flashjit import jit  # noqa: E402
 from flashjit.bench.prefill import attention_flops, indptr  # noqa: E402
-from flashjit.bench.timing import bench_ms  # noqa: E402
+from flashjit.bench.timing import shuffled_ms  # noqa: E402
 from flashjit.spec import KernelSpec  # noqa: E402
 
 
@@ -94,8 +98,8 @@ def main() -> int:
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--flashinfer", action="store_true", help="FlashInfer's paged fa3 at the page sizes too")
     parser.add_argument("--baseline-templates", type=Path, nargs="+", default=[],
-                        help="copies of other templates/ folders: their paged kernels as more columns, same run")
-    parser.add_argument("--rounds", type=int, default=2)
+                        help="copies of other templates/ folders: their kernels as more columns, same run")
+    parser.add_argument("--samples", type=int, default=30, help="timed samples per cell (median reported)")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -105,20 +109,23 @@ def main() -> int:
         impls.update({f"{backend} paged p{p}": flashjit_paged(backend, p) for p in args.page_sizes})
         for folder in args.baseline_templates:
             label = folder.resolve().parent.name if folder.name == "templates" else folder.name
+            impls[f"{backend} ragged [{label}]"] = flashjit_ragged(backend)
+            folders[f"{backend} ragged [{label}]"] = folder.resolve()
             for p in args.page_sizes:
                 impls[f"{backend} paged p{p} [{label}]"] = flashjit_paged(backend, p)
                 folders[f"{backend} paged p{p} [{label}]"] = folder.resolve()
     if args.flashinfer:
         impls.update({f"flashinfer-fa3 paged p{p}": flashinfer_paged(p) for p in args.page_sizes})
-    # Every library of each source in one parallel build: ragged prefill runs from this tree's sources alone.
+    # Every library of each source in one parallel build.
     for folder in [None, *(f.resolve() for f in args.baseline_templates)]:
         use_templates(folder)
-        ops = ("batch_prefill_paged", "batch_prefill_ragged") if folder is None else ("batch_prefill_paged",)
         jit.build_many([KernelSpec.make(op, "bfloat16", d, backend=b, use_tensor_cores=True, causal=c, return_lse=True)
-                        for op in ops for b in args.backends for d in args.head_dims for c in (False, True)])
+                        for op in ("batch_prefill_paged", "batch_prefill_ragged") for b in args.backends
+                        for d in args.head_dims for c in (False, True)])
     use_templates(None)
     first = args.backends[0]
-    lines = [f"device: {torch.cuda.get_device_name()}, bf16, TFLOP/s, mean of {args.rounds} interleaved rounds", "",
+    lines = [f"device: {torch.cuda.get_device_name()}, bf16, TFLOP/s, median of {args.samples} samples in shuffled "
+             "passes", "",
              "| head_dim | batch x S | causal | " + " | ".join(impls) + f" | {first} slowest paged / ragged |",
              "|---|---|---|" + "---|" * (len(impls) + 1)]
     for d in args.head_dims:
@@ -128,23 +135,20 @@ def main() -> int:
             for causal in (False, True):
                 q, k, v = (torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 flops = attention_flops(b, h, s, d, causal)
-                fns, rates = {}, {}
+                fns = {}
                 for name, make in impls.items():
                     try:
                         # A wrapper keeps the module it first ran: load it with its sources in place.
                         with rendered_from(folders.get(name)):
                             fns[name] = make([s] * b, [s] * b, h, d, causal, k, v)
                             fns[name](q)
-                        rates[name] = []
                     except Exception as exc:  # the cell reads n/a; the reason goes to stderr
                         print(f"{name} d={d} {b}x{s}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
-                for order in round_orders(list(fns), args.rounds):
-                    for name in order:
-                        rates[name].append(flops / bench_ms(lambda fn=fns[name], q=q: fn(q), reps=10) / 1e9)
-                mean = {name: sum(r) / len(r) for name, r in rates.items()}
-                cells = [f"{mean[name]:.0f}" if name in mean else "n/a" for name in impls]
-                paged = [mean[n] for n in mean if n.startswith(f"{first} paged")]
-                ratio = f"{min(paged) / mean[f'{first} ragged']:.3f}" if paged and f"{first} ragged" in mean else "n/a"
+                samples = shuffled_ms({name: (lambda fn=fn, q=q: fn(q)) for name, fn in fns.items()}, args.samples)
+                rate = {name: flops / statistics.median(ms) / 1e9 for name, ms in samples.items()}
+                cells = [f"{rate[name]:.0f}" if name in rate else "n/a" for name in impls]
+                paged = [rate[n] for n in rate if n.startswith(f"{first} paged") and "[" not in n]
+                ratio = f"{min(paged) / rate[f'{first} ragged']:.3f}" if paged and f"{first} ragged" in rate else "n/a"
                 lines.append(f"| {d} | {b} x {s} | {causal} | " + " | ".join(cells) + f" | {ratio} |")
                 print(lines[-1], flush=True)
                 del q, k, v, fns

@@ -236,11 +236,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int kk = 0; kk < KSTEPS_PV; ++kk) fa3::mma_rs<T, D>(o[0], pa[0][kk], fa3::advance(v_desc, kk * 16 * 128), 1);
       fa3::commit();
     };
-    // The softmax of tile t's S into P (pa); o_zero: O is still 0 (or left to
-    // the caller, with defer_rescale, to rescale by factor[] once the P.V in
-    // flight has landed).
-    auto softmax_tile = [&](float (&s)[1][NT_S][4], uint32_t (&pa)[1][KSTEPS_PV][4], int t, bool o_zero,
-                            bool defer_rescale, float (&factor)[2]) {
+    // The softmax of tile t's S up to its exponentials: the row maxima, and
+    // m_ref; o_zero: O is still 0 (or left to the caller, with defer_rescale,
+    // to rescale by factor[] once the P.V in flight has landed).
+    auto max_tile = [&](float (&s)[1][NT_S][4], int t, bool o_zero, bool defer_rescale, float (&factor)[2]) {
       const int k0 = key_begin + t * KEYS;
       const bool need_mask = k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > wq_first + offset) ||
                              (Traits::kWindow && k0 < wq_last + offset - window_left);
@@ -252,6 +251,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
         for (int r = 0; r < 2; ++r) factor[r] = fa2::exp2_fast(m_ref_before[r] - softmax.m_ref[0][r]);
       }
+    };
+    // The whole softmax of tile t's S into P (pa).
+    auto softmax_tile = [&](float (&s)[1][NT_S][4], uint32_t (&pa)[1][KSTEPS_PV][4], int t, bool o_zero,
+                            bool defer_rescale, float (&factor)[2]) {
+      max_tile(s, t, o_zero, defer_rescale, factor);
       softmax.exp_to_p(s, pa, 0);
     };
     // Until tile t's K (or V) has landed in its slot. A gathered paged tile
@@ -307,10 +311,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           fa3::wait<1>();
           fa3::fence_operands(s[0]);
           release(empty_k(seq + t));
-          softmax_tile(s, pa_next, t, true, true, factor);
-          fa3::wait<0>();
-          fa3::fence_operands(o[0]);
-          release(empty_v(seq + t - 1));
+          if constexpr (!Traits::kPaged) {
+            softmax_tile(s, pa_next, t, true, true, factor);
+            fa3::wait<0>();
+            fa3::fence_operands(o[0]);
+            release(empty_v(seq + t - 1));
+          } else {
+            // Tile t - 1's V slot goes back before the exponentials, which
+            // read m_ref through the arrival's token: left free, ptxas put
+            // 7-31 of them ahead of the arrival every other tile in the paged
+            // kernels, so the loader refilled the slot that much later (d256
+            // causal ran 6-7% slower:
+            // benchmarks/results/2026-11-27-h200-fa3-paged-slot-release.md).
+            // The ragged kernels release first unasked, and the token's round
+            // trip cost them up to 2%. tests/test_fa3_tile_loop.py checks both.
+            max_tile(s, t, true, true, factor);
+            fa3::wait<0>();
+            fa3::fence_operands(o[0]);
+            __syncwarp();
+            uint64_t token = 0;
+            if (lane == 0) token = tma::mbar_arrive_state(empty_v(seq + t - 1));
+#pragma unroll
+            for (int r = 0; r < 2; ++r) softmax.m_ref[0][r] = fa3::after(softmax.m_ref[0][r], token);
+            softmax.exp_to_p(s, pa_next, 0);
+          }
           if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) {
 #pragma unroll
             for (int n = 0; n < NT_O; ++n)

@@ -68,6 +68,19 @@ __device__ __forceinline__ void copy_partial_tile(const FlashjitAttentionParams&
   __syncwarp();
 }
 
+// x itself, through an instruction that reads `token`, so that whatever uses
+// the result is scheduled after whatever produced the token: ptxas cannot see
+// through the selection (both of its values are x, but for x = -0 one is +0).
+__device__ __forceinline__ float after(float x, uint64_t token) {
+  float y;
+  asm volatile(
+      "{\n .reg .pred p;\n .reg .f32 t;\n setp.eq.u64 p, %2, 0;\n add.f32 t, %1, 0f00000000;\n"
+      " selp.f32 %0, t, %1, p;\n}\n"
+      : "=f"(y)
+      : "f"(x), "l"(token));
+  return y;
+}
+
 }  // namespace fa3
 
 }  // namespace flashjit
