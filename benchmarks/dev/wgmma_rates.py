@@ -159,8 +159,9 @@ def build(folder: Path) -> Path:
         raise SystemExit("wgmma_rates: nvcc not found (set FLASHJIT_NVCC or CUDA_HOME, or put it on PATH)")
     (folder / "wgmma_rates.cu").write_text(SOURCE)
     exe = folder / "wgmma_rates"
-    subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-I", str(templates_dir() / "include"), "-o", str(exe),
-                    str(folder / "wgmma_rates.cu")], check=True)
+    subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a",
+                    "-I", str(templates_dir() / "include"), "-o", str(exe), str(folder / "wgmma_rates.cu")],
+                   check=True)
     return exe
 
 
