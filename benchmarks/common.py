@@ -154,3 +154,23 @@ def instrumented_templates(header: str, probes, source=None, prefix: str = "inst
     path = folder / header
     path.write_text(insert_probes(path.read_text(), probes))
     return folder
+
+
+def build_cuda_program(name: str, source: str, folder, flags=()):
+    """The stand-alone CUDA programs of dev/ (no flashjit kernel, no torch):
+    writes `source` to folder/name.cu and builds folder/name with nvcc for
+    sm_90a, with `flags` added. Returns the executable's path."""
+    import subprocess
+    from pathlib import Path
+
+    from flashjit import arch
+
+    nvcc = arch.find_nvcc()
+    if nvcc is None:
+        raise SystemExit(f"{name}: nvcc not found (set FLASHJIT_NVCC or CUDA_HOME, or put it on PATH)")
+    folder = Path(folder)
+    (folder / f"{name}.cu").write_text(source)
+    exe = folder / name
+    subprocess.run([nvcc, "-O3", "-gencode", "arch=compute_90a,code=sm_90a", *flags, "-o", str(exe),
+                    str(folder / f"{name}.cu")], check=True)
+    return exe

@@ -23,7 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from flashjit import arch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
+from common import build_cuda_program  # noqa: E402
 
 SOURCE = r"""
 #include <cstdio>
@@ -106,14 +107,7 @@ int main(int argc, char** argv) {
 
 
 def build(folder: Path) -> Path:
-    nvcc = arch.find_nvcc()
-    if nvcc is None:
-        raise SystemExit("racecheck_barriers: nvcc not found (set FLASHJIT_NVCC or CUDA_HOME, or put it on PATH)")
-    (folder / "racecheck_barriers.cu").write_text(SOURCE)
-    exe = folder / "racecheck_barriers"
-    subprocess.run([nvcc, "-O3", "-arch=sm_90a", "-lineinfo", "-o", str(exe), str(folder / "racecheck_barriers.cu")],
-                   check=True)
-    return exe
+    return build_cuda_program("racecheck_barriers", SOURCE, folder, ["-lineinfo"])
 
 
 def main() -> int:

@@ -30,8 +30,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from flashjit import arch
-from flashjit.render import templates_dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
+from common import build_cuda_program  # noqa: E402
+
+from flashjit.render import templates_dir  # noqa: E402
 
 MODES = ["s64", "s32x2", "s64x2", "pv", "s64+pv", "s64+s64"]
 
@@ -154,15 +156,7 @@ SHAPE = {1: (36, 36 * (2048 + 2048)), 2: (72, 72 * (2048 + 1024)), 3: (36, 36 * 
 
 
 def build(folder: Path) -> Path:
-    nvcc = arch.find_nvcc()
-    if nvcc is None:
-        raise SystemExit("wgmma_rates: nvcc not found (set FLASHJIT_NVCC or CUDA_HOME, or put it on PATH)")
-    (folder / "wgmma_rates.cu").write_text(SOURCE)
-    exe = folder / "wgmma_rates"
-    subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a",
-                    "-I", str(templates_dir() / "include"), "-o", str(exe), str(folder / "wgmma_rates.cu")],
-                   check=True)
-    return exe
+    return build_cuda_program("wgmma_rates", SOURCE, folder, ["-std=c++17", "-I", str(templates_dir() / "include")])
 
 
 def main() -> int:
