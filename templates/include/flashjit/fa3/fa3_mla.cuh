@@ -39,6 +39,7 @@
 #include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/fa2/fa2_mla_primitives.cuh"
 #include "flashjit/fa3/fa3_mla_copy.cuh"
+#include "flashjit/fa3/fa3_mla_pairs.cuh"
 #include "flashjit/fa3/fa3_mla_traits.cuh"
 #include "flashjit/fa3/fa3_primitives.cuh"
 #include "flashjit/fa3/fa3_wgmma.cuh"
@@ -376,6 +377,11 @@ int launch_fa3_mla(const FlashjitAttentionParams& p, cudaStream_t stream) {
         tma::encode_paged_kv_maps<typename Traits::DType>(&tma_arg.maps, p, Traits::kCkvDim, Traits::kKpeDim,
                                                            Traits::kKeysPerTile) == cudaSuccess)
       tma_arg.page_box_rows = Traits::kKeysPerTile;
+  }
+  if constexpr (Traits::kPairs) {
+    if (tma_arg.page_box_rows > 0)
+      return launch_attention<fa3_mla_pairs_kernel<Traits>, typename Traits::DType, Traits::kVoDim, Traits::kLse>(
+          p, Traits::kPairThreads, static_cast<int>(Traits::kPairSmemBytes), stream, tma_arg);
   }
   return launch_attention<fa3_mla_kernel<Traits>, typename Traits::DType, Traits::kVoDim, Traits::kLse>(
       p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream, tma_arg);

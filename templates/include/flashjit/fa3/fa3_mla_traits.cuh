@@ -13,7 +13,7 @@
 namespace flashjit {
 
 template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false,
-          bool kTma_ = false>
+          bool kTma_ = false, bool kPairs_ = false>
 struct Fa3MlaTraits {
   using DType = DType_;
   static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
@@ -39,6 +39,10 @@ struct Fa3MlaTraits {
   // boxes counted on an mbarrier of its own; other tiles (small pages, a
   // partial last tile) are gathered by every loader thread's cp.async.
   static constexpr bool kTma = kTma_;
+  // Launches whose tiles all come by TMA run fa3_mla_pairs.cuh's kernel
+  // instead: two warpgroups, no loader, each the S and softmax of every other
+  // tile.
+  static constexpr bool kPairs = kPairs_;
   // The kernel's K/V map argument (an empty stand-in without TMA).
   using TmaArg = std::conditional_t<kTma, KvMapsPagedArg, KvMapsArg<false>>;
   static constexpr int kGroupBarrier0 = 6;  // 0 __syncthreads, 1 the consumers, 2 and 3 a warpgroup's, 4 and 5 the hand-off
@@ -79,6 +83,14 @@ struct Fa3MlaTraits {
   static constexpr size_t kSmemBytes =
       1024 + size_t(kBarOffset) + 16 * kStages + (kTma ? 8 * kStages * kKeyGroups : 0);
 
+  // The pairs kernel: [Q | slot 0 | slot 1 | per warpgroup, the row maxima
+  // and factors it last published and its row sums | a full mbarrier per slot
+  // and 64-column block].
+  static constexpr int kPairThreads = 256;
+  static constexpr int kPairStateOffset = kKvOffset + 2 * kTileBytes;
+  static constexpr int kPairBarOffset = kPairStateOffset + 3 * 2 * kRowsPerCta * 4;
+  static constexpr size_t kPairSmemBytes = 1024 + size_t(kPairBarOffset) + 8 * 2 * kBlocks;
+
   // Each loader thread copies 16-byte chunk `sub` of every 128-byte block of
   // its key rows: 8 threads a key row, 16 rows a pass.
   static constexpr int kLoaderRowsPerPass = kLoaderThreads / 8;
@@ -90,6 +102,7 @@ struct Fa3MlaTraits {
   static_assert(kKeyGroups >= 1 && kBlocks % kKeyGroups == 0, "key groups of whole 64-column blocks");
   static_assert(kKeyGroups == 1 || kGroupBarrier0 + kStages * kKeyGroups <= 16, "named barrier ids 0 .. 15");
   static_assert(kKeysPerTile * 2 == 128 && kKpeDim == 64, "P's row of keys is one 128-byte block, as a kpe row");
+  static_assert(!kPairs || kTma, "the pairs kernel loads every tile by TMA");
 };
 
 }  // namespace flashjit
