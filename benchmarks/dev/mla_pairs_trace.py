@@ -1,0 +1,162 @@
+"""Where a step of the fa3 MLA pairs kernel (fa3/fa3_mla_pairs.cuh) spends its
+time: builds it from a copy of templates/ with clock64 stamps added at each
+hand-off, product issue and wait of both warpgroups' first threads, runs rows of
+benchmarks/mla.py (pages of 64: the pairs kernel's launches) with a tiling that
+has pairs=True, and reports the median of each interval over the CTAs' middle
+steps (a step: two tiles, one per warpgroup), in SM cycles and in ns.
+
+Non-split plans only (the stamps go to the partial-output pointer). Intervals
+between the two warpgroups' clocks carry their skew, which the header reports.
+
+Usage: python benchmarks/dev/mla_pairs_trace.py [--rows 1 2 0] [--tiling 'Fa3MlaTiling(...)']
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, mla
+import mla  # noqa: E402
+from common import fa3_mla_tiling, instrumented_templates, parse_fa3_mla_tiling, use_templates  # noqa: E402
+
+import flashjit  # noqa: E402
+from flashjit import jit, render  # noqa: E402
+
+HEADER = "include/flashjit/fa3/fa3_mla_pairs.cuh"
+STEPS, EVENTS, HEAD = 32, 19, 6  # stamped steps, stamps a step, header words a CTA
+STRIDE = HEAD + STEPS * EVENTS
+# (name, thread, anchor, "before" or "after" its first occurrence); event e is the e-th entry.
+EVENT_PROBES = [
+    ("wg0 step start (S_a landed)", 0, "      zero_tail(a, 0);\n", "before"),
+    ("wg0 scale0 sent", 0, "      fa3::pair_arrive(fa3::kScale0);\n", "after"),
+    ("wg0 own P.V issued", 0, "      pv_own(0);\n", "after"),
+    ("wg0 own P.V landed", 0, "      if (next_a && ctid == 0) load_blocks(0, page_a, slot_a, 0, 4);\n", "before"),
+    ("wg0 past scale1", 0, "        fa3::pair_sync(fa3::kScale1);\n", "after"),
+    ("wg0 P0 sent", 0, "      fa3::pair_arrive(fa3::kP0);\n", "after"),
+    ("wg0 past p1", 0, "        fa3::pair_sync(fa3::kP1);\n", "after"),
+    ("wg0 S blocks 0-3 issued", 0, "          fa3::wait<4>();\n", "before"),
+    ("wg0 other P.V landed", 0, "        fa3::fence_operands(o);\n        if (next_b && ctid == 0) {\n", "before"),
+    ("wg0 S issued", 0, "        fa3::wait<0>();\n        fa3::fence_operands(s);\n        fa3::fence_operands(o);\n",
+     "before"),
+    ("wg1 step start (S_b landed)", 128, "        zero_tail(b, 1);\n", "before"),
+    ("wg1 past scale0", 128, "      fa3::pair_sync(fa3::kScale0);\n", "after"),
+    ("wg1 scale1 sent", 128, "        fa3::pair_arrive(fa3::kScale1);\n", "after"),
+    ("wg1 own P.V issued", 128, "        pv_own(1);\n", "after"),
+    ("wg1 past p0", 128, "      fa3::pair_sync(fa3::kP0);\n", "after"),
+    ("wg1 own P.V landed", 128, "        fa3::wait<1>();\n", "after"),
+    ("wg1 other P.V landed", 128,
+     "      fa3::fence_operands(o);\n      if (next_a && ctid == 0) load_blocks(0, page_a, slot_a, 4, BLOCKS);\n",
+     "before"),
+    ("wg1 S blocks 4-7 issued", 128, "        fa3::mla_s_blocks<T, 4, BLOCKS - 1, 4, Tile>", "before_next_line"),
+    ("wg1 S issued", 128, "        fa3::mla_s_blocks<T, BLOCKS - 1, BLOCKS, 4, Tile>", "before_next_line"),
+]
+ENTRY = (f"  unsigned long long* fj_out = reinterpret_cast<unsigned long long*>(p.partial_o) + {STRIDE} * "
+         "size_t(blockIdx.x);\n"
+         "  if (threadIdx.x == 0) {\n"
+         "    unsigned long long fj_g;\n"
+         "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
+         "    fj_out[0] = fj_g;\n"
+         "    fj_out[1] = clock64();\n"
+         "  }\n")
+EXIT = ("  if (threadIdx.x == 128) {\n"
+        "    unsigned long long fj_g;\n"
+        "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
+        "    fj_out[2] = fj_g;\n"
+        "    fj_out[3] = clock64();\n"
+        "  }\n")
+
+
+def probes(text: str) -> list:
+    """(anchor, code, where) for common.insert_probes; "before_next_line"
+    stamps ahead of the statement after the anchor's (a call over lines)."""
+    out = [("  const int g = lane / 4, tq = lane % 4;\n", ENTRY, "after"),
+           ("  // Each warpgroup summed its own tiles' P; the two sums meet here.\n", EXIT, "before"),
+           ("  __syncthreads();\n\n  const int row_in_cta[2]",
+            "  if (threadIdx.x == 0) fj_out[4] = clock64();\n  if (threadIdx.x == 128) fj_out[5] = clock64();\n",
+            "after_first_line")]
+    for e, (_, thread, anchor, where) in enumerate(EVENT_PROBES):
+        code = (f"{' ' * 6}if (threadIdx.x == {thread} && a / 2 < {STEPS}) "
+                f"fj_out[{HEAD} + (a / 2) * {EVENTS} + {e}] = clock64();\n")
+        if where == "before_next_line":
+            start = text.index(anchor)
+            anchor = text[start:text.index(";\n", start) + 2]
+            where = "after"
+        out.append((anchor, code, where))
+    return out
+
+
+def intervals(t: torch.Tensor) -> dict:
+    """Median cycles of each interval over every CTA's middle steps (from the
+    3rd to the 3rd from last), from the [CTAs, STEPS, EVENTS] stamps."""
+    t = t.double()
+    num = int((t[0, :, 0] > 0).sum())
+    mid = slice(3, max(4, min(num, STEPS) - 3))
+    cur, nxt = t[:, mid], t[:, mid.start + 1: mid.stop + 1]
+    names = [name for name, *_ in EVENT_PROBES]
+    parts = {"step period (wg0's S landed to the next)": nxt[..., 0] - cur[..., 0],
+             "wg1's period": nxt[..., 10] - cur[..., 10]}
+    for first, last in [(0, 9), (10, 18)]:
+        for e in range(first, last):
+            parts[f"{names[e]} -> {names[e + 1]}"] = cur[..., e + 1] - cur[..., e]
+        parts[f"{names[last]} -> next {names[first]}"] = nxt[..., first] - cur[..., last]
+    parts["wg0 step start -> wg1 step start (clock skew included)"] = cur[..., 10] - cur[..., 0]
+    return {k: statistics.median(v.flatten().tolist()) for k, v in parts.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2], help="indices into benchmarks/mla.py's ROWS")
+    parser.add_argument("--tiling", default="Fa3MlaTiling(stages=2, key_groups=3, early_release=True, tma=True, "
+                        "pairs=True)", help="a Fa3MlaTiling(...) expression with pairs=True")
+    parser.add_argument("--templates", help="a templates/ folder to instrument (default: the package's)")
+    args = parser.parse_args()
+    source = Path(args.templates or render.templates_dir())
+    use_templates(instrumented_templates(HEADER, probes((source / HEADER).read_text()), source=source,
+                                         prefix="mla-pairs-trace-"))
+    os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="mla-pairs-trace-cache-")
+    jit._modules.clear()
+    tiling = parse_fa3_mla_tiling(args.tiling)
+    print(f"{torch.cuda.get_device_name()}, flashjit fa3 MLA ({args.tiling}), bf16")
+    for row in args.rows:
+        label, batch, kv_len, heads, page_size = mla.ROWS[row]
+        r = mla.make_row(batch, kv_len, heads, page_size)
+        w = flashjit.BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
+                                                   backend="fa3")
+        with fa3_mla_tiling(tiling):
+            w.plan(r["qo_indptr"], r["kv_indptr"], r["kv_indices"], r["kv_lens"], heads, 512, 64, page_size, False,
+                   mla.SM_SCALE, mla.DTYPE, mla.DTYPE)
+        plan = w._plan
+        if plan.merge_tokens:
+            print(f"{label}: the plan splits keys, no stamps", file=sys.stderr)
+            continue
+        ctas = plan.num_work
+        stamps = torch.zeros(ctas * STRIDE, dtype=torch.int64, device="cuda")
+        w._plan = dataclasses.replace(plan, partials=(stamps.data_ptr(), 0))
+        with fa3_mla_tiling(tiling):
+            for _ in range(3):
+                out = w.run(r["q_nope"], r["q_pe"], r["ckv"], r["kpe"])
+        torch.cuda.synchronize()
+        mla.check(out, r, kv_len, label, "fa3")
+        s = stamps.view(ctas, STRIDE).cpu()
+        head, steps = s[:, :HEAD].double(), s[:, HEAD:].view(ctas, STEPS, EVENTS)
+        ghz = statistics.median(((head[:, 3] - head[:, 1]) / (head[:, 2] - head[:, 0])).tolist())
+        skew = statistics.median((head[:, 5] - head[:, 4]).tolist())
+        cta_us = statistics.median(((head[:, 2] - head[:, 0]) / 1e3).tolist())
+        print(f"\n{label}: {ctas} CTAs, median CTA {cta_us:.1f} us, SM clock {ghz:.2f} GHz; warpgroup 1's clock "
+              f"read {skew:.0f} cycles after warpgroup 0's leaving one barrier\n")
+        print("| interval (median over CTAs and middle steps) | cycles | ns |\n|---|---|---|")
+        for name, cycles in intervals(steps).items():
+            print(f"| {name} | {cycles:.0f} | {cycles / ghz:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
