@@ -20,6 +20,7 @@ from flashjit.render import render
 from flashjit.spec import KernelSpec, mla_spec
 import helpers_cache
 from helpers_cache import needs_nvcc, set_cache_env
+from helpers_sass import functions
 from test_backend_choice import sass
 from test_bad_input_wrappers import _on_fake_cuda, _workspace
 
@@ -224,10 +225,11 @@ def test_mla_builds_for_sm80_and_sm89_without_spills_or_wgmma(monkeypatch, tmp_p
 
 @pytest.mark.nvcc
 @needs_nvcc
-@pytest.mark.parametrize("key_groups, early_release, tma", [(1, False, False), (3, False, False), (3, True, False),
-                                                              (3, True, True), (1, False, True)])
+@pytest.mark.parametrize("key_groups, early_release, tma, pairs", [(1, False, False, False), (3, False, False, False),
+                                                                     (3, True, False, False), (3, True, True, False),
+                                                                     (1, False, True, False), (3, True, True, True)])
 def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch, tmp_path, key_groups,
-                                                                     early_release, tma):
+                                                                     early_release, tma, pairs):
     """S by 64x64 wgmma, P.V by 64x256 with V transposed; a wgmma whose
     accumulators ptxas cannot track gets a wait of its own (C7515): every
     HGMMA would then carry gsb0. Here only the last of each group does. With
@@ -235,16 +237,19 @@ def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch
     its HGMMA, which leaves them unserialized too; with early release the
     softmax consumer waits for its P.V alone (one group still in flight)
     before it gives the slot back; with TMA the loader also issues a tile's
-    nine boxes (UTMALDG)."""
+    nine boxes (UTMALDG). With pairs, the module also holds the pairs kernel
+    (fa3_mla_pairs.cuh): each 64-column block of S a group of four k-steps
+    behind an mbarrier wait, its own P.V with P from registers."""
     set_cache_env(monkeypatch, tmp_path / "cache")
     monkeypatch.setattr(fa3, "MLA_TILING", dataclasses.replace(fa3.MLA_TILING, key_groups=key_groups,
-                                                               early_release=early_release, tma=tma))
+                                                               early_release=early_release, tma=tma, pairs=pairs))
     spec = mla_spec("bfloat16", causal=True, backend="fa3")
     result, = jit.build_many([spec], arches=("sm_90a",))
     assert result.entry is not None
     for u in result.entry.manifest["resources"]:
         assert u["spill_stores"] == 0 and u["spill_loads"] == 0, u
-    text = sass(result.entry.artifact)
+    kernels = {name: "\n".join(ins for _, ins in code) for name, code in functions(sass(result.entry.artifact)).items()}
+    text, = [body for name, body in kernels.items() if "fa3_mla_kernel" in name]
     hgmma = [line for line in text.splitlines() if "HGMMA" in line]
     assert any("HGMMA.64x64x16.F32.BF16" in line for line in hgmma)
     assert any("HGMMA.64x256x16.F32.BF16" in line and "tnspB" in line for line in hgmma)
@@ -261,6 +266,18 @@ def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch
     assert inside == 2 * (key_groups - 1), inside
     assert ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in text) == early_release
     assert text.count("UTMALDG") == (9 if tma else 0)
+    pair_kernels = [body for name, body in kernels.items() if "fa3_mla_pairs_kernel" in name]
+    assert len(pair_kernels) == pairs
+    for text in pair_kernels:
+        hgmma = [line for line in text.splitlines() if "HGMMA" in line]
+        s_steps = [line for line in hgmma if "HGMMA.64x64x16.F32.BF16" in line]
+        assert any("HGMMA.64x256x16.F32.BF16 R" in line and ", R" in line.split("gdesc")[0] and "tnspB" in line
+                   for line in hgmma), "own P.V with P from registers"
+        assert any("HGMMA.64x256x16.F32.BF16" in line and "gdesc" in line.split(",")[1] for line in hgmma)
+        waited = sum("gsb0" in line for line in hgmma)
+        # One commit group of four k-steps per 64-column block of S, one per P.V: no HGMMA alone.
+        assert len(s_steps) % 4 == 0 and waited * 4 <= len(hgmma), f"{waited} of {len(hgmma)} HGMMA carry gsb0"
+        assert "UTMALDG" in text
 
 
 @pytest.mark.usefixtures("no_compile")
