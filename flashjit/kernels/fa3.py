@@ -119,10 +119,11 @@ class Fa3MlaTiling:
 # (2026-11-27-h200-mla-handoff-and-release.md). TMA boxes for whole tiles in
 # pages of 64 keys or more (the launch decides): the 128-head row 6.9% faster
 # (2026-11-27-h200-mla-tma.md), the 64-head row 3.3-5.0% on a second H200
-# (2026-11-27-h200-mla-tma-all-heads.md). Pairs (fa3/fa3_mla_pairs.cuh) where the
-# launch has more than 64 heads and every tile comes by TMA: the 128-head row
-# 1.6-2.0% faster in three runs (2026-11-27-h200-mla-pairs.md).
-MLA_TILING = Fa3MlaTiling(stages=2, key_groups=3, early_release=True, tma=True, pairs=True)
+# (2026-11-27-h200-mla-tma-all-heads.md). Pairs stay off: the 128-head row ran
+# 1.6-2.2% faster with them in six runs, but compute-sanitizer's racecheck
+# reports hazards on the pairs kernel's named-barrier exchanges
+# (2026-11-27-h200-mla-pairs.md).
+MLA_TILING = Fa3MlaTiling(stages=2, key_groups=3, early_release=True, tma=True)
 
 
 def mla_tiling(spec: KernelSpec) -> Fa3MlaTiling:

@@ -1,6 +1,9 @@
 // MLA on warpgroup MMA (sm_90a) in tile pairs: the fa3 MLA kernel for caches
 // whose pages hold a multiple of 64 keys, where every tile of 64 keys lies in
-// one page and comes by TMA (fa3_mla.cuh's launch picks it there).
+// one page and comes by TMA. With Fa3MlaTiling.pairs, fa3_mla.cuh's launch
+// picks it there for more than 64 heads (off as shipped: compute-sanitizer's
+// racecheck reports hazards on its barrier exchanges; results in
+// benchmarks/results/2026-11-27-h200-mla-pairs.md).
 //
 // Why a second schedule: in fa3_mla.cuh one consumer computes every tile's S
 // and softmax, and the tensor pipe idles through each softmax (a third of the
