@@ -14,7 +14,6 @@ Usage: python benchmarks/dev/mla_pairs_trace.py [--rows 1 2 0] [--tiling 'Fa3Mla
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -24,8 +23,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, mla
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # dev/: mla_trace
 import mla  # noqa: E402
-from common import fa3_mla_tiling, instrumented_templates, parse_fa3_mla_tiling, use_templates  # noqa: E402
+from mla_trace import clocks_code, entry_code, stamped_runs  # noqa: E402
+from common import instrumented_templates, parse_fa3_mla_tiling, use_templates  # noqa: E402
 
 import flashjit  # noqa: E402
 from flashjit import jit, render  # noqa: E402
@@ -58,21 +59,7 @@ EVENT_PROBES = [
     ("wg1 S blocks 4-7 issued", 128, "        fa3::mla_s_blocks<T, 4, BLOCKS - 1, 4, Tile>", "before_next_line"),
     ("wg1 S issued", 128, "        fa3::mla_s_blocks<T, BLOCKS - 1, BLOCKS, 4, Tile>", "before_next_line"),
 ]
-ENTRY = (f"  unsigned long long* fj_out = reinterpret_cast<unsigned long long*>(p.partial_o) + {STRIDE} * "
-         "size_t(blockIdx.x);\n"
-         "  if (threadIdx.x == 0) {\n"
-         "    unsigned long long fj_g;\n"
-         "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
-         "    fj_out[0] = fj_g;\n"
-         "    fj_out[1] = clock64();\n"
-         "  }\n")
-EXIT = ("  if (threadIdx.x == 128) {\n"
-        "    unsigned long long fj_g;\n"
-        "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
-        "    fj_out[2] = fj_g;\n"
-        "    fj_out[3] = clock64();\n"
-        "  }\n")
-
+ENTRY, EXIT = entry_code(STRIDE), clocks_code(128, 2)
 
 def probes(text: str) -> list:
     """(anchor, code, where) for common.insert_probes; "before_next_line"
@@ -125,31 +112,7 @@ def main() -> int:
     jit._modules.clear()
     tiling = parse_fa3_mla_tiling(args.tiling)
     print(f"{torch.cuda.get_device_name()}, flashjit fa3 MLA ({args.tiling}), bf16")
-    for row in args.rows:
-        label, batch, kv_len, heads, page_size = mla.ROWS[row]
-        r = mla.make_row(batch, kv_len, heads, page_size)
-        w = flashjit.BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
-                                                   backend="fa3")
-        with fa3_mla_tiling(tiling):
-            w.plan(r["qo_indptr"], r["kv_indptr"], r["kv_indices"], r["kv_lens"], heads, 512, 64, page_size, False,
-                   mla.SM_SCALE, mla.DTYPE, mla.DTYPE)
-        plan = w._plan
-        if plan.merge_tokens:
-            print(f"{label}: the plan splits keys, no stamps", file=sys.stderr)
-            continue
-        ctas = plan.num_work
-        stamps = torch.zeros(ctas * STRIDE, dtype=torch.int64, device="cuda")
-        w._plan = dataclasses.replace(plan, partials=(stamps.data_ptr(), 0))
-        with fa3_mla_tiling(tiling):
-            for _ in range(3):
-                out = w.run(r["q_nope"], r["q_pe"], r["ckv"], r["kpe"])
-        torch.cuda.synchronize()
-        mla.check(out, r, kv_len, label, "fa3")
-        s = stamps.view(ctas, STRIDE).cpu()
-        head, steps = s[:, :HEAD].double(), s[:, HEAD:].view(ctas, STEPS, EVENTS)
-        ghz = statistics.median(((head[:, 3] - head[:, 1]) / (head[:, 2] - head[:, 0])).tolist())
-        skew = statistics.median((head[:, 5] - head[:, 4]).tolist())
-        cta_us = statistics.median(((head[:, 2] - head[:, 0]) / 1e3).tolist())
+    for label, ctas, steps, ghz, skew, cta_us in stamped_runs(args.rows, tiling, HEAD, (STEPS, EVENTS)):
         print(f"\n{label}: {ctas} CTAs, median CTA {cta_us:.1f} us, SM clock {ghz:.2f} GHz; warpgroup 1's clock "
               f"read {skew:.0f} cycles after warpgroup 0's leaving one barrier\n")
         print("| interval (median over CTAs and middle steps) | cycles | ns |\n|---|---|---|")

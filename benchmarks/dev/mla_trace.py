@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -50,20 +51,24 @@ def stamp(thread: int, slot: int, t: str = "t", indent: str = "      ") -> str:
             "clock64();\n")
 
 
-ENTRY = (f"  unsigned long long* fj_out = reinterpret_cast<unsigned long long*>(p.partial_o) + {STRIDE} * "
-         "size_t(blockIdx.x);\n"
-         "  if (threadIdx.x == 0) {\n"
-         "    unsigned long long fj_g;\n"
-         "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
-         "    fj_out[0] = fj_g;\n"
-         "    fj_out[1] = clock64();\n"
-         "  }\n")
-EXIT = ("  if (threadIdx.x == 256) {\n"
-        "    unsigned long long fj_g;\n"
-        "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
-        "    fj_out[2] = fj_g;\n"
-        "    fj_out[3] = clock64();\n"
-        "  }\n")
+def entry_code(stride: int) -> str:
+    """CUDA for a kernel's entry: fj_out, this CTA's `stride` stamp words, and
+    thread 0's globaltimer and clock64 in words 0 and 1."""
+    return (f"  unsigned long long* fj_out = reinterpret_cast<unsigned long long*>(p.partial_o) + {stride} * "
+            "size_t(blockIdx.x);\n" + clocks_code(0, 0))
+
+
+def clocks_code(thread: int, word: int) -> str:
+    """CUDA by which thread `thread` writes globaltimer and clock64 into words `word` and `word` + 1."""
+    return (f"  if (threadIdx.x == {thread}) {{\n"
+            "    unsigned long long fj_g;\n"
+            "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
+            f"    fj_out[{word}] = fj_g;\n"
+            f"    fj_out[{word + 1}] = clock64();\n"
+            "  }\n")
+
+
+ENTRY, EXIT = entry_code(STRIDE), clocks_code(256, 2)
 # (anchor in the shipped kernel, code, "before" or "after" the anchor's first occurrence)
 PROBES = [
     ("  const int tid = threadIdx.x, warpgroup = tid / 128, lane = tid % 32;\n", ENTRY, "after"),
@@ -127,6 +132,42 @@ def intervals(t: torch.Tensor) -> dict:
     return {k: statistics.median(v.flatten().tolist()) for k, v in parts.items()}
 
 
+def stamped_runs(rows, tiling, head_words: int, shape: tuple):
+    """For each of benchmarks/mla.py's ROWS (indices) whose plan does not split
+    keys: three runs of the fa3 MLA wrapper (`tiling`, None: the shipped one)
+    with a stamps buffer of head_words + prod(shape) words a CTA as its
+    partial-output pointer, the output checked against float64. Yields (label,
+    CTAs, stamps [CTAs, *shape], SM GHz, clock skew in cycles, median CTA us),
+    from the header words [globaltimer, clock64 at entry; the same at exit;
+    two clocks read leaving one barrier]."""
+    stride = head_words + math.prod(shape)
+    for row in rows:
+        label, batch, kv_len, heads, page_size = mla.ROWS[row]
+        r = mla.make_row(batch, kv_len, heads, page_size)
+        w = flashjit.BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
+                                                   backend="fa3")
+        with fa3_mla_tiling(tiling):
+            w.plan(r["qo_indptr"], r["kv_indptr"], r["kv_indices"], r["kv_lens"], heads, 512, 64, page_size, False,
+                   mla.SM_SCALE, mla.DTYPE, mla.DTYPE)
+            plan = w._plan
+            if plan.merge_tokens:
+                print(f"{label}: the plan splits keys, no stamps", file=sys.stderr)
+                continue
+            ctas = plan.num_work
+            stamps = torch.zeros(ctas * stride, dtype=torch.int64, device="cuda")
+            w._plan = dataclasses.replace(plan, partials=(stamps.data_ptr(), 0))
+            for _ in range(3):
+                out = w.run(r["q_nope"], r["q_pe"], r["ckv"], r["kpe"])
+            torch.cuda.synchronize()
+        mla.check(out, r, kv_len, label, "fa3")
+        s = stamps.view(ctas, stride).cpu()
+        head = s[:, :head_words].double()
+        ghz = statistics.median(((head[:, 3] - head[:, 1]) / (head[:, 2] - head[:, 0])).tolist())
+        skew = statistics.median((head[:, 5] - head[:, 4]).tolist())
+        cta_us = statistics.median(((head[:, 2] - head[:, 0]) / 1e3).tolist())
+        yield label, ctas, s[:, head_words:].view(ctas, *shape), ghz, skew, cta_us
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2], help="indices into benchmarks/mla.py's ROWS")
@@ -137,30 +178,7 @@ def main() -> int:
     jit._modules.clear()
     tiling = parse_fa3_mla_tiling(args.tiling) if args.tiling else None
     print(f"{torch.cuda.get_device_name()}, flashjit fa3 MLA ({args.tiling or 'shipped tiling'}), bf16")
-    for row in args.rows:
-        label, batch, kv_len, heads, page_size = mla.ROWS[row]
-        r = mla.make_row(batch, kv_len, heads, page_size)
-        w = flashjit.BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
-                                                   backend="fa3")
-        with fa3_mla_tiling(tiling):
-            w.plan(r["qo_indptr"], r["kv_indptr"], r["kv_indices"], r["kv_lens"], heads, 512, 64, page_size, False,
-                   mla.SM_SCALE, mla.DTYPE, mla.DTYPE)
-        plan = w._plan
-        if plan.merge_tokens:
-            print(f"{label}: the plan splits keys, no stamps", file=sys.stderr)
-            continue
-        ctas = plan.num_work
-        stamps = torch.zeros(ctas * STRIDE, dtype=torch.int64, device="cuda")
-        w._plan = dataclasses.replace(plan, partials=(stamps.data_ptr(), 0))
-        for _ in range(3):
-            out = w.run(r["q_nope"], r["q_pe"], r["ckv"], r["kpe"])
-        torch.cuda.synchronize()
-        mla.check(out, r, kv_len, label, "fa3")
-        s = stamps.view(ctas, STRIDE).cpu()
-        head, tiles = s[:, :HEAD].double(), s[:, HEAD:].view(ctas, TILES, EVENTS)
-        ghz = statistics.median(((head[:, 3] - head[:, 1]) / (head[:, 2] - head[:, 0])).tolist())
-        skew = statistics.median((head[:, 5] - head[:, 4]).tolist())
-        cta_us = statistics.median(((head[:, 2] - head[:, 0]) / 1e3).tolist())
+    for label, ctas, tiles, ghz, skew, cta_us in stamped_runs(args.rows, tiling, HEAD, (TILES, EVENTS)):
         print(f"\n{label}: {ctas} CTAs, median CTA {cta_us:.1f} us (entry to the softmax consumer's last tile), "
               f"SM clock {ghz:.2f} GHz; the softmax consumer's clock read {skew:.0f} cycles after the other's "
               "leaving one barrier\n")

@@ -302,5 +302,31 @@ __device__ __forceinline__ void store_mla_row(const FlashjitAttentionParams& p, 
   }
 }
 
+// A warpgroup's two rows of an MLA CTA's output (rows row_in_cta[r] from
+// w.row_begin, those below rows_total): O / sum, and the LSE m_ref + log2(sum)
+// where writes_lse. A row that saw no key (kv_len 0, or fully masked: sum 0)
+// outputs 0, LSE -inf.
+template <class T, int kVoDim, bool kLse, int NT>
+__device__ __forceinline__ void store_mla_rows(const FlashjitAttentionParams& p, const CtaWork& w,
+                                               const float (&o)[NT][4], const float (&sum)[2],
+                                               const float (&m_ref)[2], const int (&row_in_cta)[2], int rows_total,
+                                               int col0, bool writes_lse) {
+  float inv_l[2], lse[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    inv_l[r] = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+    lse[r] = sum[r] > 0.f ? m_ref[r] + log2f(sum[r]) : -CUDART_INF_F;
+  }
+  const auto packed = w.packed_rows();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = w.row_begin + row_in_cta[r];
+    if (row >= rows_total) continue;
+    int token, head;
+    packed.locate(row, token, head);
+    store_mla_row<T, kVoDim, kLse>(p, w, token, head, o, r, inv_l[r], lse[r], col0, writes_lse);
+  }
+}
+
 }  // namespace fa2
 }  // namespace flashjit

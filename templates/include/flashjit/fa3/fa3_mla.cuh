@@ -339,26 +339,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) l[r] = num_tiles > 0 ? row_sums[row_in_cta[r]] : 0.f;
   }
-  float inv_l[2], lse[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float sum = l[r];
-    // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
-    inv_l[r] = sum > 0.f ? 1.f / sum : 0.f;
-    lse[r] = sum > 0.f ? m_ref[r] + log2f(sum) : kNegInf;
-  }
-
-  const auto packed = w.packed_rows();
-  const int col0 = c * WG_COLS + 2 * tq;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = w.row_begin + row_in_cta[r];
-    if (row >= rows_total) continue;
-    int token, head;
-    packed.locate(row, token, head);
-    fa2::store_mla_row<T, Traits::kVoDim, Traits::kLse>(p, w, token, head, o, r, inv_l[r], lse[r], col0,
-                                                        softmax_wg && tq == 0);
-  }
+  fa2::store_mla_rows<T, Traits::kVoDim, Traits::kLse>(p, w, o, l, m_ref, row_in_cta, rows_total,
+                                                       c * WG_COLS + 2 * tq, softmax_wg && tq == 0);
 }
 
 template <class Traits>

@@ -415,26 +415,14 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
     if (tq == 0) sum_of[wg * ROWS + row_in_cta[r]] = l[r];
   }
   __syncthreads();
-  float inv_l[2], lse[2];
+  float sum[2], m_ref[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float sum = sum_of[row_in_cta[r]] + sum_of[ROWS + row_in_cta[r]];
-    // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
-    inv_l[r] = sum > 0.f ? 1.f / sum : 0.f;
-    lse[r] = sum > 0.f ? (m[r] == kNegInf ? 0.f : m[r] * scale) + log2f(sum) : kNegInf;
+    sum[r] = sum_of[row_in_cta[r]] + sum_of[ROWS + row_in_cta[r]];
+    m_ref[r] = m[r] == kNegInf ? 0.f : m[r] * scale;
   }
-
-  const auto packed = w.packed_rows();
-  const int col0 = wg * WG_COLS + 2 * tq;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = w.row_begin + row_in_cta[r];
-    if (row >= rows_total) continue;
-    int token, head;
-    packed.locate(row, token, head);
-    fa2::store_mla_row<T, Traits::kVoDim, Traits::kLse>(p, w, token, head, o, r, inv_l[r], lse[r], col0,
-                                                        wg == 1 && tq == 0);
-  }
+  fa2::store_mla_rows<T, Traits::kVoDim, Traits::kLse>(p, w, o, sum, m_ref, row_in_cta, rows_total,
+                                                       wg * WG_COLS + 2 * tq, wg == 1 && tq == 0);
 }
 
 }  // namespace flashjit
