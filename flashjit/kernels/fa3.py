@@ -87,9 +87,10 @@ class Fa3MlaTiling:
     early_release: the softmax consumer gives a tile's slot back as its P.V of
     the tile lands, not once the next tile's S has landed too. tma: whole
     tiles in pages of 64 keys or more come by TMA boxes, not cp.async.
-    pairs: where every tile comes by TMA (pages of a multiple of 64 keys), run
-    fa3/fa3_mla_pairs.cuh instead: two warpgroups, each the S and softmax of
-    every other tile and half of O, no loader."""
+    pairs: where every tile comes by TMA (pages of a multiple of 64 keys) and
+    a launch has more than 64 heads, run fa3/fa3_mla_pairs.cuh instead: two
+    warpgroups, each the S and softmax of every other tile and half of O, no
+    loader."""
     stages: int
     keys_per_tile: int = 64
     rows_per_cta: int = 64

@@ -254,7 +254,9 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
     }
   };
   // This warpgroup's half of V in slot x (MN-major, its four 64-column blocks).
-  auto v_desc = [&](int x) { return fa3::smem_desc(slot(x) + Tile::block(wg * (WG_COLS / 64)), Tile::kBlockBytes, 1024); };
+  auto v_desc = [&](int x) {
+    return fa3::smem_desc(slot(x) + Tile::block(wg * (WG_COLS / 64)), Tile::kBlockBytes, 1024);
+  };
   auto pv_own = [&](int x) {
     fa3::fence();
     const uint64_t v = v_desc(x);

@@ -39,9 +39,9 @@ struct Fa3MlaTraits {
   // boxes counted on an mbarrier of its own; other tiles (small pages, a
   // partial last tile) are gathered by every loader thread's cp.async.
   static constexpr bool kTma = kTma_;
-  // Launches whose tiles all come by TMA run fa3_mla_pairs.cuh's kernel
-  // instead: two warpgroups, no loader, each the S and softmax of every other
-  // tile.
+  // Launches of more than 64 heads whose tiles all come by TMA run
+  // fa3_mla_pairs.cuh's kernel instead: two warpgroups, no loader, each the S
+  // and softmax of every other tile.
   static constexpr bool kPairs = kPairs_;
   // The kernel's K/V map argument (an empty stand-in without TMA).
   using TmaArg = std::conditional_t<kTma, KvMapsPagedArg, KvMapsArg<false>>;
