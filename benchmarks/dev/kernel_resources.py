@@ -94,6 +94,7 @@ def kernel_kind(name: str) -> str:
     if fold:
         return f"batch-invariant fold merge, {fold.group(1)} warp(s) per row"
     return ("MLA attention (warp-specialized)" if "fa3_mla_kernel" in name else
+            "MLA attention (tile pairs)" if "fa3_mla_pairs_kernel" in name else
             "MLA attention" if "mla" in name else
             "attention" if "attention_kernel" in name else
             "append" if "append_paged_kernel" in name else
@@ -119,6 +120,8 @@ def main() -> int:
             for row in r.entry.manifest["resources"]:
                 kind = kernel_kind(row["kernel"])
                 smem = smem_bytes(r.spec, arches) if "attention" in kind else 0
+                if "tile pairs" in kind:
+                    smem = kernels.tiling_for(r.spec, arches)[1].pairs_smem_bytes(r.spec)
                 spills += row["spill_stores"] + row["spill_loads"]
                 lines.append(f"| {r.spec.name} | {kind} | {row['arch']} | {row.get('registers', '?')} | "
                              f"{row['spill_stores']}/{row['spill_loads']} | {row['stack']} | {smem} |")
@@ -151,7 +154,9 @@ def main() -> int:
                     "the sm_80/sm_89 fa2 build holds no GMMA. The fa3 MLA rows (`mla_paged_*_fa3_*`) are CTAs of "
                     "the same shape (loader at 56 registers, consumers at 224), 64 rows and two 72 KB slots of "
                     "[ckv | kpe] rows; `tests/test_mla.py` checks their SASS (HGMMA 64x64 and 64x256, not "
-                    "serialized).\n\n"
+                    "serialized). Their \"MLA attention (tile pairs)\" rows are the kernel that launches of more "
+                    "than 64 heads run where every tile comes by TMA (fa3/fa3_mla_pairs.cuh): two warpgroups, "
+                    "256 threads, no setmaxnreg.\n\n"
                     + text + "\n")
     return 1 if spills else 0
 

@@ -112,6 +112,13 @@ class Fa3MlaTiling:
         group_bars = 8 * self.stages * self.key_groups if self.tma else 0
         return 1024 + (1 + self.stages) * tile + 3 * self.rows_per_cta * 4 + 16 * self.stages + group_bars
 
+    def pairs_smem_bytes(self, spec: KernelSpec) -> int:
+        """Mirror of Fa3MlaTraits::kPairSmemBytes (the pairs kernel): alignment
+        slack, Q and two tiles, each warpgroup's row maxima, factors and sums,
+        an mbarrier per tile slot and 64-column block and one per hand-off."""
+        tile = self.keys_per_tile * 2 * spec.head_dim_qk
+        return 1024 + 3 * tile + 3 * 2 * self.rows_per_cta * 4 + 8 * (2 * (spec.head_dim_qk // 64) + 5)
+
 
 # Two stages: Q and two 72 KB tiles of [ckv | kpe] rows fill the SM's shared memory.
 # Key groups of three blocks: 3.8-5.6% faster on every row of benchmarks/mla.py
@@ -120,11 +127,11 @@ class Fa3MlaTiling:
 # (2026-11-27-h200-mla-handoff-and-release.md). TMA boxes for whole tiles in
 # pages of 64 keys or more (the launch decides): the 128-head row 6.9% faster
 # (2026-11-27-h200-mla-tma.md), the 64-head row 3.3-5.0% on a second H200
-# (2026-11-27-h200-mla-tma-all-heads.md). Pairs stay off: the 128-head row ran
-# 1.6-2.2% faster with them in six runs, but compute-sanitizer's racecheck
-# reports hazards on the pairs kernel's named-barrier exchanges
-# (2026-11-27-h200-mla-pairs.md).
-MLA_TILING = Fa3MlaTiling(stages=2, key_groups=3, early_release=True, tma=True)
+# (2026-11-27-h200-mla-tma-all-heads.md). Pairs (fa3/fa3_mla_pairs.cuh) for
+# launches of more than 64 heads whose tiles all come by TMA: the 128-head row
+# 1.5-2.2% faster in eight runs, compute-sanitizer clean with its hand-offs as
+# mbarriers every thread arrives on (2026-11-27-h200-mla-pairs.md).
+MLA_TILING = Fa3MlaTiling(stages=2, key_groups=3, early_release=True, tma=True, pairs=True)
 
 
 def mla_tiling(spec: KernelSpec) -> Fa3MlaTiling:

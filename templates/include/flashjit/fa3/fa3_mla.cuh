@@ -363,7 +363,7 @@ int launch_fa3_mla(const FlashjitAttentionParams& p, cudaStream_t stream) {
   // With Traits::kPairs, the pairs kernel (fa3_mla_pairs.cuh) where every
   // tile comes by TMA and more than 64 heads make two or more CTAs read each
   // request's keys: on H200s it ran the 128-head row of benchmarks/mla.py
-  // 1.6-2.2% faster than this kernel in six runs, and the 64- and 16-head
+  // 1.5-2.2% faster than this kernel in eight runs, and the 64- and 16-head
   // rows (one CTA a request) 0-3.2% slower
   // (benchmarks/results/2026-11-27-h200-mla-pairs.md).
   if constexpr (Traits::kPairs) {

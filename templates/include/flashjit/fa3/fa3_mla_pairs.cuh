@@ -1,8 +1,7 @@
 // MLA on warpgroup MMA (sm_90a) in tile pairs: the fa3 MLA kernel for caches
 // whose pages hold a multiple of 64 keys, where every tile of 64 keys lies in
 // one page and comes by TMA. With Fa3MlaTiling.pairs, fa3_mla.cuh's launch
-// picks it there for more than 64 heads (off as shipped: compute-sanitizer's
-// racecheck reports hazards on its barrier exchanges; results in
+// picks it there for more than 64 heads (results in
 // benchmarks/results/2026-11-27-h200-mla-pairs.md).
 //
 // Why a second schedule: in fa3_mla.cuh one consumer computes every tile's S
@@ -15,8 +14,8 @@
 // softmaxes are staggered by one exchange of row maxima, so that one runs while
 // the other's products fill the pipe. The same idea runs DeepSeek's FlashMLA.
 //
-// One step (tiles a = 2i and b = a + 1; "->" is a named barrier one warpgroup
-// arrives at and the other waits at):
+// One step (tiles a = 2i and b = a + 1; "->" is a hand-off one warpgroup
+// arrives on and the other waits on):
 //   warpgroup 0: max of S_a against m; -> scale0 (m0, f0); P_a; O_L *= f0;
 //     O_L += P_a.V_a[L] (P from registers); when landed, refill slot 0's blocks
 //     0-3; <- scale1 (m1, f1); P_a * f1 rounded into slot 0's kpe block -> p0;
@@ -54,11 +53,14 @@
 namespace flashjit {
 namespace fa3 {
 
-// Named barriers between the two warpgroups (256 threads: one arrives, the
-// other waits), then each warpgroup's own (128).
-enum MlaPairBarrier : int { kScale0 = 1, kScale1 = 2, kP0 = 3, kP1 = 4, kOwnWarpgroup0 = 5 };
-__device__ __forceinline__ void pair_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void pair_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+// The hand-offs between the two warpgroups, each an mbarrier that every
+// thread of the handing warpgroup arrives on and the other waits on, one phase
+// a step. Every thread arrives for its own writes: compute-sanitizer's
+// racecheck reads an arrival by another thread (a warp's first lane after
+// __syncwarp, or a named barrier's bar.arrive) as no ordering at all, though
+// the hardware orders it (benchmarks/results/2026-11-27-h200-racecheck-exchange.md).
+enum MlaPairHandoff : int { kScale0, kScale1, kP0, kP1, kSums, kHandoffs };
+constexpr int kOwnWarpgroup0 = 1;  // each warpgroup's own named barrier, 1 + warpgroup
 
 // S (+)= Q.K^T over 64-column blocks kFirst .. kEnd - 1 of the tile at
 // `k_smem`, each once its mbarrier (bars + 8 b) completes phase `parity`, each
@@ -116,6 +118,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
   auto slot = [&](int x) { return base + Traits::kKvOffset + x * Traits::kTileBytes; };
   const uint32_t bars = base + Traits::kPairBarOffset;
   auto block_bars = [&](int x) { return bars + 8 * BLOCKS * x; };
+  auto handoff_bar = [&](int k) { return bars + 8 * (2 * BLOCKS + k); };
   // Per warpgroup x: the row maxima and factors it last published, and its
   // final row sums.
   float* max_of = reinterpret_cast<float*>(smem + Traits::kPairStateOffset);
@@ -133,6 +136,8 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
 
   if (tid == 0) {
     for (int i = 0; i < 2 * BLOCKS; ++i) tma::mbar_init(bars + 8 * i, 1);
+    for (int k = 0; k < fa3::kSums; ++k) tma::mbar_init(bars + 8 * (2 * BLOCKS + k), 128);
+    tma::mbar_init(bars + 8 * (2 * BLOCKS + fa3::kSums), 256);  // both warpgroups' row sums
     tma::fence_mbar_init();
   }
   __syncthreads();
@@ -274,6 +279,10 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
     fa3::commit();
   };
   auto parity = [](int t) { return uint32_t((t / 2) & 1); };
+  // Hand-off k of the step of tile a: this warpgroup's writes before it go to
+  // the other (hand), or the other's to this one (take).
+  auto hand = [&](int k) { tma::mbar_arrive(handoff_bar(k)); };
+  auto take = [&](int k, int a) { tma::mbar_wait(handoff_bar(k), parity(a)); };
 
   if (wg == 0) {
     if (num_tiles > 0) {
@@ -295,7 +304,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
       float f0[2], f1[2] = {1.f, 1.f};
       new_max(m, m, f0);
       publish(m, f0);
-      fa3::pair_arrive(fa3::kScale0);
+      hand(fa3::kScale0);
       rescale(f0);
       exp_to_p();
       pv_own(0);
@@ -303,7 +312,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
       fa3::fence_operands(o);
       if (next_a && ctid == 0) load_blocks(0, page_a, slot_a, 0, 4);
       if constexpr (kPair) {
-        fa3::pair_sync(fa3::kScale1);
+        take(fa3::kScale1, a);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           m[r] = max_of[ROWS + row_in_cta[r]];
@@ -316,9 +325,9 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
 #pragma unroll
         for (int j = 0; j < NT_S; ++j) store_p(0, r, j, fa2::pack2<T>(s[j][2 * r] * f1[r], s[j][2 * r + 1] * f1[r]));
       fa3::fence_async_shared();
-      fa3::pair_arrive(fa3::kP0);
+      hand(fa3::kP0);
       if constexpr (kPair) {
-        fa3::pair_sync(fa3::kP1);
+        take(fa3::kP1, a);
         rescale(f1);
         pv_other(1);
         if (next_a) {
@@ -360,7 +369,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
         zero_tail(b, 1);
         mask(b);
       }
-      fa3::pair_sync(fa3::kScale0);
+      take(fa3::kScale0, a);
       float m0[2], f0[2], f1[2] = {1.f, 1.f};
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -370,7 +379,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
       if constexpr (kPair) {
         new_max(m0, m, f1);
         publish(m, f1);
-        fa3::pair_arrive(fa3::kScale1);
+        hand(fa3::kScale1);
       } else {
 #pragma unroll
         for (int r = 0; r < 2; ++r) m[r] = m0[r];
@@ -385,9 +394,9 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
           for (int r = 0; r < 2; ++r) store_p(1, r, j, pa[j / 2][2 * (j % 2) + r]);
         pv_own(1);
         fa3::fence_async_shared();
-        fa3::pair_arrive(fa3::kP1);
+        hand(fa3::kP1);
       }
-      fa3::pair_sync(fa3::kP0);
+      take(fa3::kP0, a);
       pv_other(0);
       if constexpr (kPair) {
         fa3::wait<1>();
@@ -416,7 +425,10 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     if (tq == 0) sum_of[wg * ROWS + row_in_cta[r]] = l[r];
   }
-  __syncthreads();
+  // Every thread of both arrives, then all wait: racecheck reads this as
+  // ordered, and reported the same exchange across __syncthreads() as a race.
+  hand(fa3::kSums);
+  take(fa3::kSums, 0);
   float sum[2], m_ref[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

@@ -85,11 +85,11 @@ struct Fa3MlaTraits {
 
   // The pairs kernel: [Q | slot 0 | slot 1 | per warpgroup, the row maxima
   // and factors it last published and its row sums | a full mbarrier per slot
-  // and 64-column block].
+  // and 64-column block, then one per hand-off between the warpgroups].
   static constexpr int kPairThreads = 256;
   static constexpr int kPairStateOffset = kKvOffset + 2 * kTileBytes;
   static constexpr int kPairBarOffset = kPairStateOffset + 3 * 2 * kRowsPerCta * 4;
-  static constexpr size_t kPairSmemBytes = 1024 + size_t(kPairBarOffset) + 8 * 2 * kBlocks;
+  static constexpr size_t kPairSmemBytes = 1024 + size_t(kPairBarOffset) + 8 * (2 * kBlocks + 5);
 
   // Each loader thread copies 16-byte chunk `sub` of every 128-byte block of
   // its key rows: 8 threads a key row, 16 rows a pass.
