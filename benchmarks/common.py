@@ -174,3 +174,26 @@ def build_cuda_program(name: str, source: str, folder, flags=()):
     subprocess.run([nvcc, "-O3", "-gencode", "arch=compute_90a,code=sm_90a", *flags, "-o", str(exe),
                     str(folder / f"{name}.cu")], check=True)
     return exe
+
+
+def racecheck_runs(exe, runs, folder) -> int:
+    """Each (label, argv) of `runs`: `exe` with argv under compute-sanitizer's
+    racecheck (--racecheck-report all), its output in folder/racecheck_LABEL.log;
+    prints the exit code, the summary lines and the first source lines racecheck
+    names. Returns 1 if any run exited non-zero."""
+    import subprocess
+    from pathlib import Path
+
+    status = 0
+    for label, argv in runs:
+        log = Path(folder) / f"racecheck_{label}.log"
+        run = subprocess.run(["compute-sanitizer", "--tool", "racecheck", "--racecheck-report", "all", str(exe),
+                              *map(str, argv)], capture_output=True, text=True, timeout=300)
+        text = run.stdout + run.stderr
+        log.write_text(text)
+        summary = [line for line in text.splitlines() if "SUMMARY" in line or "wrong" in line]
+        print(f"{label}: exit {run.returncode}; " + "; ".join(summary) + f" ({log})")
+        for line in sorted({line.strip() for line in text.splitlines() if ".cu:" in line})[:6]:
+            print(f"    {line}")
+        status |= run.returncode != 0
+    return status

@@ -18,13 +18,12 @@ Usage: python benchmarks/dev/racecheck_barriers.py [--build-only] [--tiles 6] [-
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
-from common import build_cuda_program  # noqa: E402
+from common import build_cuda_program, racecheck_runs  # noqa: E402
 
 SOURCE = r"""
 #include <cstdio>
@@ -122,17 +121,7 @@ def main() -> int:
     print(f"built {exe}")
     if args.build_only:
         return 0
-    status = 0
-    for handoff in (0, 1):
-        log = folder / f"racecheck_handoff{handoff}.log"
-        run = subprocess.run(["compute-sanitizer", "--tool", "racecheck", "--racecheck-report", "all", str(exe),
-                              str(args.tiles), str(handoff)], capture_output=True, text=True)
-        log.write_text(run.stdout + run.stderr)
-        summary = [line for line in (run.stdout + run.stderr).splitlines() if "SUMMARY" in line or "wrong" in line]
-        print(f"handoff {handoff}: exit {run.returncode}; " + "; ".join(summary) + f" ({log})")
-        status |= run.returncode != 0
-    return status
-
+    return racecheck_runs(exe, [(f"handoff{h}", [args.tiles, h]) for h in (0, 1)], folder)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,13 +20,12 @@ Usage: python benchmarks/dev/racecheck_exchange.py [--build-only] [--steps 8] [-
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
-from common import build_cuda_program  # noqa: E402
+from common import build_cuda_program, racecheck_runs  # noqa: E402
 
 SOURCE = r"""
 #include <cstdio>
@@ -140,21 +139,7 @@ def main() -> int:
     print(f"built {exe}")
     if args.build_only:
         return 0
-    status = 0
-    for mode in range(5):
-        log = folder / f"racecheck_mode{mode}.log"
-        run = subprocess.run(["compute-sanitizer", "--tool", "racecheck", "--racecheck-report", "all", str(exe),
-                              str(args.steps), str(mode)], capture_output=True, text=True, timeout=120)
-        text = run.stdout + run.stderr
-        log.write_text(text)
-        lines = sorted({line.strip() for line in text.splitlines() if "exchange.cu:" in line})
-        summary = [line for line in text.splitlines() if "SUMMARY" in line or "wrong" in line]
-        print(f"mode {mode}: exit {run.returncode}; " + "; ".join(summary))
-        for line in lines[:6]:
-            print(f"    {line}")
-        status |= run.returncode != 0
-    return status
-
+    return racecheck_runs(exe, [(f"mode{mode}", [args.steps, mode]) for mode in range(5)], folder)
 
 if __name__ == "__main__":
     sys.exit(main())
