@@ -150,7 +150,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int rows_total = w.qo_len * w.group;
   if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
   const fa2::MlaCtaKeys<Traits::kCausal, ROWS, KEYS> keys(w, rows_total);
-  const int offset = keys.offset, cta_q_first = keys.cta_q_first;
   const int key_begin = keys.key_begin, num_tiles = keys.num_tiles;
 
   float o[1][NT_O][4];
@@ -195,7 +194,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     auto mask_tile = [&](float (&sf)[NT_S][4], int, int k0) {
       int q_off[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) q_off[r] = min(w.row_begin + g + 8 * r, rows_total - 1) / w.group + offset;
+      for (int r = 0; r < 2; ++r) q_off[r] = keys.query_pos(w, rows_total, g + 8 * r);
       fa2::mask_mla_fragment<Traits::kCausal>(sf, k0, tq, w.kv_len, q_off);
     };
 
@@ -244,8 +243,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           s[0][j][e] = sum;
         }
 
-      const bool need_mask =
-          t0 + KEYS > w.kv_len || (Traits::kCausal && t0 + KEYS - 1 > cta_q_first + offset);
+      const bool need_mask = keys.needs_mask(t0, KEYS, w.kv_len);
       uint32_t pa[1][KSTEPS_PV][4];
       softmax.update_max(s, o, t0, need_mask, t == 0, mask_tile);
       softmax.exp_to_p(s, pa, 0);

@@ -109,6 +109,29 @@ struct MlaCtaKeys {
     const int key_end = min(mask.key_end(cta_q_last, w.kv_len), w.kv_end);
     num_tiles = key_end > key_begin ? (key_end - key_begin + kKeys - 1) / kKeys : 0;
   }
+
+  // Whether the `keys` keys from k0 need the element mask: some lie past the
+  // request, or, causal, past the CTA's first query.
+  __device__ __forceinline__ bool needs_mask(int k0, int keys, int kv_len) const {
+    return k0 + keys > kv_len || (kCausal && k0 + keys - 1 > cta_q_first + offset);
+  }
+  // The key position of packed row `row` (of rows_total from w.row_begin; a
+  // row past the request takes the last one's).
+  __device__ __forceinline__ int query_pos(const CtaWork& w, int rows_total, int row) const {
+    return min(w.row_begin + row, rows_total - 1) / w.group + offset;
+  }
+  // An S fragment of rows row_in_cta[0], [1] (g and g + 8 of an m16 block),
+  // keys k0 .. k0 + keys - 1, masked where needs_mask says (mask_mla_fragment).
+  template <int NT>
+  __device__ __forceinline__ void mask(float (&s)[NT][4], int k0, int keys, const CtaWork& w, int rows_total,
+                                       const int (&row_in_cta)[2], int tq) const {
+    if (needs_mask(k0, keys, w.kv_len)) {
+      int q_pos[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) q_pos[r] = query_pos(w, rows_total, row_in_cta[r]);
+      mask_mla_fragment<kCausal>(s, k0, tq, w.kv_len, q_pos);
+    }
+  }
 };
 
 }  // namespace fa2

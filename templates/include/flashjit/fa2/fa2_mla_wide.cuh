@@ -59,7 +59,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int rows_total = w.qo_len * w.group;
   if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
   const fa2::MlaCtaKeys<Traits::kCausal, ROWS, KEYS> keys(w, rows_total);
-  const int offset = keys.offset, cta_q_first = keys.cta_q_first;
   const int key_begin = keys.key_begin, num_tiles = keys.num_tiles;
   const float scale = p.sm_scale * kLog2e;
 
@@ -89,7 +88,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const uint32_t p_store = Traits::kPOffset + 16 * rg * PL::kPitch + 4 * tq;
     int q_off[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) q_off[r] = min(w.row_begin + 16 * rg + g + 8 * r, rows_total - 1) / w.group + offset;
+    for (int r = 0; r < 2; ++r) q_off[r] = keys.query_pos(w, rows_total, 16 * rg + g + 8 * r);
 
     cp_async_wait<STAGES - 2>();
     __syncthreads();
@@ -123,7 +122,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
       // s[j][e]: row 16 rg + g + 8 (e / 2), key t0 + WKEYS part + 8 j + 2 tq + e % 2.
       const int k0 = t0 + part * WKEYS;
-      if (k0 + WKEYS > w.kv_len || (Traits::kCausal && k0 + WKEYS - 1 > cta_q_first + offset))
+      if (keys.needs_mask(k0, WKEYS, w.kv_len))
         fa2::mask_mla_fragment<Traits::kCausal>(s, k0, tq, w.kv_len, q_off);
       float mx[2];
 #pragma unroll

@@ -75,7 +75,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int rows_total = w.qo_len * w.group;
   if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
   const fa2::MlaCtaKeys<Traits::kCausal, ROWS, KEYS> keys(w, rows_total);
-  const int offset = keys.offset, cta_q_first = keys.cta_q_first;
   const int key_begin = keys.key_begin, num_tiles = keys.num_tiles;
 
   if (tid == 0) {
@@ -247,13 +246,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       float* factor_t = factors + (t & 1) * ROWS;
       float factor[2];
       const int k0 = key_begin + t * KEYS;
-      const bool need_mask = k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > cta_q_first + offset);
-      if (need_mask) {
-        int q_pos[2];  // query position of this thread's rows (clamped past the request)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) q_pos[r] = min(w.row_begin + row_in_cta[r], rows_total - 1) / w.group + offset;
-        fa2::mask_mla_fragment<Traits::kCausal>(s, k0, tq, w.kv_len, q_pos);
-      }
+      keys.mask(s, k0, KEYS, w, rows_total, row_in_cta, tq);
       // The lazy max of the fa2 family (fa2_softmax.cuh): a row moves only once
       // it has grown by more than kLazyLog2 in log2 units; (-inf) - (-inf) =
       // NaN compares false, so a row that sees no key yet never moves, and a

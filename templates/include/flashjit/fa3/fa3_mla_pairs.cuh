@@ -131,7 +131,6 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
   const int rows_total = w.qo_len * w.group;
   if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
   const fa2::MlaCtaKeys<Traits::kCausal, ROWS, KEYS> keys(w, rows_total);
-  const int offset = keys.offset, cta_q_first = keys.cta_q_first;
   const int key_begin = keys.key_begin, num_tiles = keys.num_tiles;
 
   if (tid == 0) {
@@ -183,15 +182,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
   float s[NT_S][4];
   uint32_t pa[KSTEPS_PV][4];  // this warpgroup's P rounded to T, the A operand of its own P.V
 
-  auto mask = [&](int t) {
-    const int k0 = key_begin + t * KEYS;
-    if (k0 + KEYS > w.kv_len || (Traits::kCausal && k0 + KEYS - 1 > cta_q_first + offset)) {
-      int q_pos[2];  // query position of this thread's rows (clamped past the request)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) q_pos[r] = min(w.row_begin + row_in_cta[r], rows_total - 1) / w.group + offset;
-      fa2::mask_mla_fragment<Traits::kCausal>(s, k0, tq, w.kv_len, q_pos);
-    }
-  };
+  auto mask = [&](int t) { keys.mask(s, key_begin + t * KEYS, KEYS, w, rows_total, row_in_cta, tq); };
   // A partial last tile: its V rows past the request zeroed for both
   // warpgroups' products (the other reads them past a later hand-off).
   auto zero_tail = [&](int t, int x) {
