@@ -121,7 +121,7 @@ def test_mla_split_kv(prewarmed, error_report, backend, dtype, mode, split, num_
     """fixed: 64-key chunks over every request; auto: two long requests leave the
     GPU idle unless the planner splits them. 128 heads: fa2's 64-row kernel on
     sm_90a-only builds (fa2_mla_wide.cuh); on fa3 with pages of 64, whole tiles
-    by TMA (fa3_mla.cuh)."""
+    by TMA in tile pairs (fa3_mla_pairs.cuh)."""
     qo_len, causal = mode
     kv_lens = [2000, 1, 777, 0, 64] if split == "fixed" else [20000, 9000]
     batch = MlaBatch([qo_len] * len(kv_lens), kv_lens, page_size, num_heads, dtype)

@@ -20,8 +20,7 @@ from flashjit.render import render
 from flashjit.spec import KernelSpec, mla_spec
 import helpers_cache
 from helpers_cache import needs_nvcc, set_cache_env
-from helpers_sass import functions
-from test_backend_choice import sass
+from helpers_sass import functions, sass
 from test_bad_input_wrappers import _on_fake_cuda, _workspace
 
 # A fixture: pytest looks fixtures up by name in the test module.

@@ -14,22 +14,18 @@ Usage: python benchmarks/dev/mla_pairs_trace.py [--rows 1 2 0] [--tiling 'Fa3Mla
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, mla
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # dev/: mla_trace
-import mla  # noqa: E402
-from mla_trace import clocks_code, entry_code, stamped_runs  # noqa: E402
-from common import instrumented_templates, parse_fa3_mla_tiling, use_templates  # noqa: E402
+from mla_trace import clocks_code, entry_code, print_intervals, stamped_runs, use_instrumented  # noqa: E402
+from common import instrumented_templates, parse_fa3_mla_tiling  # noqa: E402
 
-import flashjit  # noqa: E402
-from flashjit import jit, render  # noqa: E402
+from flashjit import render  # noqa: E402
 
 HEADER = "include/flashjit/fa3/fa3_mla_pairs.cuh"
 STEPS, EVENTS, HEAD = 32, 19, 6  # stamped steps, stamps a step, header words a CTA
@@ -106,18 +102,14 @@ def main() -> int:
     parser.add_argument("--templates", help="a templates/ folder to instrument (default: the package's)")
     args = parser.parse_args()
     source = Path(args.templates or render.templates_dir())
-    use_templates(instrumented_templates(HEADER, probes((source / HEADER).read_text()), source=source,
-                                         prefix="mla-pairs-trace-"))
-    os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="mla-pairs-trace-cache-")
-    jit._modules.clear()
+    use_instrumented(instrumented_templates(HEADER, probes((source / HEADER).read_text()), source=source,
+                                            prefix="mla-pairs-trace-"), "mla-pairs-trace-cache-")
     tiling = parse_fa3_mla_tiling(args.tiling)
     print(f"{torch.cuda.get_device_name()}, flashjit fa3 MLA ({args.tiling}), bf16")
     for label, ctas, steps, ghz, skew, cta_us in stamped_runs(args.rows, tiling, HEAD, (STEPS, EVENTS)):
         print(f"\n{label}: {ctas} CTAs, median CTA {cta_us:.1f} us, SM clock {ghz:.2f} GHz; warpgroup 1's clock "
               f"read {skew:.0f} cycles after warpgroup 0's leaving one barrier\n")
-        print("| interval (median over CTAs and middle steps) | cycles | ns |\n|---|---|---|")
-        for name, cycles in intervals(steps).items():
-            print(f"| {name} | {cycles:.0f} | {cycles / ghz:.0f} |")
+        print_intervals(intervals(steps), ghz, "CTAs and middle steps")
     return 0
 
 

@@ -1,4 +1,6 @@
-"""Where a tile of the fa3 MLA kernel's time goes: builds the shipped kernel from
+"""Where a tile of the fa3 MLA kernel's time goes: builds the loader kernel
+(fa3_mla.cuh; the shipped tiling with pairs off, since launches of more than 64
+heads otherwise run the pairs kernel, which dev/mla_pairs_trace.py stamps) from
 a copy of templates/ with clock64 stamps added (the loader's first thread: slot
 free and boxes issued, each key group landed; the softmax consumer's first
 thread: S issued, past each key group's barrier, S landed, P.V issued, slot
@@ -35,6 +37,7 @@ from common import instrumented_templates as common_instrumented  # noqa: E402
 
 import flashjit  # noqa: E402
 from flashjit import jit  # noqa: E402
+from flashjit.kernels import fa3  # noqa: E402
 
 HEADER = "include/flashjit/fa3/fa3_mla.cuh"
 TILES, EVENTS, HEAD = 64, 16, 6  # stamped tiles, stamps a tile, header words a CTA
@@ -132,6 +135,21 @@ def intervals(t: torch.Tensor) -> dict:
     return {k: statistics.median(v.flatten().tolist()) for k, v in parts.items()}
 
 
+def use_instrumented(folder, prefix: str) -> None:
+    """Kernels rendered from `folder` (an instrumented templates/ copy) from
+    here on, built into a fresh cache of their own."""
+    use_templates(folder)
+    os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix=prefix)
+    jit._modules.clear()
+
+
+def print_intervals(parts: dict, ghz: float, over: str) -> None:
+    """The table of median intervals (cycles, and ns at `ghz`)."""
+    print(f"| interval (median over {over}) | cycles | ns |\n|---|---|---|")
+    for name, cycles in parts.items():
+        print(f"| {name} | {cycles:.0f} | {cycles / ghz:.0f} |")
+
+
 def stamped_runs(rows, tiling, head_words: int, shape: tuple):
     """For each of benchmarks/mla.py's ROWS (indices) whose plan does not split
     keys: three runs of the fa3 MLA wrapper (`tiling`, None: the shipped one)
@@ -171,20 +189,16 @@ def stamped_runs(rows, tiling, head_words: int, shape: tuple):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2], help="indices into benchmarks/mla.py's ROWS")
-    parser.add_argument("--tiling", help="a Fa3MlaTiling(...) expression in place of the shipped one")
+    parser.add_argument("--tiling", help="a Fa3MlaTiling(...) expression in place of the shipped one (pairs off)")
     args = parser.parse_args()
-    use_templates(instrumented_templates())
-    os.environ["FLASHJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="mla-trace-cache-")
-    jit._modules.clear()
-    tiling = parse_fa3_mla_tiling(args.tiling) if args.tiling else None
-    print(f"{torch.cuda.get_device_name()}, flashjit fa3 MLA ({args.tiling or 'shipped tiling'}), bf16")
+    use_instrumented(instrumented_templates(), "mla-trace-cache-")
+    tiling = parse_fa3_mla_tiling(args.tiling) if args.tiling else dataclasses.replace(fa3.MLA_TILING, pairs=False)
+    print(f"{torch.cuda.get_device_name()}, flashjit fa3 MLA ({tiling}), bf16")
     for label, ctas, tiles, ghz, skew, cta_us in stamped_runs(args.rows, tiling, HEAD, (TILES, EVENTS)):
         print(f"\n{label}: {ctas} CTAs, median CTA {cta_us:.1f} us (entry to the softmax consumer's last tile), "
               f"SM clock {ghz:.2f} GHz; the softmax consumer's clock read {skew:.0f} cycles after the other's "
               "leaving one barrier\n")
-        print("| interval (median over CTAs and middle tiles) | cycles | ns |\n|---|---|---|")
-        for name, cycles in intervals(tiles).items():
-            print(f"| {name} | {cycles:.0f} | {cycles / ghz:.0f} |")
+        print_intervals(intervals(tiles), ghz, "CTAs and middle tiles")
     return 0
 
 

@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // first tile a variable and the slot live across the tile loop, ptxas
     // scheduled d256's loop so that every other tile gave its V slot back only
     // after the softmax's exponentials, and d256 ran 6-7% slower than normal
-    // mode with no boundary crossed (tests/test_backend_choice.py checks the
+    // mode with no boundary crossed (tests/test_fa3_tile_loop.py checks the
     // order; benchmarks/results/2026-11-27-h200-batch-invariant-tile-loop.md).
     if constexpr (Traits::kChunkFold) {
       constexpr int kConsumerThreads = Traits::kConsumerWarps * 32;
