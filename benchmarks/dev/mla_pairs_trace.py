@@ -22,13 +22,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # dev/: mla_trace
-from mla_trace import clocks_code, entry_code, print_intervals, stamped_runs, use_instrumented  # noqa: E402
+from mla_trace import clocks_code, entry_code, print_cta_phases, print_intervals  # noqa: E402
+from mla_trace import stamped_runs, time_code, use_instrumented  # noqa: E402
 from common import instrumented_templates, parse_fa3_mla_tiling  # noqa: E402
 
 from flashjit import render  # noqa: E402
 
 HEADER = "include/flashjit/fa3/fa3_mla_pairs.cuh"
-STEPS, EVENTS, HEAD = 32, 19, 6  # stamped steps, stamps a step, header words a CTA
+STEPS, EVENTS, HEAD = 32, 19, 11  # stamped steps, stamps a step, header words a CTA
 STRIDE = HEAD + STEPS * EVENTS
 # (name, thread, anchor, "before" or "after" its first occurrence); event e is the e-th entry.
 EVENT_PROBES = [
@@ -60,7 +61,11 @@ ENTRY, EXIT = entry_code(STRIDE), clocks_code(128, 2)
 def probes(text: str) -> list:
     """(anchor, code, where) for common.insert_probes; "before_next_line"
     stamps ahead of the statement after the anchor's (a call over lines)."""
-    out = [("  const int g = lane / 4, tq = lane % 4;\n", ENTRY, "after"),
+    out = [("  const int tid = threadIdx.x, wg = tid / 128,", ENTRY, "before"),
+           ("  const CtaWork w = decode_work<true>(p, ROWS);\n", clocks_code(0, 0), "after"),  # past the grid before
+           ("      q_smem, fa3::kOwnWarpgroup0 + wg, 128, ctid);\n", time_code(0, 7), "after"),
+           ("  // Each warpgroup summed its own tiles' P; the two sums meet here.\n", time_code(0, 9), "before"),
+           ("  take(fa3::kSums, 0);\n", time_code(0, 10), "after"),
            ("  // Each warpgroup summed its own tiles' P; the two sums meet here.\n", EXIT, "before"),
            ("  __syncthreads();\n\n  const int row_in_cta[2]",
             "  if (threadIdx.x == 0) fj_out[4] = clock64();\n  if (threadIdx.x == 128) fj_out[5] = clock64();\n",
@@ -106,10 +111,15 @@ def main() -> int:
                                             prefix="mla-pairs-trace-"), "mla-pairs-trace-cache-")
     tiling = parse_fa3_mla_tiling(args.tiling)
     print(f"{torch.cuda.get_device_name()}, flashjit fa3 MLA ({args.tiling}), bf16")
-    for label, ctas, steps, ghz, skew, cta_us in stamped_runs(args.rows, tiling, HEAD, (STEPS, EVENTS)):
+    for label, ctas, steps, ghz, skew, cta_us, head in stamped_runs(args.rows, tiling, HEAD, (STEPS, EVENTS)):
         print(f"\n{label}: {ctas} CTAs, median CTA {cta_us:.1f} us, SM clock {ghz:.2f} GHz; warpgroup 1's clock "
               f"read {skew:.0f} cycles after warpgroup 0's leaving one barrier\n")
         print_intervals(intervals(steps), ghz, "CTAs and middle steps")
+        print()
+        print_cta_phases(head, steps[..., 0], ghz)
+        ends = {"wg1's loop end -> wg0's": head[:, 9] - head[:, 2], "wg0's loop end -> past the row sums":
+                head[:, 10] - head[:, 9], "past the row sums -> wg0's last store issued": head[:, 7] - head[:, 10]}
+        print_intervals({k: statistics.median((v * ghz).tolist()) for k, v in ends.items()}, ghz, "CTAs")
     return 0
 
 

@@ -40,7 +40,7 @@ from flashjit import jit  # noqa: E402
 from flashjit.kernels import fa3  # noqa: E402
 
 HEADER = "include/flashjit/fa3/fa3_mla.cuh"
-TILES, EVENTS, HEAD = 64, 16, 6  # stamped tiles, stamps a tile, header words a CTA
+TILES, EVENTS, HEAD = 64, 16, 11  # stamped tiles, stamps a tile, header words a CTA
 STRIDE = HEAD + TILES * EVENTS
 # Stamp slots of a tile.
 SLOT_FREE, ISSUED, LANDED0 = 0, 1, 2  # loader; LANDED0 + g for key group g
@@ -55,10 +55,28 @@ def stamp(thread: int, slot: int, t: str = "t", indent: str = "      ") -> str:
 
 
 def entry_code(stride: int) -> str:
-    """CUDA for a kernel's entry: fj_out, this CTA's `stride` stamp words, and
-    thread 0's globaltimer and clock64 in words 0 and 1."""
+    """CUDA for a kernel's first line: fj_out, this CTA's `stride` stamp words,
+    thread 0's globaltimer in word 6 and its SM in word 8 (words 7, 9, 10: the
+    loop's end to the last store, time_code)."""
     return (f"  unsigned long long* fj_out = reinterpret_cast<unsigned long long*>(p.partial_o) + {stride} * "
-            "size_t(blockIdx.x);\n" + clocks_code(0, 0))
+            "size_t(blockIdx.x);\n"
+            "  if (threadIdx.x == 0) {\n"
+            "    unsigned long long fj_g;\n"
+            "    unsigned fj_sm;\n"
+            "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
+            "    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(fj_sm));\n"
+            "    fj_out[6] = fj_g;\n"
+            "    fj_out[8] = fj_sm;\n"
+            "  }\n")
+
+
+def time_code(thread: int, word: int) -> str:
+    """CUDA by which thread `thread` writes globaltimer into word `word`."""
+    return (f"  if (threadIdx.x == {thread}) {{\n"
+            "    unsigned long long fj_g;\n"
+            "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
+            f"    fj_out[{word}] = fj_g;\n"
+            "  }\n")
 
 
 def clocks_code(thread: int, word: int) -> str:
@@ -74,7 +92,11 @@ def clocks_code(thread: int, word: int) -> str:
 ENTRY, EXIT = entry_code(STRIDE), clocks_code(256, 2)
 # (anchor in the shipped kernel, code, "before" or "after" the anchor's first occurrence)
 PROBES = [
-    ("  const int tid = threadIdx.x, warpgroup = tid / 128, lane = tid % 32;\n", ENTRY, "after"),
+    # "Entry" is past decode_work, whose wait for the grid before (programmatic
+    # dependent launch, grid_dependency.cuh) is no part of this CTA's time.
+    ("  const int tid = threadIdx.x, warpgroup = tid / 128, lane = tid % 32;\n", ENTRY, "before"),
+    ("  const CtaWork w = decode_work<true>(p, ROWS);\n", clocks_code(0, 0), "after"),
+    ("      q_smem, 1, 256, ctid % 128);\n", time_code(256, 7), "after"),
     ("        if (tma_arg.page_box_rows > 0 && k0 % KEYS == 0 && k0 + KEYS <= w.kv_len) {\n",
      stamp(0, SLOT_FREE, indent="          "), "after"),
     ("          if (t + 1 < num_tiles) lookup(t + 1);\n", stamp(0, ISSUED, indent="          "), "before"),
@@ -150,14 +172,58 @@ def print_intervals(parts: dict, ghz: float, over: str) -> None:
         print(f"| {name} | {cycles:.0f} | {cycles / ghz:.0f} |")
 
 
+def print_cta_phases(head: torch.Tensor, starts: torch.Tensor, ghz: float) -> None:
+    """Where a CTA's time goes outside its middle steps: from the header words
+    [CTAs, 11] and `starts` [CTAs, N], each step's (or tile's) first stamp in
+    clock64, the kernel's span (by %globaltimer) and, for the CTAs that entered
+    with the first (within 5 us) and those that entered later (as SMs freed),
+    the medians of entry -> first step, the first and last steps' periods
+    against the middle ones', the last step -> the loop's end -> the last
+    store, the first line -> entry, and the gap from the SM's CTA before."""
+    head, starts = head.double(), starts.double()
+    n = int((starts[0] > 0).sum())
+    span_us = float(head[:, 2].max() - head[:, 0].min()) / 1e3
+    start_us = (head[:, 0] - head[:, 0].min()) / 1e3
+    waves = {"first": start_us <= 5.0, "later": start_us > 5.0}
+    waves = {k: v for k, v in waves.items() if bool(v.any())}
+    print(f"kernel span (first entry to last loop end) {span_us:.1f} us; "
+          + ", ".join(f"{int(v.sum())} CTAs entered {k} (median at {float(start_us[v].median()):.1f} us)"
+                      for k, v in waves.items()))
+    periods = starts[:, 1:n] - starts[:, :n - 1]
+    parts = {"entry -> Q landed (prologue barrier)": head[:, 4] - head[:, 1],
+             "entry -> first step's stamp (Q and the first tiles)": starts[:, 0] - head[:, 1]}
+    for i in range(min(3, n - 1)):
+        parts[f"step {i} period"] = periods[:, i]
+    parts["middle steps' period"] = periods[:, 3:max(4, n - 4)]
+    parts[f"step {n - 2} period"] = periods[:, n - 2]
+    parts["last step's stamp -> loop end"] = head[:, 3] - starts[:, n - 1]
+    parts["entry -> loop end"] = head[:, 3] - head[:, 1]
+    parts["loop end -> last store issued (globaltimer)"] = (head[:, 7] - head[:, 2]) * ghz
+    parts["first line -> entry (decode_work and its wait for the grid before)"] = (head[:, 0] - head[:, 6]) * ghz
+    # The CTA before on the same SM: its last store to this one's first line.
+    gap = torch.full_like(head[:, 0], float("nan"))
+    for sm in head[:, 8].unique():
+        on_sm = (head[:, 8] == sm).nonzero().flatten()
+        on_sm = on_sm[head[on_sm, 6].argsort()]
+        gap[on_sm[1:]] = (head[on_sm[1:], 6] - head[on_sm[:-1], 7]) * ghz
+    parts["the SM's CTA before: last store issued -> this one's first line"] = gap
+    print("| interval (median over a wave's CTAs), cycles | " + " | ".join(f"{k} wave" for k in waves) + " |")
+    print("|---|" + "---|" * len(waves))
+    for name, v in parts.items():
+        cells = [[x for x in v[mask].flatten().tolist() if x == x] for mask in waves.values()]
+        print(f"| {name} | " + " | ".join(f"{statistics.median(c):.0f} ({statistics.median(c) / ghz / 1e3:.2f} us)"
+                                          if c else "-" for c in cells) + " |")
+    print()
+
+
 def stamped_runs(rows, tiling, head_words: int, shape: tuple):
     """For each of benchmarks/mla.py's ROWS (indices) whose plan does not split
     keys: three runs of the fa3 MLA wrapper (`tiling`, None: the shipped one)
     with a stamps buffer of head_words + prod(shape) words a CTA as its
     partial-output pointer, the output checked against float64. Yields (label,
-    CTAs, stamps [CTAs, *shape], SM GHz, clock skew in cycles, median CTA us),
-    from the header words [globaltimer, clock64 at entry; the same at exit;
-    two clocks read leaving one barrier]."""
+    CTAs, stamps [CTAs, *shape], SM GHz, clock skew in cycles, median CTA us,
+    header [CTAs, head_words]), from the header words [globaltimer, clock64 at
+    entry; the same at the loop's end; two clocks read leaving one barrier]."""
     stride = head_words + math.prod(shape)
     for row in rows:
         label, batch, kv_len, heads, page_size = mla.ROWS[row]
@@ -183,7 +249,7 @@ def stamped_runs(rows, tiling, head_words: int, shape: tuple):
         ghz = statistics.median(((head[:, 3] - head[:, 1]) / (head[:, 2] - head[:, 0])).tolist())
         skew = statistics.median((head[:, 5] - head[:, 4]).tolist())
         cta_us = statistics.median(((head[:, 2] - head[:, 0]) / 1e3).tolist())
-        yield label, ctas, s[:, head_words:].view(ctas, *shape), ghz, skew, cta_us
+        yield label, ctas, s[:, head_words:].view(ctas, *shape), ghz, skew, cta_us, head
 
 
 def main() -> int:
@@ -194,11 +260,13 @@ def main() -> int:
     use_instrumented(instrumented_templates(), "mla-trace-cache-")
     tiling = parse_fa3_mla_tiling(args.tiling) if args.tiling else dataclasses.replace(fa3.MLA_TILING, pairs=False)
     print(f"{torch.cuda.get_device_name()}, flashjit fa3 MLA ({tiling}), bf16")
-    for label, ctas, tiles, ghz, skew, cta_us in stamped_runs(args.rows, tiling, HEAD, (TILES, EVENTS)):
+    for label, ctas, tiles, ghz, skew, cta_us, head in stamped_runs(args.rows, tiling, HEAD, (TILES, EVENTS)):
         print(f"\n{label}: {ctas} CTAs, median CTA {cta_us:.1f} us (entry to the softmax consumer's last tile), "
               f"SM clock {ghz:.2f} GHz; the softmax consumer's clock read {skew:.0f} cycles after the other's "
               "leaving one barrier\n")
         print_intervals(intervals(tiles), ghz, "CTAs and middle tiles")
+        print()
+        print_cta_phases(head, tiles[..., S_ISSUE], ghz)
     return 0
 
 

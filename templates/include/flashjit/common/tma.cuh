@@ -90,6 +90,19 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   }
 }
 
+// Copies `bytes` (a multiple of 16) from shared memory at `src` to global
+// memory at `dst`, both 16-byte aligned, by the bulk copy engine, in this
+// thread's bulk group (store_commit, store_wait_read).
+__device__ __forceinline__ void store_bulk(void* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until this thread's committed bulk stores have read their shared memory,
+// which may then be written or freed (the global writes complete on their own;
+// the kernel's end makes them visible to later grids).
+__device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+
 // Fetches a tensor map into the TMA unit's cache ahead of its first load.
 __device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");

@@ -277,6 +277,11 @@ struct ChunkMerge {
   }
 };
 
+// The LSE of output row (token, head), where the call asked for it.
+__device__ __forceinline__ void store_mla_lse(const FlashjitAttentionParams& p, int token, int head, float lse) {
+  if (p.lse != nullptr) p.lse[int64_t(token) * p.lse_stride_n + head] = lse;
+}
+
 // One packed row of an MLA CTA (fa2_mla.cuh, fa3/fa3_mla.cuh): this lane's
 // columns col0 + 8n, col0 + 8n + 1 of O (o[n][2r], o[n][2r + 1]) times inv_l,
 // rounded into the output, or, for a split-KV chunk, as fp32 partial state;
@@ -298,25 +303,31 @@ __device__ __forceinline__ void store_mla_row(const FlashjitAttentionParams& p, 
 #pragma unroll
     for (int n = 0; n < NT; ++n)
       *reinterpret_cast<uint32_t*>(dst + 8 * n) = pack2<T>(o[n][2 * r] * inv_l, o[n][2 * r + 1] * inv_l);
-    if (kLse && p.lse != nullptr && writes_lse) p.lse[int64_t(token) * p.lse_stride_n + head] = lse;
+    if (kLse && writes_lse) store_mla_lse(p, token, head, lse);
+  }
+}
+
+// A lane's two rows' 1 / sum and LSE (m_ref + log2(sum)); a row that saw no
+// key (kv_len 0, or fully masked: sum 0) outputs 0, LSE -inf.
+__device__ __forceinline__ void mla_row_norms(const float (&sum)[2], const float (&m_ref)[2], float (&inv_l)[2],
+                                              float (&lse)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    inv_l[r] = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+    lse[r] = sum[r] > 0.f ? m_ref[r] + log2f(sum[r]) : -CUDART_INF_F;
   }
 }
 
 // A warpgroup's two rows of an MLA CTA's output (rows row_in_cta[r] from
 // w.row_begin, those below rows_total): O / sum, and the LSE m_ref + log2(sum)
-// where writes_lse. A row that saw no key (kv_len 0, or fully masked: sum 0)
-// outputs 0, LSE -inf.
+// where writes_lse (mla_row_norms).
 template <class T, int kVoDim, bool kLse, int NT>
 __device__ __forceinline__ void store_mla_rows(const FlashjitAttentionParams& p, const CtaWork& w,
                                                const float (&o)[NT][4], const float (&sum)[2],
                                                const float (&m_ref)[2], const int (&row_in_cta)[2], int rows_total,
                                                int col0, bool writes_lse) {
   float inv_l[2], lse[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    inv_l[r] = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
-    lse[r] = sum[r] > 0.f ? m_ref[r] + log2f(sum[r]) : -CUDART_INF_F;
-  }
+  mla_row_norms(sum, m_ref, inv_l, lse);
   const auto packed = w.packed_rows();
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

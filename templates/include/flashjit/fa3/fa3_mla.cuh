@@ -40,6 +40,7 @@
 #include "flashjit/fa2/fa2_mla_primitives.cuh"
 #include "flashjit/fa3/fa3_mla_copy.cuh"
 #include "flashjit/fa3/fa3_mla_pairs.cuh"
+#include "flashjit/fa3/fa3_mla_store.cuh"
 #include "flashjit/fa3/fa3_mla_traits.cuh"
 #include "flashjit/fa3/fa3_primitives.cuh"
 #include "flashjit/fa3/fa3_wgmma.cuh"
@@ -332,8 +333,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) l[r] = num_tiles > 0 ? row_sums[row_in_cta[r]] : 0.f;
   }
-  fa2::store_mla_rows<T, Traits::kVoDim, Traits::kLse>(p, w, o, l, m_ref, row_in_cta, rows_total,
-                                                       c * WG_COLS + 2 * tq, softmax_wg && tq == 0);
+  // Both consumers stage their halves (the consumers' barrier, id 1).
+  fa3::store_mla_rows_staged<T, Traits::kVoDim, Traits::kLse, ROWS>(
+      p, w, o, l, m_ref, row_in_cta, rows_total, c * WG_COLS, tq, softmax_wg && tq == 0, smem + Traits::kQOffset,
+      q_smem, 1, 256, ctid % 128);
 }
 
 template <class Traits>

@@ -46,6 +46,7 @@
 #include "flashjit/fa2/fa2_epilogue.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/fa2/fa2_mla_primitives.cuh"
+#include "flashjit/fa3/fa3_mla_store.cuh"
 #include "flashjit/fa3/fa3_mla_traits.cuh"
 #include "flashjit/fa3/fa3_primitives.cuh"
 #include "flashjit/fa3/fa3_wgmma.cuh"
@@ -426,8 +427,9 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
     sum[r] = sum_of[row_in_cta[r]] + sum_of[ROWS + row_in_cta[r]];
     m_ref[r] = m[r] == kNegInf ? 0.f : m[r] * scale;
   }
-  fa2::store_mla_rows<T, Traits::kVoDim, Traits::kLse>(p, w, o, sum, m_ref, row_in_cta, rows_total,
-                                                       wg * WG_COLS + 2 * tq, wg == 1 && tq == 0);
+  fa3::store_mla_rows_staged<T, Traits::kVoDim, Traits::kLse, ROWS>(
+      p, w, o, sum, m_ref, row_in_cta, rows_total, wg * WG_COLS, tq, wg == 1 && tq == 0, smem + Traits::kQOffset,
+      q_smem, fa3::kOwnWarpgroup0 + wg, 128, ctid);
 }
 
 }  // namespace flashjit

@@ -103,6 +103,8 @@ struct Fa3MlaTraits {
   static_assert(kKeyGroups == 1 || kGroupBarrier0 + kStages * kKeyGroups <= 16, "named barrier ids 0 .. 15");
   static_assert(kKeysPerTile * 2 == 128 && kKpeDim == 64, "P's row of keys is one 128-byte block, as a kpe row");
   static_assert(!kPairs || kTma, "the pairs kernel loads every tile by TMA");
+  static_assert(kRowsPerCta * (kVoDim * int(sizeof(DType)) + 16) <= kKvOffset - kQOffset,
+                "the output rows, staged in Q's shared memory (fa3_mla_store.cuh)");
 };
 
 }  // namespace flashjit
