@@ -11,8 +11,10 @@
 // bytes past 1 KB, put the 8 rows of a warp's store in 8 different bank
 // quads), and one bulk copy a row reads it back whole.
 //
-// Split-KV chunks (fp32 partial rows) and outputs whose rows do not all start
-// 16-byte aligned keep the direct stores (fa2::store_mla_rows).
+// Every output row starts 16-byte aligned, as the bulk copy needs: the MLA
+// wrapper takes only outputs whose base and strides allow 16-byte vectors
+// (ops._checks.check_vector_aligned). Split-KV chunks (fp32 partial rows) keep
+// the direct stores (fa2::store_mla_rows).
 #pragma once
 #include <stdint.h>
 #include "flashjit/common/attention_params.cuh"
@@ -30,24 +32,15 @@ struct MlaStagedRows {
   static constexpr int kRowBytes = kVoDim * int(sizeof(T)) + 16;
 };
 
-// Whether every output row of the launch starts 16-byte aligned: the bulk
-// copy's requirement, on the base and both strides.
-template <class T>
-__device__ __forceinline__ bool output_rows_aligned(const FlashjitAttentionParams& p) {
-  const uint64_t bits = reinterpret_cast<uint64_t>(p.o) | uint64_t(p.o_stride_n * int64_t(sizeof(T))) |
-                        uint64_t(p.o_stride_h * int64_t(sizeof(T)));
-  return (bits & 15) == 0;
-}
-
 // A warpgroup's share of an MLA CTA's kRows output rows (those below
 // rows_total): its lanes' rows row_in_cta[r], columns col0 + 8n + 2 tq, of O /
 // sum (fa2::store_mla_rows's values and LSE), through `stage` (shared memory
 // at `stage_addr`, kRows * kRowBytes, read by no product any more). The
 // staging threads meet at named barrier `barrier_id` of `barrier_threads`
 // (the warpgroup's own, or one of every warpgroup that stores); then thread
-// wg_tid (0 .. 127) of the warpgroup copies its columns of row wg_tid. The
-// condition for staging is uniform across the CTA, so every thread of the
-// barrier takes the same branch.
+// wg_tid (0 .. 127) of the warpgroup copies its columns of row wg_tid.
+// Whether a CTA stages (not a split chunk) is uniform across it, so every
+// thread of the barrier takes the same branch.
 template <class T, int kVoDim, bool kLse, int kRows, int NT>
 __device__ __forceinline__ void store_mla_rows_staged(const FlashjitAttentionParams& p, const CtaWork& w,
                                                       const float (&o)[NT][4], const float (&sum)[2],
@@ -55,7 +48,7 @@ __device__ __forceinline__ void store_mla_rows_staged(const FlashjitAttentionPar
                                                       int rows_total, int col0, int tq, bool writes_lse,
                                                       unsigned char* stage, uint32_t stage_addr, int barrier_id,
                                                       int barrier_threads, int wg_tid) {
-  if (w.split >= 0 || !output_rows_aligned<T>(p)) {
+  if (w.split >= 0) {
     fa2::store_mla_rows<T, kVoDim, kLse>(p, w, o, sum, m_ref, row_in_cta, rows_total, col0 + 2 * tq, writes_lse);
     return;
   }
