@@ -236,9 +236,10 @@ def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch
     its HGMMA, which leaves them unserialized too; with early release the
     softmax consumer waits for its P.V alone (one group still in flight)
     before it gives the slot back; with TMA the loader also issues a tile's
-    nine boxes (UTMALDG). With pairs, the module also holds the pairs kernel
-    (fa3_mla_pairs.cuh): each 64-column block of S a group of four k-steps
-    behind an mbarrier wait, its own P.V with P from registers."""
+    nine boxes (UTMALDG). Both kernels copy their output rows out of shared
+    memory by bulk copies (UBLKCP). With pairs, the module also holds the pairs
+    kernel (fa3_mla_pairs.cuh): each 64-column block of S a group of four
+    k-steps behind an mbarrier wait, its own P.V with P from registers."""
     set_cache_env(monkeypatch, tmp_path / "cache")
     monkeypatch.setattr(fa3, "MLA_TILING", dataclasses.replace(fa3.MLA_TILING, key_groups=key_groups,
                                                                early_release=early_release, tma=tma, pairs=pairs))
@@ -265,6 +266,8 @@ def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch
     assert inside == 2 * (key_groups - 1), inside
     assert ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in text) == early_release
     assert text.count("UTMALDG") == (9 if tma else 0)
+    # The output rows leave by bulk copies from shared memory (fa3_mla_store.cuh).
+    assert "UBLKCP.G.S" in text
     pair_kernels = [body for name, body in kernels.items() if "fa3_mla_pairs_kernel" in name]
     assert len(pair_kernels) == pairs
     for text in pair_kernels:
@@ -277,6 +280,7 @@ def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch
         # One commit group of four k-steps per 64-column block of S, one per P.V: no HGMMA alone.
         assert len(s_steps) % 4 == 0 and waited * 4 <= len(hgmma), f"{waited} of {len(hgmma)} HGMMA carry gsb0"
         assert "UTMALDG" in text
+        assert "UBLKCP.G.S" in text
 
 
 @pytest.mark.usefixtures("no_compile")
