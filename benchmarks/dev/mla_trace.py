@@ -54,39 +54,30 @@ def stamp(thread: int, slot: int, t: str = "t", indent: str = "      ") -> str:
             "clock64();\n")
 
 
+def time_code(thread: int, word: int, clock: bool = False, sm_word: int | None = None) -> str:
+    """CUDA by which thread `thread` writes globaltimer into word `word` and,
+    with `clock`, clock64 into word + 1; with sm_word, its SM there."""
+    return (f"  if (threadIdx.x == {thread}) {{\n"
+            "    unsigned long long fj_g;\n"
+            "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
+            f"    fj_out[{word}] = fj_g;\n"
+            + (f"    fj_out[{word + 1}] = clock64();\n" if clock else "")
+            + ("    unsigned fj_sm;\n    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(fj_sm));\n"
+               f"    fj_out[{sm_word}] = fj_sm;\n" if sm_word is not None else "")
+            + "  }\n")
+
+
 def entry_code(stride: int) -> str:
     """CUDA for a kernel's first line: fj_out, this CTA's `stride` stamp words,
     thread 0's globaltimer in word 6 and its SM in word 8 (words 7, 9, 10: the
     loop's end to the last store, time_code)."""
     return (f"  unsigned long long* fj_out = reinterpret_cast<unsigned long long*>(p.partial_o) + {stride} * "
-            "size_t(blockIdx.x);\n"
-            "  if (threadIdx.x == 0) {\n"
-            "    unsigned long long fj_g;\n"
-            "    unsigned fj_sm;\n"
-            "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
-            "    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(fj_sm));\n"
-            "    fj_out[6] = fj_g;\n"
-            "    fj_out[8] = fj_sm;\n"
-            "  }\n")
-
-
-def time_code(thread: int, word: int) -> str:
-    """CUDA by which thread `thread` writes globaltimer into word `word`."""
-    return (f"  if (threadIdx.x == {thread}) {{\n"
-            "    unsigned long long fj_g;\n"
-            "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
-            f"    fj_out[{word}] = fj_g;\n"
-            "  }\n")
+            "size_t(blockIdx.x);\n" + time_code(0, 6, sm_word=8))
 
 
 def clocks_code(thread: int, word: int) -> str:
     """CUDA by which thread `thread` writes globaltimer and clock64 into words `word` and `word` + 1."""
-    return (f"  if (threadIdx.x == {thread}) {{\n"
-            "    unsigned long long fj_g;\n"
-            "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(fj_g));\n"
-            f"    fj_out[{word}] = fj_g;\n"
-            f"    fj_out[{word + 1}] = clock64();\n"
-            "  }\n")
+    return time_code(thread, word, clock=True)
 
 
 ENTRY, EXIT = entry_code(STRIDE), clocks_code(256, 2)
