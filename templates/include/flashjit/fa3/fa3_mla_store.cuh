@@ -7,9 +7,9 @@
 // that way on the 128-head row (benchmarks/dev/mla_pairs_trace.py, the CTA
 // phases in benchmarks/results/2026-11-27-h200-mla-bulk-store.md), as long as
 // one and a half steps of the main loop, once for each of the row's two
-// waves. Staging writes shared memory conflict-free (rows kRowBytes apart, 16
-// bytes past 1 KB, put the 8 rows of a warp's store in 8 different bank
-// quads), and one bulk copy a row reads it back whole.
+// waves. Staging writes shared memory conflict-free (rows kStagedRowBytes
+// apart, 16 bytes past 1 KB, put the 8 rows of a warp's store in 8 different
+// bank quads), and each warpgroup's 512 bytes of a row leave by one bulk copy.
 //
 // Every output row starts 16-byte aligned, as the bulk copy needs: the MLA
 // wrapper takes only outputs whose base and strides allow 16-byte vectors
@@ -27,15 +27,14 @@
 namespace flashjit {
 namespace fa3 {
 
+// Bytes between staged rows: a row of kVoDim values and 16 more.
 template <class T, int kVoDim>
-struct MlaStagedRows {
-  static constexpr int kRowBytes = kVoDim * int(sizeof(T)) + 16;
-};
+constexpr int kStagedRowBytes = kVoDim * int(sizeof(T)) + 16;
 
 // A warpgroup's share of an MLA CTA's kRows output rows (those below
 // rows_total): its lanes' rows row_in_cta[r], columns col0 + 8n + 2 tq, of O /
 // sum (fa2::store_mla_rows's values and LSE), through `stage` (shared memory
-// at `stage_addr`, kRows * kRowBytes, read by no product any more). The
+// at `stage_addr`, kRows * kStagedRowBytes, read by no product any more). The
 // staging threads meet at named barrier `barrier_id` of `barrier_threads`
 // (the warpgroup's own, or one of every warpgroup that stores); then thread
 // wg_tid (0 .. 127) of the warpgroup copies its columns of row wg_tid.
@@ -52,7 +51,7 @@ __device__ __forceinline__ void store_mla_rows_staged(const FlashjitAttentionPar
     fa2::store_mla_rows<T, kVoDim, kLse>(p, w, o, sum, m_ref, row_in_cta, rows_total, col0 + 2 * tq, writes_lse);
     return;
   }
-  constexpr int kRowBytes = MlaStagedRows<T, kVoDim>::kRowBytes;
+  constexpr int kRowBytes = kStagedRowBytes<T, kVoDim>;
   float inv_l[2], lse[2];
   fa2::mla_row_norms(sum, m_ref, inv_l, lse);
   const auto packed = w.packed_rows();

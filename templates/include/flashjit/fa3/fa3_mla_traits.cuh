@@ -9,6 +9,7 @@
 #include <type_traits>
 #include "flashjit/common/tma.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
+#include "flashjit/fa3/fa3_mla_store.cuh"
 
 namespace flashjit {
 
@@ -103,7 +104,7 @@ struct Fa3MlaTraits {
   static_assert(kKeyGroups == 1 || kGroupBarrier0 + kStages * kKeyGroups <= 16, "named barrier ids 0 .. 15");
   static_assert(kKeysPerTile * 2 == 128 && kKpeDim == 64, "P's row of keys is one 128-byte block, as a kpe row");
   static_assert(!kPairs || kTma, "the pairs kernel loads every tile by TMA");
-  static_assert(kRowsPerCta * (kVoDim * int(sizeof(DType)) + 16) <= kKvOffset - kQOffset,
+  static_assert(kRowsPerCta * fa3::kStagedRowBytes<DType, kVoDim> <= kKvOffset - kQOffset,
                 "the output rows, staged in Q's shared memory (fa3_mla_store.cuh)");
 };
 
