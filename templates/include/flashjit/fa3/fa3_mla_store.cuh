@@ -10,6 +10,8 @@
 // waves. Staging writes shared memory conflict-free (rows kStagedRowBytes
 // apart, 16 bytes past 1 KB, put the 8 rows of a warp's store in 8 different
 // bank quads), and each warpgroup's 512 bytes of a row leave by one bulk copy.
+// The copies take about 3 us a CTA when a wave ends: the SMs' write rate, the
+// same for 8 KB copies or 16-byte stores (2026-11-27-h200-output-store-rates.md).
 //
 // Every output row starts 16-byte aligned, as the bulk copy needs: the MLA
 // wrapper takes only outputs whose base and strides allow 16-byte vectors
