@@ -271,6 +271,20 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
     fa3::commit();
   };
   auto parity = [](int t) { return uint32_t((t / 2) & 1); };
+  // The step of tile a (paired or not) refills its slots with tiles a + 2 and
+  // a + 3 where they exist; the thread that issues the loads looks up their pages.
+  struct Refills {
+    bool a, b;
+    int page_a, slot_a, page_b, slot_b;
+  };
+  auto refills = [&](int a, bool pair) {
+    Refills r{pair && a + 2 < num_tiles, pair && a + 3 < num_tiles, 0, 0, 0, 0};
+    if (ctid == 0) {
+      if (r.a) locate(a + 2, r.page_a, r.slot_a);
+      if (r.b) locate(a + 3, r.page_b, r.slot_b);
+    }
+    return r;
+  };
   // Hand-off k of the step of tile a: this warpgroup's writes before it go to
   // the other (hand), or the other's to this one (take).
   auto hand = [&](int k) { tma::mbar_arrive(handoff_bar(k)); };
@@ -285,12 +299,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
     // Tile a, and tile a + 1 where kPair.
     auto step = [&](int a, auto pair) {
       constexpr bool kPair = decltype(pair)::value;
-      const bool next_a = kPair && a + 2 < num_tiles, next_b = kPair && a + 3 < num_tiles;
-      int page_a = 0, slot_a = 0, page_b = 0, slot_b = 0;
-      if (ctid == 0) {
-        if (next_a) locate(a + 2, page_a, slot_a);
-        if (next_b) locate(a + 3, page_b, slot_b);
-      }
+      const auto [next_a, next_b, page_a, slot_a, page_b, slot_b] = refills(a, kPair);
       zero_tail(a, 0);
       mask(a);
       float f0[2], f1[2] = {1.f, 1.f};
@@ -351,12 +360,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
     auto step = [&](int a, auto pair) {
       constexpr bool kPair = decltype(pair)::value;
       const int b = a + 1;
-      const bool next_a = kPair && a + 2 < num_tiles, next_b = kPair && a + 3 < num_tiles;
-      int page_a = 0, slot_a = 0, page_b = 0, slot_b = 0;
-      if (ctid == 0) {
-        if (next_a) locate(a + 2, page_a, slot_a);
-        if (next_b) locate(a + 3, page_b, slot_b);
-      }
+      const auto [next_a, next_b, page_a, slot_a, page_b, slot_b] = refills(a, kPair);
       if constexpr (kPair) {
         zero_tail(b, 1);
         mask(b);

@@ -20,10 +20,10 @@
 #pragma once
 #include <stdint.h>
 #include "flashjit/common/attention_params.cuh"
-#include "flashjit/common/numeric.cuh"
 #include "flashjit/common/tma.cuh"
 #include "flashjit/common/work.cuh"
 #include "flashjit/fa2/fa2_epilogue.cuh"
+#include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/fa3/fa3_primitives.cuh"
 
 namespace flashjit {
