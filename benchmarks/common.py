@@ -176,6 +176,29 @@ def build_cuda_program(name: str, source: str, folder, flags=()):
     return exe
 
 
+def standalone_program(name: str, source: str, doc: str, flags=(), add_args=None):
+    """The command line every stand-alone program of dev/ shares: parses
+    --build-only, --out (the program's folder and its logs; default a temporary
+    one) and what add_args(parser) adds, then builds `source` there
+    (build_cuda_program). Returns (args, executable or None with --build-only,
+    folder)."""
+    import argparse
+    import tempfile
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--build-only", action="store_true", help="compile, run nothing (no GPU needed)")
+    if add_args is not None:
+        add_args(parser)
+    parser.add_argument("--out", type=Path, help="folder for the program and its logs (default: a temporary one)")
+    args = parser.parse_args()
+    folder = args.out or Path(tempfile.mkdtemp(prefix=name.replace("_", "-") + "-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    exe = build_cuda_program(name, source, folder, flags)
+    print(f"built {exe}")
+    return args, None if args.build_only else exe, folder
+
+
 def racecheck_runs(exe, runs, folder) -> int:
     """Each (label, argv) of `runs`: `exe` with argv under compute-sanitizer's
     racecheck (--racecheck-report all), its output in folder/racecheck_LABEL.log;

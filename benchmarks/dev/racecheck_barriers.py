@@ -17,13 +17,11 @@ Usage: python benchmarks/dev/racecheck_barriers.py [--build-only] [--tiles 6] [-
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
-from common import build_cuda_program, racecheck_runs  # noqa: E402
+from common import racecheck_runs, standalone_program  # noqa: E402
 
 SOURCE = r"""
 #include <cstdio>
@@ -105,21 +103,10 @@ int main(int argc, char** argv) {
 """
 
 
-def build(folder: Path) -> Path:
-    return build_cuda_program("racecheck_barriers", SOURCE, folder, ["-lineinfo"])
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--build-only", action="store_true", help="compile, run nothing (no GPU needed)")
-    parser.add_argument("--tiles", type=int, default=6)
-    parser.add_argument("--out", type=Path, help="folder for the racecheck logs (default: a temporary one)")
-    args = parser.parse_args()
-    folder = args.out or Path(tempfile.mkdtemp(prefix="racecheck-barriers-"))
-    folder.mkdir(parents=True, exist_ok=True)
-    exe = build(folder)
-    print(f"built {exe}")
-    if args.build_only:
+    args, exe, folder = standalone_program("racecheck_barriers", SOURCE, __doc__, ["-lineinfo"],
+                                           lambda parser: parser.add_argument("--tiles", type=int, default=6))
+    if exe is None:
         return 0
     return racecheck_runs(exe, [(f"handoff{h}", [args.tiles, h]) for h in (0, 1)], folder)
 

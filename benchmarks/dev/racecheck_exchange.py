@@ -19,13 +19,11 @@ Usage: python benchmarks/dev/racecheck_exchange.py [--build-only] [--steps 8] [-
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
-from common import build_cuda_program, racecheck_runs  # noqa: E402
+from common import racecheck_runs, standalone_program  # noqa: E402
 
 SOURCE = r"""
 #include <cstdio>
@@ -128,16 +126,9 @@ int main(int argc, char** argv) {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--build-only", action="store_true", help="compile, run nothing (no GPU needed)")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--out", type=Path, help="folder for the racecheck logs (default: a temporary one)")
-    args = parser.parse_args()
-    folder = args.out or Path(tempfile.mkdtemp(prefix="racecheck-exchange-"))
-    folder.mkdir(parents=True, exist_ok=True)
-    exe = build_cuda_program("racecheck_exchange", SOURCE, folder, ["-lineinfo"])
-    print(f"built {exe}")
-    if args.build_only:
+    args, exe, folder = standalone_program("racecheck_exchange", SOURCE, __doc__, ["-lineinfo"],
+                                           lambda parser: parser.add_argument("--steps", type=int, default=8))
+    if exe is None:
         return 0
     return racecheck_runs(exe, [(f"mode{mode}", [args.steps, mode]) for mode in range(5)], folder)
 

@@ -18,14 +18,12 @@ Usage: python benchmarks/dev/store_rates.py [--build-only] [--out DIR]
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
-from common import build_cuda_program  # noqa: E402
+from common import standalone_program  # noqa: E402
 
 SOURCE = r"""
 #include <cstdio>
@@ -80,18 +78,10 @@ int main() {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--build-only", action="store_true", help="compile, run nothing (no GPU needed)")
-    parser.add_argument("--out", type=Path, help="folder for the program (default: a temporary one)")
-    args = parser.parse_args()
-    folder = args.out or Path(tempfile.mkdtemp(prefix="store-rates-"))
-    folder.mkdir(parents=True, exist_ok=True)
-    exe = build_cuda_program("store_rates", SOURCE, folder)
-    print(f"built {exe}")
-    if args.build_only:
+    _, exe, _ = standalone_program("store_rates", SOURCE, __doc__)
+    if exe is None:
         return 0
     return subprocess.run([str(exe)]).returncode
-
 
 if __name__ == "__main__":
     sys.exit(main())
