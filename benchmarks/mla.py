@@ -8,6 +8,17 @@ GB/s counts the ckv and kpe bytes the batch reads once; TFLOP/s counts
 2 * heads * kv_len * (576 + 512) per request. Every cell's output is first
 checked against float64 within flashjit's mla_paged profile.
 
+The header gives the device's copy bandwidth, measured in the same run (a
+2 GiB copy_, read + write bytes: flashjit.bench.decode.bandwidth_baselines):
+the memory-bound rows' target is 85% of it.
+
+A sample is --sample-ms of back-to-back calls (at most 50 calls,
+flashjit.bench.timing.calls_per_sample), 20 ms by default: a sample starts on
+an idle GPU, and its first call carries tens of us that the calls behind it
+do not, alike for every library; 2-ms samples (6-7 calls on the 128-head row)
+spread it over few calls (benchmarks/dev/mla_sample_size.py,
+benchmarks/results/2026-11-27-h200-mla-sample-size.md).
+
 --baseline-templates DIR [DIR ...] adds a column of flashjit fa3 per folder,
 its kernels rendered from that templates/ folder (e.g. `git archive` of an
 earlier commit), for an A/B of a kernel change in one run. Naming this
@@ -18,8 +29,8 @@ an A/B must beat.
 with that tiling (kernels.fa3.Fa3MlaTiling, e.g. key_groups=1), built into a
 cache of its own.
 
-Usage: python benchmarks/mla.py [--samples 60] [--out results.md] [--baseline-templates DIR [DIR ...]]
-       [--fa3-variant 'Fa3MlaTiling(stages=2, key_groups=1)' ...]
+Usage: python benchmarks/mla.py [--samples 60] [--sample-ms 20] [--out results.md]
+       [--baseline-templates DIR [DIR ...]] [--fa3-variant 'Fa3MlaTiling(stages=2, key_groups=1)' ...]
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import torch
 from common import fa3_mla_tiling, parse_fa3_mla_tiling, rendered_from
 
 import flashjit
+from flashjit.bench.decode import bandwidth_baselines
 from flashjit.bench.timing import shuffled_ms
 from flashjit.error_model import mla_tolerance
 
@@ -81,6 +93,8 @@ def check(out, r, kv_len, label, backend):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=60, help="timed samples per cell (median reported)")
+    parser.add_argument("--sample-ms", type=float, default=20.0,
+                        help="back-to-back calls a sample lasts (at most 50 calls)")
     parser.add_argument("--out", help="append the markdown table to this file")
     parser.add_argument("--baseline-templates", type=Path, nargs="+", default=[], metavar="DIR",
                         help="also flashjit fa3 rendered from each of these templates/ folders")
@@ -105,7 +119,12 @@ def main() -> int:
         libs += [("flashinfer fa2", flashinfer, "fa2"), ("flashinfer fa3", flashinfer, "fa3")]
     except Exception as exc:  # noqa: BLE001 (any import failure means: no FlashInfer column)
         print(f"flashinfer not available: {type(exc).__name__}: {exc}", file=sys.stderr)
-    lines = [f"MLA paged decode, {torch.cuda.get_device_name()}, bf16; GB/s of ckv+kpe read, TFLOP/s", "",
+    _, copy_gbps = bandwidth_baselines(20)
+    torch.cuda.empty_cache()
+    lines = [f"MLA paged decode, {torch.cuda.get_device_name()}, bf16; GB/s of ckv+kpe read, TFLOP/s; "
+             f"{args.sample_ms:g}-ms samples", "",
+             f"copy bandwidth {copy_gbps:.0f} GB/s (2 GiB copy_, read + write), 85% of it {0.85 * copy_gbps:.0f} GB/s",
+             "",
              "| row | " + " | ".join(f"{name} us | GB/s | TFLOP/s" for name, _, _ in libs) + " |",
              "|---|" + "---|---|---|" * len(libs)]
     print("\n".join(lines), flush=True)
@@ -123,7 +142,7 @@ def main() -> int:
                 print(f"{name} {label}: {type(exc).__name__}: {exc}", file=sys.stderr)
                 calls.pop(name, None)
                 status |= name.startswith("flashjit")
-        times = shuffled_ms(calls, args.samples)
+        times = shuffled_ms(calls, args.samples, args.sample_ms)
         nbytes = batch * kv_len * (512 + 64) * 2
         flops = 2 * batch * heads * kv_len * (576 + 512)
         cells = []
