@@ -199,6 +199,15 @@ def standalone_program(name: str, source: str, doc: str, flags=(), add_args=None
     return args, None if args.build_only else exe, folder
 
 
+def run_standalone(name: str, source: str, doc: str, flags=()) -> int:
+    """standalone_program, then the program itself (not with --build-only):
+    its exit code."""
+    import subprocess
+
+    _, exe, _ = standalone_program(name, source, doc, flags)
+    return 0 if exe is None else subprocess.run([str(exe)]).returncode
+
+
 def racecheck_runs(exe, runs, folder) -> int:
     """Each (label, argv) of `runs`: `exe` with argv under compute-sanitizer's
     racecheck (--racecheck-report all), its output in folder/racecheck_LABEL.log;

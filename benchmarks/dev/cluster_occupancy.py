@@ -11,12 +11,11 @@ Usage: python benchmarks/dev/cluster_occupancy.py [--build-only] [--out DIR]
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
-from common import standalone_program  # noqa: E402
+from common import run_standalone  # noqa: E402
 
 SOURCE = r"""
 #include <cstdio>
@@ -61,12 +60,5 @@ int main() {
 """
 
 
-def main() -> int:
-    _, exe, _ = standalone_program("cluster_occupancy", SOURCE, __doc__)
-    if exe is None:
-        return 0
-    return subprocess.run([str(exe)]).returncode
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone("cluster_occupancy", SOURCE, __doc__))

@@ -18,12 +18,11 @@ Usage: python benchmarks/dev/store_rates.py [--build-only] [--out DIR]
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
-from common import standalone_program  # noqa: E402
+from common import run_standalone  # noqa: E402
 
 SOURCE = r"""
 #include <cstdio>
@@ -77,11 +76,5 @@ int main() {
 """
 
 
-def main() -> int:
-    _, exe, _ = standalone_program("store_rates", SOURCE, __doc__)
-    if exe is None:
-        return 0
-    return subprocess.run([str(exe)]).returncode
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone("store_rates", SOURCE, __doc__))
