@@ -15,8 +15,8 @@ the memory-bound rows' target is 85% of it.
 A sample is --sample-ms of back-to-back calls (at most 50 calls,
 flashjit.bench.timing.calls_per_sample), 20 ms by default: a sample starts on
 an idle GPU, and its first call carries tens of us that the calls behind it
-do not, alike for every library; 2-ms samples (6-7 calls on the 128-head row)
-spread it over few calls (benchmarks/dev/mla_sample_size.py,
+do not (more for FlashInfer than for flashjit); 2-ms samples (6-7 calls on the
+128-head row) spread that over few calls (benchmarks/dev/mla_sample_size.py,
 benchmarks/results/2026-11-27-h200-mla-sample-size.md).
 
 --baseline-templates DIR [DIR ...] adds a column of flashjit fa3 per folder,
