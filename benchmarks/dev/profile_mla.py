@@ -1,10 +1,11 @@
 """One MLA paged-decode call of benchmarks/mla.py's rows, for a profiler: flashjit's
 wrapper (fa2 or fa3) or FlashInfer's, planned once and run --calls times.
 With --kernels, the calls run under torch.profiler, which prints each kernel's
-mean GPU time per call (attention, merge).
+mean GPU time per call (attention, merge); with --back-to-back too, without a
+sync between the calls, and each kernel's period and gap from the one before.
 
 Usage: python benchmarks/dev/profile_mla.py [--row 1] [--lib flashjit|flashinfer] [--backend fa3] [--calls 3]
-       [--kernels]
+       [--kernels [--back-to-back]]
 """
 
 from __future__ import annotations
@@ -20,23 +21,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mla  # noqa: E402 (benchmarks/ on the path first)
 
 
-def kernel_times(call, calls: int, label: str) -> None:
+def kernel_times(call, calls: int, label: str, back_to_back: bool = False) -> None:
     """Each kernel's mean GPU time per call over `calls` calls (a sync after
     each). Under programmatic dependent launch a kernel starts while the one
-    before runs, so its time here includes that wait."""
+    before runs, so its time here includes that wait. back_to_back: no sync
+    between the calls (as in benchmarks/mla.py's samples), and per kernel also
+    the median period (its end to the next one's end) and the median gap from
+    the previous kernel's end to its start (negative: it started first)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             call()
-            torch.cuda.synchronize()
+            if not back_to_back:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
     per_name = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
-    print(f"{label}: {calls} calls")
-    for name, times in per_name.items():
-        print(f"  {len(times) / calls:.0f}x {statistics.mean(times):8.1f} us  {name[:110]}")
+    for i, (start, end, name) in enumerate(kernels):
+        rec = per_name.setdefault(name, {"time": [], "period": [], "gap": []})
+        rec["time"].append(end - start)
+        if back_to_back and i > 0:
+            rec["gap"].append(start - kernels[i - 1][1])
+    if back_to_back:
+        for name, rec in per_name.items():
+            ends = [end for _, end, n in kernels if n == name]
+            rec["period"] = [b - a for a, b in zip(ends, ends[1:])]
+    print(f"{label}: {calls} calls{' back to back' if back_to_back else ''}")
+    for name, rec in per_name.items():
+        line = f"  {len(rec['time']) / calls:.0f}x {statistics.mean(rec['time']):8.1f} us"
+        if back_to_back and rec["period"]:
+            line += (f"  median {statistics.median(rec['time']):.1f} us, period {statistics.median(rec['period']):.1f} us,"
+                     f" gap from the kernel before {statistics.median(rec['gap']):.1f} us")
+        print(line + f"  {name[:110]}")
 
 
 def main() -> int:
@@ -46,6 +64,8 @@ def main() -> int:
     parser.add_argument("--backend", default="fa3")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--kernels", action="store_true", help="time each kernel with torch.profiler")
+    parser.add_argument("--back-to-back", action="store_true",
+                        help="with --kernels: no sync between the calls; each kernel's period and gap too")
     args = parser.parse_args()
     label, batch, kv_len, heads, page_size = mla.ROWS[args.row]
     lib = __import__(args.lib)
@@ -54,7 +74,7 @@ def main() -> int:
     out = call()
     torch.cuda.synchronize()
     if args.kernels:
-        kernel_times(call, args.calls, f"{args.lib} {args.backend} {label}")
+        kernel_times(call, args.calls, f"{args.lib} {args.backend} {label}", args.back_to_back)
     else:
         for _ in range(args.calls):
             out = call()
