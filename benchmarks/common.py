@@ -208,6 +208,14 @@ def run_standalone(name: str, source: str, doc: str, flags=()) -> int:
     return 0 if exe is None else subprocess.run([str(exe)]).returncode
 
 
+def run_racecheck(name: str, source: str, doc: str, add_args, runs) -> int:
+    """standalone_program with line info, then racecheck_runs over runs(args),
+    the (label, argv) pairs of the parsed command line (nothing with
+    --build-only): 1 if any run exited non-zero."""
+    args, exe, folder = standalone_program(name, source, doc, ["-lineinfo"], add_args)
+    return 0 if exe is None else racecheck_runs(exe, runs(args), folder)
+
+
 def racecheck_runs(exe, runs, folder) -> int:
     """Each (label, argv) of `runs`: `exe` with argv under compute-sanitizer's
     racecheck (--racecheck-report all), its output in folder/racecheck_LABEL.log;

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
-from common import racecheck_runs, standalone_program  # noqa: E402
+from common import run_racecheck  # noqa: E402
 
 SOURCE = r"""
 #include <cstdio>
@@ -103,12 +103,12 @@ int main(int argc, char** argv) {
 """
 
 
+
 def main() -> int:
-    args, exe, folder = standalone_program("racecheck_barriers", SOURCE, __doc__, ["-lineinfo"],
-                                           lambda parser: parser.add_argument("--tiles", type=int, default=6))
-    if exe is None:
-        return 0
-    return racecheck_runs(exe, [(f"handoff{h}", [args.tiles, h]) for h in (0, 1)], folder)
+    return run_racecheck("racecheck_barriers", SOURCE, __doc__,
+                         lambda parser: parser.add_argument("--tiles", type=int, default=6),
+                         lambda args: [(f"handoff{h}", [args.tiles, h]) for h in (0, 1)])
+
 
 if __name__ == "__main__":
     sys.exit(main())

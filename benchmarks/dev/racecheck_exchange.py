@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
-from common import racecheck_runs, standalone_program  # noqa: E402
+from common import run_racecheck  # noqa: E402
 
 SOURCE = r"""
 #include <cstdio>
@@ -125,12 +125,12 @@ int main(int argc, char** argv) {
 """
 
 
+
 def main() -> int:
-    args, exe, folder = standalone_program("racecheck_exchange", SOURCE, __doc__, ["-lineinfo"],
-                                           lambda parser: parser.add_argument("--steps", type=int, default=8))
-    if exe is None:
-        return 0
-    return racecheck_runs(exe, [(f"mode{mode}", [args.steps, mode]) for mode in range(5)], folder)
+    return run_racecheck("racecheck_exchange", SOURCE, __doc__,
+                         lambda parser: parser.add_argument("--steps", type=int, default=8),
+                         lambda args: [(f"mode{mode}", [args.steps, mode]) for mode in range(5)])
+
 
 if __name__ == "__main__":
     sys.exit(main())
