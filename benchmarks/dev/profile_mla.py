@@ -38,16 +38,15 @@ def kernel_times(call, calls: int, label: str, back_to_back: bool = False) -> No
         torch.cuda.synchronize()
     kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                       if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
-    per_name = {}
+    per_name, last_end = {}, {}
     for i, (start, end, name) in enumerate(kernels):
         rec = per_name.setdefault(name, {"time": [], "period": [], "gap": []})
         rec["time"].append(end - start)
-        if back_to_back and i > 0:
+        if name in last_end:
+            rec["period"].append(end - last_end[name])
+        last_end[name] = end
+        if i > 0:
             rec["gap"].append(start - kernels[i - 1][1])
-    if back_to_back:
-        for name, rec in per_name.items():
-            ends = [end for _, end, n in kernels if n == name]
-            rec["period"] = [b - a for a, b in zip(ends, ends[1:])]
     print(f"{label}: {calls} calls{' back to back' if back_to_back else ''}")
     for name, rec in per_name.items():
         line = f"  {len(rec['time']) / calls:.0f}x {statistics.mean(rec['time']):8.1f} us"
