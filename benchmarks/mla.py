@@ -23,14 +23,15 @@ benchmarks/results/2026-11-27-h200-mla-sample-size.md).
 its kernels rendered from that templates/ folder (e.g. `git archive` of an
 earlier commit), for an A/B of a kernel change in one run. Naming this
 checkout's templates/ times the shipped kernels in a second column: the spread
-an A/B must beat.
+an A/B must beat. --baseline-backends fa2 fa3 gives each folder a column per
+backend (fa3 alone by default).
 
 --fa3-variant 'Fa3MlaTiling(...)' (repeatable) adds a column of flashjit fa3
 with that tiling (kernels.fa3.Fa3MlaTiling, e.g. key_groups=1), built into a
 cache of its own.
 
 Usage: python benchmarks/mla.py [--samples 60] [--sample-ms 20] [--out results.md]
-       [--baseline-templates DIR [DIR ...]] [--fa3-variant 'Fa3MlaTiling(stages=2, key_groups=1)' ...]
+       [--baseline-templates DIR [DIR ...]] [--baseline-backends fa2 fa3] [--fa3-variant 'Fa3MlaTiling(stages=2, key_groups=1)' ...]
 """
 
 from __future__ import annotations
@@ -97,19 +98,27 @@ def main() -> int:
                         help="back-to-back calls a sample lasts (at most 50 calls)")
     parser.add_argument("--out", help="append the markdown table to this file")
     parser.add_argument("--baseline-templates", type=Path, nargs="+", default=[], metavar="DIR",
-                        help="also flashjit fa3 rendered from each of these templates/ folders")
+                        help="also flashjit rendered from each of these templates/ folders (see --baseline-backends)")
+    parser.add_argument("--baseline-backends", nargs="+", choices=("fa2", "fa3"), default=["fa3"],
+                        help="the backends each --baseline-templates folder gets a column of")
     parser.add_argument("--fa3-variant", action="append", default=[], metavar="EXPR",
                         help="also flashjit fa3 with this Fa3MlaTiling(...)")
     args = parser.parse_args()
-    libs = [("flashjit fa2", flashjit, "fa2")]
+    hopper = torch.cuda.get_device_capability() == (9, 0)
     folders, tilings = {}, {}
-    if torch.cuda.get_device_capability() == (9, 0):
-        baselines = [(f"flashjit fa3 baseline {i + 1}", flashjit, "fa3") for i in range(len(args.baseline_templates))]
-        variants = [(f"flashjit fa3 variant {i + 1}", flashjit, "fa3") for i in range(len(args.fa3_variant))]
-        libs += [("flashjit fa3", flashjit, "fa3")] + variants + baselines
-        for (name, _, _), folder in zip(baselines, args.baseline_templates):
+    baselines = {backend: [] for backend in ("fa2", "fa3")}
+    for backend in args.baseline_backends:
+        if backend == "fa3" and not hopper:
+            continue
+        for i, folder in enumerate(args.baseline_templates):
+            name = f"flashjit {backend} baseline {i + 1}"
+            baselines[backend].append((name, flashjit, backend))
             folders[name] = folder.resolve()
             print(f"{name}: kernels rendered from {folders[name]}", flush=True)
+    libs = [("flashjit fa2", flashjit, "fa2")] + baselines["fa2"]
+    if hopper:
+        variants = [(f"flashjit fa3 variant {i + 1}", flashjit, "fa3") for i in range(len(args.fa3_variant))]
+        libs += [("flashjit fa3", flashjit, "fa3")] + variants + baselines["fa3"]
         for (name, _, _), text in zip(variants, args.fa3_variant):
             tilings[name] = parse_fa3_mla_tiling(text)
             print(f"{name}: {tilings[name]}", flush=True)

@@ -4,10 +4,12 @@
 // overlaps that grid instead of following it.
 //  - Every attention CTA allows dependents as it starts, and then waits for the
 //    grid before it (if one of ours: it allowed dependents too) to complete
-//    with its memory writes visible, before it touches global memory. A
+//    with its memory writes visible, before it reads an input or writes
+//    anything; only the plan's own arrays (work items, indptr), which the plan
+//    copied in and no grid writes, are read ahead of the wait (decode_work). A
 //    dependent grid is scheduled once every CTA of the one before has started,
-//    taking SM slots only as they free up; what overlaps is its launch, never
-//    its reads or writes.
+//    taking SM slots only as they free up; what overlaps is its launch and its
+//    reads of the plan's arrays, never a read of an input or a write.
 //  - The split-KV merge pass is such a dependent of its attention grid: it
 //    allows dependents as it starts (the next call's attention grid) and waits
 //    likewise before it reads a partial state; only the plan's own arrays,

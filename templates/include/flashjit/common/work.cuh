@@ -149,14 +149,19 @@ __device__ __forceinline__ CtaWork decode_work_at(const FlashjitAttentionParams&
   return w;
 }
 
+// Every attention kernel starts here, fa3's MLA kernels too, except
+// fa3_attention_kernel, whose persistent CTAs wait once before their first
+// position; see grid_dependency.cuh. The work item and its request's offsets
+// (qo_indptr, kv_indptr, last page lengths) are the plan's own arrays, copied
+// in by the plan and written by no grid, so a first-wave CTA decodes them
+// while the grid before finishes: two dependent global round trips off the
+// start of every call (benchmarks/results/2026-11-27-h200-decode-before-wait.md).
 template <bool kPaged>
 __device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p, int rows_per_cta) {
-  // Every attention kernel starts here, fa3's MLA kernel too, except
-  // fa3_attention_kernel, whose persistent CTAs wait once before their first
-  // position; see grid_dependency.cuh.
   allow_dependent_grids();
+  const CtaWork w = decode_work_at<kPaged>(p, rows_per_cta, blockIdx.x, blockIdx.z);
   wait_for_primary_grid();
-  return decode_work_at<kPaged>(p, rows_per_cta, blockIdx.x, blockIdx.z);
+  return w;
 }
 
 // Row of partial state that (token, split) writes; see FlashjitAttentionParams.
