@@ -103,7 +103,6 @@ int main(int argc, char** argv) {
 """
 
 
-
 def main() -> int:
     return run_racecheck("racecheck_barriers", SOURCE, __doc__,
                          lambda parser: parser.add_argument("--tiles", type=int, default=6),

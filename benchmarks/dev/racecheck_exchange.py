@@ -125,7 +125,6 @@ int main(int argc, char** argv) {
 """
 
 
-
 def main() -> int:
     return run_racecheck("racecheck_exchange", SOURCE, __doc__,
                          lambda parser: parser.add_argument("--steps", type=int, default=8),
