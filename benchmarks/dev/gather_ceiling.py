@@ -6,9 +6,12 @@ order) into shared memory as the fa3 MLA kernel's loader warpgroup does
 (fa3/fa3_mla_copy.cuh MlaGather: 128 threads, 8 a key row, 16-byte cp.async of
 every 128-byte block into the swizzled blocked tile, page ids looked up a tile
 ahead), one CTA per (request, quarter of its keys) as the kernel's split plan
-gives, and no arithmetic. A landed tile is held --hold cycles, tiles in order
-as by a consumer, before its slot is refilled, over a ring of 1, 2 or 3 slots
-of 72 KB (the kernel has 2 beside Q). Variants of a 2-slot ring: the threads
+gives and one CTA an SM (at least 116 KB of shared memory each), and no
+arithmetic. A landed tile is held, tiles in order as by a consumer, before its
+slot is refilled, over a ring of 1, 2 or 3 slots of 72 KB (the kernel has 2
+beside Q): for a number of cycles, or while its threads read the tile and a
+Q-sized region of shared memory once or twice (144 or 288 KB; the kernel's
+products read about 224 KB a tile). Variants of a 2-slot ring: the threads
 split by slot, each half copying its own slot's tiles and waiting for those
 alone ("per slot", else all copy every tile), and each row's blocks issued in
 the kernel's three key groups (blocks 0-2, 3-5, 6-8 of every row in turn)
@@ -118,6 +121,18 @@ __global__ void __launch_bounds__(kThreads) gather(const char* ckv, const char* 
   };
   auto hold_tile = [&](int t) {
     acc_sink(sink, reinterpret_cast<const float*>(smem + (t % kStages) * kTileBytes)[ctid]);
+    if (hold < 0) {  // -hold passes of 16-byte shared-memory reads over the tile and a Q-sized region
+      const uint32_t slot = base + (t % kStages) * kTileBytes, q = base + kStages * kTileBytes + 1024;
+      float a = 0.f;
+      for (int pass = 0; pass < -hold; ++pass) {
+#pragma unroll 4
+        for (int at = ctid * 16; at < kTileBytes; at += kCopyThreads * 16) {
+          const uint4 k = flashjit::ld_shared_16(slot + at), v = flashjit::ld_shared_16(q + at);
+          a += __int_as_float(k.x ^ v.w);
+        }
+      }
+      acc_sink(sink, a);
+    }
     if (hold > 0) {
       const long long until = clock64() + hold;
       while (clock64() < until) {
@@ -159,7 +174,8 @@ template <int kStages, bool kPerSlot, bool kGroupMajor>
 void measure(const char* ckv, const char* kpe, const int* pages, int hold, int reps, const char* order,
              unsigned long long* span, float* sink, double copy_gbps) {
   auto kernel = gather<kStages, kPerSlot, kGroupMajor>;
-  const int smem = kStages * kTileBytes + 16;
+  // At least half the SM's shared memory: one CTA an SM, as the MLA kernel.
+  const int smem = std::max(kStages * kTileBytes + 1024 + (hold < 0 ? kTileBytes : 0), 116 * 1024);
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const double bytes = double(kKeys) * (1024 + 128);
   std::vector<double> spans;
@@ -184,8 +200,10 @@ void measure(const char* ckv, const char* kpe, const int* pages, int hold, int r
   float ms = 0.f;
   CHECK(cudaEventElapsedTime(&ms, a, b));
   const double span_us = spans[spans.size() / 2], period_us = ms * 1e3 / reps;
-  std::printf("| %s | %d | %s | %s | %d | %.1f | %.0f | %.1f%% | %.1f | %.0f | %.1f%% |\n", order, kStages,
-              kPerSlot ? "per slot" : "all", kGroupMajor ? "groups" : "rows", hold, span_us,
+  char held[32];
+  std::snprintf(held, sizeof(held), hold < 0 ? "%d KB read" : "%d", hold < 0 ? -hold * 144 : hold);
+  std::printf("| %s | %d | %s | %s | %s | %.1f | %.0f | %.1f%% | %.1f | %.0f | %.1f%% |\n", order, kStages,
+              kPerSlot ? "per slot" : "all", kGroupMajor ? "groups" : "rows", held, span_us,
               bytes / span_us * 1e-3, 100.0 * bytes / span_us * 1e-3 / copy_gbps, period_us, bytes / period_us * 1e-3,
               100.0 * bytes / period_us * 1e-3 / copy_gbps);
 }
@@ -228,7 +246,7 @@ int main(int argc, char** argv) {
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s, %d SMs; copy bandwidth %.0f GB/s (2 GiB cudaMemcpy, read + write), 85%% of it %.0f GB/s\n\n",
               prop.name, prop.multiProcessorCount, copy_gbps, 0.85 * copy_gbps);
-  std::printf("| page order | slots | copied by | issue order | hold (cycles) | span us | GB/s | of copy "
+  std::printf("| page order | slots | copied by | issue order | hold (cycles, or smem read) | span us | GB/s | of copy "
               "| period us | GB/s | of copy |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
 
@@ -238,6 +256,13 @@ int main(int argc, char** argv) {
     if (order == 0) std::shuffle(host.begin(), host.end(), std::mt19937(1234));
     CHECK(cudaMemcpy(pages, host.data(), size_t(kKeys) * 4, cudaMemcpyHostToDevice));
     const char* name = order == 0 ? "random" : "in order";
+    // Held by reading the tile and a Q-sized region once or twice (144 or 288
+    // KB of shared memory; the kernel's products read about 224 KB a tile).
+    for (int passes : {1, 2}) {
+      measure<1, false, false>(ckv, kpe, pages, -passes, reps, name, span, sink, copy_gbps);
+      measure<2, false, false>(ckv, kpe, pages, -passes, reps, name, span, sink, copy_gbps);
+      measure<2, true, true>(ckv, kpe, pages, -passes, reps, name, span, sink, copy_gbps);
+    }
     for (int hold : {0, 1500, 3000, 4500}) {
       measure<1, false, false>(ckv, kpe, pages, hold, reps, name, span, sink, copy_gbps);
       measure<2, false, false>(ckv, kpe, pages, hold, reps, name, span, sink, copy_gbps);
