@@ -72,9 +72,12 @@ __device__ __forceinline__ void acc_sink(float* sink, float v) {
 // tiles and waiting for them alone (else all copy every tile). kGroupMajor:
 // a thread issues blocks 0-2 of its rows, then 3-5, then 6-8 (the MLA
 // kernel's key groups), else each row's nine blocks together. A tile is held
-// `hold` cycles once landed, tiles in order (a consumer), then refilled.
+// `hold` cycles once landed, or while its threads make `read_passes` passes of
+// 16-byte reads over it and a Q-sized region, tiles in order (a consumer),
+// then refilled.
 template <int kStages, bool kPerSlot, bool kGroupMajor>
 __global__ void __launch_bounds__(kThreads) gather(const char* ckv, const char* kpe, const int* pages, int hold,
+                                                   int read_passes,
                                                    unsigned long long* span, float* sink) {
   constexpr int kCopyThreads = kPerSlot ? kThreads / kStages : kThreads;
   constexpr int kRows = kCopyThreads / 8, kPassesT = kTileKeys / kRows;
@@ -121,10 +124,10 @@ __global__ void __launch_bounds__(kThreads) gather(const char* ckv, const char* 
   };
   auto hold_tile = [&](int t) {
     acc_sink(sink, reinterpret_cast<const float*>(smem + (t % kStages) * kTileBytes)[ctid]);
-    if (hold < 0) {  // -hold passes of 16-byte shared-memory reads over the tile and a Q-sized region
+    if (read_passes > 0) {
       const uint32_t slot = base + (t % kStages) * kTileBytes, q = base + kStages * kTileBytes + 1024;
       float a = 0.f;
-      for (int pass = 0; pass < -hold; ++pass) {
+      for (int pass = 0; pass < read_passes; ++pass) {
 #pragma unroll 4
         for (int at = ctid * 16; at < kTileBytes; at += kCopyThreads * 16) {
           const uint4 k = flashjit::ld_shared_16(slot + at), v = flashjit::ld_shared_16(q + at);
@@ -171,18 +174,18 @@ __global__ void __launch_bounds__(kThreads) gather(const char* ckv, const char* 
 }
 
 template <int kStages, bool kPerSlot, bool kGroupMajor>
-void measure(const char* ckv, const char* kpe, const int* pages, int hold, int reps, const char* order,
-             unsigned long long* span, float* sink, double copy_gbps) {
+void measure(const char* ckv, const char* kpe, const int* pages, int hold, int read_passes, int reps,
+             const char* order, unsigned long long* span, float* sink, double copy_gbps) {
   auto kernel = gather<kStages, kPerSlot, kGroupMajor>;
   // At least half the SM's shared memory: one CTA an SM, as the MLA kernel.
-  const int smem = std::max(kStages * kTileBytes + 1024 + (hold < 0 ? kTileBytes : 0), 116 * 1024);
+  const int smem = std::max(kStages * kTileBytes + 1024 + (read_passes > 0 ? kTileBytes : 0), 116 * 1024);
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const double bytes = double(kKeys) * (1024 + 128);
   std::vector<double> spans;
   const unsigned long long init[2] = {~0ull, 0ull};
   for (int r = 0; r < reps + 3; ++r) {
     CHECK(cudaMemcpy(span, init, sizeof(init), cudaMemcpyHostToDevice));
-    kernel<<<kCtas, kThreads, smem>>>(ckv, kpe, pages, hold, span, sink);
+    kernel<<<kCtas, kThreads, smem>>>(ckv, kpe, pages, hold, read_passes, span, sink);
     CHECK(cudaGetLastError());
     unsigned long long got[2];
     CHECK(cudaMemcpy(got, span, sizeof(got), cudaMemcpyDeviceToHost));
@@ -193,7 +196,8 @@ void measure(const char* ckv, const char* kpe, const int* pages, int hold, int r
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
   CHECK(cudaEventRecord(a));
-  for (int r = 0; r < reps; ++r) kernel<<<kCtas, kThreads, smem>>>(ckv, kpe, pages, hold, span, sink);
+  for (int r = 0; r < reps; ++r)
+    kernel<<<kCtas, kThreads, smem>>>(ckv, kpe, pages, hold, read_passes, span, sink);
   CHECK(cudaEventRecord(b));
   CHECK(cudaEventSynchronize(b));
   CHECK(cudaGetLastError());
@@ -201,7 +205,8 @@ void measure(const char* ckv, const char* kpe, const int* pages, int hold, int r
   CHECK(cudaEventElapsedTime(&ms, a, b));
   const double span_us = spans[spans.size() / 2], period_us = ms * 1e3 / reps;
   char held[32];
-  std::snprintf(held, sizeof(held), hold < 0 ? "%d KB read" : "%d", hold < 0 ? -hold * 144 : hold);
+  std::snprintf(held, sizeof(held), read_passes > 0 ? "%d KB read" : "%d",
+                read_passes > 0 ? read_passes * 144 : hold);
   std::printf("| %s | %d | %s | %s | %s | %.1f | %.0f | %.1f%% | %.1f | %.0f | %.1f%% |\n", order, kStages,
               kPerSlot ? "per slot" : "all", kGroupMajor ? "groups" : "rows", held, span_us,
               bytes / span_us * 1e-3, 100.0 * bytes / span_us * 1e-3 / copy_gbps, period_us, bytes / period_us * 1e-3,
@@ -209,7 +214,7 @@ void measure(const char* ckv, const char* kpe, const int* pages, int hold, int r
 }
 
 int main(int argc, char** argv) {
-  const int reps = argc > 1 ? std::atoi(argv[1]) : 50;
+  const int reps = argc > 1 ? std::atoi(argv[1]) : 30;
   char *ckv, *kpe, *big_a, *big_b;
   int* pages;
   unsigned long long* span;
@@ -259,17 +264,17 @@ int main(int argc, char** argv) {
     // Held by reading the tile and a Q-sized region once or twice (144 or 288
     // KB of shared memory; the kernel's products read about 224 KB a tile).
     for (int passes : {1, 2}) {
-      measure<1, false, false>(ckv, kpe, pages, -passes, reps, name, span, sink, copy_gbps);
-      measure<2, false, false>(ckv, kpe, pages, -passes, reps, name, span, sink, copy_gbps);
-      measure<2, true, true>(ckv, kpe, pages, -passes, reps, name, span, sink, copy_gbps);
+      measure<1, false, false>(ckv, kpe, pages, 0, passes, reps, name, span, sink, copy_gbps);
+      measure<2, false, false>(ckv, kpe, pages, 0, passes, reps, name, span, sink, copy_gbps);
+      measure<2, true, true>(ckv, kpe, pages, 0, passes, reps, name, span, sink, copy_gbps);
     }
     for (int hold : {0, 1500, 3000, 4500}) {
-      measure<1, false, false>(ckv, kpe, pages, hold, reps, name, span, sink, copy_gbps);
-      measure<2, false, false>(ckv, kpe, pages, hold, reps, name, span, sink, copy_gbps);
-      measure<2, false, true>(ckv, kpe, pages, hold, reps, name, span, sink, copy_gbps);
-      measure<2, true, false>(ckv, kpe, pages, hold, reps, name, span, sink, copy_gbps);
-      measure<2, true, true>(ckv, kpe, pages, hold, reps, name, span, sink, copy_gbps);
-      measure<3, false, false>(ckv, kpe, pages, hold, reps, name, span, sink, copy_gbps);
+      measure<1, false, false>(ckv, kpe, pages, hold, 0, reps, name, span, sink, copy_gbps);
+      measure<2, false, false>(ckv, kpe, pages, hold, 0, reps, name, span, sink, copy_gbps);
+      measure<2, false, true>(ckv, kpe, pages, hold, 0, reps, name, span, sink, copy_gbps);
+      measure<2, true, false>(ckv, kpe, pages, hold, 0, reps, name, span, sink, copy_gbps);
+      measure<2, true, true>(ckv, kpe, pages, hold, 0, reps, name, span, sink, copy_gbps);
+      measure<3, false, false>(ckv, kpe, pages, hold, 0, reps, name, span, sink, copy_gbps);
     }
   }
   CHECK(cudaDeviceSynchronize());
