@@ -156,6 +156,30 @@ def instrumented_templates(header: str, probes, source=None, prefix: str = "inst
     return folder
 
 
+# The start of the stand-alone copy probes' sources (gather_ceiling.py,
+# smem_fill_rate.py): error checks, the global timer, and a sink that keeps
+# landed data live.
+PROBE_HELPERS = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <cuda_runtime.h>
+
+#define CHECK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
+  std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); std::exit(1); } } while (0)
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Reads a landed value so that no copy is dead (never true for these inputs).
+__device__ __forceinline__ void acc_sink(float* sink, float v) {
+  if (v == 1.2345f) sink[threadIdx.x] = v;
+}
+"""
+
+
 def build_cuda_program(name: str, source: str, folder, flags=()):
     """The stand-alone CUDA programs of dev/ (no flashjit kernel, no torch):
     writes `source` to folder/name.cu and builds folder/name with nvcc for
@@ -199,13 +223,20 @@ def standalone_program(name: str, source: str, doc: str, flags=(), add_args=None
     return args, None if args.build_only else exe, folder
 
 
-def run_standalone(name: str, source: str, doc: str, flags=()) -> int:
+def run_standalone(name: str, source: str, doc: str, flags=(), reps: int | None = None,
+                   reps_help: str = "launches a row") -> int:
     """standalone_program, then the program itself (not with --build-only):
-    its exit code."""
+    its exit code. With `reps`, the command line also takes --reps (that
+    default), passed to the program as its one argument."""
     import subprocess
 
-    _, exe, _ = standalone_program(name, source, doc, flags)
-    return 0 if exe is None else subprocess.run([str(exe)]).returncode
+    def add_reps(parser):
+        parser.add_argument("--reps", type=int, default=reps, help=reps_help)
+
+    args, exe, _ = standalone_program(name, source, doc, flags, None if reps is None else add_reps)
+    if exe is None:
+        return 0
+    return subprocess.run([str(exe)] + ([] if reps is None else [str(args.reps)])).returncode
 
 
 def run_racecheck(name: str, source: str, doc: str, add_args, runs) -> int:

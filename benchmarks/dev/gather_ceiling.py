@@ -28,44 +28,26 @@ Usage: python benchmarks/dev/gather_ceiling.py [--build-only] [--out DIR] [--rep
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
-from common import standalone_program  # noqa: E402
+from common import PROBE_HELPERS, run_standalone  # noqa: E402
 
 from flashjit.render import templates_dir  # noqa: E402
 
-SOURCE = r"""
+SOURCE = PROBE_HELPERS + r"""
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <random>
 #include <vector>
-#include <cuda_runtime.h>
 #include "flashjit/common/async_copy.cuh"
-
-#define CHECK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
-  std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); std::exit(1); } } while (0)
 
 constexpr int kRequests = 32, kKvLen = 8192, kChunks = 4;
 constexpr int kKeys = kRequests * kKvLen, kKeysPerCta = kKvLen / kChunks, kCtas = kRequests * kChunks;
 constexpr int kTileKeys = 64, kBlocks = 9, kBlockBytes = kTileKeys * 128, kTileBytes = kBlocks * kBlockBytes;
 constexpr int kThreads = 128;
 constexpr int kTiles = kKeysPerCta / kTileKeys;
-
-__device__ __forceinline__ unsigned long long globaltimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// Reads a landed value so that no copy is dead (never true for these inputs).
-__device__ __forceinline__ void acc_sink(float* sink, float v) {
-  if (v == 1.2345f) sink[threadIdx.x] = v;
-}
 
 // span[0] the earliest CTA start, span[1] the latest CTA end (ns).
 // kPerSlot: the threads are split by slot, each part copying its own slot's
@@ -283,14 +265,6 @@ int main(int argc, char** argv) {
 """
 
 
-def main() -> int:
-    def add_args(parser):
-        parser.add_argument("--reps", type=int, default=30, help="launches a row (median span, mean period)")
-
-    args, exe, _ = standalone_program("gather_ceiling", SOURCE, __doc__,
-                                      ["-std=c++17", "-I", str(templates_dir() / "include")], add_args)
-    return 0 if exe is None else subprocess.run([str(exe), str(args.reps)]).returncode
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone("gather_ceiling", SOURCE, __doc__, ["-std=c++17", "-I", str(templates_dir() / "include")],
+                            reps=30, reps_help="launches a row (median span, mean period)"))

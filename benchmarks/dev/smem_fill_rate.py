@@ -29,44 +29,26 @@ Usage: python benchmarks/dev/smem_fill_rate.py [--build-only] [--out DIR] [--rep
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
-from common import standalone_program  # noqa: E402
+from common import PROBE_HELPERS, run_standalone  # noqa: E402
 
 from flashjit.render import templates_dir  # noqa: E402
 
-SOURCE = r"""
+SOURCE = PROBE_HELPERS + r"""
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <vector>
-#include <cuda_runtime.h>
 #include "flashjit/common/async_copy.cuh"
 #include "flashjit/common/tma.cuh"
-
-#define CHECK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
-  std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); std::exit(1); } } while (0)
 
 constexpr int kThreads = 128, kBoxes = 9, kBoxBytes = 8192, kTileBytes = kBoxes * kBoxBytes, kTiles = 64;
 constexpr size_t kRegionBytes = size_t(kTiles) * kTileBytes;
 constexpr int kMaxCtas = 132, kL2Regions = 4;
 enum Source { kDistinct, kPairs, kL2 };
 const char* kSourceNames[] = {"distinct", "pairs", "L2"};
-
-__device__ __forceinline__ unsigned long long globaltimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// Reads a landed value so that no copy is dead (never true for these inputs).
-__device__ __forceinline__ void acc_sink(float* sink, float v) {
-  if (v == 1.2345f) sink[threadIdx.x] = v;
-}
 
 // stamps[5c .. 5c + 4]: CTA c's start and end (%globaltimer ns), then
 // clock64, then the cycles lane 0 spent in issue() over the refills.
@@ -197,14 +179,6 @@ int main(int argc, char** argv) {
 """
 
 
-def main() -> int:
-    def add_args(parser):
-        parser.add_argument("--reps", type=int, default=20, help="launches a row (median span)")
-
-    args, exe, _ = standalone_program("smem_fill_rate", SOURCE, __doc__,
-                                      ["-std=c++17", "-I", str(templates_dir() / "include")], add_args)
-    return 0 if exe is None else subprocess.run([str(exe), str(args.reps)]).returncode
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_standalone("smem_fill_rate", SOURCE, __doc__, ["-std=c++17", "-I", str(templates_dir() / "include")],
+                            reps=20, reps_help="launches a row (median span)"))
