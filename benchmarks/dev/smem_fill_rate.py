@@ -3,11 +3,16 @@ SM and in all, with nothing else to do? A stand-alone CUDA program (no torch):
 each CTA (one an SM: at least 116 KB of shared memory) streams 64 tiles of
 72 KB, the fa3 MLA kernels' tile of 64 keys x 576 columns, through a ring of
 1, 2 or 3 slots. A tile comes as nine 8 KB `cp.async.bulk` copies counted on
-the slot's mbarrier (the MLA kernels' nine TMA boxes, here contiguous), issued
-by one thread (as the MLA kernels do) or by nine lanes of one warp, one copy
-each; every thread waits for it, holds it for `hold` cycles (a
-consumer's work, as the MLA kernels' products of a tile: about 2200 cycles at
-the tensor pipe's peak), and the slot is refilled once all are past it.
+the slot's mbarrier (the MLA kernels' nine TMA boxes, here contiguous). The
+consuming threads wait for it and hold it for `hold` cycles (a consumer's work,
+as the MLA kernels' products of a tile: about 2200 cycles at the tensor pipe's
+peak). Then the slot is refilled, in one of three ways:
+- by lane 0 of the first warp, once all threads are past the tile (a CTA
+  barrier), as the MLA pairs kernel's consumers issue their refills;
+- the same by nine lanes, one copy each;
+- by a producer warp that holds no tile, once the other three warps have
+  arrived on the slot's "empty" mbarrier, as the MLA loader kernel's loader
+  warpgroup does.
 
 Where the tiles come from:
 - "distinct": each CTA its own 4.5 MB (the 64- and 16-head rows: every key read
@@ -21,7 +26,7 @@ Where the tiles come from:
 A row gives the median over --reps launches of the grid's span (first CTA's
 start to last CTA's end, %globaltimer), the bytes landed in shared memory per
 second in all and per CTA, per SM cycle (CTA 0's clock over its span), the
-period of a tile in SM cycles, and the cycles CTA 0's lane 0 spent issuing a
+period of a tile in SM cycles, and the cycles CTA 0's issuing lane 0 spent on a
 tile's copies (the issuing thread is held until the copy unit takes them).
 
 Usage: python benchmarks/dev/smem_fill_rate.py [--build-only] [--out DIR] [--reps 20]
@@ -61,50 +66,72 @@ __global__ void __launch_bounds__(kThreads, 1) fill(const char* src, int source,
   // The two CTAs of a pair walk their region in step; L2 readers of one region do not.
   const int first = ((source == kL2 ? blockIdx.x : region) * 7) % kTiles;
   const char* mine = src + size_t(region) * kRegionBytes;
+  // kIssuers 0: the last warp is a producer that refills a slot once the other
+  // three warps have arrived on its "empty" mbarrier; it holds no tile.
+  constexpr bool kProducer = kIssuers == 0;
+  constexpr int kLanes = kProducer ? 1 : kIssuers, kConsumers = kProducer ? kThreads - 32 : kThreads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool issuer = warp == (kProducer ? kThreads / 32 - 1 : 0);
   unsigned long long t0 = 0, c0 = 0, issuing = 0;
   if (threadIdx.x == 0) {
     t0 = globaltimer();
     c0 = clock64();
-    for (int s = 0; s < kSlots; ++s) flashjit::tma::mbar_init(bars + 8 * s, 1);
+    for (int s = 0; s < kSlots; ++s) {
+      flashjit::tma::mbar_init(bars + 8 * s, 1);
+      flashjit::tma::mbar_init(bars + 8 * (kSlots + s), kConsumers);
+    }
     flashjit::tma::fence_mbar_init();
   }
   __syncthreads();
-  // Called by the first warp: lane 0 arms the slot's mbarrier, then lanes
-  // 0 .. kIssuers - 1 issue the tile's copies between them.
+  // Called by the issuing warp: lane 0 arms the slot's mbarrier, then lanes
+  // 0 .. kLanes - 1 issue the tile's copies between them.
   auto issue = [&](int t) {
     const uint32_t bar = bars + 8 * (t % kSlots), dst = base + (t % kSlots) * kTileBytes;
     const char* from = mine + size_t((first + t) % kTiles) * kTileBytes;
-    if (threadIdx.x == 0) flashjit::tma::mbar_arrive_expect_tx(bar, kTileBytes);
+    if (lane == 0) flashjit::tma::mbar_arrive_expect_tx(bar, kTileBytes);
     __syncwarp();
-    for (int b = threadIdx.x; b < kBoxes && threadIdx.x < kIssuers; b += kIssuers)
+    for (int b = lane; b < kBoxes && lane < kLanes; b += kLanes)
       asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                    ::"r"(dst + b * kBoxBytes), "l"(from + b * kBoxBytes), "n"(kBoxBytes), "r"(bar) : "memory");
   };
-  if (threadIdx.x < 32)
+  auto timed_issue = [&](int t) {
+    const long long before = clock64();
+    issue(t);
+    issuing += clock64() - before;
+  };
+  if (issuer)
     for (int s = 0; s < kSlots && s < kTiles; ++s) issue(s);
-  for (int t = 0; t < kTiles; ++t) {
-    flashjit::tma::mbar_wait(bars + 8 * (t % kSlots), (t / kSlots) & 1);
-    acc_sink(sink, reinterpret_cast<const float*>(smem + (t % kSlots) * kTileBytes)[threadIdx.x]);
-    if (hold > 0) {
-      const long long until = clock64() + hold;
-      while (clock64() < until) {
+  if (kProducer && issuer) {
+    for (int t = 0; t + kSlots < kTiles; ++t) {
+      flashjit::tma::mbar_wait(bars + 8 * (kSlots + t % kSlots), (t / kSlots) & 1);
+      timed_issue(t + kSlots);
+    }
+  } else {
+    for (int t = 0; t < kTiles; ++t) {
+      flashjit::tma::mbar_wait(bars + 8 * (t % kSlots), (t / kSlots) & 1);
+      acc_sink(sink, reinterpret_cast<const float*>(smem + (t % kSlots) * kTileBytes)[threadIdx.x]);
+      if (hold > 0) {
+        const long long until = clock64() + hold;
+        while (clock64() < until) {
+        }
+      }
+      if (kProducer) {
+        flashjit::tma::mbar_arrive(bars + 8 * (kSlots + t % kSlots));
+      } else {
+        __syncthreads();
+        if (issuer && t + kSlots < kTiles) timed_issue(t + kSlots);
       }
     }
-    __syncthreads();
-    if (threadIdx.x < 32 && t + kSlots < kTiles) {
-      const long long before = clock64();
-      issue(t + kSlots);
-      issuing += clock64() - before;
-    }
   }
+  __syncthreads();
   if (threadIdx.x == 0) {
     unsigned long long* out = stamps + 5 * blockIdx.x;
     out[0] = t0;
     out[1] = globaltimer();
     out[2] = c0;
     out[3] = clock64();
-    out[4] = issuing;
   }
+  if (issuer && lane == 0) stamps[5 * blockIdx.x + 4] = issuing;
 }
 
 template <int kSlots, int kIssuers = 1>
@@ -134,8 +161,9 @@ void measure(const char* src, int source, int ctas, int hold, int reps, unsigned
   std::sort(issue.begin(), issue.end());
   const double span_us = spans[spans.size() / 2], clock = ghz[ghz.size() / 2];
   const double per_cta = double(kTiles) * kTileBytes / span_us * 1e-3;  // GB/s
-  std::printf("| %s | %d | %d | %d | %d | %.1f | %.0f | %.1f | %.1f | %.0f | %.0f | %.2f |\n", kSourceNames[source], ctas,
-              kSlots, kIssuers, hold, span_us, per_cta * ctas, per_cta, per_cta / clock, span_us * 1e3 * clock / kTiles,
+  const char* by = kIssuers == 0 ? "producer warp" : kIssuers == 1 ? "lane 0" : "9 lanes";
+  std::printf("| %s | %d | %d | %s | %d | %.1f | %.0f | %.1f | %.1f | %.0f | %.0f | %.2f |\n", kSourceNames[source], ctas,
+              kSlots, by, hold, span_us, per_cta * ctas, per_cta, per_cta / clock, span_us * 1e3 * clock / kTiles,
               issue[issue.size() / 2], clock);
 }
 
@@ -153,8 +181,8 @@ int main(int argc, char** argv) {
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s, %d SMs, L2 %d MB; tiles of %d KB, %d a CTA\n\n", prop.name, prop.multiProcessorCount,
               prop.l2CacheSize >> 20, kTileBytes / 1024, kTiles);
-  std::printf("| source | CTAs | slots | issuing lanes | hold (cycles) | span us | GB/s in all | GB/s a CTA "
-              "| B/cycle a CTA | cycles a tile | issue cycles a tile (CTA 0, lane 0) | SM GHz |\n");
+  std::printf("| source | CTAs | slots | issued by | hold (cycles) | span us | GB/s in all | GB/s a CTA "
+              "| B/cycle a CTA | cycles a tile | issue cycles a tile (CTA 0) | SM GHz |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int source : {kDistinct, kPairs, kL2}) {
     for (int ctas : {132, 66, 16, 1}) {
@@ -168,9 +196,14 @@ int main(int argc, char** argv) {
           measure<2>(src, source, ctas, hold, reps, stamps, sink);
           measure<3>(src, source, ctas, hold, reps, stamps, sink);
           measure<2, 9>(src, source, ctas, hold, reps, stamps, sink);
+          measure<2, 0>(src, source, ctas, hold, reps, stamps, sink);
+          measure<3, 0>(src, source, ctas, hold, reps, stamps, sink);
         }
       }
-      if (ctas == 132 || ctas == 1) measure<2, 9>(src, source, ctas, 0, reps, stamps, sink);
+      if (ctas == 132 || ctas == 1) {
+        measure<2, 9>(src, source, ctas, 0, reps, stamps, sink);
+        measure<2, 0>(src, source, ctas, 0, reps, stamps, sink);
+      }
     }
   }
   CHECK(cudaDeviceSynchronize());
