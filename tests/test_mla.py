@@ -248,6 +248,11 @@ def test_fa3_mla_builds_for_sm90a_without_spills_or_serialized_wgmma(monkeypatch
     assert result.entry is not None
     for u in result.entry.manifest["resources"]:
         assert u["spill_stores"] == 0 and u["spill_loads"] == 0, u
+        if "fa3_mla" in u["kernel"]:
+            # setmaxnreg moves registers within the CTA's pool from launch: 3 x 168 holds
+            # the loader's 56 and 2 x 224, or the producer's 24 and 2 x 240; with fewer
+            # at launch the increase would wait forever.
+            assert u["registers"] == 168, u
     kernels = {name: "\n".join(ins for _, ins in code) for name, code in functions(sass(result.entry.artifact)).items()}
     text, = [body for name, body in kernels.items() if "fa3_mla_kernel" in name]
     hgmma = [line for line in text.splitlines() if "HGMMA" in line]

@@ -155,8 +155,9 @@ def main() -> int:
                     "the same shape (loader at 56 registers, consumers at 224), 64 rows and two 72 KB slots of "
                     "[ckv | kpe] rows; `tests/test_mla.py` checks their SASS (HGMMA 64x64 and 64x256, not "
                     "serialized). Their \"MLA attention (tile pairs)\" rows are the kernel that launches of more "
-                    "than 64 heads run where every tile comes by TMA (fa3/fa3_mla_pairs.cuh): two warpgroups, "
-                    "256 threads, no setmaxnreg.\n\n"
+                    "than 64 heads run where every tile comes by TMA (fa3/fa3_mla_pairs.cuh): three warpgroups, "
+                    "384 threads, 168 registers a thread at entry; after `setmaxnreg` the producer warpgroup runs at "
+                    "24 and the two computing warpgroups at 240 (128 x (24 + 2 x 240) = 64512).\n\n"
                     + text + "\n")
     return 1 if spills else 0
 

@@ -89,8 +89,8 @@ class Fa3MlaTiling:
     tiles in pages of 64 keys or more come by TMA boxes, not cp.async.
     pairs: where every tile comes by TMA (pages of a multiple of 64 keys) and
     a launch has more than 64 heads, run fa3/fa3_mla_pairs.cuh instead: two
-    warpgroups, each the S and softmax of every other tile and half of O, no
-    loader."""
+    computing warpgroups, each the S and softmax of every other tile and half of
+    O, and a producer warpgroup that issues their refills."""
     stages: int
     keys_per_tile: int = 64
     rows_per_cta: int = 64
@@ -115,9 +115,10 @@ class Fa3MlaTiling:
     def pairs_smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of Fa3MlaTraits::kPairSmemBytes (the pairs kernel): alignment
         slack, Q and two tiles, each warpgroup's row maxima, factors and sums,
-        an mbarrier per tile slot and 64-column block and one per hand-off."""
+        an mbarrier per tile slot and 64-column block, one per hand-off and one
+        per refill."""
         tile = self.keys_per_tile * 2 * spec.head_dim_qk
-        return 1024 + 3 * tile + 3 * 2 * self.rows_per_cta * 4 + 8 * (2 * (spec.head_dim_qk // 64) + 5)
+        return 1024 + 3 * tile + 3 * 2 * self.rows_per_cta * 4 + 8 * (2 * (spec.head_dim_qk // 64) + 5 + 4)
 
 
 # Two stages: Q and two 72 KB tiles of [ckv | kpe] rows fill the SM's shared memory.
@@ -130,7 +131,9 @@ class Fa3MlaTiling:
 # (2026-11-27-h200-mla-tma-all-heads.md). Pairs (fa3/fa3_mla_pairs.cuh) for
 # launches of more than 64 heads whose tiles all come by TMA: the 128-head row
 # 1.5-2.2% faster in eight runs, compute-sanitizer clean with its hand-offs as
-# mbarriers every thread arrives on (2026-11-27-h200-mla-pairs.md).
+# mbarriers every thread arrives on (2026-11-27-h200-mla-pairs.md); another
+# 5.8-8.0% with a producer warpgroup issuing its refills
+# (2026-11-27-h200-mla-pairs-producer.md).
 MLA_TILING = Fa3MlaTiling(stages=2, key_groups=3, early_release=True, tma=True, pairs=True)
 
 

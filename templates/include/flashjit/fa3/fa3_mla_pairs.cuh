@@ -7,27 +7,35 @@
 // Why a second schedule: in fa3_mla.cuh one consumer computes every tile's S
 // and softmax, and the tensor pipe idles through each softmax (a third of the
 // tile on the 128-head row: benchmarks/results/2026-11-27-h200-mla-tile-trace.md).
-// Here two warpgroups, no loader, take the tiles in pairs: warpgroup 0 the even
+// Here two computing warpgroups take the tiles in pairs: warpgroup 0 the even
 // tiles (slot 0), warpgroup 1 the odd ones (slot 1). Each computes S = Q.K^T of
 // its own tile (wgmma 64x64, 36 k-steps) and its softmax; each owns half of O's
 // 512 columns and multiplies both tiles' P by its half of both tiles' V. Their
 // softmaxes are staggered by one exchange of row maxima, so that one runs while
 // the other's products fill the pipe. The same idea runs DeepSeek's FlashMLA.
+// A third, producer warpgroup issues every refill: issuing a tile's boxes holds
+// the issuing thread about 75 cycles a box, and in a computing warpgroup that
+// time held its warp and the hand-offs behind it (128-head row 8% faster with
+// the producer: benchmarks/results/2026-11-27-h200-mla-pairs-producer.md).
 //
 // One step (tiles a = 2i and b = a + 1; "->" is a hand-off one warpgroup
-// arrives on and the other waits on):
+// arrives on and the other waits on; "let go" arrives on a refill's mbarrier,
+// on which the producer waits before it issues the refill's boxes):
 //   warpgroup 0: max of S_a against m; -> scale0 (m0, f0); P_a; O_L *= f0;
-//     O_L += P_a.V_a[L] (P from registers); when landed, refill slot 0's blocks
-//     0-3; <- scale1 (m1, f1); P_a * f1 rounded into slot 0's kpe block -> p0;
-//     <- p1; O_L *= f1; O_L += P_b.V_b[L]; S of tile a + 2 on blocks 0-3; when
-//     P_b.V_b[L] landed, refill slot 1's blocks 0-3 and 8; S on blocks 4-8.
+//     O_L += P_a.V_a[L] (P from registers); when landed, let go of slot 0's
+//     blocks 0-3; <- scale1 (m1, f1); P_a * f1 rounded into slot 0's kpe block
+//     -> p0; <- p1; O_L *= f1; O_L += P_b.V_b[L]; S of tile a + 2 on blocks
+//     0-3; when P_b.V_b[L] landed, let go of slot 1's blocks 0-3 and 8; S on
+//     blocks 4-8.
 //   warpgroup 1: <- scale0; max of S_b against m0 -> scale1 (m1, f1); P_b;
 //     O_R *= f0 f1; P_b into slot 1's kpe block; O_R += P_b.V_b[R] (registers)
-//     -> p1; <- p0; O_R += P_a.V_a[R]; when P_b.V_b[R] landed, refill slot 1's
-//     blocks 4-7; when P_a.V_a[R] landed, slot 0's blocks 4-8; S of tile b + 2
-//     on blocks 4-7, 0-3, 8 (in the order they were refilled).
-// Each 64-column block of a slot has its own full mbarrier, and the warpgroup
-// that last reads a block refills it: no "empty" barriers. Both halves of O end
+//     -> p1; <- p0; O_R += P_a.V_a[R]; when P_b.V_b[R] landed, let go of slot
+//     1's blocks 4-7; when P_a.V_a[R] landed, of slot 0's blocks 4-8; S of
+//     tile b + 2 on blocks 4-7, 0-3, 8 (in the order they were refilled).
+//   producer: looks up tiles a + 2 and a + 3's pages, then refills slot 0's
+//     blocks 0-3, slot 1's 4-7, slot 0's 4-8 and slot 1's 0-3 and 8, each once
+//     let go of (the order in which the computing warpgroups let go).
+// Each 64-column block of a slot has its own full mbarrier. Both halves of O end
 // a step relative to m1 with P rounded once each (the fa2 family's error model,
 // one rescale step per tile: Fa3MlaTiling.rescales); each warpgroup sums its
 // own tiles' P and the two sums meet at the end.
@@ -61,6 +69,10 @@ namespace fa3 {
 // __syncwarp, or a named barrier's bar.arrive) as no ordering at all, though
 // the hardware orders it (benchmarks/results/2026-11-27-h200-racecheck-exchange.md).
 enum MlaPairHandoff : int { kScale0, kScale1, kP0, kP1, kSums, kHandoffs };
+// The refills of a step, each an mbarrier that the warpgroup reading its blocks
+// last arrives on (one thread, past its wgmma wait) and the producer waits on:
+// slot 0's blocks 0-3 and 4-8, slot 1's blocks 4-7 and 0-3 with 8.
+enum MlaPairRefill : int { kRefill0Low, kRefill0High, kRefill1High, kRefill1Low, kRefills };
 constexpr int kOwnWarpgroup0 = 1;  // each warpgroup's own named barrier, 1 + warpgroup
 
 // S (+)= Q.K^T over 64-column blocks kFirst .. kEnd - 1 of the tile at
@@ -120,6 +132,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
   const uint32_t bars = base + Traits::kPairBarOffset;
   auto block_bars = [&](int x) { return bars + 8 * BLOCKS * x; };
   auto handoff_bar = [&](int k) { return bars + 8 * (2 * BLOCKS + k); };
+  auto refill_bar = [&](int r) { return bars + 8 * (2 * BLOCKS + fa3::kHandoffs + r); };
   // Per warpgroup x: the row maxima and factors it last published, and its
   // final row sums.
   float* max_of = reinterpret_cast<float*>(smem + Traits::kPairStateOffset);
@@ -138,6 +151,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
     for (int i = 0; i < 2 * BLOCKS; ++i) tma::mbar_init(bars + 8 * i, 1);
     for (int k = 0; k < fa3::kSums; ++k) tma::mbar_init(bars + 8 * (2 * BLOCKS + k), 128);
     tma::mbar_init(bars + 8 * (2 * BLOCKS + fa3::kSums), 256);  // both warpgroups' row sums
+    for (int r = 0; r < fa3::kRefills; ++r) tma::mbar_init(refill_bar(r), 1);
     tma::fence_mbar_init();
   }
   __syncthreads();
@@ -171,6 +185,36 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
   cp_async_wait<0>();
   fa3::fence_async_shared();
   __syncthreads();
+
+  auto parity = [](int t) { return uint32_t((t / 2) & 1); };
+  if (wg == 2) {
+    // ---- Producer: one thread issues every refill once its blocks' last
+    // reader has let go of them, in the order the warpgroups let go.
+    fa3::set_max_registers_dec<Traits::kPairProducerRegs>();
+    if (ctid == 0) {
+      for (int a = 0; a + 2 < num_tiles; a += 2) {  // the steps with a refill: tile a + 2 exists
+        const bool next_b = a + 3 < num_tiles;
+        int page_a, slot_a, page_b = 0, slot_b = 0;
+        locate(a + 2, page_a, slot_a);
+        if (next_b) locate(a + 3, page_b, slot_b);
+        tma::mbar_wait(refill_bar(fa3::kRefill0Low), parity(a));
+        load_blocks(0, page_a, slot_a, 0, 4);
+        if (next_b) {
+          tma::mbar_wait(refill_bar(fa3::kRefill1High), parity(a));
+          load_blocks(1, page_b, slot_b, 4, BLOCKS - 1);
+        }
+        tma::mbar_wait(refill_bar(fa3::kRefill0High), parity(a));
+        load_blocks(0, page_a, slot_a, 4, BLOCKS);
+        if (next_b) {
+          tma::mbar_wait(refill_bar(fa3::kRefill1Low), parity(a));
+          load_blocks(1, page_b, slot_b, 0, 4);
+          load_blocks(1, page_b, slot_b, BLOCKS - 1, BLOCKS);
+        }
+      }
+    }
+    return;
+  }
+  fa3::set_max_registers_inc<Traits::kPairComputeRegs>();
 
   const int row_in_cta[2] = {16 * wq + g, 16 * wq + g + 8};
   const float scale = p.sm_scale * kLog2e;
@@ -270,21 +314,13 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
       fa3::mma_ss_vt<T, WG_COLS>(o, fa3::advance(pd, kk * 32), fa3::advance(v, kk * 16 * 128), 1);
     fa3::commit();
   };
-  auto parity = [](int t) { return uint32_t((t / 2) & 1); };
   // The step of tile a (paired or not) refills its slots with tiles a + 2 and
-  // a + 3 where they exist; the thread that issues the loads looks up their pages.
+  // a + 3 where they exist.
   struct Refills {
     bool a, b;
-    int page_a, slot_a, page_b, slot_b;
   };
-  auto refills = [&](int a, bool pair) {
-    Refills r{pair && a + 2 < num_tiles, pair && a + 3 < num_tiles, 0, 0, 0, 0};
-    if (ctid == 0) {
-      if (r.a) locate(a + 2, r.page_a, r.slot_a);
-      if (r.b) locate(a + 3, r.page_b, r.slot_b);
-    }
-    return r;
-  };
+  auto refills = [&](int a, bool pair) { return Refills{pair && a + 2 < num_tiles, pair && a + 3 < num_tiles}; };
+  auto let_go = [&](int r) { tma::mbar_arrive(refill_bar(r)); };
   // Hand-off k of the step of tile a: this warpgroup's writes before it go to
   // the other (hand), or the other's to this one (take).
   auto hand = [&](int k) { tma::mbar_arrive(handoff_bar(k)); };
@@ -299,7 +335,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
     // Tile a, and tile a + 1 where kPair.
     auto step = [&](int a, auto pair) {
       constexpr bool kPair = decltype(pair)::value;
-      const auto [next_a, next_b, page_a, slot_a, page_b, slot_b] = refills(a, kPair);
+      const auto [next_a, next_b] = refills(a, kPair);
       zero_tail(a, 0);
       mask(a);
       float f0[2], f1[2] = {1.f, 1.f};
@@ -311,7 +347,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
       pv_own(0);
       fa3::wait<0>();
       fa3::fence_operands(o);
-      if (next_a && ctid == 0) load_blocks(0, page_a, slot_a, 0, 4);
+      if (next_a && ctid == 0) let_go(fa3::kRefill0Low);
       if constexpr (kPair) {
         take(fa3::kScale1, a);
 #pragma unroll
@@ -338,10 +374,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
           fa3::wait<0>();
         }
         fa3::fence_operands(o);
-        if (next_b && ctid == 0) {
-          load_blocks(1, page_b, slot_b, 0, 4);
-          load_blocks(1, page_b, slot_b, BLOCKS - 1, BLOCKS);
-        }
+        if (next_b && ctid == 0) let_go(fa3::kRefill1Low);
         if (next_a) fa3::mla_s_blocks<T, 4, BLOCKS, 0, Tile>(s, q_smem, slot(0), block_bars(0), parity(a + 2));
         fa3::wait<0>();
         fa3::fence_operands(s);
@@ -360,7 +393,7 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
     auto step = [&](int a, auto pair) {
       constexpr bool kPair = decltype(pair)::value;
       const int b = a + 1;
-      const auto [next_a, next_b, page_a, slot_a, page_b, slot_b] = refills(a, kPair);
+      const auto [next_a, next_b] = refills(a, kPair);
       if constexpr (kPair) {
         zero_tail(b, 1);
         mask(b);
@@ -396,11 +429,11 @@ __global__ void __launch_bounds__(Traits::kPairThreads, 1)
       pv_other(0);
       if constexpr (kPair) {
         fa3::wait<1>();
-        if (next_b && ctid == 0) load_blocks(1, page_b, slot_b, 4, BLOCKS - 1);
+        if (next_b && ctid == 0) let_go(fa3::kRefill1High);
       }
       fa3::wait<0>();
       fa3::fence_operands(o);
-      if (next_a && ctid == 0) load_blocks(0, page_a, slot_a, 4, BLOCKS);
+      if (next_a && ctid == 0) let_go(fa3::kRefill0High);
       if (next_b) {
         fa3::mla_s_blocks<T, 4, BLOCKS - 1, 4, Tile>(s, q_smem, slot(1), block_bars(1), parity(b + 2));
         fa3::mla_s_blocks<T, 0, 4, 4, Tile>(s, q_smem, slot(1), block_bars(1), parity(b + 2));

@@ -86,11 +86,19 @@ struct Fa3MlaTraits {
 
   // The pairs kernel: [Q | slot 0 | slot 1 | per warpgroup, the row maxima
   // and factors it last published and its row sums | a full mbarrier per slot
-  // and 64-column block, then one per hand-off between the warpgroups].
-  static constexpr int kPairThreads = 256;
+  // and 64-column block, one per hand-off between the warpgroups, one per
+  // refill]. Two computing warpgroups and a producer warpgroup whose one
+  // thread issues the refills. The launch gives every thread 168 registers
+  // (65536 / 384, rounded down to 8); setmaxnreg then moves the producer's
+  // to the others, which wait until the pool holds theirs: 24 + 2 x 240.
+  static constexpr int kPairThreads = 384;
+  static constexpr int kPairLaunchRegs = 168;
+  static constexpr int kPairProducerRegs = 24;
+  static constexpr int kPairComputeRegs = 240;
+  static_assert(kPairProducerRegs + 2 * kPairComputeRegs <= 3 * kPairLaunchRegs, "the CTA's register pool");
   static constexpr int kPairStateOffset = kKvOffset + 2 * kTileBytes;
   static constexpr int kPairBarOffset = kPairStateOffset + 3 * 2 * kRowsPerCta * 4;
-  static constexpr size_t kPairSmemBytes = 1024 + size_t(kPairBarOffset) + 8 * (2 * kBlocks + 5);
+  static constexpr size_t kPairSmemBytes = 1024 + size_t(kPairBarOffset) + 8 * (2 * kBlocks + 5 + 4);
 
   // Each loader thread copies 16-byte chunk `sub` of every 128-byte block of
   // its key rows: 8 threads a key row, 16 rows a pass.
