@@ -41,8 +41,8 @@ struct Fa3MlaTraits {
   // partial last tile) are gathered by every loader thread's cp.async.
   static constexpr bool kTma = kTma_;
   // Launches of more than 64 heads whose tiles all come by TMA run
-  // fa3_mla_pairs.cuh's kernel instead: two warpgroups, no loader, each the S
-  // and softmax of every other tile.
+  // fa3_mla_pairs.cuh's kernel instead: two computing warpgroups, each the S
+  // and softmax of every other tile, and a producer warpgroup for the refills.
   static constexpr bool kPairs = kPairs_;
   // The kernel's K/V map argument (an empty stand-in without TMA).
   using TmaArg = std::conditional_t<kTma, KvMapsPagedArg, KvMapsArg<false>>;
