@@ -31,7 +31,8 @@ with that tiling (kernels.fa3.Fa3MlaTiling, e.g. key_groups=1), built into a
 cache of its own.
 
 Usage: python benchmarks/mla.py [--samples 60] [--sample-ms 20] [--out results.md]
-       [--baseline-templates DIR [DIR ...]] [--baseline-backends fa2 fa3] [--fa3-variant 'Fa3MlaTiling(stages=2, key_groups=1)' ...]
+       [--baseline-templates DIR [DIR ...]] [--baseline-backends fa2 fa3]
+       [--fa3-variant 'Fa3MlaTiling(stages=2, key_groups=1)' ...]
 """
 
 from __future__ import annotations

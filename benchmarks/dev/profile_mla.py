@@ -51,7 +51,8 @@ def kernel_times(call, calls: int, label: str, back_to_back: bool = False) -> No
     for name, rec in per_name.items():
         line = f"  {len(rec['time']) / calls:.0f}x {statistics.mean(rec['time']):8.1f} us"
         if back_to_back and rec["period"]:
-            line += (f"  median {statistics.median(rec['time']):.1f} us, period {statistics.median(rec['period']):.1f} us,"
+            line += (f"  median {statistics.median(rec['time']):.1f} us,"
+                     f" period {statistics.median(rec['period']):.1f} us,"
                      f" gap from the kernel before {statistics.median(rec['gap']):.1f} us")
         print(line + f"  {name[:110]}")
 

@@ -162,8 +162,9 @@ void measure(const char* src, int source, int ctas, int hold, int reps, unsigned
   const double span_us = spans[spans.size() / 2], clock = ghz[ghz.size() / 2];
   const double per_cta = double(kTiles) * kTileBytes / span_us * 1e-3;  // GB/s
   const char* by = kIssuers == 0 ? "producer warp" : kIssuers == 1 ? "lane 0" : "9 lanes";
-  std::printf("| %s | %d | %d | %s | %d | %.1f | %.0f | %.1f | %.1f | %.0f | %.0f | %.2f |\n", kSourceNames[source], ctas,
-              kSlots, by, hold, span_us, per_cta * ctas, per_cta, per_cta / clock, span_us * 1e3 * clock / kTiles,
+  std::printf("| %s | %d | %d | %s | %d | %.1f | %.0f | %.1f | %.1f | %.0f | %.0f | %.2f |\n",
+              kSourceNames[source], ctas, kSlots, by, hold, span_us, per_cta * ctas, per_cta, per_cta / clock,
+              span_us * 1e3 * clock / kTiles,
               issue[issue.size() / 2], clock);
 }
 
