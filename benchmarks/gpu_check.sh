@@ -25,17 +25,17 @@
 # limit.
 # SKIP_TESTS=1 leaves out the GPU tests, SKIP_DECODE=1 decode.py, SKIP_BENCH=1 the
 # invariant mode's benchmark. FlashInfer comes
-# from .whl/site.txz (benchmarks/pack_flashinfer.sh) or wheels in .whl/.
+# from .whl/site.txz (benchmarks/dev/pack_flashinfer.sh) or wheels in .whl/.
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-. benchmarks/gpu_env.sh
+. benchmarks/dev/gpu_env.sh
 export FLASHJIT_ERROR_REPORT=$OUT/error_report.json
 status=0
 summarize_errors() {  # the GPU tests write the report: without them (bench, SKIP_TESTS) there is none
   [ -f "$OUT/error_report.json" ] || return 0
-  python3 benchmarks/error_summary.py "$OUT/error_report.json" --out "$OUT/error_summary.md" | tail -40
+  python3 benchmarks/dev/error_summary.py "$OUT/error_report.json" --out "$OUT/error_summary.md" | tail -40
 }
 python3 -m flashjit info 2>&1 | tee "$OUT/info.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee -a "$OUT/info.txt"

@@ -15,7 +15,7 @@ OUT=${OUT:-$PWD/ncu_out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/../.."  # the repository root: .whl/, benchmarks/
 : > "$OUT/variants.txt"  # the archive below lists it even when no variant is given
-. benchmarks/gpu_env.sh
+. benchmarks/dev/gpu_env.sh
 
 profile() {  # name, extra profile_prefill.py arguments...
   local name=$1; shift

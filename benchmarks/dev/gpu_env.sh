@@ -1,7 +1,7 @@
 # Sourced by the GPU scripts (gpu_check.sh, dev/ncu_prefill.sh) from the
 # repository root with $OUT set: flashjit from this checkout, its cache and
 # parallel builds, and FlashInfer, the peer, from .whl/ when it was carried
-# (benchmarks/pack_flashinfer.sh).
+# (benchmarks/dev/pack_flashinfer.sh).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export FLASHJIT_CACHE_DIR=${FLASHJIT_CACHE_DIR:-/tmp/flashjit-cache} FLASHJIT_JOBS=${FLASHJIT_JOBS:-16}
 if [ -f .whl/site.txz ] && [ ! -d .whl/site ]; then

@@ -6,7 +6,7 @@
 # device tool's 64 MiB carry limit where the two wheels (65 MB) do not.
 # gpu_check.sh unpacks it into .whl/site. Carry: [".whl/site.txz"].
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
   -d .whl flashinfer-python==0.7.2.post1 apache-tvm-ffi
 rm -rf .whl/site && mkdir -p .whl/site

@@ -2,7 +2,7 @@
 observed error as a fraction of its tolerance bound (must be <= 1; the bound is
 tight when the fraction is >= 1/20).
 
-Usage: python benchmarks/error_summary.py error_report.json [--out summary.md]
+Usage: python benchmarks/dev/error_summary.py error_report.json [--out summary.md]
 """
 
 from __future__ import annotations
