@@ -67,15 +67,15 @@ COMPARISONS = (
                "flashjit fa3", "fa3", PREFILL_PEERS[1:], True),  # SDPA takes no ragged batch
     Comparison(PREFILL, PREFILL_HEADER, "ragged prefill, every row", every_row, "flashjit fa2", "fa2",
                (("flashinfer-fa2", "FlashInfer fa2"),), True),
-    Comparison(DECODE, DECODE_HEADER, "paged decode, bf16 d128 page 16", every_row, "flashjit tc=True",
+    Comparison(DECODE, DECODE_HEADER, "paged decode", every_row, "flashjit tc=True",
                "tensor cores", (("flashinfer tc=True", "FlashInfer tensor cores"),), False),
-    Comparison(DECODE, DECODE_HEADER, "paged decode, bf16 d128 page 16", every_row, "flashjit tc=False",
+    Comparison(DECODE, DECODE_HEADER, "paged decode", every_row, "flashjit tc=False",
                "CUDA cores", (("flashinfer tc=False", "FlashInfer CUDA cores"),), False),
     Comparison(DECODE, ("append (NHD, page 16, d128)",), "append_paged_kv_cache", every_row, "flashjit",
                "append", (("flashinfer", "FlashInfer"),), False),
-    Comparison(MLA, MLA_HEADER, "MLA paged decode, bf16", every_row, "flashjit fa3", "fa3",
+    Comparison(MLA, MLA_HEADER, "MLA paged decode", every_row, "flashjit fa3", "fa3",
                (("FlashInfer fa3", "FlashInfer fa3"),), False),
-    Comparison(MLA, MLA_HEADER, "MLA paged decode, bf16", every_row, "flashjit fa2", "fa2",
+    Comparison(MLA, MLA_HEADER, "MLA paged decode", every_row, "flashjit fa2", "fa2",
                (("FlashInfer fa2", "FlashInfer fa2"),), False),
 )
 
@@ -152,9 +152,10 @@ def table() -> str:
             if not ratios:
                 raise SystemExit(f"summary.py: no {comparison.flashjit} / {column} pair in {comparison.file}")
             ahead = sum(r > 1 for r in ratios)
-            link = f"[{comparison.file}](benchmarks/results/{comparison.file})"
             lines.append(f"| {comparison.benchmark} | {comparison.label} | {peer} | {ratio_cell(ratios)} "
-                         f"| {ahead} of {len(ratios)} rows | {device} | {date} | {link} |")
+                         f"| {ahead} of {len(ratios)} rows | {device} | {date} | [{comparison.file}] |")
+    files = dict.fromkeys(comparison.file for comparison in COMPARISONS)  # link targets, in table order
+    lines += ["", *(f"[{file}]: benchmarks/results/{file}" for file in files)]
     return "\n".join(lines) + "\n"
 
 
