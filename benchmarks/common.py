@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts (run as `python benchmarks/NAME.py`) and by the
+"""Shared by the benchmark scripts (run as `python benchmarks/<script>.py`) and by the
 instruments in benchmarks/dev/, which put benchmarks/ on sys.path to import it.
 The timing itself lives in flashjit.bench.timing, where `flashjit bench` uses it too."""
 
