@@ -15,7 +15,6 @@ OSError) with the path and the fix, for an unwritable, full or unsafe cache.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -27,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cache_errors import no_space_error, os_error, root_setting  # noqa: F401 (part of this module's API)
 from .errors import CacheError
 
 log = logging.getLogger("flashjit")
@@ -34,6 +34,7 @@ log = logging.getLogger("flashjit")
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 _CHECKOUT_ROOT = Path(__file__).resolve().parent.parent
+_warned: set[tuple[str, str]] = set()  # (entry path, problems) already logged by this process
 
 
 def default_root() -> Path:
@@ -47,15 +48,6 @@ def default_root() -> Path:
     return Path(base) / "flashjit"
 
 
-def _os_error(action: str, path: Path, exc: OSError) -> CacheError:
-    fix = "set FLASHJIT_CACHE_DIR to a private directory you can write"
-    if exc.errno == errno.ENOSPC:
-        fix = "free space on that file system or set FLASHJIT_CACHE_DIR elsewhere"
-    elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        fix = "the cache directory is read-only; " + fix + ", or prewarm it where it is writable"
-    return CacheError(f"cannot {action} {path}: {exc.strerror or exc}; {fix}")
-
-
 def check_safe_dir(path: Path, allow_root_owner: bool = False) -> None:
     """A directory we load code from: a real directory (no symlink), owned by us
     (or, with allow_root_owner, for a read-only layer baked into an image, by
@@ -63,7 +55,7 @@ def check_safe_dir(path: Path, allow_root_owner: bool = False) -> None:
     try:
         st = os.lstat(path)
     except OSError as exc:
-        raise _os_error("inspect", path, exc) from exc
+        raise os_error("inspect", path, exc) from exc
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise CacheError(f"refusing cache path {path}: it is a symlink or not a directory")
     if st.st_uid != os.getuid() and not (allow_root_owner and st.st_uid == 0):
@@ -74,17 +66,54 @@ def check_safe_dir(path: Path, allow_root_owner: bool = False) -> None:
                          f"(mode {stat.S_IMODE(st.st_mode):o}); run chmod 700 on it")
 
 
-def ensure_root(root: Path | None = None) -> Path:
-    """Creates the cache root private to the user (0700) and checks it is safe."""
+def ensure_root(root: Path | None = None, create: bool = True) -> Path:
+    """The cache root, checked safe (check_safe_dir). A missing root is created
+    private to the user (0700), or with create=False left missing (lookups then
+    find nothing; `require_writable` creates it on a miss). An existing root
+    keeps its mode, except that group and other write bits are removed: a root
+    the user made read-only stays read-only and serves its hits."""
     root = Path(root) if root is not None else default_root()
     try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not os.path.lexists(root):
+            if not create:
+                return root
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.lstat(root)
-        if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077:
-            os.chmod(root, 0o700)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            os.chmod(root, stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
     except OSError as exc:
-        raise _os_error("create the cache directory", root, exc) from exc
+        raise os_error("create the cache directory", root, exc) from exc
     check_safe_dir(root)
+    return root
+
+
+def read_only_reason(root: Path) -> str | None:
+    """Why flashjit may not write the (existing) root, or None if it may. Read
+    from the mode, access and mount flags, without writing anything: a root
+    whose owner removed its own write bit is read-only even for root."""
+    try:
+        st = os.stat(root)
+        if not st.st_mode & stat.S_IWUSR:
+            return f"mode {stat.S_IMODE(st.st_mode):04o}: its owner has no write permission"
+        if not os.access(root, os.W_OK | os.X_OK):
+            return "you have no write permission"
+        if os.statvfs(root).f_flag & os.ST_RDONLY:
+            return "it is on a read-only file system"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def require_writable(root: Path, name: str) -> Path:
+    """Creates the root if it is missing and refuses a read-only one: the
+    one-line CacheError for a configuration (name) that must be built there."""
+    root = ensure_root(root)
+    reason = read_only_reason(root)
+    if reason is not None:
+        raise CacheError(f"cannot build {name}: the cache is read-only ({root_setting(root)}; {reason}); it serves "
+                         f"the configurations it holds, but a missing one must be built elsewhere: set "
+                         f"FLASHJIT_CACHE_DIR to a writable directory (FLASHJIT_CACHE_READONLY={root} keeps this "
+                         f"one in use), or make it writable (chmod u+w {root})")
     return root
 
 
@@ -150,6 +179,18 @@ def verify_entry(path: Path, expected_key: str | None = None,
     return (None if problems else Entry(path, manifest)), problems
 
 
+def warn_once(path: Path, message: str) -> None:
+    """Logs a warning about an entry once per process (a prewarm looks an entry
+    up by fingerprint, by key and again under its lock); repeats go to DEBUG.
+    Publishing a new entry at that path forgets it (see publish)."""
+    key = (str(path), message)
+    if key in _warned:
+        log.debug("flashjit: %s", message)
+    else:
+        _warned.add(key)
+        log.warning("flashjit: %s", message)
+
+
 def entry_path(root: Path, name: str, key: str) -> Path:
     return root / name / key
 
@@ -161,7 +202,7 @@ def find_entry(root: Path, name: str, key: str, readonly: bool = False) -> Entry
         return None
     entry, problems = verify_entry(path, key, readonly)
     if problems:
-        log.warning("flashjit: cache entry %s is invalid (%s); it will be rebuilt", path, "; ".join(problems))
+        warn_once(path, f"cache entry {path} is invalid ({'; '.join(problems)}); it will be rebuilt")
     return entry
 
 
@@ -181,7 +222,7 @@ def find_entry_by_fingerprint(root: Path, name: str, fingerprint: str, readonly:
         if recorded == fingerprint:
             entry, problems = verify_entry(path, readonly=readonly)
             if problems:
-                log.warning("flashjit: cache entry %s is invalid (%s); it will be rebuilt", path, "; ".join(problems))
+                warn_once(path, f"cache entry {path} is invalid ({'; '.join(problems)}); it will be rebuilt")
             return entry
     return None
 
@@ -207,7 +248,7 @@ def config_lock(root: Path, name: str, key: str, poll_log_seconds: float = 30.0)
     try:
         lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
-        raise _os_error("create", lock_dir, exc) from exc
+        raise os_error("create", lock_dir, exc) from exc
     check_safe_dir(lock_dir)
     lock_path = lock_dir / f"{key}.lock"
     lock = filelock.UnixFileLock(str(lock_path), mode=0o600)
@@ -224,7 +265,7 @@ def config_lock(root: Path, name: str, key: str, poll_log_seconds: float = 30.0)
                 except filelock.Timeout:
                     log.info("flashjit: still waiting for %s after %.0f s", name, time.monotonic() - started)
     except OSError as exc:
-        raise _os_error("lock", lock_path, exc) from exc
+        raise os_error("lock", lock_path, exc) from exc
     try:
         yield
     finally:
@@ -241,23 +282,25 @@ def new_build_dir(root: Path, name: str, key: str) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         return Path(tempfile.mkdtemp(prefix=f".tmp-{key}-{os.getpid()}-", dir=parent))
     except OSError as exc:
-        raise _os_error("create a build directory in", parent, exc) from exc
+        raise os_error("create a build directory in", parent, exc) from exc
 
 
-def write_file(path: Path, data: bytes | str) -> None:
+def write_file(path: Path, data: bytes | str, needed: int | None = None) -> None:
+    """Writes one file of an entry being built; needed: the space the whole
+    entry needs, named in the CacheError of a full disk."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
     except OSError as exc:
-        raise _os_error("write", path, exc) from exc
+        raise os_error("write", path, exc, needed) from exc
 
 
-def publish(build_dir: Path, manifest: dict) -> Entry:
+def publish(build_dir: Path, manifest: dict, needed: int | None = None) -> Entry:
     """Writes the manifest last, then renames build_dir onto its entry path.
     A previous (invalid) entry at that path is moved aside and deleted."""
     final = build_dir.parent / manifest["key"]
-    write_file(build_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    write_file(build_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), needed)
     try:
         os.chmod(build_dir, 0o700)
         if final.exists():
@@ -266,7 +309,8 @@ def publish(build_dir: Path, manifest: dict) -> Entry:
             shutil.rmtree(trash, ignore_errors=True)
         os.rename(build_dir, final)
     except OSError as exc:
-        raise _os_error("publish the cache entry", final, exc) from exc
+        raise os_error("publish the cache entry", final, exc, needed) from exc
+    _warned.difference_update({k for k in _warned if k[0] == str(final)})  # a new entry: warn afresh
     return Entry(final, manifest)
 
 
@@ -283,7 +327,7 @@ def refresh_fingerprint(root: Path, entry: Entry, key: str, fingerprint: str) ->
         try:
             os.replace(tmp, path)
         except OSError as exc:
-            raise _os_error("update the manifest", path, exc) from exc
+            raise os_error("update the manifest", path, exc) from exc
     return Entry(entry.path, manifest)
 
 
@@ -296,7 +340,7 @@ def remove_entry(root: Path, entry: Entry) -> None:
             try:
                 os.rename(entry.path, trash)
             except OSError as exc:
-                raise _os_error("remove", entry.path, exc) from exc
+                raise os_error("remove", entry.path, exc) from exc
             shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -320,6 +364,6 @@ def clear(root: Path) -> int:
             try:
                 shutil.rmtree(child)
             except OSError as exc:
-                raise _os_error("remove", child, exc) from exc
+                raise os_error("remove", child, exc) from exc
             removed += 1
     return removed

@@ -174,7 +174,7 @@ def import_cache(archive: Path, root: Path) -> tuple[list[Path], list[Path]]:
         staging = Path(tempfile.mkdtemp(prefix=".import-", dir=root))
     except OSError as exc:
         tar.close()
-        raise cache._os_error("create an import directory in", root, exc) from exc
+        raise cache.os_error("create an import directory in", root, exc) from exc
     try:
         with tar:
             members = tar.getmembers()
@@ -219,7 +219,7 @@ def import_cache(archive: Path, root: Path) -> tuple[list[Path], list[Path]]:
             try:
                 config_dir.mkdir(mode=0o700, exist_ok=True)
             except OSError as exc:
-                raise cache._os_error("create", config_dir, exc) from exc
+                raise cache.os_error("create", config_dir, exc) from exc
             with cache.config_lock(root, name, key):
                 if cache.find_entry(root, name, key) is not None:
                     skipped.append(config_dir / key)
@@ -228,7 +228,7 @@ def import_cache(archive: Path, root: Path) -> tuple[list[Path], list[Path]]:
                 try:
                     os.rename(staging / name / key, tmp)
                 except OSError as exc:
-                    raise cache._os_error("move the imported entry to", tmp, exc) from exc
+                    raise cache.os_error("move the imported entry to", tmp, exc) from exc
                 published.append(cache.publish(tmp, manifest).path)
         return published, skipped
     except (OSError, tarfile.TarError) as exc:

@@ -12,9 +12,11 @@ CacheError (cache unusable, or an entry still bad after one rebuild).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -54,7 +56,7 @@ def resolve_arches(arches=None) -> tuple[str, ...]:
     dev = arch_mod.device_arch()
     if dev is not None:
         return (dev,)
-    log.info("flashjit: no GPU visible and no arch named; compiling for %s", ", ".join(arch_mod.DEFAULT_ARCHES))
+    log.debug("flashjit: no GPU visible and no arch named; compiling for %s", ", ".join(arch_mod.DEFAULT_ARCHES))
     return arch_mod.DEFAULT_ARCHES
 
 
@@ -123,10 +125,15 @@ def _lookup(root: Path, p: Planned, layers=()) -> cache.Entry | None:
         return cache.find_entry_any_toolchain(root, p.spec.name, p.key_inputs)
     entry = cache.find_entry(root, p.spec.name, p.key)
     if entry is not None and p.fingerprint is not None and entry.manifest.get("fingerprint") != p.fingerprint:
+        read_only = cache.read_only_reason(root)  # a read-only cache still serves the entry, only slower
+        if read_only is not None:
+            cache.warn_once(entry.path, f"cache entry {entry.path} matches by key but records another fingerprint, "
+                                        f"and the cache is read-only ({read_only}): served through the slower lookup")
+            return entry
         try:
             entry = cache.refresh_fingerprint(root, entry, p.key, p.fingerprint)
-        except CacheError as exc:  # a read-only cache still serves the entry, only slower
-            log.warning("flashjit: %s", exc)
+        except CacheError as exc:
+            cache.warn_once(entry.path, str(exc))
     return entry
 
 
@@ -150,10 +157,10 @@ def _miss_error(p: Planned) -> Exception:
     return ToolchainError(f"{p.spec.name} is not in the cache and nvcc was not found: {arch_mod.NVCC_HINT}")
 
 
-def _write_sources(build_dir: Path, rendered: RenderedSource) -> None:
-    cache.write_file(build_dir / rendered.filename, rendered.text)
+def _write_sources(build_dir: Path, rendered: RenderedSource, needed: int) -> None:
+    cache.write_file(build_dir / rendered.filename, rendered.text, needed)
     for rel, data in rendered.headers.items():
-        cache.write_file(build_dir / "include" / rel, data)
+        cache.write_file(build_dir / "include" / rel, data, needed)
 
 
 def _manifest(p: Planned, job: build.BuildJob) -> dict:
@@ -188,26 +195,40 @@ def build_many(specs, arches=None, jobs: int | None = None, progress=None, root:
                raise_first: bool = True, readonly: bool = True) -> list[BuildResult]:
     """Makes every spec present in the cache; builds the missing ones in one ninja run.
     Entries of the FLASHJIT_CACHE_READONLY layers count as present (unless
-    `readonly` is False); builds go into root, the writable cache.
+    `readonly` is False); builds go into root, the writable cache. A cache that
+    holds every spec is not written (it may be read-only).
+
+    progress(build.BuildProgress) is called once per distinct spec: for one
+    found in the cache (cached=True) when it is found, for a built one when its
+    compile finishes; done counts up to total, the number of distinct specs.
 
     Locks are taken in name order (no deadlock between two prewarms), sources
     are rendered and written inside them, and each entry is published by an
-    atomic rename with its manifest written last."""
+    atomic rename with its manifest written last. On an exception (Ctrl-C, a
+    full disk while writing sources, SIGTERM in the main thread) the compilers
+    are killed and the unpublished build directories removed."""
     specs = [s.validate() for s in specs]
     arches = resolve_arches(arches)
     disabled = jit_disabled()  # a bad value is an error even when every entry is cached
     layers = cache_ship.readonly_roots() if readonly else []
     nvcc = arch_mod.find_nvcc()
-    root = cache.ensure_root(root)
+    root = cache.ensure_root(root, create=False)  # a hit writes nothing
     if nvcc is not None:
         arch_mod.check_nvcc_supports(arch_mod.nvcc_version(nvcc), arches)
+    unique = list(dict.fromkeys(specs))
     results: dict[KernelSpec, BuildResult] = {}
+
+    def found(spec: KernelSpec, entry: cache.Entry) -> None:
+        results[spec] = BuildResult(spec, entry, built=False, seconds=0.0)
+        if progress is not None:
+            progress(build.BuildProgress(len(results), len(unique), spec.name, 0.0, True, cached=True))
+
     to_plan = []
-    for s in dict.fromkeys(specs):
+    for s in unique:
         fp = fingerprint(s, arches, nvcc)
         entry = _find_by_fingerprint(layers, root, s.name, fp) if fp else None
         if entry is not None:
-            results[s] = BuildResult(s, entry, built=False, seconds=0.0)
+            found(s, entry)
         else:
             to_plan.append(s)
     planned = sorted((plan(s, arches, nvcc) for s in to_plan), key=lambda p: (p.spec.name, p.key))
@@ -215,39 +236,67 @@ def build_many(specs, arches=None, jobs: int | None = None, progress=None, root:
     for p in planned:
         entry = _lookup(root, p, layers)
         if entry is not None:
-            results[p.spec] = BuildResult(p.spec, entry, built=False, seconds=0.0)
+            found(p.spec, entry)
         else:
             missing.append(p)
     if missing and (disabled or nvcc is None):
         raise _miss_error(missing[0])
-
-    with _LockSet(root, missing) as locked:
-        todo: list[tuple[Planned, build.BuildJob]] = []
-        for p in locked:
-            p = plan(p.spec, arches, nvcc)  # rendered again, inside the lock
-            entry = cache.find_entry(root, p.spec.name, p.key)
-            if entry is not None:  # another process built it while we waited
-                results[p.spec] = BuildResult(p.spec, entry, built=False, seconds=0.0)
-                continue
-            build_dir = cache.new_build_dir(root, p.spec.name, p.key)
-            _write_sources(build_dir, p.rendered)
-            args = build.nvcc_args(p.arches, p.rendered.filename, p.artifact_name)
-            todo.append((p, build.BuildJob(p.spec.name, build_dir, nvcc, args, p.artifact_name)))
-        build.run_builds([job for _, job in todo], root, jobs, progress)
-        for p, job in todo:
-            if job.error is not None:
-                results[p.spec] = BuildResult(p.spec, None, built=False, seconds=job.seconds, error=job.error)
-                continue
-            manifest = _manifest(p, job)
-            cache.write_file(job.build_dir / "tolerance.json", json.dumps(manifest["tolerance"], indent=1))
-            entry = cache.publish(job.build_dir, manifest)
-            results[p.spec] = BuildResult(p.spec, entry, built=True, seconds=job.seconds)
-    ordered = [results[s] for s in dict.fromkeys(specs)]
+    if missing:
+        root = cache.require_writable(root, missing[0].spec.name)
+        with build.sigterm_unwinds(), _LockSet(root, missing) as locked:
+            _build_locked(locked, arches, nvcc, root, jobs, progress, results, found, len(unique))
+    ordered = [results[s] for s in unique]
     if raise_first:
         for r in ordered:
             if r.error is not None:
                 raise r.error
     return ordered
+
+
+def _build_locked(locked: list[Planned], arches, nvcc: str, root: Path, jobs, progress, results: dict, found,
+                  total: int) -> None:
+    """build_many's part under the locks: render again, look again, build, publish."""
+    unpublished: list[Path] = []  # removed if anything raises
+    try:
+        todo: list[tuple[Planned, build.BuildJob]] = []
+        for p in locked:
+            p = plan(p.spec, arches, nvcc)  # rendered again, inside the lock
+            entry = cache.find_entry(root, p.spec.name, p.key)
+            if entry is not None:  # another process built it while we waited
+                found(p.spec, entry)
+                continue
+            build_dir = cache.new_build_dir(root, p.spec.name, p.key)
+            unpublished.append(build_dir)
+            _write_sources(build_dir, p.rendered, build.entry_bytes_estimate(len(p.arches)))
+            args = build.nvcc_args(p.arches, p.rendered.filename, p.artifact_name)
+            todo.append((p, build.BuildJob(p.spec.name, build_dir, nvcc, args, p.artifact_name)))
+        base = len(results)
+        shifted = None if progress is None else \
+            (lambda event: progress(dataclasses.replace(event, done=base + event.done, total=total)))
+        build.run_builds([job for _, job in todo], root, jobs, shifted)
+        for p, job in todo:
+            entry = _publish(p, job) if job.error is None else None
+            unpublished.remove(job.build_dir)  # published, or a failure (a compile error keeps its log)
+            results[p.spec] = BuildResult(p.spec, entry, built=entry is not None, seconds=job.seconds,
+                                          error=job.error)
+    except BaseException:
+        for build_dir in unpublished:
+            shutil.rmtree(build_dir, ignore_errors=True)
+        raise
+
+
+def _publish(p: Planned, job: build.BuildJob) -> cache.Entry | None:
+    """Writes the manifest and renames the entry into place. A failure (a full
+    disk) goes to job.error, with the build directory removed."""
+    needed = build.entry_bytes_estimate(len(p.arches))
+    try:
+        manifest = _manifest(p, job)
+        cache.write_file(job.build_dir / "tolerance.json", json.dumps(manifest["tolerance"], indent=1), needed)
+        return cache.publish(job.build_dir, manifest, needed)
+    except CacheError as exc:
+        shutil.rmtree(job.build_dir, ignore_errors=True)
+        job.error = exc
+        return None
 
 
 class _LockSet:
@@ -307,7 +356,7 @@ def _load(spec: KernelSpec, arches) -> KernelModule:
     jit_disabled()  # checked before the cache is read: a bad value must not wait for the first miss
     layers = cache_ship.readonly_roots()
     nvcc = arch_mod.find_nvcc()
-    root = cache.ensure_root()
+    root = cache.ensure_root(create=False)  # a hit writes nothing
     for arch_list in candidates:
         fp = fingerprint(spec, arch_list, nvcc)
         entry = (_find_by_fingerprint(layers, root, spec.name, fp) if fp
@@ -329,6 +378,7 @@ def _load(spec: KernelSpec, arches) -> KernelModule:
                                  f"{exc}") from exc
             log.warning("flashjit: cached %s does not load (%s); rebuilding once", result.entry.path, exc)
             if result.entry.path.parent.parent == root:
+                cache.require_writable(root, spec.name)  # a read-only cache cannot replace it
                 cache.remove_entry(root, result.entry)
             layers = []  # never written: a layer's entry is passed over instead
     raise AssertionError("unreachable")

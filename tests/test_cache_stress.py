@@ -429,12 +429,15 @@ def test_new_cache_is_private(fresh_cache):
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
 
 
-@pytest.mark.parametrize("mode", [0o775, 0o777, 0o757])
-def test_shared_cache_root_is_made_private(fresh_cache, mode):
+@pytest.mark.parametrize("mode, made", [(0o775, 0o755), (0o777, 0o755), (0o757, 0o755), (0o571, 0o551),
+                                        (0o555, 0o555), (0o500, 0o500), (0o750, 0o750)])
+def test_cache_root_loses_only_group_and_other_write_bits(fresh_cache, mode, made):
+    """Group/other write bits are removed (others could plant code); nothing is
+    added, so a root its owner made read-only stays read-only."""
     fresh_cache.mkdir()
     os.chmod(fresh_cache, mode)
     cache.ensure_root()
-    assert stat.S_IMODE(os.stat(fresh_cache).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(fresh_cache).st_mode) == made
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="chown to another user needs root")
