@@ -314,10 +314,11 @@ def positive_int(text: str) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prewarm", action="store_true", help="run the three flashjit prewarm commands first")
     parser.add_argument("--requests", type=positive_int, default=64, help="requests in the timed stream (default 64)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the request stream: lengths and tokens (default 0)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("serve.py: needs a CUDA GPU (SM80 or newer)", file=sys.stderr)

@@ -15,15 +15,20 @@ import logging
 import os
 import re
 import sys
-import tempfile
+import textwrap
 import time
 import warnings
 from pathlib import Path
 
 from . import bench
-from .errors import CacheError, FlashjitError, JitDisabledError, SettingError
-from .selection import PRESETS, _summary, specs_from_args
-from .spec import DTYPES, OPS, PLANNED_OPS, KernelSpec
+from .cache_root import cache_root
+from .errors import FlashjitError, JitDisabledError, SettingError
+from .selection import specs_from_args, summary_lines
+from .selectors import SelectionError, add_arch, add_selectors, check_selectors, presets_text
+from .spec import OPS, PLANNED_OPS, KernelSpec
+
+__all__ = ["build_parser", "cache_root", "main", "specs_from_args"]
+
 
 def _tolerance_text(spec: KernelSpec) -> str:
     from .error_model import tolerance
@@ -32,40 +37,50 @@ def _tolerance_text(spec: KernelSpec) -> str:
     return f"rtol {t.rtol:.1e} atol {t.atol:.1e}*max|v|"
 
 
+def target_arches(named) -> tuple[tuple[str, ...], str]:
+    """The arches to compile for and where they come from: --arch, else
+    FLASHJIT_CUDA_ARCH_LIST, else this GPU's (torch is imported here), else the default set."""
+    from . import arch
+
+    if named:
+        return tuple(sorted(set(named))), "--arch"
+    env = arch.env_arches()
+    if env:
+        return env, "FLASHJIT_CUDA_ARCH_LIST"
+    device = arch.device_arch()
+    if device is not None:
+        return (device,), "this GPU"
+    return arch.DEFAULT_ARCHES, "no GPU visible"
+
+
 def cmd_prewarm(args) -> int:
+    # The selectors in their own words first: nothing imported, no GPU probed.
+    check_selectors(args)
     from . import arch, build, cache_ship, jit
+    from .cli_output import BuildProgressLine, duration, size, table, tree_bytes
 
     # Every setting the selection and the build read, before either, through
     # the library's own parsers (each a SettingError naming the variable).
     if args.jobs is None:
         build.default_jobs()
-    if not args.arch:
-        arch.env_arches()
     jit.jit_disabled()
     arch.strict_backend()
     arch.env_nvcc()
     cache_ship.readonly_roots()
     # The arches (named, else this GPU, else the default set) decide the
     # backends of the selection; they are checked before the cache is created.
-    arches = jit.resolve_arches(args.arch)
-    try:
-        specs = specs_from_args(args, arches)
-    except ValueError as exc:
-        print(f"flashjit prewarm: {exc}", file=sys.stderr)
-        return 2
+    arches, arches_from = target_arches(args.arch)
+    specs = specs_from_args(args, arches)
     if not specs:
-        print("flashjit prewarm: the selection is empty", file=sys.stderr)
-        return 2
+        raise SelectionError("the selection is empty")
     root = cache_root(create=True)
-    for line in _summary(specs, arches):
+    for line in summary_lines(specs, arches, arches_from):
         print(line, file=sys.stderr)
-    if args.verbose:
-        for spec in specs:
-            print(f"    {spec.name}", file=sys.stderr)
     started = time.monotonic()
+    progress = BuildProgressLine(sys.stderr)
     try:
         results = jit.build_many(specs, arches=arches, jobs=args.jobs, root=root, raise_first=False,
-                                 progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+                                 progress=progress)
     except JitDisabledError as exc:
         missing = re.match(r"(\S+) is not in the cache", str(exc))
         name = missing.group(1) if missing else "a configuration"
@@ -73,27 +88,41 @@ def cmd_prewarm(args) -> int:
               f"{os.environ.get('FLASHJIT_DISABLE_JIT')} forbids compiling it; unset FLASHJIT_DISABLE_JIT (or set "
               f"it to 0) to build", file=sys.stderr)
         return 1
-    rows = [("configuration", "built", "seconds", "tolerance (kv_len 4096)", "cache path")]
-    failed = 0
-    for r in results:
-        if r.error is not None:
-            failed += 1
-            rows.append((r.spec.name, "FAILED", f"{r.seconds:.1f}", "-", "-"))
-        else:
-            rows.append((r.spec.name, "yes" if r.built else "cached", f"{r.seconds:.1f}", _tolerance_text(r.spec),
-                         str(r.entry.path)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    print(f"{len(results) - failed} ready, {failed} failed, {time.monotonic() - started:.1f} s", file=sys.stderr)
-    for r in results:
-        if r.error is not None:
-            print(f"\n{r.error}", file=sys.stderr)
+    finally:
+        progress.finish()
+    failed = [r for r in results if r.error is not None]
+    built = sum(r.built for r in results if r.error is None)
+    if args.verbose:
+        rows = [("configuration", "built", "seconds", "tolerance (kv_len 4096)", "cache path")]
+        rows += [(r.spec.name, "FAILED", f"{r.seconds:.1f}", "-", "-") if r.error is not None else
+                 (r.spec.name, "yes" if r.built else "cached", f"{r.seconds:.1f}", _tolerance_text(r.spec),
+                  str(r.entry.path)) for r in results]
+        print("\n".join(table(rows, right=(2,))))
+    ready = len(results) - len(failed)
+    print(f"flashjit prewarm: {ready} configuration(s) ready ({built} built, {ready - built} cached)"
+          + (f", {len(failed)} FAILED" if failed else "")
+          + f" in {duration(time.monotonic() - started)}; cache {size(tree_bytes(root))} at {root}", file=sys.stderr)
+    for r in failed:
+        print(f"\n{r.error}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _archive_problem(action: str, file: str) -> str | None:
+    """Why `cache export FILE` / `cache import FILE` cannot start, or None."""
+    path = Path(file)
+    if action == "import":
+        return None if path.is_file() else f"import: {file}: no such archive; name a file that flashjit cache " \
+                                             f"export wrote"
+    if path.is_dir():
+        return f"export: {file} is a folder; name the archive inside it, e.g. {path / 'flashjit-cache.tar.gz'}"
+    if not path.resolve().parent.is_dir():
+        return f"export: the folder of {file} does not exist; create it first, or name a file in an existing folder"
+    return None
 
 
 def cmd_cache(args) -> int:
     from . import cache, cache_ship
+    from .cli_output import cache_table
 
     if args.action in ("export", "import") and not args.file:
         print(f"flashjit cache: {args.action} needs the archive's path: flashjit cache {args.action} FILE",
@@ -102,6 +131,11 @@ def cmd_cache(args) -> int:
     if (args.action != "export" and args.patterns) or (args.action not in ("export", "import") and args.file):
         print(f"flashjit cache: {args.action} takes no further arguments", file=sys.stderr)
         return 2
+    if args.action in ("export", "import"):
+        problem = _archive_problem(args.action, args.file)
+        if problem:
+            print(f"flashjit cache: {problem}", file=sys.stderr)
+            return 2
     if args.action == "export":
         root = cache_root(create=False)
         entries = cache_ship.export_cache(root, Path(args.file), args.patterns)
@@ -120,6 +154,11 @@ def cmd_cache(args) -> int:
     if args.action == "clear":
         print(f"removed {cache.clear(root)} configuration(s) from {root}")
         return 0
+    if args.action == "list":
+        lines, bad = cache_table(root, cache.iter_entries(root))
+        for line in lines + bad:
+            print(line)
+        return 1 if bad else 0
     bad = 0
     count = 0
     for path, entry, problems in cache.iter_entries(root):
@@ -127,12 +166,7 @@ def cmd_cache(args) -> int:
         if entry is None:
             bad += 1
             print(f"BAD  {path}: {'; '.join(problems)}")
-        elif args.action == "list":
-            m = entry.manifest
-            size = entry.artifact.stat().st_size
-            print(f"ok   {m['name']}  {','.join(m['arches'])}  {size / 1e6:.1f} MB  {path}")
-    if args.action == "verify":
-        print(f"{count - bad} of {count} entries verified in {root}")
+    print(f"{count - bad} of {count} entries verified in {root}")
     return 1 if bad else 0
 
 
@@ -222,30 +256,6 @@ def log_level() -> int:
                        f"set one of them, or unset it for INFO")
 
 
-def cache_root(create: bool) -> Path:
-    """The cache root, refused if it is a file or a symlink (loads refuse those
-    too); with `create`, made (private to the user) and checked writable."""
-    from . import cache
-
-    root = cache.default_root()
-    name = "FLASHJIT_CACHE_DIR" if os.environ.get("FLASHJIT_CACHE_DIR") else \
-        "the cache directory (FLASHJIT_CACHE_DIR unset)"
-    fix = "set FLASHJIT_CACHE_DIR to a directory of your own (it is created if missing)"
-    if root.is_symlink() or (root.exists() and not root.is_dir()):
-        what = "a symlink" if root.is_symlink() else "a regular file" if root.is_file() else "not a directory"
-        raise SettingError(f"{name}: expected a directory, got {what}: {root}; {fix}")
-    if create:
-        cache.ensure_root(root)
-        try:
-            fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=root)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as exc:
-            raise CacheError(f"{name}: cannot write {root} ({exc.strerror or exc}); {fix}, or prewarm the cache "
-                             f"where it is writable") from None
-    return root
-
-
 @contextlib.contextmanager
 def _log_to_stderr(level: int):
     """flashjit's log lines on stderr while a command runs; the logger is left as it was found."""
@@ -264,25 +274,51 @@ def _log_to_stderr(level: int):
         logger.propagate = saved[1]
 
 
+PREWARM_DESCRIPTION = (
+    "Compiles the selected configurations into the cache (FLASHJIT_CACHE_DIR, see `flashjit info`), in parallel, "
+    "so that no op compiles at its first call. A preset names the ops, dtypes and head dims; --op, --dtype and "
+    "--head-dim replace its own; the variant flags (--causal, --window, --soft-cap, --lse, --tensor-cores) choose "
+    "the variants of each; --backend and the target arches choose the backends. It prints a progress line as each "
+    "configuration finishes and a summary at the end (-v: a table of every configuration). Exit 0 when every one "
+    "is ready, 1 where a build or the cache failed, 2 for a bad flag or FLASHJIT_* setting.")
+
+
+def _described(text: str, presets: bool) -> dict:
+    """A subcommand's description wrapped to 79 columns, and the presets as its
+    epilog (RawDescriptionHelpFormatter keeps their lines)."""
+    epilog = "presets (--preset):\n" + presets_text() if presets else None
+    return dict(description=textwrap.fill(text, 79), epilog=epilog,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashjit", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    pre = sub.add_parser("prewarm", help="build the cache for a set of configurations, in parallel")
-    _add_selection(pre)
-    pre.add_argument("--arch", nargs="+", help="e.g. sm_80 sm_89 sm_90a (default: this GPU, else all three)")
+    parser = argparse.ArgumentParser(prog="flashjit", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    pre = sub.add_parser("prewarm", help="build the cache for a set of configurations, in parallel",
+                         **_described(PREWARM_DESCRIPTION, presets=True))
+    add_selectors(pre)
+    add_arch(pre)
     pre.add_argument("--jobs", type=_positive_int,
                      help="parallel nvcc jobs (default: $FLASHJIT_JOBS, else by cores/memory)")
-    pre.add_argument("-v", "--verbose", action="store_true", help="list every configuration's name before building")
+    pre.add_argument("-v", "--verbose", action="store_true",
+                     help="after the build, a table of every configuration: built or cached, seconds, tolerance, "
+                          "cache path")
     pre.add_argument("--batch-invariant", action="store_true",
                      help="the kernels the selected ops load in batch-invariant mode (decode: its prefill tiling)")
     pre.set_defaults(func=cmd_prewarm)
-    cac = sub.add_parser("cache", help="list, verify, clear, export or import the cache")
-    cac.add_argument("action", choices=["list", "verify", "clear", "export", "import"])
+    cac = sub.add_parser("cache", help="list, verify, clear, export or import the cache",
+                         description="list: a table of the valid entries (sorted by op, dtype, head dim) and their "
+                                     "total; verify: checks every entry; clear: removes them; export FILE "
+                                     "[PATTERN ...] / import FILE: an archive of entries for another machine.")
+    cac.add_argument("action", choices=["list", "verify", "clear", "export", "import"], help="what to do")
     cac.add_argument("file", nargs="?", help="export/import: the archive (.tar, or .tar.gz / .tgz for gzip)")
     cac.add_argument("patterns", nargs="*",
                      help="export: configuration-name globs (e.g. 'single_decode_*'); default: every valid entry")
     cac.set_defaults(func=cmd_cache)
-    inf = sub.add_parser("info", help="versions, toolchain, GPU, cache directory")
+    inf = sub.add_parser("info", help="versions, toolchain, GPU, cache directory",
+                         description="Versions, toolchain, GPU, cache directory and every FLASHJIT_* setting; exit 2 "
+                                     "where a setting is invalid.")
     inf.set_defaults(func=cmd_info)
     ben = sub.add_parser("bench", help=bench.HELP, description=bench.DESCRIPTION)
     bench.add_arguments(ben, _positive_int)
@@ -291,28 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_selection(parser) -> None:
-    """The configuration selectors prewarm and numerics share (specs_from_args reads them)."""
-    parser.add_argument("--op", nargs="+", choices=list(OPS) + list(PLANNED_OPS))
-    parser.add_argument("--dtype", nargs="+", help=f"of {', '.join(DTYPES)} (or fp16, bf16, fp32)")
-    parser.add_argument("--head-dim", nargs="+", type=int)
-    parser.add_argument("--backend", nargs="+", default=["auto"], choices=["auto", "fa2", "fa3"],
-                        help="auto (default): what the ops pick on each target arch (fa3 on sm_90a for the prefill "
-                             "ops it generates, fa2 elsewhere)")
-    parser.add_argument("--tensor-cores", default="auto", choices=["auto", "on", "off", "both"],
-                        help="auto (default): what the ops pick when not told: tensor cores for fp16/bf16 prefill")
-    parser.add_argument("--causal", default="both", choices=["on", "off", "both"])
-    parser.add_argument("--window", default="off", choices=["on", "off", "both"])
-    parser.add_argument("--soft-cap", default="off", choices=["on", "off", "both"])
-    parser.add_argument("--lse", default="off", choices=["on", "off", "both"])
-    parser.add_argument("--preset", default="default", choices=sorted(PRESETS))
-
-
 def _add_numerics(sub) -> None:
     from . import numerics
 
-    num = sub.add_parser("numerics", help=numerics.HELP, description=numerics.DESCRIPTION)
-    _add_selection(num)
+    num = sub.add_parser("numerics", help=numerics.HELP, **_described(numerics.DESCRIPTION, presets=True))
+    add_selectors(num)
     numerics.add_arguments(num, _positive_int)
     num.set_defaults(func=cmd_numerics, arch=None)
 
@@ -338,6 +357,9 @@ def main(argv=None) -> int:
             # flashjit does not need: not the user's concern in a flashjit command.
             warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
             return args.func(args)
+    except SelectionError as exc:
+        print(f"flashjit {args.command}: {exc}", file=sys.stderr)
+        return 2
     except FlashjitError as exc:
         print(f"flashjit {args.command}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, SettingError) else 1

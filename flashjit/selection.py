@@ -8,7 +8,8 @@ from __future__ import annotations
 import itertools
 
 from .arch import choose_backend
-from .spec import DECODE_OPS, HEAD_DIMS, MLA_OPS, OPS, TENSOR_CORE_DTYPES, UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec
+from .spec import DECODE_OPS, HEAD_DIMS, MLA_OPS, OPS, TENSOR_CORE_DTYPES, UTILITY_OPS, KernelSpec, canonical_dtype, \
+    mla_spec
 
 # Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
 ALWAYS_LSE = {"batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged"}
@@ -31,47 +32,101 @@ def _switch(value: str) -> list:
 
 def _backends(op: str, dtype: str, tc: bool, backend: str, arches) -> list[str]:
     """The backends the ops would run for `backend` on each of the target arches
-    (an explicit fa3 where it cannot run: fa2, with the ops' warning)."""
+    (an explicit fa3 where it cannot run: fa2, with the ops' warning; under
+    FLASHJIT_STRICT_BACKEND a SelectionError naming --backend)."""
+    from .selectors import SelectionError
+
     if not tc or op in UTILITY_OPS:
         return ["fa2"]
-    return list(dict.fromkeys(choose_backend(op, dtype, tc, backend, targets=(a,))[0] for a in arches))
+    try:
+        return list(dict.fromkeys(choose_backend(op, dtype, tc, backend, targets=(a,))[0] for a in arches))
+    except ValueError as exc:  # "backend='fa3' cannot run here: <why>; use ..."
+        why = str(exc).split("cannot run here: ", 1)[-1].split("; use ", 1)[0]
+        raise SelectionError(f"--backend {backend}: {why}; choose --backend fa2 or auto, or unset "
+                             f"FLASHJIT_STRICT_BACKEND to build fa2 in its place") from None
+
+
+def flag_words(spec: KernelSpec) -> str:
+    """The prewarm flags that name one configuration, for messages."""
+    def switch(flag: bool) -> str:
+        return "on" if flag else "off"
+
+    from .selectors import short_dtype
+
+    return (f"--op {spec.op} --dtype {short_dtype(spec.dtype_q)} --head-dim {spec.head_dim_qk} --backend "
+            f"{spec.backend} --tensor-cores {switch(spec.use_tensor_cores)} --causal {switch(spec.causal)} --window "
+            f"{switch(spec.sliding_window)} --soft-cap {switch(spec.soft_cap)} --lse {switch(spec.return_lse)}")
+
+
+def _validated(spec: KernelSpec) -> KernelSpec:
+    from .selectors import SelectionError
+
+    try:
+        return spec.validate()
+    except ValueError as exc:
+        reason = str(exc).split(": ", 1)[-1].split(". Nearest working choice", 1)[0]
+        raise SelectionError(f"{flag_words(spec)}: not generated ({reason})") from None
+
+
+def _left_out(op: str, dtype: str, tc: bool, causal: bool, window: bool, cap: bool, lse: bool) -> str | None:
+    """Why a combination of the selectors' values names no configuration (None: it names one)."""
+    from .selectors import short_dtype
+
+    if op in MLA_OPS:
+        if dtype not in TENSOR_CORE_DTYPES:
+            return f"{op} runs {' and '.join(map(short_dtype, TENSOR_CORE_DTYPES))} only (not {short_dtype(dtype)})"
+        if window or cap:
+            return f"{op} has no --window or --soft-cap variant (leave them off)"
+        return None
+    if op in UTILITY_OPS:
+        if tc or causal or window or cap or lse:
+            return f"{op} has no --tensor-cores, --causal, --window, --soft-cap or --lse variant (leave them off)"
+        return None
+    if tc and dtype == "float32":
+        return "fp32 has no tensor-core kernel (--tensor-cores on); choose --tensor-cores off, auto or both"
+    if causal and op in NO_CAUSAL:
+        return f"{op} has no causal variant (--causal on); choose --causal off or both"
+    return None
 
 
 def specs_from_args(args, arches=None) -> list[KernelSpec]:
     """The selection for target `arches` (default: --arch, else this GPU's, else
     the default set): with tensor cores, each backend the ops pick on some
-    target (auto on sm_80 + sm_90a: fa2, and fa3 for sm_90a)."""
+    target (auto on sm_80 + sm_90a: fa2, and fa3 for sm_90a). Checks the
+    selectors first (selectors.check_selectors); a selection that names no
+    configuration is a SelectionError saying why."""
     from . import jit
+    from .selectors import SelectionError, check_selectors
 
+    check_selectors(args)
     arches = arches or jit.resolve_arches(args.arch)
     preset = PRESETS[args.preset]
     ops = args.op or preset["ops"]
     dtypes = [canonical_dtype(d) for d in (args.dtype or preset["dtypes"])]
     head_dims = args.head_dim or preset["head_dims"]
-    specs = []
+    specs, reasons = [], []
     for op, dtype, head_dim, backend, tc, causal, window, cap, lse in itertools.product(
             ops, dtypes, head_dims, args.backend, _switch(args.tensor_cores), _switch(args.causal),
             _switch(args.window), _switch(args.soft_cap), _switch(args.lse)):
+        if tc is None:
+            tc = op in MLA_OPS or (False if op in UTILITY_OPS else choose_backend(op, dtype, None, "fa2")[1])
+        reason = _left_out(op, dtype, tc, causal, window, cap, lse)
+        if reason is not None:
+            reasons.append(reason)
+            continue
         if op in MLA_OPS:
             # One geometry (ckv 512 + kpe 64) on tensor cores, fp16/bf16, with or
             # without causal: head_dim, cores, window, soft-cap and LSE do not apply.
-            by_preset = not args.op and "sm_90a" not in arches
-            if dtype in TENSOR_CORE_DTYPES and not (window or cap or by_preset):
-                specs += [mla_spec(dtype, causal=causal, backend=chosen).validate()
+            if args.op or "sm_90a" in arches:
+                specs += [_validated(mla_spec(dtype, causal=causal, backend=chosen))
                           for chosen in _backends(op, dtype, True, backend, arches)]
             continue
-        if tc is None:
-            tc = False if op in UTILITY_OPS else choose_backend(op, dtype, None, "fa2")[1]
-        if tc and dtype == "float32":
-            continue  # fp32 has no tensor-core kernel; "both" means the ones that exist
-        if causal and op in NO_CAUSAL:
-            continue
-        if op in UTILITY_OPS and (tc or causal or window or cap or lse):
-            continue  # a copy has one configuration per dtype and head_dim
         for chosen in _backends(op, dtype, tc, backend, arches):
-            spec = KernelSpec.make(op, dtype, head_dim, backend=chosen, use_tensor_cores=tc, causal=causal,
-                                   sliding_window=window, soft_cap=cap, return_lse=lse or op in ALWAYS_LSE)
-            specs.append(spec.validate())
+            specs.append(_validated(KernelSpec.make(
+                op, dtype, head_dim, backend=chosen, use_tensor_cores=tc, causal=causal, sliding_window=window,
+                soft_cap=cap, return_lse=lse or op in ALWAYS_LSE)))
+    if not specs and reasons:
+        raise SelectionError("the selection is empty: " + "; ".join(dict.fromkeys(reasons)))
     if getattr(args, "batch_invariant", False):
         from .ops import _invariant  # imports torch: only for this flag
 
@@ -79,15 +134,15 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
     return list(dict.fromkeys(specs))
 
 
-def _summary(specs: list[KernelSpec], arches) -> list[str]:
+def summary_lines(specs: list[KernelSpec], arches, arches_from: str) -> list[str]:
     """The selection in a few short lines: every axis's values, in selection order."""
     def axis(values) -> str:
         return ", ".join(str(v) for v in dict.fromkeys(values))
 
     cores = [s.use_tensor_cores for s in specs]
-    return [f"flashjit prewarm: {len(specs)} configuration(s) for {', '.join(arches)}",
+    return [f"flashjit prewarm: {len(specs)} configuration(s) for {', '.join(arches)} ({arches_from})",
             f"  ops        {axis(s.op for s in specs)}",
             f"  dtypes     {axis(s.dtype_q for s in specs)}",
-            f"  head_dims  {axis(s.head_dim_qk for s in specs if s.op not in MLA_OPS)}"
+            f"  head_dims  {axis(s.head_dim_qk for s in specs if s.op not in MLA_OPS) or '-'}"
             + (" (mla_paged: ckv 512 + kpe 64)" if any(s.op in MLA_OPS for s in specs) else ""),
             f"  cores      {cores.count(True)} on tensor cores, {cores.count(False)} on CUDA cores"]

@@ -32,10 +32,11 @@ def add_arguments(parser, positive_int) -> None:
                         help="about a minute once the kernels are cached: prefill head_dim 128 at 1k and 4k tokens, "
                              "decode GQA 64x4k and 1x32k, no append rows")
     parser.add_argument("--out", default="flashjit-bench", help="folder for the reports (default: ./flashjit-bench)")
-    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="the benchmarks to run (default: all)")
-    parser.add_argument("--peers", nargs="*", choices=PEERS,
-                        help="the other libraries to time (default: every one that imports; --peers alone: "
-                             "flashjit alone); decode has no SDPA column (SDPA reads no paged cache)")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, metavar="BENCHMARK",
+                        help=f"the benchmarks to run: {', '.join(BENCHMARKS)} (default: all)")
+    parser.add_argument("--peers", nargs="*", choices=PEERS, metavar="PEER",
+                        help=f"the other libraries to time, of {', '.join(PEERS)} (default: every one that imports; "
+                             f"--peers alone: flashjit alone); decode has no SDPA column (SDPA reads no paged cache)")
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help="prefill: passes of reps samples per cell, every cell once a pass in shuffled order")
     parser.add_argument("--reps", type=positive_int, default=50, help="decode: timed samples per cell (median)")
@@ -100,7 +101,13 @@ def run(args) -> int:
     # (and a cache miss under FLASHJIT_DISABLE_JIT stops here, naming the prewarm).
     print(f"flashjit bench: {', '.join(plans)} on {torch.cuda.get_device_name()}; building or loading "
           f"{len(specs)} configuration(s)", file=sys.stderr, flush=True)
-    jit.build_many(specs, progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    from ..cli_output import BuildProgressLine
+
+    build_progress = BuildProgressLine(sys.stderr)
+    try:
+        jit.build_many(specs, progress=build_progress)
+    finally:
+        build_progress.finish()
     progress = Progress(sum(len(rows) for rows, _ in plans.values()))
     sections, status = {}, 0
     for name, (rows, peers) in plans.items():

@@ -28,7 +28,8 @@ DESCRIPTION = ("Runs the selected configurations (prewarm's selectors; backends:
 
 def add_arguments(parser, positive_int) -> None:
     """The flags of `flashjit numerics` beside prewarm's selectors."""
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), help=f"default: {' '.join(DEFAULT_CASES)}")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), metavar="CASE",
+                        help=f"the cases to run: {', '.join(CASES)} (default: {' '.join(DEFAULT_CASES)})")
     parser.add_argument("--seeds", type=positive_int, default=3, help="fresh random draws per case (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="base of the draws' seeds (default 0)")
     parser.add_argument("--long", action="store_true", help="add the 128k-context case (long128k)")
@@ -37,6 +38,7 @@ def add_arguments(parser, positive_int) -> None:
     parser.add_argument("--out", metavar="FILE.md", help="the markdown report (also printed)")
     parser.add_argument("--jobs", type=positive_int,
                         help="parallel nvcc jobs (default: $FLASHJIT_JOBS, else by cores/memory)")
+
 
 def case_list(cases=None, long: bool = False) -> list[str]:
     """The cases to run, in catalog order; `long` adds the 128k-context one."""
@@ -114,11 +116,25 @@ def run(args) -> int:
     case failed or a build failed (the reports are written either way); 0 otherwise."""
     from .. import arch, build, cache_ship, jit
     from ..bench import no_gpu_reason
-    from ..cli import cache_root
+    from ..cache_root import cache_root
+    from ..cli_output import BuildProgressLine
     from ..selection import specs_from_args
+    from ..selectors import check_selectors
     from ..spec import UTILITY_OPS
     from . import report
 
+    # The flags first, in their own words: no torch, no GPU probe (SelectionError: exit 2).
+    check_selectors(args)
+    try:
+        cases = case_list(args.cases, args.long)
+    except ValueError as exc:
+        print(f"flashjit numerics: {exc}", file=sys.stderr)
+        return 2
+    for name in ("out", "json", "plot"):  # before anything is built or measured
+        path = getattr(args, name)
+        if path and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
+            print(f"flashjit numerics: --{name}: expected a file in an existing folder, got {path}", file=sys.stderr)
+            return 2
     reason = no_gpu_reason()
     if reason:
         print(f"flashjit numerics: {reason}; measuring needs an NVIDIA GPU (SM80 or newer)", file=sys.stderr)
@@ -129,18 +145,8 @@ def run(args) -> int:
     jit.jit_disabled()
     arch.env_nvcc()
     cache_ship.readonly_roots()
-    for name in ("out", "json", "plot"):  # before anything is built or measured
-        path = getattr(args, name)
-        if path and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
-            print(f"flashjit numerics: --{name}: expected a file in an existing folder, got {path}", file=sys.stderr)
-            return 2
-    try:
-        cases = case_list(args.cases, args.long)
-        # The backends of this GPU: what the ops run here (name fa3 and fa2 to measure both).
-        specs = specs_from_args(args, (arch.device_arch(),))
-    except ValueError as exc:
-        print(f"flashjit numerics: {exc}", file=sys.stderr)
-        return 2
+    # The backends of this GPU: what the ops run here (name fa3 and fa2 to measure both).
+    specs = specs_from_args(args, (arch.device_arch(),))
     left_out = [s for s in specs if s.op in UTILITY_OPS]
     specs = [s for s in specs if s.op not in UTILITY_OPS]
     if not specs:
@@ -150,8 +156,12 @@ def run(args) -> int:
     print(f"flashjit numerics: {len(specs)} configuration(s) on {arch.device_name()}, cases {', '.join(cases)}, "
           f"{args.seeds} seed(s)" + (f"; {len(left_out)} append_paged left out (an exact copy)" if left_out else ""),
           file=sys.stderr, flush=True)
-    built = jit.build_many(specs, jobs=args.jobs, root=cache_root(create=True), raise_first=False,
-                           progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    progress = BuildProgressLine(sys.stderr)
+    try:
+        built = jit.build_many(specs, jobs=args.jobs, root=cache_root(create=True), raise_first=False,
+                               progress=progress)
+    finally:
+        progress.finish()
     broken = {r.spec for r in built if r.error is not None}
     rows = [{**describe(r.spec), "case": "-", "status": "error", "reason": "build failed (see above)"}
             for r in built if r.error is not None]

@@ -1,0 +1,187 @@
+"""The selector flags `flashjit prewarm` and `flashjit numerics` share (--op,
+--dtype, --head-dim, --backend, --tensor-cores, --causal, --window, --soft-cap,
+--lse, --preset, and prewarm's --arch): their help, and their values checked in
+the flags' own words before torch is imported or a GPU probed.
+
+Every accepted set comes from flashjit.spec, flashjit.arch and
+selection.PRESETS, so the help and the checks follow what is generated.
+A bad value is a SelectionError: "--head-dim: 100 is not generated; choose 64,
+128 or 256". The command prints it after its own name and exits 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import textwrap
+
+from .arch import ARCHES, DEFAULT_ARCHES, normalize_arch
+from .errors import ToolchainError
+from .selection import PRESETS
+from .spec import _DTYPE_ALIASES as DTYPE_ALIASES
+from .spec import BACKENDS, DTYPES, HEAD_DIMS, MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_OPS, OPS, PLANNED_OPS, \
+    canonical_dtype
+
+SWITCHES = ("on", "off", "both")
+TENSOR_CORE_CHOICES = ("auto", *SWITCHES)
+BACKEND_CHOICES = ("auto", *BACKENDS)
+MLA_HEAD_DIM = MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE
+
+
+class SelectionError(ValueError):
+    """A selector with a value, or values together, that flashjit does not
+    generate; the message names the flag, the value and the choices."""
+
+
+def choices_text(values) -> str:
+    """'a, b or c'."""
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
+
+
+def dtype_names() -> dict[str, list[str]]:
+    """Each dtype's names, the short one first: {'float16': ['fp16', 'float16', 'half', 'f16'], ...}."""
+    names = {}
+    for canonical in DTYPES:
+        aliases = [alias for alias, target in DTYPE_ALIASES.items() if target == canonical]
+        names[canonical] = aliases[:1] + [canonical] + aliases[1:]
+    return names
+
+
+def dtype_choices() -> str:
+    """'fp16 (float16, half, f16), bf16 (bfloat16) or fp32 (float32, float, f32)'."""
+    return choices_text(f"{first} ({', '.join(rest)})" for first, *rest in dtype_names().values())
+
+
+def short_dtype(dtype: str) -> str:
+    return dtype_names()[dtype][0]
+
+
+def arch_choices() -> str:
+    return choices_text(ARCHES) + " (or 8.0, 8.9, 9.0a ...)"
+
+
+def _switch_metavar(values) -> str:
+    return "{" + ",".join(values) + "}"
+
+
+def presets_text(width: int = 79) -> str:
+    """What each preset builds, from selection.PRESETS (prewarm's help)."""
+    lines = []
+    for name, preset in sorted(PRESETS.items()):
+        ops = preset["ops"]
+        mla = [op for op in ops if op in MLA_OPS]
+        text = (f"{name}: ops {', '.join(ops)}; dtypes {', '.join(short_dtype(d) for d in preset['dtypes'])}; "
+                f"head dims {', '.join(map(str, preset['head_dims']))}"
+                + (f"; {', '.join(mla)} only where a target is sm_90a" if mla else ""))
+        lines.append(textwrap.fill(text, width, initial_indent="  ", subsequent_indent="      "))
+    lines.append(textwrap.fill("each with the variant flags' defaults (causal and not; tensor cores where the ops "
+                               "pick them), for the backends the ops run on the target arches", width,
+                               initial_indent="  ", subsequent_indent="  "))
+    return "\n".join(lines)
+
+
+def add_selectors(parser) -> None:
+    """The selector flags (specs_from_args reads them; check_selectors checks them)."""
+    parser.add_argument("--op", nargs="+", metavar="OP",
+                        help=f"the ops to build (default: the preset's): {', '.join(OPS)}")
+    parser.add_argument("--dtype", nargs="+", metavar="DTYPE",
+                        help=f"the dtypes (default: the preset's): {dtype_choices()}")
+    parser.add_argument("--head-dim", nargs="+", metavar="D",
+                        help=f"the head dims (default: the preset's): {choices_text(HEAD_DIMS)}; mla_paged has its "
+                             f"own (ckv {MLA_HEAD_DIM_CKV} + kpe {MLA_HEAD_DIM_KPE})")
+    parser.add_argument("--backend", nargs="+", default=["auto"], metavar="BACKEND",
+                        help=f"{choices_text(BACKEND_CHOICES)}; auto (default): what the ops pick on each target "
+                             f"arch (fa3 on sm_90a for the prefill ops it generates, fa2 elsewhere)")
+    parser.add_argument("--tensor-cores", default="auto", metavar=_switch_metavar(TENSOR_CORE_CHOICES),
+                        help="auto (default): what the ops pick when not told (tensor cores for fp16/bf16 prefill); "
+                             "both: each configuration with and without")
+    parser.add_argument("--causal", default="both", metavar=_switch_metavar(SWITCHES),
+                        help="the causal-mask variant (default: both; decode ops have none)")
+    parser.add_argument("--window", default="off", metavar=_switch_metavar(SWITCHES),
+                        help="the sliding-window variant (default: off)")
+    parser.add_argument("--soft-cap", default="off", metavar=_switch_metavar(SWITCHES),
+                        help="the logit soft-cap variant (default: off)")
+    parser.add_argument("--lse", default="off", metavar=_switch_metavar(SWITCHES),
+                        help="the variant that also returns the log-sum-exp (default: off; the batch wrappers always "
+                             "build it)")
+    parser.add_argument("--preset", default="default", metavar=_switch_metavar(sorted(PRESETS)),
+                        help="the ops, dtypes and head dims that --op, --dtype and --head-dim leave unnamed "
+                             "(default: default; each listed below)")
+
+
+def add_arch(parser) -> None:
+    parser.add_argument("--arch", nargs="+", metavar="ARCH",
+                        help=f"the GPU arches to compile for: {arch_choices()} (default: "
+                             f"$FLASHJIT_CUDA_ARCH_LIST, else this GPU's, else {', '.join(DEFAULT_ARCHES)})")
+
+
+def _one_of(flag: str, value, allowed) -> None:
+    if value not in allowed:
+        raise SelectionError(f"{flag}: {value} is not a choice; choose {choices_text(allowed)}")
+
+
+def _check_op(op: str) -> None:
+    if op in OPS:
+        return
+    if op in PLANNED_OPS:
+        raise SelectionError(f"--op: {op} is not generated yet; choose {PLANNED_OPS[op]} in its place, or "
+                             f"{choices_text(OPS)}")
+    close = difflib.get_close_matches(op, OPS, n=1, cutoff=0.6)
+    raise SelectionError(f"--op: {op} is not an op flashjit generates; choose {choices_text(OPS)}"
+                         + (f" (did you mean {close[0]}?)" if close else ""))
+
+
+def _check_head_dims(values, ops) -> list[int]:
+    mla_only = all(op in MLA_OPS for op in ops)
+    allowed = list(HEAD_DIMS) + ([MLA_HEAD_DIM] if mla_only else [])
+    head_dims = []
+    for text in values:
+        value = int(text) if re.fullmatch(r"\s*\d+\s*", str(text)) else None
+        if value is None:
+            raise SelectionError(f"--head-dim: {text} is not a number; choose {choices_text(HEAD_DIMS)}")
+        if value == MLA_HEAD_DIM and not mla_only:
+            raise SelectionError(f"--head-dim: {value} is mla_paged's (ckv {MLA_HEAD_DIM_CKV} + kpe "
+                                 f"{MLA_HEAD_DIM_KPE}), which it takes alone; the other ops take "
+                                 f"{choices_text(HEAD_DIMS)}")
+        if value not in allowed:
+            raise SelectionError(f"--head-dim: {value} is not generated; choose {choices_text(HEAD_DIMS)}")
+        head_dims.append(value)
+    return head_dims
+
+
+def _check_arches(values) -> list[str]:
+    arches = []
+    for text in values:
+        try:
+            arches.append(normalize_arch(text))
+        except ToolchainError:
+            digits = re.sub(r"\D", "", text)
+            old = " (flashjit needs SM80 or newer)" if digits and 10 <= int(digits[:2]) < 80 else ""
+            raise SelectionError(f"--arch: {text} is not supported{old}; choose {arch_choices()}") from None
+    return arches
+
+
+def check_selectors(args) -> None:
+    """Checks every selector of `args` in the flags' words (a SelectionError)
+    and writes back their canonical form: dtypes as float16 / bfloat16 /
+    float32, head dims as ints, arches as sm_XX. Imports no torch."""
+    _one_of("--preset", args.preset, sorted(PRESETS))
+    for op in args.op or ():
+        _check_op(op)
+    dtypes = []
+    for text in args.dtype or ():
+        try:
+            dtypes.append(canonical_dtype(text))
+        except ValueError:
+            raise SelectionError(f"--dtype: {text} is not supported; choose {dtype_choices()}") from None
+    args.dtype = dtypes or None
+    ops = args.op or PRESETS[args.preset]["ops"]
+    args.head_dim = _check_head_dims(args.head_dim, ops) if args.head_dim else None
+    for backend in args.backend:
+        _one_of("--backend", backend, BACKEND_CHOICES)
+    _one_of("--tensor-cores", args.tensor_cores, TENSOR_CORE_CHOICES)
+    for flag in ("causal", "window", "soft_cap", "lse"):
+        _one_of("--" + flag.replace("_", "-"), getattr(args, flag), SWITCHES)
+    if getattr(args, "arch", None):
+        args.arch = _check_arches(args.arch)
