@@ -13,7 +13,7 @@ import torch
 import flashjit
 import test_prepared_calls
 import test_prepared_runs
-from flashjit.ops import _guards, _library, decode, prefill
+from flashjit.ops import _dispatch, _guards, decode, prefill
 from test_prepared_calls import SINGLE, SINGLE_CHANGES, bf16, cuda, pointers
 from test_prepared_runs import BATCH_CHANGES, WRAPPERS, mla
 
@@ -126,7 +126,7 @@ def test_run_operators_take_the_fast_slot(kind, gpu, monkeypatch):
     if kind == "pair":
         args = [args[0], (cuda(args[1][:, 0]), cuda(args[1][:, 1]))]
     if kind in ("paged_prefill", "decode", "pair"):  # the cache as the operator takes it, then window_left
-        inputs, extra = [args[0], *_library.cache_args(args[1])], (None,)
+        inputs, extra = [args[0], *_dispatch.cache_args(args[1])], (None,)
     op = getattr(torch.ops.flashjit, f"{w._op}_run").default
     w.run(*args)
     _no_key_path(monkeypatch)

@@ -20,7 +20,7 @@ from torch.library import opcheck
 
 import flashjit
 from flashjit import jit
-from flashjit.ops import _batch, _library
+from flashjit.ops import _batch, _dispatch, _library
 import helpers_cache
 from test_bad_input_wrappers import _i32, _workspace
 
@@ -368,7 +368,7 @@ def test_merge_with_gradients_traces_the_torch_ops():
 def test_opcheck_append_and_merge():
     for form in ("5d", "tuple"):
         b, args = _append_case(form)
-        k, v = _library.cache_args(_clone_cache(b["cache"]))
+        k, v = _dispatch.cache_args(_clone_cache(b["cache"]))
         opcheck(_op("append_paged_kv_cache"), (*args, k, v, b["kv_indices"], b["kv_indptr"], b["last"], "NHD"),
                 test_utils=OPCHECK)
     v, s = _states()

@@ -1,14 +1,15 @@
 """The public attention ops (FlashInfer-compatible names). Importing this
 module imports torch and registers the ops as torch.ops.flashjit.* (see
-_library); `import flashjit` alone does neither."""
+_library, the layer above the op modules); `import flashjit` alone does neither."""
 
-from . import _library
 from .append import append_paged_kv_cache
 from .decode import single_decode_with_kv_cache
 from .merge import merge_state, merge_state_in_place, merge_states
 from .mla import BatchMLAPagedAttentionWrapper
 from .paged import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithRaggedKVCacheWrapper, single_prefill_with_kv_cache
+
+from . import _library  # last: the top layer, it imports the op modules above
 
 _library.register()
 

@@ -23,7 +23,7 @@ import torch
 
 from .. import jit
 from ..loader import KernelModule
-from . import _checks, _invariant, _library
+from . import _checks, _dispatch, _invariant
 from ._calls import PER_CALL, Signatures, batch_call, check_placement, resident_ctas
 from ._launch import fill_params
 from ._plan import WorkPlan, ceil_div, plan_work
@@ -89,7 +89,7 @@ class BatchAttention:
         self._launches = Signatures()  # argument signature -> prepared run() (ops._calls), for the current plan
         self._own_partials: torch.Tensor | None = None  # batch-invariant partial state past the workspace
         self._qo_rows = "qo_indptr[-1]"  # what sets q's row count, for error messages
-        self._handle = _library.register_wrapper(self)  # how run()'s torch.ops.flashjit operator finds this
+        self._handle = _dispatch.register_wrapper(self)  # how run()'s torch.ops.flashjit operator finds this
 
     @property
     def is_cuda_graph_enabled(self) -> bool:

@@ -2,113 +2,28 @@
 torch.compile(fullgraph=True) traces a model that calls them without a graph
 break (see docs/torch_compile.md).
 
-The public functions and the wrappers' run() ask `tracing()` first (the
-attention ops spell out its two tests). Under dynamo or a torch dispatch mode
-(FakeTensorMode, make_fx, torch.export) they call torch.ops.flashjit.*;
-otherwise they run their Python body directly,
-because a trip through the dispatcher costs host time on every call (paged
-decode run() on an H200 host: 25.5 us eager, 32.1 us through its operator,
-benchmarks/results/2026-11-25-h200-jit-overhead.md). The operators are defined
-with Library.define and not with the torch.library.custom_op decorator, whose
-Python autograd and view kernels add host time to every call. The real kernels (CPU and CUDA)
-run the same eager bodies, so compiled and eager outputs are bit-identical;
+This module is the top layer of flashjit.ops: it imports the ops whose eager
+bodies the operators run, and none of them imports it; they ask ops._dispatch
+whether a call must go through an operator. The operators are defined with
+Library.define and not with the torch.library.custom_op decorator, whose Python
+autograd and view kernels add host time to every call. The real kernels (CPU and
+CUDA) run the same eager bodies, so compiled and eager outputs are bit-identical;
 the fake kernels check structure and return outputs of the eager shapes.
 
-A wrapper's plan stays in Python: its run() operator takes an integer handle,
-fixed at construction, and the kernel looks the wrapper up, so a graph compiled
-once reads whatever plan() last set, without recompiling.
+A wrapper's plan stays in Python: its run() operator takes an integer handle
+(ops._dispatch.register_wrapper), and the kernel looks the wrapper up.
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from types import SimpleNamespace
 
 import torch
 
-from . import _checks
+from . import _checks, _dispatch, append, decode, merge, prefill
+from ._batch import check_out_buffer
+from ._dispatch import cache_of as _cache_of, wrapper_of
 from ._launch import check_qkv
-
-# tracing()'s two tests; the attention ops and wrappers' run() ask them inline
-# (a Python call less on paths measured against 10 us).
-is_compiling = torch.compiler.is_compiling
-dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
-
-
-def tracing() -> bool:
-    """True where the ops must appear as operators: while dynamo traces (where
-    this folds to a constant) or under a torch dispatch mode."""
-    return is_compiling() or dispatch_modes() > 0
-
-
-# ---------------------------------------------------------------------------
-# Wrapper handles
-
-_wrappers: dict[int, weakref.ref] = {}
-_handles = itertools.count(1)
-
-
-def register_wrapper(wrapper) -> int:
-    """A handle for the wrapper's run() operators; it lives as long as the wrapper."""
-    handle = next(_handles)
-    _wrappers[handle] = weakref.ref(wrapper, lambda _, h=handle: _wrappers.pop(h, None))
-    return handle
-
-
-def wrapper_of(handle: int):
-    ref = _wrappers.get(handle)
-    wrapper = ref() if ref is not None else None
-    if wrapper is None:
-        raise RuntimeError(f"flashjit: no live wrapper has handle {handle}; a compiled graph outlived the wrapper "
-                           f"whose run() it calls")
-    return wrapper
-
-
-def cache_args(paged_kv_cache) -> tuple:
-    """(k, v) operator arguments of a paged cache: one 5-D tensor as (cache, None)."""
-    if isinstance(paged_kv_cache, torch.Tensor):
-        return paged_kv_cache, None
-    if isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2 \
-            and all(isinstance(t, torch.Tensor) for t in paged_kv_cache):
-        return paged_kv_cache[0], paged_kv_cache[1]
-    _checks.unpack_paged_cache(paged_kv_cache)  # raises the eager ValueError
-    raise AssertionError("unreachable")
-
-
-def _cache_of(k, v):
-    return k if v is None else (k, v)
-
-
-def run_batch(wrapper, q, k, v, out, lse, return_lse: bool, window_left=None):
-    """The traced run() of a batch wrapper (k, v as cache_args gives them for a paged cache)."""
-    extra = () if wrapper._op == "batch_prefill_ragged" else (window_left,)
-    return _run_traced(wrapper, (q, k, v), extra, out, lse, return_lse)
-
-
-def run_mla(wrapper, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse: bool):
-    """The traced run() of BatchMLAPagedAttentionWrapper."""
-    return _run_traced(wrapper, (q_nope, q_pe, ckv_cache, kpe_cache), (), out, lse, return_lse)
-
-
-def _run_traced(wrapper, inputs: tuple, extra: tuple, out, lse, return_lse: bool):
-    """out / lse given: the in-place operator, with what is missing allocated in the
-    graph, shaped as the eager outputs: o like inputs[0] (q, or MLA's q_nope, whose
-    width is V's), LSE without its head_dim."""
-    ops, q = _RUN_OPS[wrapper._op], inputs[0]
-    return_lse = bool(return_lse)
-    if out is None and lse is None:
-        res = ops[0](wrapper._handle, *inputs, return_lse, *extra)
-        return (res[0], res[1]) if return_lse else res[0]
-    if out is None:
-        out = q.new_empty(q.shape)
-    if not return_lse:
-        lse = None
-    elif lse is None:
-        lse = q.new_empty(q.shape[:2], dtype=torch.float32)
-    ops[1](wrapper._handle, *inputs, out, lse, *extra)
-    return (out, lse) if return_lse else out
-
 
 # ---------------------------------------------------------------------------
 # Real and fake kernels
@@ -119,8 +34,12 @@ def _outputs(q, return_lse: bool, lse_dims: int) -> list:
     return [out, q.new_empty(q.shape[:lse_dims], dtype=torch.float32)] if return_lse else [out]
 
 
-# The eager bodies, bound by register(): the modules that hold them import this one.
-_eager = SimpleNamespace()
+# The eager bodies the real kernels run, looked up at each call (tests replace them
+# to tell an operator's kernel from the eager path).
+_eager = SimpleNamespace(single_prefill=prefill.run_single, single_decode=decode.run_single,
+                         append=append.append_eager, merge_state=merge.merge_state_eager,
+                         merge_states=merge.merge_states_eager,
+                         merge_state_in_place=merge.merge_state_in_place_eager)
 
 
 def _single_prefill(q, k, v, kv_layout, causal, sm_scale, window_left, logits_soft_cap, backend, return_lse,
@@ -187,8 +106,6 @@ def _check_run(handle, q, k, v, out=None, lse=None, window_left=None) -> None:
 
 
 def _check_out_lse(q, plan, out, lse) -> None:
-    from ._batch import check_out_buffer
-
     shape = (q.shape[0], plan.num_qo_heads, plan.head_dim)
     if out is not None:
         check_out_buffer("out", out, shape, q.dtype, q.device, "q's rows x num_qo_heads x head_dim, q's dtype")
@@ -242,9 +159,7 @@ def _append(append_key, append_value, batch_indices, positions, k_cache, v_cache
 
 def _append_fake(append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr,
                  kv_last_page_len, kv_layout):
-    from .append import check_append
-
-    check_append(append_key, append_value, batch_indices, positions, _cache_of(k_cache, v_cache), kv_indices,
+    append.check_append(append_key, append_value, batch_indices, positions, _cache_of(k_cache, v_cache), kv_indices,
                  kv_indptr, kv_last_page_len, kv_layout)
 
 
@@ -255,9 +170,7 @@ def _merge_state(v_a, s_a, v_b, s_b):
 
 
 def _merge_state_fake(v_a, s_a, v_b, s_b):
-    from .merge import check_pair
-
-    check_pair("v_a", v_a, "s_a", s_a, "v_b", v_b, "s_b", s_b)
+    merge.check_pair("v_a", v_a, "s_a", s_a, "v_b", v_b, "s_b", s_b)
     return v_a.new_empty(v_a.shape), v_a.new_empty(v_a.shape[:2], dtype=torch.float32)
 
 
@@ -266,9 +179,7 @@ def _merge_state_in_place(v, s, v_other, s_other, mask):
 
 
 def _merge_state_in_place_fake(v, s, v_other, s_other, mask):
-    from .merge import check_in_place
-
-    check_in_place(v, s, v_other, s_other, mask)
+    merge.check_in_place(v, s, v_other, s_other, mask)
 
 
 def _merge_states(v, s):
@@ -277,9 +188,7 @@ def _merge_states(v, s):
 
 
 def _merge_states_fake(v, s):
-    from .merge import check_states
-
-    check_states(v, s)
+    merge.check_states(v, s)
     seq_len, _, num_heads, head_dim = v.shape
     return v.new_empty((seq_len, num_heads, head_dim)), v.new_empty((seq_len, num_heads), dtype=torch.float32)
 
@@ -320,7 +229,6 @@ _SCHEMAS = {
 OP_NAMES = tuple(_SCHEMAS)
 
 _lib = None
-_RUN_OPS: dict = {}
 
 
 def _tags() -> tuple:
@@ -332,16 +240,10 @@ def _tags() -> tuple:
 
 
 def register() -> None:
-    """Defines every operator once (flashjit.ops imports this after its modules)."""
+    """Defines every operator once (flashjit.ops calls it on import)."""
     global _lib
     if _lib is not None:
         return
-    from . import append, decode, merge, prefill
-
-    _eager.single_prefill, _eager.single_decode = prefill.run_single, decode.run_single
-    _eager.append = append.append_eager
-    _eager.merge_state, _eager.merge_states = merge.merge_state_eager, merge.merge_states_eager
-    _eager.merge_state_in_place = merge.merge_state_in_place_eager
     lib = torch.library.Library("flashjit", "DEF")
     tags = _tags()
     for name, (schema, impl, fake) in _SCHEMAS.items():
@@ -351,5 +253,5 @@ def register() -> None:
         torch.library.register_fake(f"flashjit::{name}", fake, lib=lib)
     _lib = lib
     for op in ("batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged", "mla_paged"):
-        _RUN_OPS[op] = (getattr(torch.ops.flashjit, f"{op}_run").default,
+        _dispatch.RUN_OPS[op] = (getattr(torch.ops.flashjit, f"{op}_run").default,
                         getattr(torch.ops.flashjit, f"{op}_run_out").default)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import HEAD_DIMS
-from . import _checks, _library
+from . import _checks, _dispatch
 
 
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices,
@@ -26,8 +26,8 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     kv_last_page_len must already include the appended tokens (as in FlashInfer).
     Indices are not range-checked on the host (that would read them): an index past a
     tensor's end is a device-side error. Two tokens aimed at one slot leave either value."""
-    if _library.tracing():
-        k_cache, v_cache = _library.cache_args(paged_kv_cache)
+    if _dispatch.tracing():
+        k_cache, v_cache = _dispatch.cache_args(paged_kv_cache)
         torch.ops.flashjit.append_paged_kv_cache.default(append_key, append_value, batch_indices, positions, k_cache,
                                                          v_cache, kv_indices, kv_indptr, kv_last_page_len, kv_layout)
         return

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _invariant, _library
-from ._library import dispatch_modes, is_compiling
+from . import _checks, _invariant
+from ._dispatch import dispatch_modes, is_compiling
 from ._invariant import ENV_KEY as _ENV_KEY, MODES as _MODES, environ_get as _environ_get
 from ._calls import Signatures
 from ._launch import check_qkv, prepare_single_request, run_single_request
@@ -24,7 +24,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     return_lse the base-2 log-sum-exp [num_qo_heads]. batch_invariant=True: the
     prefill kernel's output for this query row (docs/numerics.md); None:
     FLASHJIT_BATCH_INVARIANT."""
-    if is_compiling() or dispatch_modes():  # _library.tracing()
+    if is_compiling() or dispatch_modes():  # _dispatch.tracing()
         _check_traced_mode(batch_invariant)
         _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, q_scale=q_scale, k_scale=k_scale,
                                   v_scale=v_scale)

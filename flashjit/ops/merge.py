@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _library
+from . import _checks, _dispatch
 
 _NEG_INF = float("-inf")
 
@@ -78,7 +78,7 @@ def merge_state(v_a, s_a, v_b, s_b) -> tuple[torch.Tensor, torch.Tensor]:
     """Merges two states: v_a/v_b [seq_len, num_heads, head_dim], s_a/s_b [seq_len, num_heads]
     (base-2 log-sum-exp, float32). Returns (v in v_a's dtype, s in float32); a row where
     both states are empty (s = -inf) merges to v = 0, s = -inf."""
-    if _library.tracing() and not _needs_grad(v_a, s_a, v_b, s_b):
+    if _dispatch.tracing() and not _needs_grad(v_a, s_a, v_b, s_b):
         return torch.ops.flashjit.merge_state.default(v_a, s_a, v_b, s_b)
     return merge_state_eager(v_a, s_a, v_b, s_b)
 
@@ -99,7 +99,7 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
     """Merges (v_other, s_other) into (v, s), both [seq_len, num_heads(, head_dim)]; s must
     be float32 since it is written. Rows where the bool mask [seq_len] is False keep
     their state (FlashInfer uses this to capture one graph for a varying batch)."""
-    if _library.tracing() and not _needs_grad(v, s, v_other, s_other):
+    if _dispatch.tracing() and not _needs_grad(v, s, v_other, s_other):
         torch.ops.flashjit.merge_state_in_place.default(v, s, v_other, s_other, mask)
         return
     merge_state_in_place_eager(v, s, v_other, s_other, mask)
@@ -129,7 +129,7 @@ def merge_states(v, s) -> tuple[torch.Tensor, torch.Tensor]:
     num_states, num_heads] (float32). Returns v [seq_len, num_heads, head_dim] in v's dtype
     and s [seq_len, num_heads] in float32; empty rows (all s = -inf, or no state) give
     v = 0, s = -inf."""
-    if _library.tracing() and not _needs_grad(v, s):
+    if _dispatch.tracing() and not _needs_grad(v, s):
         return torch.ops.flashjit.merge_states.default(v, s)
     return merge_states_eager(v, s)
 

@@ -17,8 +17,8 @@ import torch
 
 from ..loader import AttentionParams
 from ..spec import MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, TENSOR_CORE_DTYPES, canonical_dtype
-from . import _checks, _library
-from ._library import dispatch_modes, is_compiling
+from . import _checks, _dispatch
+from ._dispatch import dispatch_modes, is_compiling
 from ._batch import BatchAttention, dtype_arg
 from ._calls import fill_slot, keep_run, mla_call, tensor_signature
 from ._launch import PER_CALL, check_kv_strides, fill_params, select_spec
@@ -100,8 +100,8 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
                                       "batch from plan() only")
         if return_lse_base_on_e:
             raise NotImplementedError("return_lse_base_on_e=True: flashjit returns base-2 LSE, as its other ops")
-        if is_compiling() or dispatch_modes():  # _library.tracing()
-            return _library.run_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse)
+        if is_compiling() or dispatch_modes():  # _dispatch.tracing()
+            return _dispatch.run_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse)
         if lse is None:  # the last run, if these tensors are its signature (ops._calls.Signatures)
             if out is None:
                 known, check, call = self._launches.fast

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _invariant, _library
-from ._library import dispatch_modes, is_compiling
+from . import _checks, _dispatch, _invariant
+from ._dispatch import dispatch_modes, is_compiling
 from ._batch import BatchAttention
 from ._calls import fill_slot, keep_run, tensor_signature
 from .prefill import plan_spec
@@ -52,9 +52,9 @@ class _PagedAttention(BatchAttention):
             _checks.check_no_extra_args("run()", args)
             _checks.check_unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
             raise NotImplementedError(f"{sorted(kwargs)}: not supported by flashjit's {type(self).__name__}.run()")
-        if is_compiling() or dispatch_modes():  # _library.tracing()
-            k, v = _library.cache_args(paged_kv_cache)
-            return _library.run_batch(self, q, k, v, out, lse, return_lse, window_left)
+        if is_compiling() or dispatch_modes():  # _dispatch.tracing()
+            k, v = _dispatch.cache_args(paged_kv_cache)
+            return _dispatch.run_batch(self, q, k, v, out, lse, return_lse, window_left)
         if lse is None and window_left is None:  # the last run, if these are its signature (ops._calls.Signatures)
             if out is None:
                 known, check, call = self._launches.fast

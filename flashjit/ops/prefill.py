@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _invariant, _library
-from ._library import dispatch_modes, is_compiling
+from . import _checks, _dispatch, _invariant
+from ._dispatch import dispatch_modes, is_compiling
 from ._invariant import ENV_KEY as _ENV_KEY, MODES as _MODES, environ_get as _environ_get
 from ._batch import BatchAttention, dtype_arg
 from ._calls import Signatures, fill_slot, keep_run, tensor_signature
@@ -29,7 +29,7 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     strict=True: a backend this GPU cannot run (fa3 off sm_90a) raises instead of running fa2.
     batch_invariant=True: the output is the one every op gives this request in
     batch-invariant mode (docs/numerics.md); None: FLASHJIT_BATCH_INVARIANT."""
-    if is_compiling() or dispatch_modes():  # _library.tracing()
+    if is_compiling() or dispatch_modes():  # _dispatch.tracing()
         _check_traced_mode(batch_invariant)
         _check_options(q, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
                        use_fp16_qk_reduction)
@@ -134,8 +134,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
     def run(self, q, k, v, *args, out=None, lse=None, return_lse: bool = False, enable_pdl=None):
         if args:
             _checks.check_no_extra_args("run()", args)
-        if is_compiling() or dispatch_modes():  # _library.tracing()
-            return _library.run_batch(self, q, k, v, out, lse, return_lse)
+        if is_compiling() or dispatch_modes():  # _dispatch.tracing()
+            return _dispatch.run_batch(self, q, k, v, out, lse, return_lse)
         if lse is None:  # the last run, if these tensors are its signature (ops._calls.Signatures)
             if out is None:
                 known, check, call = self._launches.fast
