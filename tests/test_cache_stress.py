@@ -150,8 +150,8 @@ def test_eight_processes_race_and_exactly_one_compiles(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["builder", "process_group"])
 def test_builder_killed_mid_compile_leaves_no_lock_and_no_tmp(tmp_path, victim):
-    """SIGKILL a builder while nvcc runs (only the python process, orphaning
-    ninja/nvcc, or its whole process group): the next build proceeds at once."""
+    """SIGKILL a builder while nvcc runs (only the python process, whose ninja
+    and nvcc then die too, or its whole process group): the next build proceeds at once."""
     import filelock
 
     root = tmp_path / "cache"
@@ -381,6 +381,23 @@ def test_read_only_prewarmed_cache_still_serves_hits(cache_copy, monkeypatch):
         assert result.built is False
         monkeypatch.setattr(jit, "_modules", {})
         assert jit.get_module(SMALL_SPEC).rows_per_cta > 0
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("mode", [0o555, 0o500])
+def test_root_made_read_only_loads_its_entries_and_stays_read_only(cache_copy, monkeypatch, mode):
+    """A root its owner made read-only serves and loads its entries without a
+    lock file and without writing (every write would fail), and keeps its mode."""
+    for lock in cache_copy.glob("*/*.lock"):
+        lock.unlink()
+    os.chmod(cache_copy, mode)
+    before = sorted(str(p) for p in cache_copy.rglob("*"))
+    with refuse_writes(cache_copy):
+        assert jit.build_many([SMALL_SPEC])[0].built is False
+        monkeypatch.setattr(jit, "_modules", {})
+        assert jit.get_module(SMALL_SPEC).rows_per_cta > 0
+    assert stat.S_IMODE(os.stat(cache_copy).st_mode) == mode
+    assert sorted(str(p) for p in cache_copy.rglob("*")) == before
 
 
 @pytest.mark.skipif(IS_ROOT, reason="root ignores directory permissions (see the read-only simulations)")
