@@ -121,7 +121,8 @@ def entry_order(name: str, spec: dict | None = None) -> tuple:
     head dim as a number (d64 before d128), then the rest of the name."""
     spec = spec or {}
     op = spec.get("op") or next((o for o in sorted(OPS, key=len, reverse=True) if name.startswith(o + "_")), name)
-    dtype = spec.get("dtype_q")
+    short = name.removeprefix(op + "_").split("_", 1)[0]
+    dtype = spec.get("dtype_q") or next((d for d, fields in DTYPES.items() if fields[0] == short), None)
     head_dim = spec.get("head_dim_qk")
     if head_dim is None:
         found = _HEAD_DIM.search(name)

@@ -17,15 +17,33 @@ from . import host
 MATPLOTLIB_MISSING = "matplotlib is not installed (pip install matplotlib); the markdown and JSON hold every number"
 
 
-def git_commit() -> str:
-    """FLASHJIT_COMMIT when set (a copied tree may carry a stale .git), else git's HEAD."""
+def git_commit() -> str | None:
+    """flashjit's own commit: FLASHJIT_COMMIT when set (a copied tree may carry
+    a stale .git), else HEAD of the git work tree this package's source is in,
+    and only where that tree is flashjit's own (its flashjit/__init__.py is this
+    package's and it holds templates/). None elsewhere: an installed copy inside
+    another project's checkout does not name that project's commit."""
     if os.environ.get("FLASHJIT_COMMIT"):
         return os.environ["FLASHJIT_COMMIT"]
+    package = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=package, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                              capture_output=True, text=True, timeout=10, check=True).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
+        top = Path(git("rev-parse", "--show-toplevel"))
+        own = (top / "flashjit" / "__init__.py").is_file() and (top / "templates").is_dir() and \
+            os.path.samefile(top / "flashjit" / "__init__.py", package / "__init__.py")
+        return (git("rev-parse", "--short", "HEAD") or None) if own else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def version_text(meta: dict) -> str:
+    """'flashjit 0.1.0 (commit abc1234)', or without the commit where it is not known."""
+    commit = meta.get("commit")
+    return f"flashjit {meta.get('flashjit')}" + (f" (commit {commit})" if commit else "")
 
 
 class Progress:
@@ -115,8 +133,9 @@ def decode_header(section: dict) -> list[str]:
     all_read = ", ".join(f"{k} {v:.0f}" for k, v in read.items())
     impls = section["impls"]
     return ["## Paged decode, bf16, head_dim 128, page 16, NHD, random page order", "",
-            (f"GPU: {section['gpu']}; date {section['date']}; commit {section['commit']}; "
-             f"torch {section['torch']}; flashinfer {section['flashinfer'] or 'not available'}"),
+            (f"GPU: {section['gpu']}; date {section['date']}; "
+             + (f"commit {section['commit']}; " if section.get("commit") else "")
+             + f"torch {section['torch']}; flashinfer {section['flashinfer'] or 'not available'}"),
             (f"read bandwidth {read[best]:.0f} GB/s ({best}; {all_read}); "
              f"copy bandwidth {section['copy_gbps']:.0f} GB/s (2 GiB copy_, read + write); from memory clock x bus "
              "width " + (f"{section['spec_gbps']:.0f} GB/s" if section.get("spec_gbps") else "unknown")),
@@ -149,7 +168,7 @@ TABLES = {"prefill": prefill_table, "decode": decode_table, "host": host.table}
 def markdown(results: dict) -> str:
     meta = results["meta"]
     lines = ["# flashjit bench", "",
-             (f"{meta['device']}; {meta['date']}; flashjit {meta['flashjit']} (commit {meta['commit']}); "
+             (f"{meta['device']}; {meta['date']}; {version_text(meta)}; "
               f"torch {meta['torch']}; flashinfer {meta['flashinfer'] or 'not available'}; "
               f"{'--quick' if meta['quick'] else 'full'} run"), ""]
     for name, section in results["sections"].items():

@@ -114,17 +114,18 @@ def run(args) -> int:
     """The `flashjit numerics` command (cli.py parses its arguments). Exit 2
     without a GPU or for a bad selection; 1 where a case exceeded its bound, a
     case failed or a build failed (the reports are written either way); 0 otherwise."""
+    from ..selectors import check_selectors
+
+    # The flags first, in their own words: no torch, no GPU probe (SelectionError: exit 2).
+    check_selectors(args)
     from .. import arch, build, cache_ship, jit
     from ..bench import no_gpu_reason
     from ..cache_root import cache_root
     from ..cli_output import BuildProgressLine
     from ..selection import specs_from_args
-    from ..selectors import check_selectors
     from ..spec import UTILITY_OPS
     from . import report
 
-    # The flags first, in their own words: no torch, no GPU probe (SelectionError: exit 2).
-    check_selectors(args)
     try:
         cases = case_list(args.cases, args.long)
     except ValueError as exc:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..bench.report import MATPLOTLIB_MISSING
+from ..bench.report import MATPLOTLIB_MISSING, version_text
 
 # A bound is tight when the worst error observed reaches this fraction of it (within 20x).
 TIGHT = 1 / 20
@@ -127,7 +127,9 @@ def data_section(rows: list[dict]) -> list[str]:
 
 def markdown(results: dict) -> str:
     meta = results.get("meta", {})
-    head = "; ".join(f"{k} {v}" for k, v in meta.items() if k not in ("argv",))
+    # flashjit's version with its commit where known (bench.report.git_commit), then the rest.
+    head = "; ".join(version_text(meta) if k == "flashjit" else f"{k} {v}" for k, v in meta.items()
+                     if k not in ("argv", "commit") and v is not None)
     data = data_section(results["rows"])
     return "\n".join(["# flashjit numerics", "", head, "",
                       "err: |out - ref| elementwise against the float64 reference; bound: atol + rtol*|ref| of the "
