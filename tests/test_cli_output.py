@@ -95,7 +95,8 @@ def test_progress_finish_without_events_prints_nothing():
 
 NAMES = ["single_decode_f16_d128_fa2_cc", "append_paged_bf16_d64", "single_decode_f16_d64_fa2_cc",
          "mla_paged_bf16_qk576_vo512_fa3_tc_lse", "single_prefill_bf16_d256_fa2_tc", "single_prefill_f32_d64_fa2_cc",
-         "single_prefill_bf16_d64_fa2_tc_causal", "single_prefill_bf16_d64_fa2_tc", "batch_decode_paged_f16_d64_fa2_cc_lse"]
+         "single_prefill_bf16_d64_fa2_tc_causal", "single_prefill_bf16_d64_fa2_tc",
+         "batch_decode_paged_f16_d64_fa2_cc_lse"]
 ORDER = ["single_prefill_bf16_d64_fa2_tc", "single_prefill_bf16_d64_fa2_tc_causal", "single_prefill_bf16_d256_fa2_tc",
          "single_prefill_f32_d64_fa2_cc", "single_decode_f16_d64_fa2_cc", "single_decode_f16_d128_fa2_cc",
          "batch_decode_paged_f16_d64_fa2_cc_lse", "mla_paged_bf16_qk576_vo512_fa3_tc_lse", "append_paged_bf16_d64"]
