@@ -9,9 +9,8 @@ request among many short ones) and a long-context single decode close the table.
 Each row's implementations are timed sample by sample, in `rounds` x reps
 passes that take one sample of each in a fresh random order; a cell is the
 median of its samples (timing.shuffled_ms: timed as whole cells, a kernel's
-time depended on its place and on the kernel before it, up to 9% in
-benchmarks/results/2026-11-22-h200-prefill-order.md and 6.8% in
-2026-11-27-h200-mla-key-groups.md).
+time depended on its place and on the kernel before it; docs/bench.md, "What
+it does").
 """
 
 from __future__ import annotations

@@ -24,9 +24,8 @@ def event_ms(fn, inner: int = 1) -> float:
 def round_orders(items: list, rounds: int):
     """The order in which to time `items` in each of `rounds` rounds: as given,
     then reversed, alternately. Timed once each in a fixed order, identical
-    kernels differed by 0-4% with their place in it
-    (benchmarks/results/2026-11-22-h200-interleaved-timing.md); alternated,
-    drift during a run falls on every item alike."""
+    kernels differed with their place in it (docs/bench.md, "What it does");
+    alternated, drift during a run falls on every item alike."""
     for rnd in range(rounds):
         yield list(items) if rnd % 2 == 0 else list(reversed(items))
 
@@ -51,10 +50,8 @@ def bench_ms(fn, reps: int = 10, sample_ms: float = 2.0) -> float:
 def shuffled_ms(fns: dict, passes: int, sample_ms: float = 2.0, seed: int = 0) -> dict:
     """{name: `passes` samples of ms per call}: each pass takes one sample of
     every fn, in a fresh random order (seeded). Timed as whole cells, even in
-    alternating rounds, a column's time depended on the kernel before it: one
-    MLA fa3 kernel ran 6% faster behind the lighter fa2 kernel than behind
-    itself (benchmarks/results/2026-11-27-h200-mla-key-groups.md); shuffled,
-    every fn follows every other alike."""
+    alternating rounds, a column's time depended on the kernel before it
+    (docs/mla.md, "Measuring"); shuffled, every fn follows every other alike."""
     import random
 
     rng = random.Random(seed)
@@ -68,10 +65,9 @@ def shuffled_ms(fns: dict, passes: int, sample_ms: float = 2.0, seed: int = 0) -
 
 
 # Calls per timing sample, at least: a sample starts on an idle GPU, and its
-# first launch costs tens of µs that a lone call would carry whole (on the
-# 1 ms MHA row, a 1-call sample read 1005 µs where 50 back-to-back calls ran
-# at 965 µs each, while the other library, estimated a little faster, got
-# 2-call samples: benchmarks/results/2026-11-22-h200-decode-mha-loop.md).
+# first launch costs tens of µs that a lone call would carry whole, so a
+# library estimated a little faster would get fewer calls a sample and carry
+# more of that start (docs/bench.md, "What it does").
 MIN_CALLS_PER_SAMPLE = 4
 
 

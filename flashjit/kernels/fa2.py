@@ -1,7 +1,7 @@
 """The fa2 backend (templates/include/flashjit/fa2/): mma.sync tensor cores,
 ldmatrix and cp.async on SM80+, K/V by TMA where every target is sm_90a. The
-tilings below and why each was chosen: docs/fa2.md. Results files cited here
-are in benchmarks/results/ (all measured on H200s)."""
+tilings below and the measurements behind each choice: docs/fa2.md, "Tilings
+and why" and "Measured and not kept"."""
 
 from __future__ import annotations
 
@@ -73,19 +73,13 @@ class Fa2Tiling:
 
 # Per head_dim: tiles that build without spills on sm_80/89/90a and fit
 # SMEM_BUDGET. d64 runs two m16 fragments per warp (32 rows, 128 per CTA), so
-# each K / V fragment read by ldmatrix feeds two mma's; one fragment (64-row
-# CTAs, three per SM) ran 4-13% slower (2026-11-22-h200-fa2-steady-loop-occupancy.md).
-# d128 keeps one fragment and 64-key tiles: on an H200 it beat two fragments
-# with 32-key tiles and 8-warp CTAs (2026-11-21-h200-fa2-d128-tilings.md); two
-# fragments with 64-key tiles in two 32-key steps (sub_tiles=2) ran 5-12% faster
-# on the non-causal rows but up to 3% slower on the causal ones, and its 96 KB
-# would leave one CTA per SM on an A100 (2026-11-22-h200-fa2-hoisted-copies.md).
-# d256 has one fragment (its 128 O registers leave no room). d128 waits for K and
-# V together at the top of each tile (one_wait: one CTA barrier per tile instead
-# of two), as does d256: d128 +1-19% (mean +13%) in two H200 runs, d256 +0-14%
-# (2026-11-22-h200-fa2-one-wait-per-tile.md); d64 gained only 0-3% from it and
-# spills 4-60 bytes with soft-cap. Ragged d64/d128/d256 prefill may take
-# FA2_WIDE_TILINGS (below).
+# each K / V fragment read by ldmatrix feeds two mma's. d128 keeps one fragment
+# over 64-key tiles: two fragments need 96 KB, which leaves one CTA per SM on an
+# A100. d256 has one fragment (its 128 O registers leave no room). d128 and d256
+# wait for K and V together at the top of each tile (one_wait: one CTA barrier
+# per tile instead of two); d64 keeps two waits: one gains it little and spills with soft-cap.
+# Ragged d64/d128/d256 prefill may take FA2_WIDE_TILINGS (below). Measurements:
+# docs/fa2.md, "Tilings and why".
 FA2_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2),
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=1, one_wait=True),
@@ -96,20 +90,13 @@ FA2_TILINGS = {
 # Decode (one query token per request): the rows are only the query heads of
 # one KV head, so the four warps split each tile's keys (16 each), copy their
 # own rows (no CTA barrier in the loop) and merge their softmax states at the
-# end; with rows split, one warp did all the math while three waited at its
-# barriers (split keys read 3.3-3.6 TB/s of K/V where rows split read 2.7-3.0,
-# except on MQA 32/1; 2026-11-22-h200-fa2-decode-split-keys.md). d128 runs two
-# CTAs per SM: with the
-# launch bands and the merge's dependent launch, an H200 ran it 1-7% faster than
-# three per SM (168 registers) on five of seven decode rows, among them the
-# 64 x 4k GQA row, unsplit (no merge) in 1.94 waves instead of cut in three;
-# three per SM stayed 2-7% faster on MHA and 32/1 MQA
-# (2026-11-22-h200-fa2-decode-ctas-per-sm.md). MHA, where both libraries read
-# at the memory limit and two per SM tied FlashInfer (943.7 against 946.2 us in
-# that run), runs a second instantiation at three per SM (168 registers), 1.6%
-# ahead of FlashInfer (2026-11-22-h200-paged-decode-vs-flashinfer.md). Its Q
-# stays in shared memory (0-3% faster than in registers, decode-split-keys).
-# d64 and d256 follow the same scheme, sized to fit; not tuned on a GPU.
+# end; with rows split, one warp would do all the math while three waited at
+# its barriers. d128 runs two CTAs per SM, which lets a 64 x 4k GQA batch run
+# unsplit in under two waves; MHA (one query head per KV head) runs a second
+# instantiation at three per SM (168 registers), which reads faster there. Its
+# Q stays in shared memory. d64 and d256 follow the same scheme, sized to fit;
+# not tuned on a GPU. Measurements: docs/fa2.md, "Decode: split-keys mode" and
+# "Tilings and why".
 FA2_DECODE_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=4, q_in_regs=True, min_blocks_per_sm=2, split_keys=True),
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, split_keys=True,
@@ -123,43 +110,31 @@ FA2_DECODE_TILINGS = {
 # min_blocks_per_sm of their CTAs per SM.
 #
 # d64: FA2_TILINGS[64] with one K/V wait per tile, over 128-key tiles loaded by
-# TMA in two stages (80 KB), each walked in two 64-key steps. With Q in
-# registers it has room to run the exponentials, row sums and P rounding
-# inside the P.V mma stream (no fence_pv), which an H200 ran 1-8% faster than
-# FA2_TILINGS[64] (2026-11-22-h200-fa2-d64-unfenced-pv.md). 128-key TMA
-# tiles (one wait, barrier and load per 128 keys) ran 3-9% faster than 64-key
-# cp.async tiles in three stages on every row, and 128-key cp.async tiles half
-# of that (2026-11-23-h200-fa2-d64-128-key-tiles.md). On sm_80 / sm_89 the
-# source spills 12-108 bytes with causal or window masks; paged K/V spills too.
-# On sm_90a it builds without spills with every flag set.
+# TMA in two stages (80 KB), each walked in two 64-key steps: one wait, barrier
+# and load per 128 keys. With Q in registers it has room to run the
+# exponentials, row sums and P rounding inside the P.V mma stream (no
+# fence_pv). On sm_80 / sm_89 the source spills with causal or window masks;
+# paged K/V spills too. On sm_90a it builds without spills with every flag set.
 #
 # d128: two CTAs of a wider tiling per SM, with two fragments per warp (128-row
-# CTAs, half the ldmatrix traffic per mma).
-# On an H200 it ran 10-16% faster than FA2_TILINGS[128] on the non-causal rows
-# (2026-11-22-h200-fa2-d128-two-fragments.md), and on the causal ones 3-7% faster
-# once the launch order kept long tiles first across heads (ops._plan bands;
-# 2026-11-22-h200-launch-bands.md). Its loop sits at the 255-register cap: the
-# lean-loop forms (fa2_attention.cuh kLeanLoop) ran it 4-11% faster
-# (2026-11-23-h200-fa2-d128-lean-loop.md). Its 96 KB leave one CTA per SM on an
-# A100 or an SM89 part, so a library built for those keeps FA2_TILINGS. Not for paged K/V
-# (the page ids of two tiles push it past 255 registers: 4-20 bytes of spills on
-# sm_90a) nor with soft-cap and window together (4 bytes without causal).
+# CTAs, half the ldmatrix traffic per mma). Its loop sits at the 255-register
+# cap, which the lean-loop forms (fa2_attention.cuh kLeanLoop) relieve. Its
+# 96 KB leave one CTA per SM on an A100 or an SM89 part, so a library built for
+# those keeps FA2_TILINGS. Not for paged K/V (the page ids of two tiles push it
+# past 255 registers: spills on sm_90a) nor with soft-cap and window together.
 #
 # d256: eight warps of one fragment (128-row CTAs) over 64-key tiles in 2 stages,
 # 192 KB, one CTA per SM: each K/V tile in shared memory feeds eight warps, and
-# the softmax runs once per 64 keys. An H200 ran it 9-12% faster than
-# FA2_TILINGS[256] on the non-causal rows and 4-10% on the causal ones
-# (2026-11-22-h200-fa2-d256-tilings.md). It rescales half as often as
+# the softmax runs once per 64 keys. It rescales half as often as
 # FA2_TILINGS[256], whose count the tolerance profile takes: an upper bound.
 # Its warps hand ring slots back through mbarriers instead of meeting at a CTA
-# barrier per tile (slot_release): 6-10% faster on every row in one H200 call,
-# where d128 lost 2-6% and d64 stayed within noise
-# (2026-11-23-h200-fa2-slot-release.md).
+# barrier per tile (slot_release): with one CTA per SM no second CTA fills the
+# stalls of a barrier that makes eight warps wait for the slowest.
 #
 # All three load their K/V tiles by TMA (tma_kv): one thread issues a tile where
-# every thread had issued 16-32 cp.async with their address arithmetic; an H200
-# ran d128 2-5% and d256 4-7% faster on every row in one call
-# (2026-11-23-h200-fa2-kv-by-tma.md); d64 gained nothing from it on 64-key tiles.
+# every thread had issued 16-32 cp.async with their address arithmetic.
+# Measurements of each choice, and of those not kept: docs/fa2.md, "Tilings and
+# why" (FA2_WIDE_TILINGS) and "Measured and not kept".
 FA2_WIDE_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=128, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2,
                   sub_tiles=2, one_wait=True, tma_kv=True),
@@ -245,8 +220,7 @@ MLA_TILING = MlaTiling(warps=4, keys_per_tile=32, stages=2, min_blocks_per_sm=2)
 # target arch holds one of its CTAs (225 KB: 64 rows of Q, two 64-key stages,
 # P): 16-row CTAs read each key tile once per 16 rows and trade fp32 partial
 # logits between warps (about 0.12 bytes of shared-memory traffic per FLOP);
-# 64-row CTAs need about 0.074 (docs/fa2.md, MLA; an H200 ran the 128-head row
-# 1.56x faster: benchmarks/results/2026-11-25-h200-fa2-mla-wide-kernel.md).
+# 64-row CTAs need about 0.074 (measured: docs/mla.md, "The fa2 kernels").
 MLA_WIDE_MIN_HEADS = 64
 MLA_WIDE_TILING = dataclasses.replace(MLA_TILING, wide_min_heads=MLA_WIDE_MIN_HEADS)
 

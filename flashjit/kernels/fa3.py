@@ -42,14 +42,14 @@ class Fa3Tiling:
         return 1024 + self.stages * 2 * self.keys_per_tile * row + self.rows_per_cta * row + 32 * self.stages
 
 
-# Per head_dim, on an H200 (benchmarks/results/2026-11-24-h200-fa3-tilings.md):
-# every head_dim overlaps tile t's Q.K^T with tile t - 1's P.V, 7-34% faster
-# than one product at a time on 4k-16k rows. S takes keys_per_tile / 2 fp32
-# registers per consumer thread and O head_dim / 2: d256 keeps 64-key tiles
-# within the 232 registers a consumer gets. d64 takes a third stage (+0-2.5%);
-# d128 is as fast or faster with two. d64 and d128 run a persistent grid (+1-9%
-# over one CTA per position on every row but d64 16k causal, -0.5%); d256 does
-# not (+6% on 1k causal, -1% to -3% on five other rows).
+# Per head_dim: every head_dim overlaps tile t's Q.K^T with tile t - 1's P.V
+# (the softmax of one tile runs while the other's product is on the tensor
+# cores). S takes keys_per_tile / 2 fp32 registers per consumer thread and O
+# head_dim / 2: d256 keeps 64-key tiles within the 232 registers a consumer
+# gets. d64 takes a third stage; d128's third would leave no gain for 230 KB.
+# d64 and d128 run a persistent grid; d256, one CTA per position, lets the
+# hardware assign its longer positions. Measurements: docs/fa3.md, "Tilings and
+# why".
 FA3_TILINGS = {
     64: Fa3Tiling(keys_per_tile=128, stages=3, overlap=True, persistent=True),
     128: Fa3Tiling(keys_per_tile=128, stages=2, overlap=True, persistent=True),
@@ -59,9 +59,9 @@ FA3_TILINGS = {
 
 # Decode (batch-invariant mode's, ops/_invariant.py): the prefill tilings' key
 # tiles, on which a row's arithmetic depends, with one consumer warpgroup, whose
-# 64 rows hold a KV head's query heads (a second would multiply rows of padding:
-# two warpgroups ran GQA 64x4k decode 20% and MHA 33% slower than fa2's
-# split-keys kernel on an H200), and a deeper ring in the shared memory it frees.
+# 64 rows hold a KV head's query heads (a second would multiply rows of padding,
+# which ran slower than fa2's split-keys decode), and a deeper ring in the shared
+# memory it frees (docs/fa3.md, "What it generates").
 FA3_DECODE_TILINGS = {
     64: Fa3Tiling(keys_per_tile=128, stages=4, overlap=True, persistent=True, consumers=1),
     128: Fa3Tiling(keys_per_tile=128, stages=3, overlap=True, persistent=True, consumers=1),
@@ -122,18 +122,12 @@ class Fa3MlaTiling:
 
 
 # Two stages: Q and two 72 KB tiles of [ckv | kpe] rows fill the SM's shared memory.
-# Key groups of three blocks: 3.8-5.6% faster on every row of benchmarks/mla.py
-# than waiting for whole tiles (benchmarks/results/2026-11-27-h200-mla-key-groups.md);
-# slots given back as their P.V lands: another 0.6-1.7%
-# (2026-11-27-h200-mla-handoff-and-release.md). TMA boxes for whole tiles in
-# pages of 64 keys or more (the launch decides): the 128-head row 6.9% faster
-# (2026-11-27-h200-mla-tma.md), the 64-head row 3.3-5.0% on a second H200
-# (2026-11-27-h200-mla-tma-all-heads.md). Pairs (fa3/fa3_mla_pairs.cuh) for
-# launches of more than 64 heads whose tiles all come by TMA: the 128-head row
-# 1.5-2.2% faster in eight runs, compute-sanitizer clean with its hand-offs as
-# mbarriers every thread arrives on (2026-11-27-h200-mla-pairs.md); another
-# 5.8-8.0% with a producer warpgroup issuing its refills
-# (2026-11-27-h200-mla-pairs-producer.md).
+# Key groups of three blocks: S starts on the blocks that landed instead of
+# waiting for whole tiles. Slots given back as their P.V lands. TMA boxes for
+# whole tiles in pages of 64 keys or more (the launch decides). Pairs
+# (fa3/fa3_mla_pairs.cuh) for launches of more than 64 heads whose tiles all
+# come by TMA, with a producer warpgroup issuing their refills. Each choice and
+# its measurement: docs/mla.md, "Tilings and why".
 MLA_TILING = Fa3MlaTiling(stages=2, key_groups=3, early_release=True, tma=True, pairs=True)
 
 

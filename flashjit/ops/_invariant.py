@@ -37,11 +37,10 @@ from ._plan import (_ITEM_OVERHEAD, _MIN_GAIN, WorkPlan, _estimate, _item_cost, 
 
 ENV_VAR = "FLASHJIT_BATCH_INVARIANT"
 # Keys per split-KV chunk. Decode needs chunks this short to fill the GPU
-# (1 x 32k with 8 KV heads: 128 CTAs; at 4096 keys that row ran 51% and MQA
-# 64 x 4k 20-39% slower than normal mode on an H200, at 2048 every decode row
-# of benchmarks/decode.py within 15%), and prefill pays for every row past the
-# first chunk in fp32 partial state and a merge pass (docs/numerics.md,
-# batch-invariant mode, has the table).
+# (1 x 32k with 8 KV heads: 128 CTAs; longer chunks leave SMs idle on the
+# long decode rows), and prefill pays for every row past the first chunk in
+# fp32 partial state and a merge pass (docs/numerics.md#batch-invariant-mode,
+# "Cost", has the table).
 CHUNK_KEYS = 2048
 
 # Decode ops run their backend's prefill kernel, as the spec of a decode op
@@ -116,9 +115,9 @@ def prewarm_specs(specs, arches) -> list:
 
 
 # What a chunk boundary costs a CTA that folds it, in keys of work: it drains
-# the pipeline, reads and writes its running output, restarts. On an H200,
-# 1 x 16384 d128 prefill ran 12-19% slower with 7 boundaries per CTA, about
-# three tiles of 128 keys each (benchmarks/results/2026-11-25-h200-batch-invariant-fold.md).
+# the pipeline, reads and writes its running output, restarts: about three
+# tiles of 128 keys, as measured on long d128 prefill (docs/numerics.md#batch-invariant-mode,
+# "Cost").
 _FOLD_OVERHEAD = 384
 
 # Where a kernel folds chunks itself, whether a launch does: "auto" where
@@ -132,9 +131,8 @@ def folds(spec) -> bool:
     """Whether the spec's kernel folds a CTA's chunks itself (fa3 attention):
     then a request needs no split to be merged chunk by chunk. Not decode: a
     CTA of a few query rows reads and writes a whole tile of scratch at each
-    boundary, where a split chunk writes and merges its few rows; on an H200,
-    GQA and MHA 64 x 4k decode ran 2-6% slower folded than split (results file
-    of _FOLD_OVERHEAD)."""
+    boundary, where a split chunk writes and merges its few rows, which ran
+    faster on decode rows (docs/numerics.md#batch-invariant-mode, "Cost")."""
     from ..spec import MLA_OPS
 
     return spec.backend == "fa3" and spec.op not in MLA_OPS and not spec.invariant_decode

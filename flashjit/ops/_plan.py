@@ -127,13 +127,12 @@ def choose_band_items(costs, heads: int, slots: int, shared_keys: bool) -> int:
     """Work slots per launch band (0: one band). costs: per work slot, in
     launch order; shared_keys: some request has several query tiles, whose
     CTAs read the same keys. Without shared keys (decode), bands of one slot:
-    the KV heads of one request run together and read the same pages (on an
-    H200, up to 2% (GQA) faster decode than one band). With them, one band
-    keeps the CTAs that read a KV head's keys together in L2 (non-causal
-    prefill ran 3% slower with heads fastest); narrower bands keep long-first
-    order across heads when the costs differ (causal), halving until the
-    estimate is within _BAND_SLACK of a balanced grid
-    (benchmarks/results/2026-11-22-h200-launch-bands.md)."""
+    the KV heads of one request run together and read the same pages. With
+    them, one band keeps the CTAs that read a KV head's keys together in L2
+    (non-causal prefill); narrower bands keep long-first order across heads
+    when the costs differ (causal), halving until the estimate is within
+    _BAND_SLACK of a balanced grid. Measured: docs/fa2.md, "One CTA, step by
+    step" (work and launch order)."""
     if heads <= 1 or not costs:
         return 0
     if not shared_keys:

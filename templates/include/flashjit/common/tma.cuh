@@ -6,8 +6,7 @@
 // layout of fa2_primitives.cuh) and counts the bytes it wrote against the
 // stage's mbarrier; every thread waits on the barrier's phase. This takes the
 // per-thread address arithmetic and the 16-byte cp.async of every row off the
-// warps (on an H200 they were 0.35 of a d128 tile's 2.73 us,
-// benchmarks/results/2026-11-23-h200-fa2-d128-tile-time.md).
+// warps (docs/fa2.md, "Tilings and why").
 //
 // The host describes K and V of one launch to the TMA unit as tensor maps
 // (KvTensorMaps, encoded per call from the launch parameters) that travel with

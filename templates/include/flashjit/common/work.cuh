@@ -51,9 +51,8 @@ struct CtaWork {
     // first + kStep, first + 2 kStep, ...: one division for the first row, then
     // an add per row (kStep % group heads on, and a token on where they wrap).
     // A CTA's Q copies and output stores walk 8-16 rows per thread; a division
-    // and two 64-bit products per row had made the Q copies take 1.3 of the 3.5
-    // microseconds before a d128 CTA's first tile (benchmarks/dev/cta_timing.py,
-    // benchmarks/results/2026-11-23-h200-prefill-fixed-cost.md).
+    // and two 64-bit products per row had made the Q copies a third of the time
+    // before a d128 CTA's first tile (benchmarks/dev/cta_timing.py measures it).
     template <int kStep>
     struct Walk {
       int64_t offset;       // of the current row
@@ -155,7 +154,7 @@ __device__ __forceinline__ CtaWork decode_work_at(const FlashjitAttentionParams&
 // (qo_indptr, kv_indptr, last page lengths) are the plan's own arrays, copied
 // in by the plan and written by no grid, so a first-wave CTA decodes them
 // while the grid before finishes: two dependent global round trips off the
-// start of every call (benchmarks/results/2026-11-27-h200-decode-before-wait.md).
+// start of every call (docs/mla.md, "Where it stands").
 template <bool kPaged>
 __device__ __forceinline__ CtaWork decode_work(const FlashjitAttentionParams& p, int rows_per_cta) {
   allow_dependent_grids();

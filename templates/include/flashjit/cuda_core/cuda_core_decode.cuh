@@ -15,9 +15,8 @@
 //     factors reach the lanes that need them by one shuffle each;
 //   - at the end the key groups of a warp merge by shuffles, the warps through
 //     shared memory.
-// An H200 profile found the loop instruction-bound, so its address arithmetic
-// is 32-bit and division-free (see DecodeKvRows;
-// benchmarks/results/2026-11-22-h200-cuda-core-decode-tilings.md).
+// A profile found the loop instruction-bound, so its address arithmetic is
+// 32-bit and division-free (see DecodeKvRows).
 // The query position is the last key (kv_len - 1), so a causal mask hides
 // nothing and a window only moves the first key.
 #pragma once

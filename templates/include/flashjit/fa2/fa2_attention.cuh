@@ -58,27 +58,24 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr int NT_O = D / 8;           // n8 tiles of O
   constexpr bool kQInRegs = Traits::kQInRegs;
   // Two fragments with Q in shared memory (the d128 wide tiling): Q.K^T keeps a
-  // two-deep K ring (below). On an H200 it gained 1-5% there, with the unroll
-  // it came with, and cost d256 15% and d64 0-2%
-  // (benchmarks/results/2026-11-22-h200-fa2-d128-k-ring.md).
+  // two-deep K ring (below), which lets ldmatrix run ahead of the mma's there;
+  // the other tilings run without it, as it slowed them.
   constexpr bool kWideQk = FM == 2 && !kQInRegs;
   // The d128 wide TMA kernel, whose loop sits at the register cap: its warp
   // index is known warp-uniform, a masked step reads its lane again, and its
   // K/V ldmatrix addresses are formed per tile (below). With the registers this
-  // frees, an H200 ran it 4-11% faster in a same-run comparison; d256 (8 warps
-  // of one fragment, not at the cap) ran within noise of its old form and keeps
-  // it, as do the others (benchmarks/results/2026-11-23-h200-fa2-d128-lean-loop.md).
+  // frees it runs faster; d256 (8 warps of one fragment, not at the cap) gained
+  // nothing from these forms and keeps its own, as do the others (docs/fa2.md,
+  // "Tilings and why").
   constexpr bool kLeanLoop = kTma && kWideQk;
   // The span of the Q, K and V copies (fa2::TileRows): one 16-byte chunk of
   // whole rows per thread, or, on the d128 wide tiling with a plain causal mask,
   // one chunk of each 128-byte line of its rows, so that a row costs one 64-bit
   // address (and one packed-row lookup for Q) and its lines sit at immediate
-  // offsets. On an H200 lines ran causal d128 3-7% faster, paged decode 2-4%
-  // slower, non-causal d128 4-8% slower on its loop then unrolled (HMMAs waited
-  // twice as long on their ldmatrix, the L2 hit rate fell from 92% to 86%) and
-  // no faster on the plain loop; they spill 4-8 bytes with soft-cap or a window
-  // (benchmarks/results/2026-11-22-h200-fa2-copies-by-line.md and
-  // 2026-11-22-h200-fa2-loop-unroll.md).
+  // offsets. Lines speed up plain causal d128 only: paged decode and
+  // non-causal d128 ran slower with them (HMMAs waited longer on their
+  // ldmatrix, the L2 hit rate fell), and they spill with soft-cap or a window
+  // (docs/fa2.md, "Tilings and why").
   constexpr bool kPlainCausal = Traits::kCausal && !Traits::kSoftCap && !Traits::kWindow;
   constexpr int kCopySpan = (kWideQk && kPlainCausal) ? 128 : ROW_BYTES;
   // Commit groups are [Q + K_0], [V_0], [K_1], [V_1], ...; see the main loop.
@@ -414,8 +411,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // kOneWait, wait_group(2S-4) before that barrier completes V_t too, and P.V
     // needs no second wait or barrier.
     // (Unrolled by its stages, so that ring-slot offsets are immediates, this
-    // loop ran non-causal d128 0-2% slower once the softmax was one basic block:
-    // benchmarks/results/2026-11-22-h200-fa2-loop-unroll.md.)
+    // loop ran no faster once the softmax was one basic block.)
     for (int t = 0; t < num_tiles; ++t) {
       const uint32_t k_s = kv_smem + (t % STAGES) * Traits::kStageBytes;
       const uint32_t v_s = k_s + Traits::kKvTileBytes;
@@ -466,8 +462,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         // registers for one V fragment at a time, and each mma then waits for
         // its ldmatrix. Where there is room (two d64 fragments, Q in registers,
         // one wait per tile), that interleave is what keeps the tensor pipe
-        // busy: an H200 ran such a d64 tiling, unfenced, 1-8% faster than
-        // FA2_TILINGS[64] (benchmarks/results/2026-11-22-h200-fa2-d64-unfenced-pv.md).
+        // busy (the d64 wide tiling runs unfenced; docs/fa2.md, "Tilings and why").
         if constexpr (Traits::kFencePv) __syncwarp();
         if (!step.skip) accumulate_pv(pa, v_s, v_lane, kofs);
       }  // steps

@@ -56,9 +56,8 @@
 // r % 8 = r7 sits at block kk / 4, byte 16*((2*(kk%4) + b) ^ r7) of it: a
 // per-lane offset plus a compile-time XOR and immediate (SwizzledTile::pair).
 // (A padded layout, pitch D * 2 + 16 and no XOR, needs one register per pattern
-// instead of four but made cp.async split every 128-byte line it stored: 1.5x
-// the L1 sectors and 3x the L2 requests, d128 10% slower on an H200;
-// benchmarks/results/2026-11-23-h200-fa2-kv-by-tma.md.)
+// instead of four but made cp.async split every 128-byte line it stored, and
+// was slower; docs/fa2.md, "Measured and not kept".)
 // ---------------------------------------------------------------------------
 #pragma once
 #include <math_constants.h>
@@ -299,9 +298,8 @@ struct RaggedTileCopy {
   // CTA, which the compiler can keep in uniform registers), the thread's row and
   // chunk added per tile; with one chunk of each 128-byte line, this thread's
   // row and chunk at key 0. On the d128 wide tiling, at the register cap, the
-  // first form ran non-causal prefill 1-6% faster on an H200 (two registers
-  // fewer; benchmarks/results/2026-11-23-h200-fa2-d128-tile-time.md, section 6)
-  // and the second keeps plain causal prefill, which copies lines, from spilling.
+  // first form saves two registers, which non-causal prefill needs, and the
+  // second keeps plain causal prefill, which copies lines, from spilling.
   static constexpr bool kCtaBase = R::kSpans == 1;
   const T* src;
   int64_t stride_n;  // between keys, in elements

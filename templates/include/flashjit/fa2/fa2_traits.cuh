@@ -44,9 +44,8 @@ struct Fa2Traits {
   // With TMA: each warp hands a ring slot back through the slot's "empty"
   // mbarrier once done with it, and the slot's next load waits on that, where
   // a CTA barrier per tile made every warp wait for every other one
-  // (fa2_kv_tma.cuh). Eight warps of one CTA per SM (d256) gained 6-10% on an
-  // H200; the d128 wide kernel, at the register cap, lost 2-6%
-  // (benchmarks/results/2026-11-23-h200-fa2-slot-release.md).
+  // (fa2_kv_tma.cuh). Eight warps of one CTA per SM (d256) gain from it; the
+  // d128 wide kernel, at the register cap, loses (docs/fa2.md, "Tilings and why").
   static constexpr bool kSlotRelease = kSlotRelease_ && kTmaKv;
   // Q fragments held in registers for the whole KV loop (D/4 registers per
   // thread); else re-read from shared memory with ldmatrix every tile, which

@@ -319,12 +319,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           } else {
             // Tile t - 1's V slot goes back before the exponentials, which
             // read m_ref through the arrival's token: left free, ptxas put
-            // 7-31 of them ahead of the arrival every other tile in the paged
-            // kernels, so the loader refilled the slot that much later (d256
-            // causal ran 6-7% slower:
-            // benchmarks/results/2026-11-27-h200-fa3-paged-slot-release.md).
-            // The ragged kernels release first unasked, and the token's round
-            // trip cost them up to 2%. tests/test_fa3_tile_loop.py checks both.
+            // some of them ahead of the arrival every other tile in the paged
+            // kernels, so the loader refilled the slot that much later. The
+            // ragged kernels release first unasked, and the token's round trip
+            // only costs them. tests/test_fa3_tile_loop.py checks both; the
+            // measurements: docs/fa3.md, "One CTA" (V released before the
+            // exponentials).
             max_tile(s, t, true, true, factor);
             fa3::wait<0>();
             fa3::fence_operands(o[0]);
@@ -382,16 +382,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // end, in this CTA's slot of partial_o (the grid is persistent: one slot
     // per CTA). Other kernels run every tile as one chunk. (Carrying the
     // pipeline across a boundary instead, the new chunk's softmax beside the
-    // old one's last P.V, cost the kernel 5-8% on rows with no boundary at all
-    // and gained nothing measurable on the others:
-    // benchmarks/results/2026-11-25-h200-batch-invariant-fold.md.)
+    // old one's last P.V, slowed the rows with no boundary at all and gained
+    // nothing measurable on the others.)
     // Each chunk is run_tiles from tile 0 with key_begin and seq moved on, and
     // the slot and the chunk are read where the fold uses them: with the chunk's
     // first tile a variable and the slot live across the tile loop, ptxas
     // scheduled d256's loop so that every other tile gave its V slot back only
-    // after the softmax's exponentials, and d256 ran 6-7% slower than normal
-    // mode with no boundary crossed (tests/test_fa3_tile_loop.py checks the
-    // order; benchmarks/results/2026-11-27-h200-batch-invariant-tile-loop.md).
+    // after the softmax's exponentials, and d256 ran slower than normal mode
+    // with no boundary crossed (tests/test_fa3_tile_loop.py checks the order;
+    // docs/numerics.md#batch-invariant-mode, "Cost").
     if constexpr (Traits::kChunkFold) {
       constexpr int kConsumerThreads = Traits::kConsumerWarps * 32;
       using Merge = fa2::ChunkMerge<Traits>;

@@ -10,9 +10,8 @@ namespace flashjit {
 
 // The slots of one TMA box of a paged cache, or 0 where whole tiles are
 // gathered instead: a tile must be whole pages or lie within one, and a box of
-// at least 64 rows. Smaller boxes ran slower than the gather on an H200 (page
-// 16: 0.52-0.82 of ragged prefill against the gather's 0.75-0.87; page 32 on a
-// par; benchmarks/results/2026-11-24-h200-fa3-paged-tma-box-rows.md).
+// at least 64 rows: smaller boxes ran slower than the gather (docs/fa3.md,
+// "One CTA", paged K/V).
 template <int kKeysPerTile>
 int fa3_page_box_rows(int page_size) {
   constexpr int kMinBoxRows = 64;

@@ -37,9 +37,9 @@ __device__ __forceinline__ void load_kv_tiles(const FlashjitAttentionParams& p, 
   if constexpr (Traits::kPaged) {
     // Only the first warp polls a slot's empty barrier; the other three wait
     // at a hardware barrier that it joins once the slot is free (polling warps
-    // throttled the consumers' wgmma issue:
-    // results/2026-11-25-h200-fa3-paged-ncu-vs-ragged.md). Every warp takes each
-    // barrier generation once, so none can run a generation ahead.
+    // throttled the consumers' wgmma issue; docs/fa3.md, "One CTA", paged K/V).
+    // Every warp takes each barrier generation once, so none can run a
+    // generation ahead.
     auto wait_empty_all = [&](uint32_t empty, int gt) {
       if (gt < STAGES) return;
       if (tid < 32) wait_empty(empty, gt);

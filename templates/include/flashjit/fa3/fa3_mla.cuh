@@ -344,12 +344,8 @@ int launch_fa3_mla(const FlashjitAttentionParams& p, cudaStream_t stream) {
   typename Traits::TmaArg tma_arg{};
   // Pages of 64 keys or more by TMA where the driver encodes the maps (ckv as
   // K, kpe as V, one KV head: p.num_kv_heads is 1); else every tile is
-  // gathered. On H200s, TMA took the 128-head row of benchmarks/mla.py 6.9%
-  // faster (two CTAs a request read the same keys); with one CTA a request,
-  // the 64- and 16-head rows ran 1.1% and 3.0% slower on one H200
-  // (benchmarks/results/2026-11-27-h200-mla-tma.md) and 3.3-5.0% and 0.4-0.9%
-  // faster on another, where the gathered kernel ran 5-8% slower than on the
-  // first and TMA's 1% (2026-11-27-h200-mla-tma-all-heads.md).
+  // gathered. TMA boxes take the issue off the loader's threads at every head
+  // count (docs/mla.md, "Tilings and why").
   if constexpr (Traits::kTma) {
     if (p.num_work > 0 && p.page_size >= Traits::kKeysPerTile && p.page_size % Traits::kKeysPerTile == 0 &&
         tma::encode_paged_kv_maps<typename Traits::DType>(&tma_arg.maps, p, Traits::kCkvDim, Traits::kKpeDim,
@@ -358,10 +354,8 @@ int launch_fa3_mla(const FlashjitAttentionParams& p, cudaStream_t stream) {
   }
   // With Traits::kPairs, the pairs kernel (fa3_mla_pairs.cuh) where every
   // tile comes by TMA and more than 64 heads make two or more CTAs read each
-  // request's keys: on H200s it ran the 128-head row of benchmarks/mla.py
-  // 1.5-2.2% faster than this kernel in eight runs, and the 64- and 16-head
-  // rows (one CTA a request) 0-3.2% slower
-  // (benchmarks/results/2026-11-27-h200-mla-pairs.md).
+  // request's keys; with one CTA a request this kernel is the faster
+  // (docs/mla.md, "Tilings and why").
   if constexpr (Traits::kPairs) {
     if (tma_arg.page_box_rows > 0 && p.num_qo_heads > Traits::kRowsPerCta)
       return launch_attention<fa3_mla_pairs_kernel<Traits>, typename Traits::DType, Traits::kVoDim, Traits::kLse>(

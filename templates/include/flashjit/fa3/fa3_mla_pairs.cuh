@@ -1,12 +1,11 @@
 // MLA on warpgroup MMA (sm_90a) in tile pairs: the fa3 MLA kernel for caches
 // whose pages hold a multiple of 64 keys, where every tile of 64 keys lies in
 // one page and comes by TMA. With Fa3MlaTiling.pairs, fa3_mla.cuh's launch
-// picks it there for more than 64 heads (results in
-// benchmarks/results/2026-11-27-h200-mla-pairs.md).
+// picks it there for more than 64 heads (docs/mla.md, "The pairs kernel").
 //
 // Why a second schedule: in fa3_mla.cuh one consumer computes every tile's S
-// and softmax, and the tensor pipe idles through each softmax (a third of the
-// tile on the 128-head row: benchmarks/results/2026-11-27-h200-mla-tile-trace.md).
+// and softmax, and the tensor pipe idles through each softmax (docs/mla.md,
+// "What limits it").
 // Here two computing warpgroups take the tiles in pairs: warpgroup 0 the even
 // tiles (slot 0), warpgroup 1 the odd ones (slot 1). Each computes S = Q.K^T of
 // its own tile (wgmma 64x64, 36 k-steps) and its softmax; each owns half of O's
@@ -15,8 +14,8 @@
 // the other's products fill the pipe. The same idea runs DeepSeek's FlashMLA.
 // A third, producer warpgroup issues every refill: issuing a tile's boxes holds
 // the issuing thread about 75 cycles a box, and in a computing warpgroup that
-// time held its warp and the hand-offs behind it (128-head row 8% faster with
-// the producer: benchmarks/results/2026-11-27-h200-mla-pairs-producer.md).
+// time held its warp and the hand-offs behind it (docs/mla.md, "The pairs
+// kernel", why a producer).
 //
 // One step (tiles a = 2i and b = a + 1; "->" is a hand-off one warpgroup
 // arrives on and the other waits on; "let go" arrives on a refill's mbarrier,
@@ -67,7 +66,7 @@ namespace fa3 {
 // a step. Every thread arrives for its own writes: compute-sanitizer's
 // racecheck reads an arrival by another thread (a warp's first lane after
 // __syncwarp, or a named barrier's bar.arrive) as no ordering at all, though
-// the hardware orders it (benchmarks/results/2026-11-27-h200-racecheck-exchange.md).
+// the hardware orders it (docs/mla.md, "The pairs kernel", hand-offs).
 enum MlaPairHandoff : int { kScale0, kScale1, kP0, kP1, kSums, kHandoffs };
 // The refills of a step, each an mbarrier that the warpgroup reading its blocks
 // last arrives on (one thread, past its wgmma wait) and the producer waits on:

@@ -3,15 +3,15 @@
 // copied out a row at a time by the bulk copy engine.
 //
 // Why: written straight from the accumulators, each lane stores 4 bytes at a
-// time, and a warp's store touches 8 rows at once; a CTA's 64 rows took 5.4 us
-// that way on the 128-head row (benchmarks/dev/mla_pairs_trace.py, the CTA
-// phases in benchmarks/results/2026-11-27-h200-mla-bulk-store.md), as long as
-// one and a half steps of the main loop, once for each of the row's two
-// waves. Staging writes shared memory conflict-free (rows kStagedRowBytes
+// time, and a warp's store touches 8 rows at once; a CTA's 64 rows took that
+// way as long as one and a half steps of the main loop on the 128-head row,
+// once for each of the row's two waves (benchmarks/dev/mla_pairs_trace.py
+// stamps it; docs/mla.md, "Output by bulk copies"). Staging writes shared
+// memory conflict-free (rows kStagedRowBytes
 // apart, 16 bytes past 1 KB, put the 8 rows of a warp's store in 8 different
 // bank quads), and each warpgroup's 512 bytes of a row leave by one bulk copy.
-// The copies take about 3 us a CTA when a wave ends: the SMs' write rate, the
-// same for 8 KB copies or 16-byte stores (2026-11-27-h200-output-store-rates.md).
+// The copies take what the SMs' write rate allows when a wave ends, which 8 KB
+// copies and 16-byte stores reach alike.
 //
 // Every output row starts 16-byte aligned, as the bulk copy needs: the MLA
 // wrapper takes only outputs whose base and strides allow 16-byte vectors

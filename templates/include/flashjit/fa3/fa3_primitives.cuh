@@ -34,9 +34,9 @@ __device__ __forceinline__ void loader_barrier() { warpgroup_barrier(3); }
 // The loader's first warp: a partial tile of keys k0 .. kv_len - 1 of K and V
 // into ring slot `dst` (K, then V kKvTileBytes on). Every copy is in flight at
 // once (cp.async): a load and store at a time cost one memory round trip per
-// row pair and lane, 20-25 us on an H200 for a 64-key tile (ncu,
-// benchmarks/results/2026-11-25-h200-tiny-call-gpu-time.md), a request's whole
-// time where it has one tile, hidden behind the consumers where it has many.
+// row pair and lane, a request's whole time where it has one tile, hidden
+// behind the consumers where it has many (docs/fa3.md, "One CTA", partial last
+// tile).
 // Only V's rows past the request are written (zeros, by plain stores): their
 // probabilities are 0, but 0 times a stale NaN is NaN. K's keep whatever the
 // slot held, as their logits are masked to -inf before any use (the tile is
