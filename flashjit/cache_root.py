@@ -1,20 +1,22 @@
 """The cache root the commands use (`flashjit prewarm`, `cache`, `info`,
 `numerics`): cache.default_root(), refused if it is a file or a symlink, and
-with `create`, made and checked writable. Its own module so that the CLI and
+with `create`, made if missing. A root that exists is not written here: a
+read-only one serves its hits, and build_many refuses a miss in it with one
+line (cache.require_writable). Its own module so that the CLI and
 flashjit.numerics both import it without importing each other."""
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
-from .errors import CacheError, SettingError
+from .errors import SettingError
 
 
 def cache_root(create: bool) -> Path:
     """The cache root, refused if it is a file or a symlink (loads refuse those
-    too); with `create`, made (private to the user) and checked writable."""
+    too); with `create`, made private to the user where missing (an existing
+    one keeps its mode but for group and other write bits: cache.ensure_root)."""
     from . import cache
 
     root = cache.default_root()
@@ -26,11 +28,4 @@ def cache_root(create: bool) -> Path:
         raise SettingError(f"{name}: expected a directory, got {what}: {root}; {fix}")
     if create:
         cache.ensure_root(root)
-        try:
-            fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=root)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as exc:
-            raise CacheError(f"{name}: cannot write {root} ({exc.strerror or exc}); {fix}, or prewarm the cache "
-                             f"where it is writable") from None
     return root

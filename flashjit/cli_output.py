@@ -62,10 +62,13 @@ def table(rows: list[tuple], right: tuple[int, ...] = ()) -> list[str]:
 
 class BuildProgressLine:
     """The build's progress callback (flashjit.build.BuildProgress events, one
-    per configuration as it finishes): "[done/total] elapsed 1m12s, ETA 2m30s
-    last: <name>". On a terminal one line rewritten in place; elsewhere (a log)
-    a line at the first and last event and at each further twentieth of the
-    total, so a log of any length keeps about 20 lines."""
+    per configuration as it is found in the cache or finishes compiling):
+    "[done/total] elapsed 1m12s, ETA 2m30s  last: <name>". Configurations found
+    in the cache are counted, not shown: a fully cached run prints nothing. On
+    a terminal one line rewritten in place; elsewhere (a log) a line at the
+    first and last build and at each further twentieth of the builds, so a log
+    keeps about 20 lines however many there are. The ETA is the mean time per
+    build so far times the configurations left."""
 
     STEPS = 20
 
@@ -74,19 +77,22 @@ class BuildProgressLine:
         self.clock = clock
         self.started = clock()
         self.tty = self.stream.isatty() if tty is None else tty
+        self.cached = 0
         self.failed = 0
         self.next_mark = 0
         self.width = 0  # of the line on the terminal, to blank its tail when a shorter one replaces it
 
     def line(self, event) -> str:
         elapsed = self.clock() - self.started
-        eta = elapsed / event.done * (event.total - event.done) if event.done else 0.0
+        built = event.done - self.cached
+        eta = elapsed / built * (event.total - event.done) if built > 0 else 0.0
         failed = f", {self.failed} failed" if self.failed else ""
         count = f"[{event.done:>{len(str(event.total))}}/{event.total}]"
         return f"{count} elapsed {duration(elapsed)}, ETA {duration(eta)}{failed}  last: {event.name}"
 
     def __call__(self, event) -> None:
-        if isinstance(event, str):  # a build that reports ninja's lines, not BuildProgress events
+        if getattr(event, "cached", False):
+            self.cached += 1
             return
         self.failed += not event.ok
         text = self.line(event)
@@ -98,10 +104,11 @@ class BuildProgressLine:
             if event.done >= event.total:
                 self.finish()
             return
-        if event.done >= self.next_mark or event.done >= event.total or not event.ok:
+        built = event.done - self.cached
+        if built >= self.next_mark or event.done >= event.total or not event.ok:
             print(text, file=self.stream, flush=True)
-            step = max(1, math.ceil(event.total / self.STEPS))
-            self.next_mark = (event.done // step + 1) * step
+            step = max(1, math.ceil((event.total - self.cached) / self.STEPS))
+            self.next_mark = (built // step + 1) * step
 
     def finish(self) -> None:
         """Ends the terminal's progress line (no-op elsewhere, or where none was drawn)."""

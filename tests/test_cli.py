@@ -251,15 +251,17 @@ def test_bad_subcommand_and_missing_action_exit_2(tmp_path):
 
 @pytest.fixture
 def fake_build(monkeypatch, tmp_path):
-    """jit.build_many replaced: every configuration built (reported as it
-    finishes, as flashjit.build.BuildProgress) but those named in `cached`."""
+    """jit.build_many replaced: every configuration built but those named in
+    `cached`, each reported as build_many does (build.BuildProgress, the cached
+    ones first)."""
     set_cache_env(monkeypatch, tmp_path / "cache")
     cached: set = set()
 
     def build_many(specs, arches=None, jobs=None, progress=None, root=None, raise_first=True):
-        todo = [s for s in specs if s.name not in cached]
-        for done, spec in enumerate(todo, 1):
-            progress(SimpleNamespace(done=done, total=len(todo), name=spec.name, seconds=1.0, ok=True))
+        found = [s for s in specs if s.name in cached]
+        for done, spec in enumerate(found + [s for s in specs if s.name not in cached], 1):
+            progress(build.BuildProgress(done, len(specs), spec.name, 0.0 if spec in found else 1.0, True,
+                                         cached=spec in found))
         return [jit.BuildResult(spec, SimpleNamespace(path=root / spec.name), spec.name not in cached, 1.0)
                 for spec in specs]
 

@@ -65,6 +65,22 @@ def test_progress_in_a_log_is_about_twenty_lines_with_eta():
     assert done == sorted(done) and max(b - a for a, b in zip(done, done[1:])) <= 7
 
 
+def test_progress_counts_cached_configurations_without_showing_them():
+    stream, clock = io.StringIO(), Clock(3.0)
+    display = cli_output.BuildProgressLine(stream, clock=clock, tty=False)
+    for done in range(1, 101):
+        display(SimpleNamespace(done=done, total=125, name=f"config_{done}", seconds=0.0, ok=True, cached=True))
+    assert stream.getvalue() == "", "a cached configuration is no progress line"
+    clock.now = 0.0
+    for done in range(101, 126):
+        clock.now += 3.0
+        display(event(done, 125))
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "[101/125] elapsed 3s, ETA 1m12s  last: config_101", "the ETA from the builds' rate"
+    assert lines[-1] == "[125/125] elapsed 1m15s, ETA 0s  last: config_125"
+    assert 12 <= len(lines) <= 22
+
+
 def test_progress_of_a_few_prints_each_and_a_failure_at_once():
     stream, clock = io.StringIO(), Clock(10.0)
     display = cli_output.BuildProgressLine(stream, clock=clock, tty=False)

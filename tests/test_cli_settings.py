@@ -6,15 +6,17 @@ The command runs in-process (cli.main) against a private cache, and once as
 
 from __future__ import annotations
 
-import errno
 import os
+import stat
+from types import SimpleNamespace
 
 import pytest
 
 from flashjit import cli, jit
 from flashjit.errors import JitDisabledError
 from flashjit.spec import KernelSpec
-from helpers_cache import refuse_writes, run_cli, set_cache_env
+from flashjit.jit import build_many as real_build_many
+from helpers_cache import run_cli, set_cache_env
 
 
 @pytest.fixture
@@ -124,13 +126,32 @@ def test_cache_dir_below_a_file(cli_env, monkeypatch, capsys, tmp_path):
     assert "Not a directory" in err
 
 
-@pytest.mark.parametrize("err_no", [errno.EROFS, errno.EACCES])
-def test_cache_dir_not_writable(cli_env, capsys, err_no):
+@pytest.fixture
+def read_only_root(cli_env):
+    """The cache root with its owner's write bit removed (0500)."""
     cli_env.mkdir(mode=0o700)
-    with refuse_writes(cli_env, err_no):
-        err = _one_line_error(capsys, [*PREWARM_ONE, "--arch", "sm_80"], "FLASHJIT_CACHE_DIR", code=1)
-    assert f"cannot write {cli_env} ({os.strerror(err_no)})" in err
-    assert list(cli_env.iterdir()) == []
+    os.chmod(cli_env, 0o500)
+    yield cli_env
+    os.chmod(cli_env, 0o700)
+
+
+def test_read_only_cache_dir_refuses_a_miss_in_one_line(read_only_root, monkeypatch, capsys):
+    """The refusal comes before anything is compiled, and the root keeps its mode."""
+    monkeypatch.setattr(jit, "build_many", real_build_many)
+    assert cli.main([*PREWARM_ONE, "--arch", "sm_80"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("flashjit prewarm: 1 configuration(s) for sm_80") and len(err) == 6, err
+    assert err[-1].startswith("flashjit prewarm: cannot build single_decode_f16_d64_fa2_cc: the cache is read-only "
+                              f"(FLASHJIT_CACHE_DIR={read_only_root}; mode 0500")
+    assert stat.S_IMODE(os.stat(read_only_root).st_mode) == 0o500 and list(read_only_root.iterdir()) == []
+
+
+def test_read_only_cache_dir_serves_its_hits(read_only_root, monkeypatch, capsys):
+    monkeypatch.setattr(jit, "build_many", lambda specs, **kw: [
+        jit.BuildResult(s, SimpleNamespace(path=read_only_root / s.name), False, 0.0) for s in specs])
+    assert cli.main([*PREWARM_ONE, "--arch", "sm_80"]) == 0
+    assert "1 configuration(s) ready (0 built, 1 cached)" in capsys.readouterr().err
+    assert stat.S_IMODE(os.stat(read_only_root).st_mode) == 0o500
 
 
 def test_missing_cache_dir_lists_nothing(cli_env, capsys):
