@@ -11,8 +11,8 @@
 namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
-          bool kOneWait_, bool kFencePv_, bool kTmaKv_, bool kSlotRelease_, bool kQInRegs_, int kMinBlocksPerSm_, bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_,
-          bool kSoftCap_, bool kLse_>
+          bool kOneWait_, bool kFencePv_, bool kTmaKv_, bool kSlotRelease_, bool kQInRegs_, int kMinBlocksPerSm_,
+          bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
 struct Fa2Traits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
