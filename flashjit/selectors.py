@@ -84,7 +84,7 @@ def presets_text(width: int = 79) -> str:
 def add_selectors(parser) -> None:
     """The selector flags (specs_from_args reads them; check_selectors checks them)."""
     parser.add_argument("--op", nargs="+", metavar="OP",
-                        help=f"the ops to build (default: the preset's): {', '.join(OPS)}")
+                        help=f"the ops (default: the preset's): {', '.join(OPS)}")
     parser.add_argument("--dtype", nargs="+", metavar="DTYPE",
                         help=f"the dtypes (default: the preset's): {dtype_choices()}")
     parser.add_argument("--head-dim", nargs="+", metavar="D",

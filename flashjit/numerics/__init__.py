@@ -23,7 +23,7 @@ HELP = "every selected configuration against the float64 reference on hard input
 DESCRIPTION = ("Runs the selected configurations (prewarm's selectors; backends: this GPU's) on --seeds fresh random "
                "draws of each case, against the float64 reference, and reports per configuration and case max, "
                "p99.9 and mean |err| and max err/bound. Cases: " + "; ".join(f"{k}: {v}" for k, v in CASES.items())
-               + ". Exit 1 where a case exceeded its bound or failed, 2 where no GPU is visible.")
+               + ". Exit 1 where a case exceeded its bound or failed, 2 for a bad flag or where no GPU is visible.")
 
 
 def add_arguments(parser, positive_int) -> None:
