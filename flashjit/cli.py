@@ -54,7 +54,7 @@ def target_arches(named) -> tuple[tuple[str, ...], str]:
 
 
 def cmd_prewarm(args) -> int:
-    # The selectors in their own words first: nothing imported, no GPU probed.
+    # The selectors in their own words first: before torch or the build is imported, or a GPU probed.
     check_selectors(args)
     from . import arch, build, cache_ship, jit
     from .cli_output import BuildProgressLine, duration, size, table, tree_bytes
