@@ -8,8 +8,15 @@ directory whose manifest was written last, so a reader sees a whole entry or
 none. Locks are flock locks (filelock) on <root>/<name>/<key>.lock: the kernel
 drops them when their holder dies.
 
-Errors: every function that touches the disk raises CacheError (never a bare
-OSError) with the path and the fix, for an unwritable, full or unsafe cache.
+Errors: CacheError (never a bare OSError), with the path and the fix, from
+check_safe_dir (unsafe directory), ensure_root (unsafe, or not creatable),
+require_writable (a read-only root: the setting to change), config_lock,
+new_build_dir, write_file and publish (a full disk: the space needed, see
+no_space_error), refresh_fingerprint, remove_entry, iter_entries and clear.
+The lookups (verify_entry, find_entry, find_entry_by_fingerprint,
+find_entry_any_toolchain) and read_only_reason raise nothing: a bad entry is a
+miss with its problems, logged once per process. sha256_file raises OSError;
+its callers catch it. os_error and no_space_error return the CacheError.
 """
 
 from __future__ import annotations
@@ -104,16 +111,16 @@ def read_only_reason(root: Path) -> str | None:
     return None
 
 
-def require_writable(root: Path, name: str) -> Path:
-    """Creates the root if it is missing and refuses a read-only one: the
-    one-line CacheError for a configuration (name) that must be built there."""
+def require_writable(root: Path, action: str) -> Path:
+    """Creates the root if it is missing and refuses a read-only one with a
+    one-line CacheError: "cannot <action>: the cache is read-only (...)"."""
     root = ensure_root(root)
     reason = read_only_reason(root)
     if reason is not None:
-        raise CacheError(f"cannot build {name}: the cache is read-only ({root_setting(root)}; {reason}); it serves "
-                         f"the configurations it holds, but a missing one must be built elsewhere: set "
-                         f"FLASHJIT_CACHE_DIR to a writable directory (FLASHJIT_CACHE_READONLY={root} keeps this "
-                         f"one in use), or make it writable (chmod u+w {root})")
+        raise CacheError(f"cannot {action}: the cache is read-only ({root_setting(root)}; {reason}); it serves the "
+                         f"configurations it holds but takes no new ones: set FLASHJIT_CACHE_DIR to a writable "
+                         f"directory (FLASHJIT_CACHE_READONLY={root} keeps this one in use), or make it writable "
+                         f"(chmod u+w {root})")
     return root
 
 
@@ -160,6 +167,8 @@ def verify_entry(path: Path, expected_key: str | None = None,
         return None, ["no manifest (partial or interrupted build)"]
     except (OSError, ValueError) as exc:
         return None, [f"unreadable manifest: {exc}"]
+    if not isinstance(manifest, dict):
+        return None, ["unreadable manifest: not a JSON object"]
     if manifest.get("format") != MANIFEST_FORMAT:
         return None, [f"manifest format {manifest.get('format')!r}, expected {MANIFEST_FORMAT}"]
     key = manifest.get("key")
@@ -217,7 +226,7 @@ def find_entry_by_fingerprint(root: Path, name: str, fingerprint: str, readonly:
     for path in candidates:
         try:
             recorded = json.loads((path / MANIFEST).read_text()).get("fingerprint")
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):
             continue
         if recorded == fingerprint:
             entry, problems = verify_entry(path, readonly=readonly)
@@ -348,8 +357,16 @@ def iter_entries(root: Path):
     """(path, entry or None, problems) for every entry directory under root."""
     if not root.is_dir():
         return
-    for config_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        for path in sorted(p for p in config_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    try:
+        config_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError as exc:
+        raise os_error("list", root, exc) from exc
+    for config_dir in config_dirs:
+        try:
+            paths = sorted(p for p in config_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except OSError as exc:
+            raise os_error("list", config_dir, exc) from exc
+        for path in paths:
             entry, problems = verify_entry(path)
             yield path, entry, problems
 

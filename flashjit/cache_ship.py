@@ -163,7 +163,7 @@ def import_cache(archive: Path, root: Path) -> tuple[list[Path], list[Path]]:
     import tarfile
 
     archive = Path(archive)
-    root = cache.ensure_root(root)
+    root = cache.require_writable(root, f"import {archive}")
     fix = "export it again from a trusted cache with flashjit cache export"
     try:
         tar = tarfile.open(archive, "r:*")

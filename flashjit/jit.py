@@ -3,11 +3,20 @@
 `get_module(spec)` is what the ops call (memoised per process); `build_many`
 is what prewarm calls: every missing configuration in one parallel ninja run.
 
-Errors: ValueError for an unsupported spec (before anything else);
-SettingError for a FLASHJIT_* variable it cannot use (before the cache is
-read); ToolchainError (no nvcc, arch not supported); JitDisabledError (a miss
-with FLASHJIT_DISABLE_JIT=1); BuildError (nvcc failed: command and first errors);
-CacheError (cache unusable, or an entry still bad after one rebuild).
+Errors (build_many and get_module): ValueError for an unsupported spec
+(before anything else); SettingError for a FLASHJIT_* variable it cannot use
+(before the cache is read); ToolchainError (no nvcc or ninja, arch not
+supported); JitDisabledError (a miss with FLASHJIT_DISABLE_JIT=1); BuildError
+(nvcc failed: command and first errors; build_many with raise_first=False
+returns it per spec instead); CacheError (an unsafe cache; a miss in a
+read-only cache, naming the setting; a full disk, naming the space needed,
+per spec under raise_first=False when the compile or publish hit it; from
+get_module, an entry that does not load after one rebuild). KeyboardInterrupt,
+and build.BuildTerminated for SIGTERM, propagate once the compilers are killed
+and the unpublished build directories removed. resolve_arches raises
+ToolchainError for an unknown arch name or a GPU older than SM80 and
+SettingError for a FLASHJIT_CUDA_ARCH_LIST it cannot use; jit_disabled
+raises SettingError.
 """
 
 from __future__ import annotations
@@ -242,7 +251,7 @@ def build_many(specs, arches=None, jobs: int | None = None, progress=None, root:
     if missing and (disabled or nvcc is None):
         raise _miss_error(missing[0])
     if missing:
-        root = cache.require_writable(root, missing[0].spec.name)
+        root = cache.require_writable(root, f"build {missing[0].spec.name}")
         with build.sigterm_unwinds(), _LockSet(root, missing) as locked:
             _build_locked(locked, arches, nvcc, root, jobs, progress, results, found, len(unique))
     ordered = [results[s] for s in unique]
@@ -293,9 +302,9 @@ def _publish(p: Planned, job: build.BuildJob) -> cache.Entry | None:
         manifest = _manifest(p, job)
         cache.write_file(job.build_dir / "tolerance.json", json.dumps(manifest["tolerance"], indent=1), needed)
         return cache.publish(job.build_dir, manifest, needed)
-    except CacheError as exc:
+    except (CacheError, OSError) as exc:  # OSError: the artifact or log unreadable
         shutil.rmtree(job.build_dir, ignore_errors=True)
-        job.error = exc
+        job.error = exc if isinstance(exc, CacheError) else cache.os_error("publish", job.build_dir, exc, needed)
         return None
 
 
@@ -378,7 +387,7 @@ def _load(spec: KernelSpec, arches) -> KernelModule:
                                  f"{exc}") from exc
             log.warning("flashjit: cached %s does not load (%s); rebuilding once", result.entry.path, exc)
             if result.entry.path.parent.parent == root:
-                cache.require_writable(root, spec.name)  # a read-only cache cannot replace it
+                cache.require_writable(root, f"replace {result.entry.path}")  # a read-only cache cannot
                 cache.remove_entry(root, result.entry)
             layers = []  # never written: a layer's entry is passed over instead
     raise AssertionError("unreachable")

@@ -93,6 +93,7 @@ def test_read_only_root_serves_hits_and_refuses_misses(fake_cache, mode):
     assert "\n" not in message
     assert f"cannot build {SPECS[2].name}: the cache is read-only (FLASHJIT_CACHE_DIR={fake_cache}" in message
     assert f"mode {mode:04o}" in message
+    assert "it serves the configurations it holds but takes no new ones" in message
     assert "set FLASHJIT_CACHE_DIR to a writable directory" in message and f"chmod u+w {fake_cache}" in message
     assert snapshot(fake_cache) == before, "a refused miss wrote into the read-only cache"
     assert stat.S_IMODE(os.stat(fake_cache).st_mode) == mode
@@ -105,7 +106,7 @@ def test_read_only_default_location_is_named_as_such(monkeypatch, tmp_path):
     monkeypatch.setattr(cache, "default_root", lambda: root)
     with pytest.raises(CacheError, match=rf"the cache is read-only \(the default cache directory {root} "
                                          rf"\(FLASHJIT_CACHE_DIR unset\); mode 0555"):
-        cache.require_writable(root, "x")
+        cache.require_writable(root, "build x")
 
 
 def test_read_only_root_keeps_an_old_fingerprint_and_warns_once(fake_cache, caplog):
@@ -141,6 +142,7 @@ def test_missing_root_is_not_created_by_a_hit_in_a_layer(fake_cache, monkeypatch
 
 
 def test_compiler_out_of_space_is_a_cache_error_and_leaves_nothing(fake_cache, monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHJIT_CUDA_ARCH_LIST", "sm_80 sm_89")
     use_nvcc(monkeypatch, tmp_path, """\
         echo "/usr/bin/ld: final link failed: No space left on device" >&2
         printf 'partial' > "$out.tmp"
@@ -152,7 +154,8 @@ def test_compiler_out_of_space_is_a_cache_error_and_leaves_nothing(fake_cache, m
     assert "\n" not in message
     assert f"cannot build {SPECS[0].name} in {fake_cache / SPECS[0].name}/.tmp-" in message
     assert "no space left on device (/usr/bin/ld: final link failed: No space left on device)" in message
-    needed = build.entry_bytes_estimate(1) / 2**20
+    needed = build.entry_bytes_estimate(2) / 2**20  # two arches
+    assert needed > build.entry_bytes_estimate(1) / 2**20
     assert f"it needs about {needed:.1f} MB free there" in message
     assert "free space on that file system or set FLASHJIT_CACHE_DIR" in message
     assert tmp_dirs(fake_cache) == [] and entry_dirs(fake_cache) == []
@@ -350,3 +353,17 @@ def test_default_arches_are_logged_at_debug(monkeypatch, caplog):
         assert jit.resolve_arches(None) == jit.arch_mod.DEFAULT_ARCHES
     (record,) = [r for r in caplog.records if "no GPU visible" in r.getMessage()]
     assert record.levelno == logging.DEBUG
+
+
+def test_import_into_a_read_only_root_is_refused(fake_cache, tmp_path):
+    from flashjit import cache_ship
+
+    jit.build_many(SPECS[:1])
+    archive = tmp_path / "entries.tar"
+    cache_ship.export_cache(fake_cache, archive)
+    target = tmp_path / "target"
+    target.mkdir(mode=0o555)
+    with pytest.raises(CacheError, match=rf"^cannot import {archive}: the cache is read-only \(the cache directory "
+                                         rf"{target}; mode 0555"):
+        cache_ship.import_cache(archive, target)
+    assert list(target.iterdir()) == []
