@@ -210,6 +210,7 @@ def build_many(specs, arches=None, jobs: int | None = None, progress=None, root:
     progress(build.BuildProgress) is called once per distinct spec: for one
     found in the cache (cached=True) when it is found, for a built one when its
     compile finishes; done counts up to total, the number of distinct specs.
+    Every cached event comes before the first compile's.
 
     Locks are taken in name order (no deadlock between two prewarms), sources
     are rendered and written inside them, and each entry is published by an

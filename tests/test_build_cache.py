@@ -62,7 +62,7 @@ def _spill_params():
 
 class _Records(logging.Handler):
     def __init__(self):
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.messages: list[str] = []
 
     def emit(self, record):
@@ -82,19 +82,20 @@ def representative(tmp_path_factory):
     logger = logging.getLogger("flashjit")
     old_level = logger.level
     logger.addHandler(records)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.DEBUG)  # the per-configuration compile times are DEBUG lines
+    events = []
     try:
         with pytest.MonkeyPatch.context() as m:
             set_cache_env(m, root, arches=ARCH_LIST)
             m.setenv("FLASHJIT_NVCC", str(wrapper))
             started = time.monotonic()
-            results = jit.build_many(REPRESENTATIVE)
+            results = jit.build_many(REPRESENTATIVE, progress=events.append)
             cold = time.monotonic() - started
     finally:
         logger.removeHandler(records)
         logger.setLevel(old_level)
     return SimpleNamespace(root=root, base=base, results=dict(zip(REPRESENTATIVE, results)), cold=cold,
-                           wrapper=wrapper, counter=counter, log=records.messages)
+                           wrapper=wrapper, counter=counter, log=records.messages, events=events)
 
 
 def _env(monkeypatch, rep, arches: str = ARCH_LIST):
@@ -117,6 +118,10 @@ def test_cold_build_compiles_each_configuration_once_in_one_batch(representative
     assert len(batches) == 1 and f"compiling {len(REPRESENTATIVE)} configuration(s)" in batches[0]
     for spec in REPRESENTATIVE:
         assert any(re.fullmatch(rf"flashjit: compiled {spec.name} in \d+\.\d s", m) for m in rep.log), spec.name
+    # One progress event per configuration as it finishes, counting up to the total.
+    assert [e.done for e in rep.events] == list(range(1, len(REPRESENTATIVE) + 1))
+    assert {e.name for e in rep.events} == set(IDS) and all(e.total == len(REPRESENTATIVE) for e in rep.events)
+    assert all(e.ok and not e.cached and e.seconds > 0 for e in rep.events)
     print(f"\ncold build of {len(REPRESENTATIVE)} configurations x {len(ARCHES)} arches: {rep.cold:.1f} s")
     assert tmp_dirs(rep.root) == [] and not list(rep.root.glob(".batch-*"))
 
