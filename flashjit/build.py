@@ -200,9 +200,12 @@ def _remove_stale_batches(scratch: Path) -> None:
         try:
             fd = os.open(stale / "batch.lock", os.O_RDONLY)
         except FileNotFoundError:
-            if time.time() - stale.stat().st_mtime > 3600:
-                shutil.rmtree(stale, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                if time.time() - stale.stat().st_mtime > 3600:
+                    shutil.rmtree(stale, ignore_errors=True)
             continue
+        except OSError:
+            continue  # not ours to judge
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             shutil.rmtree(stale, ignore_errors=True)
