@@ -236,7 +236,15 @@ def start_slow_build(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
            f"for d in (64, 128)])"
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    wait_until(lambda: pids.exists() and len(pids.read_text().split()) == 4, 120, "two stand-in compiles to start")
+    try:
+        wait_until(lambda: proc.poll() is not None or (pids.exists() and len(pids.read_text().split()) >= 4), 120,
+                   "two stand-in compiles to start")
+    except AssertionError as exc:
+        proc.kill()
+        logs = {str(p): p.read_text(errors="replace") for p in root.glob("*/.tmp-*/build.log")}
+        raise AssertionError(f"{exc}; pids {pids.read_text() if pids.exists() else None!r}, logs {logs}, "
+                             f"output {proc.communicate()}") from None
+    assert proc.poll() is None, f"the build ended early: {proc.communicate()}"
     return proc, root, pids
 
 
