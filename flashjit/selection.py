@@ -1,15 +1,18 @@
 """Which configurations a selection names: prewarm's and `flashjit numerics`'
 selectors (--preset, --op, --dtype, --head-dim, --backend, --tensor-cores and the
 variant switches) resolved for the target arches into validated KernelSpecs, and
-the few lines prewarm prints about them."""
+the few lines prewarm prints about them. A selection that names nothing, or a
+combination the spec rejects, is a SelectionError in the flags' words (the
+flags themselves are defined and checked one by one in selectors.py)."""
 
 from __future__ import annotations
 
 import itertools
 
 from .arch import choose_backend
-from .spec import DECODE_OPS, HEAD_DIMS, MLA_OPS, OPS, TENSOR_CORE_DTYPES, UTILITY_OPS, KernelSpec, canonical_dtype, \
-    mla_spec
+from .spec import _DTYPE_ALIASES as DTYPE_ALIASES
+from .spec import DECODE_OPS, DTYPES, HEAD_DIMS, MLA_OPS, OPS, TENSOR_CORE_DTYPES, UTILITY_OPS, KernelSpec, \
+    canonical_dtype, mla_spec
 
 # Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
 ALWAYS_LSE = {"batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged"}
@@ -25,6 +28,31 @@ PRESETS = {
 }
 
 
+class SelectionError(ValueError):
+    """Selector values, alone or together, that flashjit does not generate; the
+    message names the flag, the value and the choices (selectors.py checks each
+    flag's values; specs_from_args says why a combination names nothing)."""
+
+
+def choices_text(values) -> str:
+    """'a, b or c'."""
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
+
+
+def dtype_names() -> dict[str, list[str]]:
+    """Each dtype's names, the short one first: {'float16': ['fp16', 'float16', 'half', 'f16'], ...}."""
+    names = {}
+    for canonical in DTYPES:
+        aliases = [alias for alias, target in DTYPE_ALIASES.items() if target == canonical]
+        names[canonical] = aliases[:1] + [canonical] + aliases[1:]
+    return names
+
+
+def short_dtype(dtype: str) -> str:
+    return dtype_names()[dtype][0]
+
+
 def _switch(value: str) -> list:
     """on / off / both; auto (--tensor-cores only) is None: what the ops' auto choice takes."""
     return {"on": [True], "off": [False], "both": [False, True], "auto": [None]}[value]
@@ -34,8 +62,6 @@ def _backends(op: str, dtype: str, tc: bool, backend: str, arches) -> list[str]:
     """The backends the ops would run for `backend` on each of the target arches
     (an explicit fa3 where it cannot run: fa2, with the ops' warning; under
     FLASHJIT_STRICT_BACKEND a SelectionError naming --backend)."""
-    from .selectors import SelectionError
-
     if not tc or op in UTILITY_OPS:
         return ["fa2"]
     try:
@@ -51,16 +77,12 @@ def flag_words(spec: KernelSpec) -> str:
     def switch(flag: bool) -> str:
         return "on" if flag else "off"
 
-    from .selectors import short_dtype
-
     return (f"--op {spec.op} --dtype {short_dtype(spec.dtype_q)} --head-dim {spec.head_dim_qk} --backend "
             f"{spec.backend} --tensor-cores {switch(spec.use_tensor_cores)} --causal {switch(spec.causal)} --window "
             f"{switch(spec.sliding_window)} --soft-cap {switch(spec.soft_cap)} --lse {switch(spec.return_lse)}")
 
 
 def _validated(spec: KernelSpec) -> KernelSpec:
-    from .selectors import SelectionError
-
     try:
         return spec.validate()
     except ValueError as exc:
@@ -70,8 +92,6 @@ def _validated(spec: KernelSpec) -> KernelSpec:
 
 def _left_out(op: str, dtype: str, tc: bool, causal: bool, window: bool, cap: bool, lse: bool) -> str | None:
     """Why a combination of the selectors' values names no configuration (None: it names one)."""
-    from .selectors import short_dtype
-
     if op in MLA_OPS:
         if dtype not in TENSOR_CORE_DTYPES:
             return f"{op} runs {' and '.join(map(short_dtype, TENSOR_CORE_DTYPES))} only (not {short_dtype(dtype)})"
@@ -92,18 +112,16 @@ def _left_out(op: str, dtype: str, tc: bool, causal: bool, window: bool, cap: bo
 def specs_from_args(args, arches=None) -> list[KernelSpec]:
     """The selection for target `arches` (default: --arch, else this GPU's, else
     the default set): with tensor cores, each backend the ops pick on some
-    target (auto on sm_80 + sm_90a: fa2, and fa3 for sm_90a). Checks the
-    selectors first (selectors.check_selectors); a selection that names no
-    configuration is a SelectionError saying why."""
+    target (auto on sm_80 + sm_90a: fa2, and fa3 for sm_90a). The commands
+    check each flag's values first (selectors.check_selectors); a selection
+    that names no configuration is a SelectionError saying why."""
     from . import jit
-    from .selectors import SelectionError, check_selectors
 
-    check_selectors(args)
     arches = arches or jit.resolve_arches(args.arch)
     preset = PRESETS[args.preset]
     ops = args.op or preset["ops"]
     dtypes = [canonical_dtype(d) for d in (args.dtype or preset["dtypes"])]
-    head_dims = args.head_dim or preset["head_dims"]
+    head_dims = [int(h) for h in args.head_dim] if args.head_dim else preset["head_dims"]
     specs, reasons = [], []
     for op, dtype, head_dim, backend, tc, causal, window, cap, lse in itertools.product(
             ops, dtypes, head_dims, args.backend, _switch(args.tensor_cores), _switch(args.causal),

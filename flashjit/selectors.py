@@ -17,9 +17,8 @@ import textwrap
 
 from .arch import ARCHES, DEFAULT_ARCHES, normalize_arch
 from .errors import ToolchainError
-from .selection import PRESETS
-from .spec import _DTYPE_ALIASES as DTYPE_ALIASES
-from .spec import BACKENDS, DTYPES, HEAD_DIMS, MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_OPS, OPS, PLANNED_OPS, \
+from .selection import PRESETS, SelectionError, choices_text, dtype_names, short_dtype
+from .spec import BACKENDS, HEAD_DIMS, MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_OPS, OPS, PLANNED_OPS, \
     canonical_dtype
 
 SWITCHES = ("on", "off", "both")
@@ -28,33 +27,9 @@ BACKEND_CHOICES = ("auto", *BACKENDS)
 MLA_HEAD_DIM = MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE
 
 
-class SelectionError(ValueError):
-    """A selector with a value, or values together, that flashjit does not
-    generate; the message names the flag, the value and the choices."""
-
-
-def choices_text(values) -> str:
-    """'a, b or c'."""
-    values = [str(v) for v in values]
-    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
-
-
-def dtype_names() -> dict[str, list[str]]:
-    """Each dtype's names, the short one first: {'float16': ['fp16', 'float16', 'half', 'f16'], ...}."""
-    names = {}
-    for canonical in DTYPES:
-        aliases = [alias for alias, target in DTYPE_ALIASES.items() if target == canonical]
-        names[canonical] = aliases[:1] + [canonical] + aliases[1:]
-    return names
-
-
 def dtype_choices() -> str:
     """'fp16 (float16, half, f16), bf16 (bfloat16) or fp32 (float32, float, f32)'."""
     return choices_text(f"{first} ({', '.join(rest)})" for first, *rest in dtype_names().values())
-
-
-def short_dtype(dtype: str) -> str:
-    return dtype_names()[dtype][0]
 
 
 def arch_choices() -> str:
