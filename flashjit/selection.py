@@ -19,13 +19,41 @@ ALWAYS_LSE = {"batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged
 # Ops with no causal variant (one query token sees every key).
 NO_CAUSAL = set(DECODE_OPS)
 
-# MLA (only DeepSeek-style models need it) is in the default preset where a
-# target is sm_90a, the GPUs such models are served on; elsewhere --op mla_paged.
+# A preset names the ops, dtypes and head dims that --op, --dtype and --head-dim
+# leave unnamed, as one or more parts, each with the variant switches it builds
+# where --tensor-cores and --causal are not given. A named --op replaces the
+# parts: one selection over the preset's dtypes and head dims with the switches'
+# own defaults. MLA (DeepSeek-style models) is built where a target is sm_90a,
+# the GPUs such models are served on; elsewhere --op mla_paged.
+#   default: what a served model needs, in bf16, for the three common head dims:
+#            causal ragged and paged prefill, paged decode on both core types,
+#            the KV append and MLA (the README's first command; 25 builds).
+#   minimal: every non-MLA op in bf16 at head dim 128.
+#   full:    every op, dtype, head dim and causal choice (125 builds).
 _PRESET_OPS = [op for op in OPS if op not in MLA_OPS]
+SWITCH_DEFAULTS = {"tensor_cores": "auto", "causal": "both"}
 PRESETS = {
-    "default": dict(ops=list(OPS), dtypes=["float16", "bfloat16", "float32"], head_dims=list(HEAD_DIMS)),
+    "default": dict(ops=["batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged", "append_paged",
+                         "mla_paged"],
+                    dtypes=["bfloat16"], head_dims=[64, 128, 256],
+                    parts=[dict(ops=["batch_prefill_ragged", "batch_prefill_paged"], causal="on"),
+                           dict(ops=["batch_decode_paged"], tensor_cores="both"),
+                           dict(ops=["append_paged", "mla_paged"])]),
     "minimal": dict(ops=_PRESET_OPS, dtypes=["bfloat16"], head_dims=[128]),
+    "full": dict(ops=list(OPS), dtypes=["float16", "bfloat16", "float32"], head_dims=list(HEAD_DIMS)),
 }
+
+
+def preset_parts(args) -> list[dict]:
+    """The (ops, tensor_cores, causal) of each part of the selection: the
+    preset's parts, or one part of the named --op; a switch given on the
+    command line replaces every part's."""
+    preset = PRESETS[args.preset]
+    parts = [dict(ops=args.op)] if args.op else preset.get("parts", [dict(ops=preset["ops"])])
+    return [dict(ops=part["ops"],
+                 **{switch: getattr(args, switch) or part.get(switch, default)
+                    for switch, default in SWITCH_DEFAULTS.items()})
+            for part in parts]
 
 
 class SelectionError(ValueError):
@@ -119,13 +147,13 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
 
     arches = arches or jit.resolve_arches(args.arch)
     preset = PRESETS[args.preset]
-    ops = args.op or preset["ops"]
     dtypes = [canonical_dtype(d) for d in (args.dtype or preset["dtypes"])]
     head_dims = [int(h) for h in args.head_dim] if args.head_dim else preset["head_dims"]
     specs, reasons = [], []
-    for op, dtype, head_dim, backend, tc, causal, window, cap, lse in itertools.product(
-            ops, dtypes, head_dims, args.backend, _switch(args.tensor_cores), _switch(args.causal),
-            _switch(args.window), _switch(args.soft_cap), _switch(args.lse)):
+    combos = itertools.chain.from_iterable(itertools.product(
+        part["ops"], dtypes, head_dims, args.backend, _switch(part["tensor_cores"]), _switch(part["causal"]),
+        _switch(args.window), _switch(args.soft_cap), _switch(args.lse)) for part in preset_parts(args))
+    for op, dtype, head_dim, backend, tc, causal, window, cap, lse in combos:
         if tc is None:
             tc = op in MLA_OPS or (False if op in UTILITY_OPS else choose_backend(op, dtype, None, "fa2")[1])
         reason = _left_out(op, dtype, tc, causal, window, cap, lse)

@@ -40,18 +40,30 @@ def _switch_metavar(values) -> str:
     return "{" + ",".join(values) + "}"
 
 
+def _preset_ops_text(preset: dict) -> str:
+    """A preset's ops, each part's switches that differ from the defaults after its ops."""
+    said = {("causal", "on"): "causal only", ("causal", "off"): "not causal",
+            ("tensor_cores", "both"): "CUDA and tensor cores", ("tensor_cores", "on"): "tensor cores",
+            ("tensor_cores", "off"): "CUDA cores"}
+    texts = []
+    for part in preset.get("parts", [dict(ops=preset["ops"])]):
+        notes = [said[(switch, part[switch])] for switch in ("causal", "tensor_cores") if switch in part]
+        texts.append(", ".join(part["ops"]) + (f" ({', '.join(notes)})" if notes else ""))
+    return ", ".join(texts)
+
+
 def presets_text(width: int = 79) -> str:
     """What each preset builds, from selection.PRESETS (prewarm's help)."""
     lines = []
     for name, preset in sorted(PRESETS.items()):
         ops = preset["ops"]
         mla = [op for op in ops if op in MLA_OPS]
-        text = (f"{name}: ops {', '.join(ops)}; dtypes {', '.join(short_dtype(d) for d in preset['dtypes'])}; "
+        text = (f"{name}: ops {_preset_ops_text(preset)}; dtypes {', '.join(short_dtype(d) for d in preset['dtypes'])}; "
                 f"head dims {', '.join(map(str, preset['head_dims']))}"
                 + (f"; {', '.join(mla)} only where a target is sm_90a" if mla else ""))
         lines.append(textwrap.fill(text, width, initial_indent="  ", subsequent_indent="      "))
-    lines.append(textwrap.fill("each with the variant flags' defaults (causal and not; tensor cores where the ops "
-                               "pick them), for the backends the ops run on the target arches", width,
+    lines.append(textwrap.fill("each op with causal and not and with tensor cores where the ops pick them, unless "
+                               "its preset says otherwise, for the backends the ops run on the target arches", width,
                                initial_indent="  ", subsequent_indent="  "))
     return "\n".join(lines)
 
@@ -68,11 +80,11 @@ def add_selectors(parser) -> None:
     parser.add_argument("--backend", nargs="+", default=["auto"], metavar="BACKEND",
                         help=f"{choices_text(BACKEND_CHOICES)}; auto (default): what the ops pick on each target "
                              f"arch (fa3 on sm_90a for the prefill ops it generates, fa2 elsewhere)")
-    parser.add_argument("--tensor-cores", default="auto", metavar=_switch_metavar(TENSOR_CORE_CHOICES),
-                        help="auto (default): what the ops pick when not told (tensor cores for fp16/bf16 prefill); "
-                             "both: each configuration with and without")
-    parser.add_argument("--causal", default="both", metavar=_switch_metavar(SWITCHES),
-                        help="the causal-mask variant (default: both; decode ops have none)")
+    parser.add_argument("--tensor-cores", metavar=_switch_metavar(TENSOR_CORE_CHOICES),
+                        help="auto: what the ops pick when not told (tensor cores for fp16/bf16 prefill); both: each "
+                             "configuration with and without (default: the preset's, else auto)")
+    parser.add_argument("--causal", metavar=_switch_metavar(SWITCHES),
+                        help="the causal-mask variant (default: the preset's, else both; decode ops have none)")
     parser.add_argument("--window", default="off", metavar=_switch_metavar(SWITCHES),
                         help="the sliding-window variant (default: off)")
     parser.add_argument("--soft-cap", default="off", metavar=_switch_metavar(SWITCHES),
@@ -155,8 +167,10 @@ def check_selectors(args) -> None:
     args.head_dim = _check_head_dims(args.head_dim, ops) if args.head_dim else None
     for backend in args.backend:
         _one_of("--backend", backend, BACKEND_CHOICES)
-    _one_of("--tensor-cores", args.tensor_cores, TENSOR_CORE_CHOICES)
+    if args.tensor_cores is not None:
+        _one_of("--tensor-cores", args.tensor_cores, TENSOR_CORE_CHOICES)
     for flag in ("causal", "window", "soft_cap", "lse"):
-        _one_of("--" + flag.replace("_", "-"), getattr(args, flag), SWITCHES)
+        if getattr(args, flag) is not None:
+            _one_of("--" + flag.replace("_", "-"), getattr(args, flag), SWITCHES)
     if getattr(args, "arch", None):
         args.arch = _check_arches(args.arch)

@@ -90,6 +90,32 @@ def test_prewarm_backends_follow_the_target_arches(monkeypatch, recwarn):
         _backends_of([*base, "sm_80", "--backend", "fa3"])
 
 
+def test_default_preset_is_the_serving_set_and_flags_replace_its_switches():
+    """default: bf16 causal ragged/paged prefill, decode on both core types,
+    append and MLA; --causal / --tensor-cores on the command line replace its
+    parts' switches, and a named --op takes the switches' own defaults."""
+    def names(*flags):
+        return {s.name for s in cli.specs_from_args(cli.build_parser().parse_args(
+            ["prewarm", *flags, "--arch", "sm_80", "sm_89", "sm_90a"]))}
+
+    default = names()
+    assert len(default) == 25
+    assert {n for n in default if "prefill" in n} == {
+        f"batch_prefill_{kind}_bf16_d{d}_{b}_tc_causal_lse" for kind in ("ragged", "paged")
+        for d in (64, 128, 256) for b in ("fa2", "fa3")}
+    assert {n for n in default if "decode" in n} == {
+        f"batch_decode_paged_bf16_d{d}_fa2_{c}_lse" for d in (64, 128, 256) for c in ("cc", "tc")}
+    assert {n for n in default if n.startswith("mla_paged")} == {
+        f"mla_paged_bf16_qk576_vo512_{b}_tc{c}_lse" for b in ("fa2", "fa3") for c in ("", "_causal")}
+    both = names("--causal", "both")
+    assert default < both and {n for n in both - default if "_causal" in n} == set()
+    assert names("--dtype", "fp16") == {n.replace("_bf16_", "_f16_") for n in default}
+    assert names("--op", "batch_prefill_ragged") == {
+        f"batch_prefill_ragged_bf16_d{d}_{b}_tc{c}_lse" for d in (64, 128, 256) for b in ("fa2", "fa3")
+        for c in ("", "_causal")}
+    assert len(names("--preset", "full")) == 125
+
+
 @pytest.mark.parametrize("flags,expected_count", [
     (["--window", "both"], 17), (["--soft-cap", "on", "--causal", "off"], 5), (["--lse", "both"], 12),
     (["--op", "single_decode", "--dtype", "fp16", "fp32"], 2),
@@ -269,12 +295,12 @@ def fake_build(monkeypatch, tmp_path):
     return cached
 
 
-DEFAULT_PRESET = ["prewarm", "--preset", "default", "--arch", "sm_80", "sm_89", "sm_90a", "--jobs", "4"]
+FULL_PRESET = ["prewarm", "--preset", "full", "--arch", "sm_80", "sm_89", "sm_90a", "--jobs", "4"]
 
 
 def test_prewarm_prints_the_selection_progress_and_a_summary(fake_build, capsys):
-    specs = cli.specs_from_args(cli.build_parser().parse_args(DEFAULT_PRESET))
-    assert cli.main(DEFAULT_PRESET) == 0
+    specs = cli.specs_from_args(cli.build_parser().parse_args(FULL_PRESET))
+    assert cli.main(FULL_PRESET) == 0
     out, err = capsys.readouterr()
     lines = err.splitlines()
     assert max(len(line) for line in lines) < 200, "a long line on stderr"
@@ -301,8 +327,8 @@ def test_prewarm_all_cached_prints_the_selection_and_the_summary(fake_build, cap
 
 
 def test_prewarm_verbose_adds_the_table(fake_build, capsys):
-    specs = cli.specs_from_args(cli.build_parser().parse_args(DEFAULT_PRESET))
-    assert cli.main([*DEFAULT_PRESET, "-v"]) == 0
+    specs = cli.specs_from_args(cli.build_parser().parse_args(FULL_PRESET))
+    assert cli.main([*FULL_PRESET, "-v"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:3] == ["configuration", "built", "seconds"]
     assert [line.split()[0] for line in out[1:]] == [s.name for s in specs]

@@ -43,7 +43,7 @@ BAD = [
     (["--window", "1"], "--window: 1 is not a choice; choose on, off or both"),
     (["--soft-cap", "30"], "--soft-cap: 30 is not a choice; choose on, off or both"),
     (["--lse", "yes"], "--lse: yes is not a choice; choose on, off or both"),
-    (["--preset", "all"], "--preset: all is not a choice; choose default or minimal"),
+    (["--preset", "all"], "--preset: all is not a choice; choose default, full or minimal"),
     (["--arch", "sm_75"], "--arch: sm_75 is not supported (flashjit needs SM80 or newer); choose sm_80, sm_86, sm_89, "
                           "sm_90a, sm_100a or sm_120 (or 8.0, 8.9, 9.0a ...)"),
     (["--arch", "hopper"], "--arch: hopper is not supported; choose sm_80, sm_86, sm_89, sm_90a, sm_100a or sm_120 "

@@ -310,9 +310,12 @@ def test_prewarm_default_preset_builds_fa3_mla_for_sm90a_and_op_mla_paged_anywhe
                       if s.op == "mla_paged")
 
     default = ["prewarm", "--preset", "default", "--arch"]
-    assert mla([*default, "sm_90a"]) == [("fa3", d, c) for d in ("bfloat16", "float16") for c in (False, True)]
+    assert mla([*default, "sm_90a"]) == [("fa3", "bfloat16", c) for c in (False, True)]
     assert mla([*default, "sm_80", "sm_90a"]) == sorted(
-        (b, d, c) for b in ("fa2", "fa3") for d in ("bfloat16", "float16") for c in (False, True))
+        (b, "bfloat16", c) for b in ("fa2", "fa3") for c in (False, True))
     assert mla([*default, "sm_80", "sm_89"]) == []
-    assert mla(["prewarm", "--op", "mla_paged", "--arch", "sm_89"]) == [
+    full = ["prewarm", "--preset", "full", "--arch"]
+    assert mla([*full, "sm_90a"]) == [("fa3", d, c) for d in ("bfloat16", "float16") for c in (False, True)]
+    assert mla(["prewarm", "--op", "mla_paged", "--arch", "sm_89"]) == [("fa2", "bfloat16", c) for c in (False, True)]
+    assert mla(["prewarm", "--op", "mla_paged", "--dtype", "fp16", "bf16", "--arch", "sm_89"]) == [
         ("fa2", d, c) for d in ("bfloat16", "float16") for c in (False, True)]
