@@ -13,9 +13,9 @@ nvcc and cuobjdump, no GPU).
 `build` runs `python -m flashjit prewarm` with PYTHONPATH=TREE and
 FLASHJIT_CACHE_DIR=CACHE, so each tree renders and compiles its own templates.
 The selection is explicit (every op, fp16/bf16/fp32, head dims 64/128/256, the
-default arches), the default preset of the time these digests were first
-compared, so that trees whose presets differ still build the same
-configurations; --selector replaces it. A tree for an older commit:
+default arches: 125 configurations, the default preset before the bf16 serving
+set replaced it, now `--preset full`), so that trees whose presets differ still
+build the same configurations; --selector replaces it. A tree for an older commit:
 `git worktree add /tmp/base_tree <commit>`.
 
 `digest` runs `cuobjdump -sass` on each configuration's library and hashes,
