@@ -117,7 +117,7 @@ def require_writable(root: Path, action: str) -> Path:
     root = ensure_root(root)
     reason = read_only_reason(root)
     if reason is not None:
-        raise CacheError(f"cannot {action}: the cache is read-only ({root_setting(root)}; {reason}); it serves the "
+        raise CacheError(f"cannot {action}: the cache is read-only ({root_setting(root, default_root())}; {reason}); it serves the "
                          f"configurations it holds but takes no new ones: set FLASHJIT_CACHE_DIR to a writable "
                          f"directory (FLASHJIT_CACHE_READONLY={root} keeps this one in use), or make it writable "
                          f"(chmod u+w {root})")

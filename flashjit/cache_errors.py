@@ -13,18 +13,13 @@ from pathlib import Path
 from .errors import CacheError
 
 
-def _default_root() -> Path:
-    from .cache import default_root
-
-    return default_root()
-
-
-def root_setting(root: Path) -> str:
-    """Where root came from, in the words of the setting to change."""
+def root_setting(root: Path, default_root: Path) -> str:
+    """Where root came from, in the words of the setting to change
+    (`default_root`: cache.default_root(), where it is when nothing is set)."""
     env = os.environ.get("FLASHJIT_CACHE_DIR")
     if env and Path(env).expanduser() == Path(root):
         return f"FLASHJIT_CACHE_DIR={root}"
-    if not env and Path(root) == _default_root():
+    if not env and Path(root) == Path(default_root):
         return f"the default cache directory {root} (FLASHJIT_CACHE_DIR unset)"
     return f"the cache directory {root}"
 
