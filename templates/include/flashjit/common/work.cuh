@@ -50,9 +50,9 @@ struct CtaWork {
     // The element offsets (token * stride_n + head * stride_h) of rows first,
     // first + kStep, first + 2 kStep, ...: one division for the first row, then
     // an add per row (kStep % group heads on, and a token on where they wrap).
-    // A CTA's Q copies and output stores walk 8-16 rows per thread; a division
-    // and two 64-bit products per row had made the Q copies a third of the time
-    // before a d128 CTA's first tile (benchmarks/dev/cta_timing.py measures it).
+    // A CTA's Q copies and output stores walk 8-16 rows per thread: a division
+    // and two 64-bit products per row would cost the Q copies more than the
+    // copies themselves, on the path before a CTA's first tile.
     template <int kStep>
     struct Walk {
       int64_t offset;       // of the current row
