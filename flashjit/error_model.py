@@ -29,6 +29,14 @@ constant V, make the P.V chain's roundings all go one way
 (docs/numerics-fp32.md, "Why not the √n model"). Tensor-core kernels keep the
 sqrt form (docs/numerics.md says what that assumes).
 
+An FP8 KV cache (docs/numerics.md, "FP8 KV caches"): the reference is float64
+attention over the dequantised keys and values (codes times k_scale / v_scale),
+so the cache's quantisation is input error, outside the bound; vmax and S are
+those of the dequantised values. Widening the codes is exact; the kernel adds
+one rounding where k_scale joins the query's scale (a logit term) and one where
+v_scale multiplies the output (rtol + u). Tensor-core paths round P to the MMA
+operand type, q's dtype, so u_in is q's unit roundoff, not the cache's.
+
 The profile stored beside each kernel holds these coefficients; magnitudes (vmax,
 S, n) come from the call: given directly, or measured from q, k, v. A bound per
 element from the call's own data, sound and far tighter, is error_bound.py's.
@@ -40,9 +48,9 @@ import math
 from dataclasses import dataclass
 
 from .kernels import tiling_for
-from .spec import DTYPES, MLA_OPS, UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec
+from .spec import DTYPES, KV_ONLY_DTYPES, MLA_OPS, UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec
 
-MODEL_VERSION = "flashjit-error-model-5"
+MODEL_VERSION = "flashjit-error-model-6"
 U32 = 2.0**-24
 LAMBDA = 2.0
 _TINY = {"float16": 2.0**-14, "bfloat16": 2.0**-126, "float32": 2.0**-126}
@@ -54,20 +62,26 @@ _LOG2E = 1.0 / _LN2
 
 def profile(spec: KernelSpec) -> dict:
     """The coefficients of the bound for one configuration (stored in its manifest)."""
-    u_in = DTYPES[spec.dtype_kv][2]
+    # P is rounded to the MMA operand type, q's dtype (K/V of another dtype, FP8,
+    # are widened to it exactly before the MMA).
+    u_in = DTYPES[spec.dtype_q][2]
     u_out = DTYPES[spec.dtype_o][2]
+    fp8 = spec.dtype_kv in KV_ONLY_DTYPES and spec.op not in UTILITY_OPS
     coefficients = {
         "model": MODEL_VERSION,
-        "rtol": u_out + 4 * U32,
+        # FP8: v_scale multiplies the normalised output, one more rounding.
+        "rtol": u_out + (5 if fp8 else 4) * U32,
         "atol_floor": u_out * _TINY[spec.dtype_o],
         # Coefficients of vmax * (...):
         "p_rounding": u_in if spec.use_tensor_cores else 0.0,
         # p_j below 2^-14 (fp16's normal range) rounds by up to 2^-25 absolute, not u_in
         # relative: n such keys, every one rounded the same way, move o by n * 2^-25 * vmax
         # (l >= 1: the row's largest p is at least 1 against the softmax's reference).
-        "p_subnormal_per_key": _HALF_SUBNORMAL[spec.dtype_kv] if spec.use_tensor_cores else 0.0,
+        "p_subnormal_per_key": _HALF_SUBNORMAL[spec.dtype_q] if spec.use_tensor_cores else 0.0,
         "accumulation_per_sqrt_kv": 2 * LAMBDA * U32,
-        "logit_per_s": 2 * _LN2 * (LAMBDA * math.sqrt(spec.head_dim_qk) + 3 + (4 if spec.soft_cap else 0)) * U32,
+        # FP8: k_scale joins the query's scale, one more rounding of every logit.
+        "logit_per_s": 2 * _LN2 * (LAMBDA * math.sqrt(spec.head_dim_qk) + 3 + (4 if spec.soft_cap else 0)
+                                   + (1 if fp8 else 0)) * U32,
         "exp2": 2 * 8 * U32,
         "rescale_per_sqrt_tiles": 2 * 4 * LAMBDA * U32,
         "head_dim_qk": spec.head_dim_qk,
@@ -75,6 +89,8 @@ def profile(spec: KernelSpec) -> dict:
         "dtype_in": spec.dtype_kv,
         "dtype_out": spec.dtype_o,
     }
+    if fp8:
+        coefficients.update(dtype_mma=spec.dtype_q, kv_scales=True)
     if spec.op in UTILITY_OPS:  # a copy: exact, every coefficient 0
         coefficients.update({k: 0.0 for k, v in coefficients.items() if isinstance(v, float)}, exact=True)
         return coefficients
@@ -161,7 +177,7 @@ def evaluate_worst_case(prof: dict, *, kv_len: int, v_absmax: float, logit_absma
     pieces = max(_MAX_PIECES_BATCH, math.ceil(n / _MIN_CHUNK)) + 4
     # Logit error (log2 units): the dot product's chain, the scaling of q (sm_scale,
     # log2 e, their product, q itself), with soft-cap tanhf and three more roundings.
-    logit = U32 * s * (prof["dot_chain"] + 4 + (8 if prof.get("soft_cap") else 0))
+    logit = U32 * s * (prof["dot_chain"] + 4 + (8 if prof.get("soft_cap") else 0) + (1 if prof.get("kv_scales") else 0))
     spread = U32 * (2 * s + 2 * logit)                  # a rounding of a difference of two logits
     delta = (_LN2 * (logit + spread) + 4 * U32           # the key's logit, s - m, exp2
              + steps * 4 * U32 + _LN2 * spread           # rescales: exp2 each, the max rises by <= 2S in all
@@ -198,14 +214,24 @@ def measure(q, k, v, sm_scale: float) -> tuple[float, float]:
     return v_absmax, abs(sm_scale) * qn * kn
 
 
+def _dequantised(t, scale):
+    """An FP8 (or scaled) K or V as the reference sees it: codes times scale, in float64."""
+    if t is None or (float(scale) == 1.0 and not str(t.dtype).startswith("torch.float8")):
+        return t
+    return t.double() * float(scale)
+
+
 def tolerance(spec: KernelSpec | None = None, *, op: str = "single_prefill", dtype=None, head_dim: int | None = None,
               use_tensor_cores: bool = False, kv_len: int | None = None, v_absmax: float | None = None,
-              logit_absmax: float | None = None, q=None, k=None, v=None, sm_scale: float | None = None) -> Tolerance:
+              logit_absmax: float | None = None, q=None, k=None, v=None, sm_scale: float | None = None,
+              dtype_kv=None, k_scale=1.0, v_scale=1.0) -> Tolerance:
     """The bound for a configuration and the magnitudes of a call.
 
-    Pass a KernelSpec, or op/dtype/head_dim/use_tensor_cores as the ops take
-    them. Magnitudes: pass q, k, v (measured), or v_absmax (and optionally
-    logit_absmax; default 4*sqrt(head_dim), i.e. unit-scale inputs), and kv_len.
+    Pass a KernelSpec, or op/dtype/head_dim/use_tensor_cores (and dtype_kv for an
+    FP8 cache) as the ops take them. Magnitudes: pass q, k, v (measured; an FP8
+    k / v is dequantised with k_scale / v_scale first), or v_absmax (of the
+    dequantised values) and optionally logit_absmax (default 4*sqrt(head_dim),
+    i.e. unit-scale inputs), and kv_len.
     """
     if spec is None and op in MLA_OPS:
         if dtype is None:
@@ -214,9 +240,11 @@ def tolerance(spec: KernelSpec | None = None, *, op: str = "single_prefill", dty
     if spec is None:
         if dtype is None or head_dim is None:
             raise ValueError("tolerance: pass a KernelSpec, or dtype= and head_dim=")
-        spec = KernelSpec.make(op, canonical_dtype(dtype), head_dim, use_tensor_cores=use_tensor_cores)
+        spec = KernelSpec.make(op, canonical_dtype(dtype), head_dim, use_tensor_cores=use_tensor_cores,
+                               dtype_kv=dtype_kv)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(spec.head_dim_qk)
+    k, v = _dequantised(k, k_scale), _dequantised(v, v_scale)
     if v is not None:
         mv, ml = measure(q if q is not None else v, k if k is not None else v, v, sm_scale)
         v_absmax = mv if v_absmax is None else v_absmax

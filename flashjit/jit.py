@@ -154,7 +154,8 @@ def prewarm_command(spec: KernelSpec, arches) -> str:
     # Batch-invariant decode is what --batch-invariant makes of the plain decode op (its backend: auto's).
     mode = ("--causal off --batch-invariant", "") if spec.invariant_decode else \
         (f"--causal {switch(spec.causal)}", f"--backend {spec.backend} ")
-    return (f"flashjit prewarm --op {spec.op} --dtype {spec.dtype_q} --head-dim {spec.head_dim_qk} "
+    kv = f"--kv-dtype {spec.dtype_kv} " if spec.dtype_kv != spec.dtype_q else ""
+    return (f"flashjit prewarm --op {spec.op} --dtype {spec.dtype_q} {kv}--head-dim {spec.head_dim_qk} "
             f"{mode[1]}--tensor-cores {switch(spec.use_tensor_cores)} {mode[0]} --window {switch(spec.sliding_window)} "
             f"--soft-cap {switch(spec.soft_cap)} --lse {switch(spec.return_lse)} --arch {' '.join(arches)}")
 

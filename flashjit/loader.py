@@ -16,7 +16,7 @@ from pathlib import Path
 from .errors import FlashjitError, KernelLaunchError
 from .spec import UTILITY_OPS, KernelSpec
 
-ABI_VERSION = 7  # FLASHJIT_ABI_VERSION in templates/include/flashjit/common/attention_params.cuh
+ABI_VERSION = 8  # FLASHJIT_ABI_VERSION in templates/include/flashjit/common/attention_params.cuh
 
 # A launch block's head: the stream, in front of the params (FlashjitAttentionLaunch).
 LAUNCH_HEAD = struct.Struct("=Q")
@@ -42,6 +42,7 @@ class AttentionParams(ctypes.Structure):
         ("o_stride_n", _i64), ("o_stride_h", _i64), ("lse_stride_n", _i64),
         ("sm_scale", ctypes.c_float), ("logits_soft_cap", ctypes.c_float), ("window_left", _i32),
         ("invariant_chunk", _i32),
+        ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float), ("k_scale_ptr", _p), ("v_scale_ptr", _p),
         ("q_pe_stride_n", _i64), ("q_pe_stride_h", _i64), ("q_pe", _p),
     ]
 
@@ -56,6 +57,7 @@ class AppendParams(ctypes.Structure):
         ("key_stride_n", _i64), ("key_stride_h", _i64), ("value_stride_n", _i64), ("value_stride_h", _i64),
         ("k_stride_page", _i64), ("k_stride_slot", _i64), ("k_stride_h", _i64),
         ("v_stride_page", _i64), ("v_stride_slot", _i64), ("v_stride_h", _i64),
+        ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float), ("k_scale_ptr", _p), ("v_scale_ptr", _p),
     ]
 
 

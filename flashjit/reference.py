@@ -12,8 +12,11 @@ import torch
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
-                        kv_layout: str = "NHD") -> tuple[torch.Tensor, torch.Tensor]:
-    """q [qo_len, H, D], k/v [kv_len, Hkv, D] (NHD) -> (o [qo_len, H, Dv] float64, lse [qo_len, H] float64)."""
+                        kv_layout: str = "NHD", k_scale=None, v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [qo_len, H, D], k/v [kv_len, Hkv, D] (NHD) -> (o [qo_len, H, Dv] float64, lse [qo_len, H] float64).
+    k_scale / v_scale (an FP8 cache's; floats or one-element tensors): the keys and
+    values are k * k_scale and v * v_scale, dequantised in float64 (exact for FP8
+    codes times an fp32 scale), so the cache's quantisation is not in the error."""
     if kv_layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     qo_len, num_heads, head_dim = q.shape
@@ -22,8 +25,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     qd = q.double()
-    kd = k.double().repeat_interleave(group, dim=1)
-    vd = v.double().repeat_interleave(group, dim=1)
+    kd = (k.double() * _scale(k_scale)).repeat_interleave(group, dim=1)
+    vd = (v.double() * _scale(v_scale)).repeat_interleave(group, dim=1)
     logits = torch.einsum("qhd,khd->hqk", qd, kd) * sm_scale
     if logits_soft_cap:
         logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
@@ -39,6 +42,13 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     weights = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
     out = torch.einsum("hqk,khd->qhd", weights, vd)
     return out, (lse / math.log(2.0)).transpose(0, 1)
+
+
+def _scale(scale) -> float:
+    """A scale as a float64 multiplier (1 when absent); a tensor is read (a host sync)."""
+    if scale is None:
+        return 1.0
+    return float(scale.double().item()) if isinstance(scale, torch.Tensor) else float(scale)
 
 
 def ragged_reference(q, k, v, qo_indptr, kv_indptr, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Which configurations a selection names: prewarm's and `flashjit numerics`'
-selectors (--preset, --op, --dtype, --head-dim, --backend, --tensor-cores and the
-variant switches) resolved for the target arches into validated KernelSpecs, and
+selectors (--preset, --op, --dtype, --kv-dtype, --head-dim, --backend,
+--tensor-cores and the variant switches) resolved for the target arches into validated KernelSpecs, and
 the few lines prewarm prints about them. A selection that names nothing, or a
 combination the spec rejects, is a SelectionError in the flags' words (the
 flags themselves are defined and checked one by one in selectors.py)."""
@@ -11,8 +11,8 @@ import itertools
 
 from .arch import choose_backend
 from .spec import _DTYPE_ALIASES as DTYPE_ALIASES
-from .spec import DECODE_OPS, DTYPES, HEAD_DIMS, MLA_OPS, OPS, TENSOR_CORE_DTYPES, UTILITY_OPS, KernelSpec, \
-    canonical_dtype, mla_spec
+from .spec import DECODE_OPS, DTYPES, FP8_KV_FAMILIES, HEAD_DIMS, KV_ONLY_DTYPES, MLA_OPS, OPS, TENSOR_CORE_DTYPES, \
+    UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec
 
 # Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
 ALWAYS_LSE = {"batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged"}
@@ -68,17 +68,18 @@ def choices_text(values) -> str:
     return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
 
 
-def dtype_names() -> dict[str, list[str]]:
-    """Each dtype's names, the short one first: {'float16': ['fp16', 'float16', 'half', 'f16'], ...}."""
+def dtype_names(kv_only: bool = False) -> dict[str, list[str]]:
+    """Each q/o dtype's names (kv_only: each FP8 KV-cache dtype's), the short one first:
+    {'float16': ['fp16', 'float16', 'half', 'f16'], ...}."""
     names = {}
-    for canonical in DTYPES:
+    for canonical in (KV_ONLY_DTYPES if kv_only else [d for d in DTYPES if d not in KV_ONLY_DTYPES]):
         aliases = [alias for alias, target in DTYPE_ALIASES.items() if target == canonical]
         names[canonical] = aliases[:1] + [canonical] + aliases[1:]
     return names
 
 
 def short_dtype(dtype: str) -> str:
-    return dtype_names()[dtype][0]
+    return dtype_names(dtype in KV_ONLY_DTYPES)[dtype][0]
 
 
 def _switch(value: str) -> list:
@@ -105,7 +106,8 @@ def flag_words(spec: KernelSpec) -> str:
     def switch(flag: bool) -> str:
         return "on" if flag else "off"
 
-    return (f"--op {spec.op} --dtype {short_dtype(spec.dtype_q)} --head-dim {spec.head_dim_qk} --backend "
+    kv = f" --kv-dtype {short_dtype(spec.dtype_kv)}" if spec.dtype_kv in KV_ONLY_DTYPES else ""
+    return (f"--op {spec.op} --dtype {short_dtype(spec.dtype_q)}{kv} --head-dim {spec.head_dim_qk} --backend "
             f"{spec.backend} --tensor-cores {switch(spec.use_tensor_cores)} --causal {switch(spec.causal)} --window "
             f"{switch(spec.sliding_window)} --soft-cap {switch(spec.soft_cap)} --lse {switch(spec.return_lse)}")
 
@@ -118,8 +120,17 @@ def _validated(spec: KernelSpec) -> KernelSpec:
         raise SelectionError(f"{flag_words(spec)}: not generated ({reason})") from None
 
 
-def _left_out(op: str, dtype: str, tc: bool, causal: bool, window: bool, cap: bool, lse: bool) -> str | None:
+def _left_out(op: str, dtype: str, tc: bool, causal: bool, window: bool, cap: bool, lse: bool,
+              kv_dtype: str | None = None) -> str | None:
     """Why a combination of the selectors' values names no configuration (None: it names one)."""
+    if kv_dtype is not None:
+        if dtype not in TENSOR_CORE_DTYPES:
+            return f"an FP8 KV cache (--kv-dtype) takes --dtype fp16 or bf16 (not {short_dtype(dtype)})"
+        if (op, bool(tc)) not in FP8_KV_FAMILIES:
+            families = ", ".join(f"{name} ({'tensor' if on else 'CUDA'} cores)" if name not in UTILITY_OPS else name
+                                 for name, on in FP8_KV_FAMILIES)
+            return (f"--kv-dtype {short_dtype(kv_dtype)}: {op} on {'tensor' if tc else 'CUDA'} cores is not yet "
+                    f"generated for an FP8 KV cache; FP8 KV caches run {families}")
     if op in MLA_OPS:
         if dtype not in TENSOR_CORE_DTYPES:
             return f"{op} runs {' and '.join(map(short_dtype, TENSOR_CORE_DTYPES))} only (not {short_dtype(dtype)})"
@@ -148,15 +159,18 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
     arches = arches or jit.resolve_arches(args.arch)
     preset = PRESETS[args.preset]
     dtypes = [canonical_dtype(d) for d in (args.dtype or preset["dtypes"])]
+    # None: K/V of q's dtype; else the FP8 KV-cache dtypes of --kv-dtype.
+    kv_dtypes = [canonical_dtype(d) for d in getattr(args, "kv_dtype", None) or ()] or [None]
     head_dims = [int(h) for h in args.head_dim] if args.head_dim else preset["head_dims"]
     specs, reasons = [], []
     combos = itertools.chain.from_iterable(itertools.product(
-        part["ops"], dtypes, head_dims, args.backend, _switch(part["tensor_cores"]), _switch(part["causal"]),
-        _switch(args.window), _switch(args.soft_cap), _switch(args.lse)) for part in preset_parts(args))
-    for op, dtype, head_dim, backend, tc, causal, window, cap, lse in combos:
+        part["ops"], dtypes, kv_dtypes, head_dims, args.backend, _switch(part["tensor_cores"]),
+        _switch(part["causal"]), _switch(args.window), _switch(args.soft_cap), _switch(args.lse))
+        for part in preset_parts(args))
+    for op, dtype, kv_dtype, head_dim, backend, tc, causal, window, cap, lse in combos:
         if tc is None:
             tc = op in MLA_OPS or (False if op in UTILITY_OPS else choose_backend(op, dtype, None, "fa2")[1])
-        reason = _left_out(op, dtype, tc, causal, window, cap, lse)
+        reason = _left_out(op, dtype, tc, causal, window, cap, lse, kv_dtype)
         if reason is not None:
             reasons.append(reason)
             continue
@@ -169,7 +183,7 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
             continue
         for chosen in _backends(op, dtype, tc, backend, arches):
             specs.append(_validated(KernelSpec.make(
-                op, dtype, head_dim, backend=chosen, use_tensor_cores=tc, causal=causal, sliding_window=window,
+                op, dtype, head_dim, dtype_kv=kv_dtype, backend=chosen, use_tensor_cores=tc, causal=causal, sliding_window=window,
                 soft_cap=cap, return_lse=lse or op in ALWAYS_LSE)))
     if not specs and reasons:
         raise SelectionError("the selection is empty: " + "; ".join(dict.fromkeys(reasons)))
@@ -189,6 +203,8 @@ def summary_lines(specs: list[KernelSpec], arches, arches_from: str) -> list[str
     return [f"flashjit prewarm: {len(specs)} configuration(s) for {', '.join(arches)} ({arches_from})",
             f"  ops        {axis(s.op for s in specs)}",
             f"  dtypes     {axis(s.dtype_q for s in specs)}",
+            *([f"  kv dtypes  {axis(s.dtype_kv for s in specs)}"] if any(s.dtype_kv in KV_ONLY_DTYPES for s in specs)
+              else []),
             f"  head_dims  {axis(s.head_dim_qk for s in specs if s.op not in MLA_OPS) or '-'}"
             + (" (mla_paged: ckv 512 + kpe 64)" if any(s.op in MLA_OPS for s in specs) else ""),
             f"  cores      {cores.count(True)} on tensor cores, {cores.count(False)} on CUDA cores"]

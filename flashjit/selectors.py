@@ -1,5 +1,5 @@
 """The selector flags `flashjit prewarm` and `flashjit numerics` share (--op,
---dtype, --head-dim, --backend, --tensor-cores, --causal, --window, --soft-cap,
+--dtype, --kv-dtype, --head-dim, --backend, --tensor-cores, --causal, --window, --soft-cap,
 --lse, --preset, and prewarm's --arch): their help, and their values checked in
 the flags' own words before torch is imported or a GPU probed.
 
@@ -18,8 +18,8 @@ import textwrap
 from .arch import ARCHES, DEFAULT_ARCHES, normalize_arch
 from .errors import ToolchainError
 from .selection import PRESETS, SelectionError, choices_text, dtype_names, short_dtype
-from .spec import BACKENDS, HEAD_DIMS, MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_OPS, OPS, PLANNED_OPS, \
-    canonical_dtype
+from .spec import BACKENDS, HEAD_DIMS, KV_ONLY_DTYPES, MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_OPS, OPS, \
+    PLANNED_OPS, canonical_dtype
 
 SWITCHES = ("on", "off", "both")
 TENSOR_CORE_CHOICES = ("auto", *SWITCHES)
@@ -27,9 +27,10 @@ BACKEND_CHOICES = ("auto", *BACKENDS)
 MLA_HEAD_DIM = MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE
 
 
-def dtype_choices() -> str:
-    """'fp16 (float16, half, f16), bf16 (bfloat16) or fp32 (float32, float, f32)'."""
-    return choices_text(f"{first} ({', '.join(rest)})" for first, *rest in dtype_names().values())
+def dtype_choices(kv_only: bool = False) -> str:
+    """'fp16 (float16, half, f16), bf16 (bfloat16) or fp32 (float32, float, f32)';
+    kv_only: the FP8 KV-cache dtypes, 'e4m3 (float8_e4m3fn, fp8_e4m3, fp8_e4m3fn) or ...'."""
+    return choices_text(f"{first} ({', '.join(rest)})" for first, *rest in dtype_names(kv_only).values())
 
 
 def arch_choices() -> str:
@@ -73,7 +74,12 @@ def add_selectors(parser) -> None:
     parser.add_argument("--op", nargs="+", metavar="OP",
                         help=f"the ops (default: the preset's): {', '.join(OPS)}")
     parser.add_argument("--dtype", nargs="+", metavar="DTYPE",
-                        help=f"the dtypes (default: the preset's): {dtype_choices()}")
+                        help=f"the dtypes of q and o, and of K/V unless --kv-dtype says otherwise (default: the "
+                             f"preset's): {dtype_choices()}")
+    parser.add_argument("--kv-dtype", nargs="+", metavar="KV_DTYPE",
+                        help=f"FP8 KV-cache dtypes, each with every --dtype of fp16 and bf16 (default: K/V of q's "
+                             f"dtype): {dtype_choices(kv_only=True)}; FP8 KV caches run CUDA-core decode and "
+                             f"append_paged")
     parser.add_argument("--head-dim", nargs="+", metavar="D",
                         help=f"the head dims (default: the preset's): {choices_text(HEAD_DIMS)}; mla_paged has its "
                              f"own (ckv {MLA_HEAD_DIM_CKV} + kpe {MLA_HEAD_DIM_KPE})")
@@ -149,20 +155,40 @@ def _check_arches(values) -> list[str]:
     return arches
 
 
+def _canonical_or_none(text) -> str | None:
+    try:
+        return canonical_dtype(text)
+    except ValueError:
+        return None
+
+
 def check_selectors(args) -> None:
     """Checks every selector of `args` in the flags' words (a SelectionError)
     and writes back their canonical form: dtypes as float16 / bfloat16 /
-    float32, head dims as ints, arches as sm_XX. Imports no torch."""
+    float32 (--kv-dtype: float8_e4m3fn / float8_e5m2), head dims as ints, arches as sm_XX. Imports no torch."""
     _one_of("--preset", args.preset, sorted(PRESETS))
     for op in args.op or ():
         _check_op(op)
     dtypes = []
     for text in args.dtype or ():
-        try:
-            dtypes.append(canonical_dtype(text))
-        except ValueError:
-            raise SelectionError(f"--dtype: {text} is not supported; choose {dtype_choices()}") from None
+        dtype = _canonical_or_none(text)
+        if dtype in KV_ONLY_DTYPES:
+            raise SelectionError(f"--dtype: {text} is an FP8 format, which flashjit reads in KV caches only; give it "
+                                 f"as --kv-dtype {text} beside --dtype fp16 or bf16")
+        if dtype is None:
+            raise SelectionError(f"--dtype: {text} is not supported; choose {dtype_choices()}")
+        dtypes.append(dtype)
     args.dtype = dtypes or None
+    kv_dtypes = []
+    for text in getattr(args, "kv_dtype", None) or ():
+        dtype = _canonical_or_none(text)
+        if dtype not in KV_ONLY_DTYPES:
+            fnuz = " (another platform's FP8 format)" if str(text).endswith("fnuz") else ""
+            raise SelectionError(f"--kv-dtype: {text} is not an FP8 KV-cache dtype{fnuz}; choose "
+                                 f"{dtype_choices(kv_only=True)} (leave --kv-dtype out for K/V of q's dtype)")
+        kv_dtypes.append(dtype)
+    if hasattr(args, "kv_dtype"):
+        args.kv_dtype = kv_dtypes or None
     ops = args.op or PRESETS[args.preset]["ops"]
     args.head_dim = _check_head_dims(args.head_dim, ops) if args.head_dim else None
     for backend in args.backend:

@@ -18,9 +18,23 @@ DTYPES = {
     "float16": ("f16", "__half", 2.0**-11),
     "bfloat16": ("bf16", "__nv_bfloat16", 2.0**-8),
     "float32": ("f32", "float", 2.0**-24),
+    # FP8 (OCP formats, as torch names them): KV caches only, with per-tensor scales.
+    "float8_e4m3fn": ("e4m3", "__nv_fp8_e4m3", 2.0**-4),
+    "float8_e5m2": ("e5m2", "__nv_fp8_e5m2", 2.0**-3),
 }
 _DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16",
-                  "fp32": "float32", "float": "float32", "f32": "float32"}
+                  "fp32": "float32", "float": "float32", "f32": "float32",
+                  "e4m3": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e4m3fn": "float8_e4m3fn",
+                  "e5m2": "float8_e5m2", "fp8_e5m2": "float8_e5m2"}
+# KV-cache-only dtypes: dtype_kv may be one of them while q and o are fp16 or bf16.
+KV_ONLY_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# Largest finite value of each FP8 format: appends saturate there.
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+# Other platforms' FP8 formats (no negative zero, another exponent bias): named in errors.
+FNUZ_DTYPES = ("float8_e4m3fnuz", "float8_e5m2fnuz")
+# The configurations that read an FP8 KV cache (op, tensor cores); the rest say
+# "not yet generated" and name this set.
+FP8_KV_FAMILIES = (("single_decode", False), ("batch_decode_paged", False), ("append_paged", False))
 
 ATTENTION_OPS = ("single_prefill", "single_decode", "batch_prefill_ragged", "batch_prefill_paged",
                  "batch_decode_paged")
@@ -50,9 +64,13 @@ FA3_OPS = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged", "mla
 
 
 def canonical_dtype(dtype) -> str:
-    """Maps a torch dtype or a dtype name to "float16" / "bfloat16" / "float32"."""
+    """Maps a torch dtype or a dtype name to its canonical name ("float16", "bfloat16",
+    "float32", or for KV caches "float8_e4m3fn" / "float8_e5m2")."""
     name = str(dtype).removeprefix("torch.")
     name = _DTYPE_ALIASES.get(name, name)
+    if name in FNUZ_DTYPES:
+        raise ValueError(f"dtype: {name} is another platform's FP8 format (AMD's fnuz: no negative zero, exponent "
+                         f"bias 8/16); NVIDIA GPUs use float8_e4m3fn and float8_e5m2, which flashjit reads")
     if name not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)} (or a torch dtype), got {dtype!r}")
     return name
@@ -137,6 +155,8 @@ class KernelSpec:
                 raise ValueError(f"{field}: expected one of {sorted(DTYPES)}, got {getattr(self, field)!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS} (or 'auto' in the ops), got {self.backend!r}")
+        if self.dtype_kv in KV_ONLY_DTYPES or self.dtype_q in KV_ONLY_DTYPES or self.dtype_o in KV_ONLY_DTYPES:
+            return self._validate_fp8(fail)
         if self.dtype_kv != self.dtype_q or self.dtype_o != self.dtype_q:
             fail(f"dtype_q={self.dtype_q}, dtype_kv={self.dtype_kv}, dtype_o={self.dtype_o}",
                  "q, kv and o of one dtype", self.replace(dtype_kv=self.dtype_q, dtype_o=self.dtype_q))
@@ -172,6 +192,28 @@ class KernelSpec:
         if self.backend == "fa3" and self.op not in FA3_OPS and not self.invariant_decode:
             fail(f"backend fa3 for {self.op}", f"fa3 for {', '.join(FA3_OPS)} (and batch-invariant decode, "
                  f"causal=True); {self.op} on fa2", self.replace(backend="fa2"))
+        return self
+
+    def _validate_fp8(self, fail) -> "KernelSpec":
+        """An FP8 KV cache: q and o fp16 or bf16 (one dtype), on the families of FP8_KV_FAMILIES."""
+        families = ", ".join(op if op in UTILITY_OPS else f"{op} ({'tensor' if tc else 'CUDA'} cores)"
+                             for op, tc in FP8_KV_FAMILIES)
+        supported = f"FP8 KV caches (float8_e4m3fn, float8_e5m2) with fp16 or bf16 q and o for {families}"
+        dq = self.dtype_q if self.dtype_q in TENSOR_CORE_DTYPES else "bfloat16"
+        kv = self.dtype_kv if self.dtype_kv in KV_ONLY_DTYPES else "float8_e4m3fn"
+        nearest = self.replace(dtype_q=dq, dtype_kv=kv, dtype_o=dq)
+        if self.dtype_q in KV_ONLY_DTYPES or self.dtype_o in KV_ONLY_DTYPES:
+            fail(f"FP8 queries or outputs (dtype_q={self.dtype_q}, dtype_o={self.dtype_o}) are not supported",
+                 supported, nearest)
+        if self.dtype_q not in TENSOR_CORE_DTYPES or self.dtype_o != self.dtype_q:
+            fail(f"an FP8 KV cache with dtype_q={self.dtype_q}, dtype_o={self.dtype_o}", supported, nearest)
+        plain = self.replace(dtype_kv=self.dtype_q).validate()  # everything but the KV dtype
+        if (self.op, self.use_tensor_cores) not in FP8_KV_FAMILIES or self.invariant_decode:
+            what = "batch-invariant decode (causal=True)" if self.invariant_decode else \
+                f"{'tensor-core' if self.use_tensor_cores else 'CUDA-core'} {self.op}"
+            nearest = plain.replace(op=self.op if self.op in DECODE_OPS else "batch_decode_paged", dtype_kv=kv,
+                                    use_tensor_cores=False, backend="fa2", causal=False)
+            fail(f"an FP8 KV cache for {what} is not yet generated", supported, nearest)
         return self
 
     def _validate_mla(self, fail) -> "KernelSpec":

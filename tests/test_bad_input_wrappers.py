@@ -357,7 +357,8 @@ RUN_MISTAKES = [
              NotImplementedError),
     _mistake("window_left", PAGED, lambda a: {**a, "window_left": 64},
              r"^window_left: expected -1 \(as planned\) or None, got 64$"),
-    _mistake("k_scale", PAGED, lambda a: {**a, "k_scale": 0.5}, r"^k_scale=0.5: fp8 scales", NotImplementedError),
+    _mistake("k_scale", PAGED, lambda a: {**a, "k_scale": 0.5}, r"^k_scale=0.5: scales apply to an FP8 KV cache only",
+             NotImplementedError),
     _mistake("unknown-keyword", PAGED, lambda a: {**a, "rope_scale": 2.0}, r"^\['rope_scale'\]: not supported",
              NotImplementedError),
 ]

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from flashjit import arch, cli, jit, selection, selectors
-from flashjit.spec import DTYPES, HEAD_DIMS, OPS
+from flashjit.spec import DTYPES, HEAD_DIMS, KV_ONLY_DTYPES, OPS
 from helpers_cache import REPO, set_cache_env, subprocess_env
 
 # main() in a fresh interpreter: its exit code and whether torch (or the build) was imported.
@@ -74,7 +74,8 @@ def test_the_messages_follow_the_generated_sets(monkeypatch):
                                                        r"512$"):
         selectors.check_selectors(args)
     assert [names[0] for names in selectors.dtype_names().values()] == ["fp16", "bf16", "fp32"]
-    assert list(selectors.dtype_names()) == list(DTYPES)
+    assert list(selectors.dtype_names()) == [d for d in DTYPES if d not in KV_ONLY_DTYPES]
+    assert [names[0] for names in selectors.dtype_names(kv_only=True).values()] == ["e4m3", "e5m2"]
 
 
 def test_a_combination_spec_rejects_is_named_in_flags(monkeypatch):

@@ -13,19 +13,20 @@ import jinja2
 import pytest
 
 from flashjit import kernels, render
-from flashjit.spec import (ATTENTION_OPS, BACKENDS, DECODE_OPS, DTYPES, HEAD_DIMS, OPS, PAGED_OPS, PLANNED_OPS,
-                           KernelSpec, canonical_dtype)
+from flashjit.spec import (ATTENTION_OPS, BACKENDS, DECODE_OPS, DTYPES, HEAD_DIMS, KV_ONLY_DTYPES, OPS, PAGED_OPS,
+                           PLANNED_OPS, KernelSpec, canonical_dtype)
 from helpers_cache import REPO, subprocess_env, templates_copy  # noqa: F401 (fixture)
 
 FLAGS = ("causal", "sliding_window", "soft_cap", "return_lse")
 CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+QO_DTYPES = [d for d in DTYPES if d not in KV_ONLY_DTYPES]  # FP8 is swept in test_fp8_spec.py
 
 
 def sweep() -> list[KernelSpec]:
     """op x dtype x head_dim x causal x window x soft-cap x lse, CUDA cores."""
     return [KernelSpec.make(op, dtype, hd, use_tensor_cores=False, causal=c, sliding_window=w, soft_cap=s,
                             return_lse=lse)
-            for op, dtype, hd, c, w, s, lse in itertools.product(ATTENTION_OPS, DTYPES, HEAD_DIMS,
+            for op, dtype, hd, c, w, s, lse in itertools.product(ATTENTION_OPS, QO_DTYPES, HEAD_DIMS,
                                                                          *[(False, True)] * 4)]
 
 
@@ -36,7 +37,7 @@ def all_valid_specs() -> dict[str, KernelSpec]:
     """Name -> spec of every configuration validate() accepts (whatever the
     generator supports today), to check that a 'nearest working choice' works."""
     valid = {}
-    for op, dtype, hd, backend, tc, *flags in itertools.product(OPS, DTYPES, HEAD_DIMS, BACKENDS, (False, True),
+    for op, dtype, hd, backend, tc, *flags in itertools.product(OPS, QO_DTYPES, HEAD_DIMS, BACKENDS, (False, True),
                                                                  *[(False, True)] * 4):
         spec = KernelSpec.make(op, dtype, hd, backend=backend, use_tensor_cores=tc, **dict(zip(FLAGS, flags)))
         try:
@@ -97,7 +98,7 @@ def _expected_values(spec: KernelSpec) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("op", ATTENTION_OPS)
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", QO_DTYPES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_sweep_renders_with_its_instantiation_values(op, dtype, head_dim):
     """Every variant-flag combination of (op, dtype, head_dim) renders under

@@ -171,7 +171,7 @@ def host_launch(no_compile, monkeypatch):
     monkeypatch.setattr(_batch, "resident_ctas", lambda module, device: 132)
     rows = []
 
-    def launch(self, q, k, v, k_strides, v_strides, out, lse, v_offset=0):
+    def launch(self, q, k, v, k_strides, v_strides, out, lse, v_offset=0, scales=None):
         rows.append(q.shape[0])
         out.copy_(q * 2 + k.flatten()[0])
         if lse is not None:

@@ -78,16 +78,18 @@ class CudaDecodeTiling:
                 "l_chains": groups * self.warps, "l_tail": 2 * levels + 2 * self.warps, "merge_levels": levels + 1}
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of CudaCoreDecodeTraits::kSmemBytes."""
-        vecs = 8 * common.DTYPE_BYTES[spec.dtype_kv] // 16
-        ring = self.warps * self.stages * 2 * self.keys_per_group * vecs * 32 * 16
+        """Mirror of CudaCoreDecodeTraits::kSmemBytes: a lane's 8 dims of a key take
+        8 (FP8), 16 or 32 bytes."""
+        lane_bytes = 8 * common.DTYPE_BYTES[spec.dtype_kv]
+        ring = self.warps * self.stages * 2 * self.keys_per_group * lane_bytes * 32
         merge = 4 * self.warps * self.rows_per_cta * (spec.head_dim_vo + 2)
         return max(ring, merge)
 
 
 def cuda_decode_tiling(spec: KernelSpec) -> CudaDecodeTiling:
     # Three stages of 4 KB per warp (16-bit types) leave room for four CTAs,
-    # 16 warps, per SM; fp32 rows are twice as wide, so two stages.
+    # 16 warps, per SM; fp32 rows are twice as wide, so two stages; FP8 rows
+    # half as wide, so the same three stages take half the shared memory.
     stages = 2 if common.DTYPE_BYTES[spec.dtype_kv] == 4 else 3
     tiling = CudaDecodeTiling(warps=4, keys_per_group=4, stages=stages)
     assert tiling.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name

@@ -23,7 +23,7 @@ import torch
 
 from .. import jit
 from ..loader import KernelModule
-from . import _checks, _dispatch, _invariant
+from . import _checks, _dispatch, _invariant, _scales
 from ._calls import PER_CALL, Signatures, batch_call, check_placement, resident_ctas
 from ._launch import fill_params
 from ._plan import WorkPlan, ceil_div, plan_work
@@ -256,12 +256,14 @@ class BatchAttention:
             lse = None
         return out, lse
 
-    def _launch(self, q, k, v, k_strides: tuple, v_strides: tuple, out, lse, v_offset: int = 0):
+    def _launch(self, q, k, v, k_strides: tuple, v_strides: tuple, out, lse, v_offset: int = 0,
+                scales: tuple = (_scales.UNIT, _scales.UNIT)):
         """The first run() of a signature, after its checks against the plan:
         placement, the params, the launch. Returns the prepared call that
         repeats it for that signature (ops._calls.batch_call). v_offset: bytes
         from v's address to V's first element (one 5-D paged cache passes
-        itself as k and v)."""
+        itself as k and v). scales: an FP8 cache's k_scale and v_scale, checked
+        (ops._scales.ScaleArg)."""
         plan = self._plan
         spec = plan.module.spec
         check_placement(q, k, v, spec)
@@ -270,7 +272,8 @@ class BatchAttention:
         if spec.use_tensor_cores:  # its kernels write O in 16-byte vectors too
             _checks.check_vector_aligned("out", out)
         params = fill_params(q, plan.num_kv_heads, k_strides, v_strides, plan.page_size,
-                             (plan.num_qo_heads * plan.head_dim, plan.head_dim), plan.num_qo_heads, *plan.scalars)
+                             (plan.num_qo_heads * plan.head_dim, plan.head_dim), plan.num_qo_heads, *plan.scalars,
+                             kv_element_size=k.element_size(), scales=scales)
         # Negative: no CTA spans two chunks, the plain kernel runs (attention_params.cuh).
         params.invariant_chunk = plan.invariant_chunk if plan.work.folds else -plan.invariant_chunk
         head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1,
@@ -293,9 +296,18 @@ def check_out_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: tor
                          f"got {got}")
 
 
-def dtype_arg(name: str, value) -> torch.dtype:
+def dtype_arg(name: str, value, kv: bool = False) -> torch.dtype:
+    """A plan's dtype argument (a torch dtype or its name); kv: kv_data_type, which may be FP8."""
     if isinstance(value, str):
-        value = getattr(torch, value, None) if value in ("float16", "bfloat16", "float32") else value
-    if value not in _checks.SUPPORTED_DTYPES:
-        raise ValueError(f"{name}: expected float16, bfloat16 or float32, got {value!r}")
+        from ..spec import canonical_dtype
+
+        try:
+            value = getattr(torch, canonical_dtype(value))
+        except ValueError:
+            pass
+    if value in _scales.FNUZ_DTYPES or (not kv and _scales.is_fp8(value)):
+        raise ValueError(f"{name}: {_scales.dtype_problem(value, kv)}")
+    if value not in _checks.SUPPORTED_DTYPES and not (kv and _scales.is_fp8(value)):
+        fp8 = " (or float8_e4m3fn / float8_e5m2)" if kv else ""
+        raise ValueError(f"{name}: expected float16, bfloat16 or float32{fp8}, got {value!r}")
     return value

@@ -9,20 +9,22 @@ import math
 import torch
 
 from ..spec import HEAD_DIMS
+from . import _scales
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = ("NHD", "HND")
 
 
-def check_tensor(name: str, t, ndim: int) -> None:
+def check_tensor(name: str, t, ndim: int, kv: bool = False) -> None:
     """Type, rank, dtype and layout (check_device comes after the cross-checks,
-    so that every shape mistake is reported the same way with or without a GPU)."""
+    so that every shape mistake is reported the same way with or without a GPU).
+    kv: K/V (or a KV cache), which may also be FP8."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name}: expected dtype float16, bfloat16 or float32, got {t.dtype}")
+    if t.dtype not in SUPPORTED_DTYPES and not (kv and _scales.is_fp8(t.dtype)):
+        raise ValueError(f"{name}: {_scales.dtype_problem(t.dtype, kv)}")
     if t.numel() and t.stride(-1) != 1:
         raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, got strides {t.stride()}")
 
@@ -41,6 +43,16 @@ def check_vector_aligned(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a 16-byte aligned tensor with strides that are multiples of {vec} "
                          f"elements (e.g. .contiguous()), got data_ptr % 16 = {t.data_ptr() % 16}, "
                          f"strides {t.stride()}")
+
+
+def check_kv_dtype(q_name: str, q: torch.Tensor, kv_name: str, kv: torch.Tensor) -> None:
+    """K/V of q's dtype, or an FP8 cache beside fp16/bf16 q."""
+    if _scales.is_fp8(kv.dtype):
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"{q_name}: expected float16 or bfloat16 with an FP8 KV cache ({kv_name} is {kv.dtype}), "
+                             f"got {q.dtype}")
+    elif kv.dtype != q.dtype:
+        raise ValueError(f"{kv_name}: expected dtype {q.dtype} (the dtype of {q_name}), got {kv.dtype}")
 
 
 def check_same_dtype(**tensors) -> torch.dtype:
@@ -103,8 +115,10 @@ def check_unsupported(**options) -> None:
         "pos_encoding_mode": "fused RoPE is not supported; apply rotary embeddings before attention",
         "use_fp16_qk_reduction": "fp16 Q.K reduction is not supported; flashjit accumulates Q.K in fp32",
         "scale_q": "fp8 scales are not supported", "scale_k": "fp8 scales are not supported",
-        "scale_v": "fp8 scales are not supported", "q_scale": "fp8 scales are not supported",
-        "k_scale": "fp8 scales are not supported", "v_scale": "fp8 scales are not supported",
+        "scale_v": "fp8 scales are not supported",
+        "q_scale": "FP8 queries are not supported (q is float16 or bfloat16); fold a query scale into sm_scale",
+        "k_scale": "scales apply to an FP8 KV cache only; for a float16/bfloat16 cache fold it into sm_scale",
+        "v_scale": "scales apply to an FP8 KV cache only",
     }
     defaults = {"pos_encoding_mode": "NONE", "use_fp16_qk_reduction": False}
     for name, value in options.items():
@@ -166,7 +180,7 @@ def unpack_paged_cache(paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor, str]
     """(k_cache, v_cache, the name to report K cache mistakes under), 4-D views
     of one 5-D cache [pages, 2, ...] or the two tensors of a (k, v) tuple."""
     if isinstance(paged_kv_cache, torch.Tensor):
-        check_tensor("paged_kv_cache", paged_kv_cache, 5)
+        check_tensor("paged_kv_cache", paged_kv_cache, 5, kv=True)
         if paged_kv_cache.shape[1] != 2:
             raise ValueError(f"paged_kv_cache: expected shape [num_pages, 2, ...] (K and V in dimension 1), "
                              f"got shape {tuple(paged_kv_cache.shape)}")
@@ -177,8 +191,8 @@ def unpack_paged_cache(paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor, str]
             if isinstance(paged_kv_cache, (tuple, list)) else type(paged_kv_cache).__name__
         raise ValueError(f"paged_kv_cache: expected a 5-D tensor or a (k_cache, v_cache) tuple, got {got}")
     k_cache, v_cache = paged_kv_cache
-    check_tensor("paged_kv_cache[0]", k_cache, 4)
-    check_tensor("paged_kv_cache[1]", v_cache, 4)
+    check_tensor("paged_kv_cache[0]", k_cache, 4, kv=True)
+    check_tensor("paged_kv_cache[1]", v_cache, 4, kv=True)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"paged_kv_cache[1]: expected shape {tuple(k_cache.shape)} (as paged_kv_cache[0]), "
                          f"got {tuple(v_cache.shape)}")

@@ -11,7 +11,7 @@ import torch
 from .. import arch, jit
 from ..loader import AttentionParams
 from ..spec import KernelSpec, canonical_dtype
-from . import _calls, _checks, _invariant
+from . import _calls, _checks, _invariant, _scales
 from ._calls import Signatures, check_placement, remember, single_request_call
 
 # For the ops that pack their own params (mla, append), which import them from here.
@@ -23,11 +23,12 @@ _announced: set = set()
 
 def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use_tensor_cores: bool | None,
                 causal: bool, window: bool, soft_cap: bool, return_lse: bool, strict: bool | None = None,
-                head_dim_vo: int | None = None, batch_invariant: bool = False) -> KernelSpec:
+                head_dim_vo: int | None = None, batch_invariant: bool = False, dtype_kv=None) -> KernelSpec:
     """Resolves backend/tensor cores (logging the choice once per configuration) and validates.
     strict: an explicit backend this GPU or op cannot run raises instead of running fa2
     (None: FLASHJIT_STRICT_BACKEND). head_dim_vo: V's width where it differs from head_dim (MLA).
-    batch_invariant: ops._invariant.kernel_choice (decode on its prefill op's backend and tiling)."""
+    batch_invariant: ops._invariant.kernel_choice (decode on its prefill op's backend and tiling).
+    dtype_kv: the KV cache's dtype where it differs from q's (FP8)."""
     name = canonical_dtype(dtype)
     backend_op = op
     if batch_invariant:
@@ -36,7 +37,8 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
     if batch_invariant:
         reason += f"; batch-invariant mode: {backend_op}'s backend and tiling" if backend_op != op \
             else "; batch-invariant mode"
-    spec = KernelSpec.make(op, name, head_dim, head_dim_vo=head_dim_vo, backend=chosen_backend, use_tensor_cores=tc,
+    spec = KernelSpec.make(op, name, head_dim, head_dim_vo=head_dim_vo, dtype_kv=dtype_kv, backend=chosen_backend,
+                           use_tensor_cores=tc,
                            causal=bool(causal), sliding_window=window, soft_cap=soft_cap,
                            return_lse=return_lse).validate()
     if (backend == "auto" or use_tensor_cores is None or batch_invariant) and spec not in _announced:
@@ -52,7 +54,7 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_strides: 
     _, num_kv_heads, _, k_sn, k_sh = _checks.kv_dims("k", k, kv_layout)
     _, _, _, v_sn, v_sh = _checks.kv_dims("v", v, kv_layout)
     return fill_params(q, num_kv_heads, (k_sn, k_sh, 0), (v_sn, v_sh, 0), 0, out_strides, lse_stride, sm_scale,
-                       window_left, soft_cap)
+                       window_left, soft_cap, kv_element_size=k.element_size())
 
 
 def check_kv_strides(name: str, strides: tuple, page_size: int, element_size: int) -> None:
@@ -68,12 +70,14 @@ def check_kv_strides(name: str, strides: tuple, page_size: int, element_size: in
 
 
 def fill_params(q: torch.Tensor, num_kv_heads: int, k_strides: tuple, v_strides: tuple, page_size: int,
-                out_strides: tuple[int, int], lse_stride: int, sm_scale: float, window_left: int, soft_cap: float
-                ) -> AttentionParams:
-    """The non-pointer fields; k/v strides are (token, head, page) in elements.
+                out_strides: tuple[int, int], lse_stride: int, sm_scale: float, window_left: int, soft_cap: float,
+                kv_element_size: int | None = None, scales: tuple = (_scales.UNIT, _scales.UNIT)) -> AttentionParams:
+    """The non-pointer fields; k/v strides are (token, head, page) in elements of
+    kv_element_size bytes (None: q's). scales: the checked (k_scale, v_scale)
+    (ops._scales), which only FP8 configurations read.
     Raises ValueError for K/V strides the kernels cannot address (see check_kv_strides)."""
     for name, strides in (("k", k_strides), ("v", v_strides)):
-        check_kv_strides(name, strides, page_size, q.element_size())
+        check_kv_strides(name, strides, page_size, kv_element_size or q.element_size())
     p = AttentionParams()
     p.num_qo_heads, p.num_kv_heads, p.page_size = q.shape[-2], num_kv_heads, page_size
     p.q_stride_n, p.q_stride_h = (q.stride(0), q.stride(1)) if q.dim() == 3 else (0, q.stride(0))
@@ -82,25 +86,30 @@ def fill_params(q: torch.Tensor, num_kv_heads: int, k_strides: tuple, v_strides:
     p.o_stride_n, p.o_stride_h = out_strides
     p.lse_stride_n = lse_stride
     p.sm_scale, p.logits_soft_cap, p.window_left = sm_scale, soft_cap, window_left
+    _scales.apply(p, *scales)
     return p
 
 
 def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_qo_heads: int, num_kv_heads: int,
                            *, causal: bool, sm_scale, window_left, logits_soft_cap, backend: str,
                            use_tensor_cores, return_lse: bool, strict: bool | None = None,
-                           batch_invariant: bool = False):
+                           batch_invariant: bool = False, k_scale=None, v_scale=None):
     """The shared end of single_prefill / single_decode preparation, after their
     own structural checks: scalars, configuration, placement, kernel, params.
+    k_scale / v_scale: as ops._scales.scale_key gave them (an FP8 cache's only).
     Returns the prepared call (ops._calls.single_request_call)."""
+    _scales.check_scales_for(k.dtype, k_scale, v_scale)
+    scales = (_scales.scale_arg("k_scale", k_scale, q.device), _scales.scale_arg("v_scale", v_scale, q.device))
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
     spec = select_spec(op, q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,
                        window=has_window, soft_cap=has_cap, return_lse=return_lse, strict=strict,
-                       batch_invariant=batch_invariant)
+                       batch_invariant=batch_invariant, dtype_kv=k.dtype)
     check_placement(q, k, v, spec)
     module = jit.get_module(spec)
     params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
                          window_left, cap)
+    _scales.apply(params, *scales)
     chunk = _invariant.chunk_keys(None, True, module.split_align) if batch_invariant else 0
     return single_request_call(module, params, q, k, v, kv_layout, num_qo_heads // num_kv_heads, q.dim() == 3,
                                bool(return_lse), invariant_chunk=chunk)
@@ -146,9 +155,11 @@ def check_qkv(q, k, v, kv_layout: str, q_ndim: int = 3) -> tuple[int, int, int, 
     check_placement's job, so that shape mistakes read the same on any machine."""
     _checks.check_layout(kv_layout)
     _checks.check_tensor("q", q, q_ndim)
-    _checks.check_tensor("k", k, 3)
-    _checks.check_tensor("v", v, 3)
-    _checks.check_same_dtype(q=q, k=k, v=v)
+    _checks.check_tensor("k", k, 3, kv=True)
+    _checks.check_tensor("v", v, 3, kv=True)
+    _checks.check_kv_dtype("q", q, "k", k)
+    _checks.check_kv_dtype("q", q, "v", v)
+    _checks.check_same_dtype(k=k, v=v)
     kv_tokens, num_kv_heads, head_dim_k, _, _ = _checks.kv_dims("k", k, kv_layout)
     v_tokens, v_heads, head_dim_v, _, _ = _checks.kv_dims("v", v, kv_layout)
     num_qo_heads, head_dim_q = q.shape[-2], q.shape[-1]

@@ -5,18 +5,26 @@ They are plain torch ops: every value-dependent step (page lookup, slot,
 request of each token) runs on the tensors' device, so a call never waits for
 the device and can be captured in a CUDA graph. The host only checks structure
 (ranks, shapes, dtypes, devices), which it knows without reading any tensor.
-CPU tensors work too: nothing here needs a kernel of ours."""
+CPU tensors work too: nothing here needs a kernel of ours.
+
+An FP8 cache (float8_e4m3fn, float8_e5m2) takes fp16/bf16 rows, quantised as
+row / scale (k_scale for keys, v_scale for values; a flashjit keyword, default
+1 as FlashInfer's cast): the fp32 quotient, correctly rounded, then the nearest
+FP8 code (ties to even), saturated at the largest finite value (e4m3 448, e5m2
+57344; infinities too); NaN stays NaN. FP8 rows of the cache's own dtype are
+copied as they are (no scales then)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..spec import HEAD_DIMS
-from . import _checks, _dispatch
+from ..spec import FP8_MAX, HEAD_DIMS
+from . import _checks, _dispatch, _scales
 
 
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices,
-                          kv_indptr, kv_last_page_len, kv_layout: str = "NHD") -> None:
+                          kv_indptr, kv_last_page_len, kv_layout: str = "NHD", *, k_scale=None,
+                          v_scale=None) -> None:
     """Writes append_key/append_value [nnz, num_kv_heads, head_dim] into the paged cache:
     token i goes to page kv_indices[kv_indptr[batch_indices[i]] + positions[i] // page_size],
     slot positions[i] % page_size. paged_kv_cache is one tensor [num_pages, 2, page_size,
@@ -25,27 +33,39 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     [num_pages, num_kv_heads, page_size, head_dim] (HND). kv_indices, kv_indptr and
     kv_last_page_len must already include the appended tokens (as in FlashInfer).
     Indices are not range-checked on the host (that would read them): an index past a
-    tensor's end is a device-side error. Two tokens aimed at one slot leave either value."""
+    tensor's end is a device-side error. Two tokens aimed at one slot leave either value.
+    k_scale / v_scale: an FP8 cache's quantisation scales (the module docstring), Python
+    floats or one-element float32 tensors (read on the device: CUDA-graph safe)."""
     if _dispatch.tracing():
+        _checks.check_unsupported(k_scale=k_scale, v_scale=v_scale)
         k_cache, v_cache = _dispatch.cache_args(paged_kv_cache)
         torch.ops.flashjit.append_paged_kv_cache.default(append_key, append_value, batch_indices, positions, k_cache,
                                                          v_cache, kv_indices, kv_indptr, kv_last_page_len, kv_layout)
         return
     append_eager(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
-                 kv_last_page_len, kv_layout)
+                 kv_last_page_len, kv_layout, k_scale, v_scale)
 
 
 def append_eager(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
-                 kv_last_page_len, kv_layout: str) -> None:
+                 kv_last_page_len, kv_layout: str, k_scale=None, v_scale=None) -> None:
     """append_paged_kv_cache's eager body."""
     k_cache, v_cache, page_size = check_append(append_key, append_value, batch_indices, positions, paged_kv_cache,
                                                kv_indices, kv_indptr, kv_last_page_len, kv_layout)
+    scales = _check_append_scales(k_cache, append_key, k_scale, v_scale)
     head_dim = append_key.shape[2]
-    if k_cache.device.type == "cuda" and head_dim in HEAD_DIMS and _vector_aligned(append_key, append_value, k_cache,
-                                                                                   v_cache):
+    quantize = k_cache.dtype != append_key.dtype
+    if k_cache.device.type == "cuda" and head_dim in HEAD_DIMS and _vector_aligned(append_key, append_value) \
+            and _vector_aligned(k_cache, v_cache, vector_bytes=8 if quantize else 16):
         _append_kernel(append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr,
-                       kv_layout, page_size)
+                       kv_layout, page_size, scales)
         return
+    if quantize:  # a CUDA tensor scale stays a tensor (no host read); a number or CPU tensor is a float
+        k_by, v_by = (value if arg.address else arg.value for value, arg in zip((k_scale, v_scale), scales))
+        append_key = quantize_rows(append_key, k_cache.dtype, k_by)
+        append_value = quantize_rows(append_value, k_cache.dtype, v_by)
+    if _scales.is_fp8(k_cache.dtype):  # indexing copies bytes whatever the platform implements for FP8
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        append_key, append_value = append_key.view(torch.uint8), append_value.view(torch.uint8)
     # CPU tensors, head dims we generate no kernel for, or layouts the kernel
     # cannot copy in 16-byte vectors: torch ops.
     page = kv_indices[kv_indptr[batch_indices] + positions // page_size]
@@ -81,7 +101,12 @@ def check_append(append_key, append_value, batch_indices, positions, paged_kv_ca
                          f"(heads {cache_heads}, head_dim {cache_dim}); is kv_layout right?")
     if page_size < 1:
         raise ValueError(f"{cache_name}: expected page_size >= 1, got shape {tuple(k_cache.shape)}")
-    _checks.check_same_dtype(**{cache_name: k_cache, "append_key": append_key, "append_value": append_value})
+    quantised = _scales.is_fp8(k_cache.dtype) and append_key.dtype in (torch.float16, torch.bfloat16)
+    if k_cache.dtype != append_key.dtype and not quantised:
+        fp8 = " (or float16/bfloat16 rows, quantised into an FP8 cache)" if _scales.is_fp8(k_cache.dtype) else ""
+        raise ValueError(f"append_key: expected dtype {k_cache.dtype} (the dtype of {cache_name}){fp8}, got "
+                         f"{append_key.dtype}")
+    _checks.check_same_dtype(append_key=append_key, append_value=append_value)
     per_token = " (one per appended token, as append_key)"
     _checks.int_tensor("batch_indices", batch_indices, nnz, exact=True, what=per_token)
     _checks.int_tensor("positions", positions, nnz, exact=True, what=per_token)
@@ -95,20 +120,47 @@ def check_append(append_key, append_value, batch_indices, positions, paged_kv_ca
     return k_cache, v_cache, page_size
 
 
-_modules: dict = {}  # (dtype, head_dim) -> the loaded append kernel
+_modules: dict = {}  # (row dtype, cache dtype, head_dim) -> the loaded append kernel
 
 
-def _vector_aligned(*tensors) -> bool:
-    """Bases and row strides (all but the last, contiguous, dimension) in whole 16-byte vectors."""
+def _check_append_scales(k_cache, append_key, k_scale, v_scale) -> tuple:
+    """(k_scale, v_scale) checked (ops._scales.ScaleArg): scales quantise fp16/bf16 rows into an FP8 cache."""
+    if k_cache.dtype == append_key.dtype:
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is not None:
+                raise ValueError(f"{name}: scales quantise float16/bfloat16 rows into an FP8 cache; rows of the "
+                                 f"cache's dtype ({k_cache.dtype}) are copied as they are, so give none")
+        return _scales.UNIT, _scales.UNIT
+    return tuple(_scales.scale_arg(name, _scales.scale_key(value), k_cache.device)
+                 for name, value in (("k_scale", k_scale), ("v_scale", v_scale)))
+
+
+def quantize_rows(rows: torch.Tensor, fp8_dtype: torch.dtype, scale) -> torch.Tensor:
+    """What the append kernel writes, in torch: fp32(rows) / scale, correctly rounded,
+    clamped to the format's largest finite value (NaN stays NaN), to the nearest FP8 code."""
+    limit = FP8_MAX[str(fp8_dtype).removeprefix("torch.")]
+    scale = 1.0 if scale is None else scale
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(device=rows.device, dtype=torch.float32)
+        quotient = rows.float() / scale  # tensor by tensor: a true division on every device
+    else:
+        # A float64 quotient of the two fp32 operands, rounded once to fp32, is the
+        # correctly rounded fp32 quotient (53 >= 2 * 24 + 2 bits).
+        quotient = (rows.double() / float(torch.tensor(float(scale), dtype=torch.float32))).float()
+    return quotient.clamp(-limit, limit).to(fp8_dtype)
+
+
+def _vector_aligned(*tensors, vector_bytes: int = 16) -> bool:
+    """Bases and row strides (all but the last, contiguous, dimension) in whole vectors of vector_bytes."""
     for t in tensors:
-        vec = 16 // t.element_size()
-        if t.data_ptr() % 16 or t.stride(-1) != 1 or any(s % vec for s in t.stride()[:-1]):
+        vec = vector_bytes // t.element_size()
+        if t.data_ptr() % vector_bytes or t.stride(-1) != 1 or any(s % vec for s in t.stride()[:-1]):
             return False
     return True
 
 
 def _append_kernel(key, value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr, kv_layout: str,
-                   page_size: int) -> None:
+                   page_size: int, scales: tuple = (_scales.UNIT, _scales.UNIT)) -> None:
     """One launch of the generated append kernel on torch's current stream."""
     from ..loader import AppendParams
     from ._launch import run_on
@@ -116,13 +168,13 @@ def _append_kernel(key, value, batch_indices, positions, k_cache, v_cache, kv_in
     nnz, heads, head_dim = key.shape
     if nnz == 0:
         return
-    module = _modules.get((key.dtype, head_dim))
+    module = _modules.get((key.dtype, k_cache.dtype, head_dim))
     if module is None:
         from .. import jit
         from ..spec import KernelSpec
 
-        module = _modules[(key.dtype, head_dim)] = jit.get_module(
-            KernelSpec.make("append_paged", key.dtype, head_dim).validate())
+        module = _modules[(key.dtype, k_cache.dtype, head_dim)] = jit.get_module(
+            KernelSpec.make("append_paged", key.dtype, head_dim, dtype_kv=k_cache.dtype).validate())
     p = AppendParams()
     p.key, p.value, p.k_cache, p.v_cache = key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     p.batch_indices, p.positions = batch_indices.data_ptr(), positions.data_ptr()
@@ -136,6 +188,7 @@ def _append_kernel(key, value, batch_indices, positions, k_cache, v_cache, kv_in
                                                       k_cache.stride(head_dim_index))
     p.v_stride_page, p.v_stride_slot, p.v_stride_h = (v_cache.stride(0), v_cache.stride(slot_dim),
                                                       v_cache.stride(head_dim_index))
+    (p.k_scale, p.k_scale_ptr), (p.v_scale, p.v_scale_ptr) = ((s.value, s.address or None) for s in scales)
     run_on(module, bytes(p), k_cache.device.index)
 
 

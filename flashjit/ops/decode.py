@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _invariant
+from . import _checks, _invariant, _scales
 from ._dispatch import dispatch_modes, is_compiling
 from ._invariant import ENV_KEY as _ENV_KEY, MODES as _MODES, environ_get as _environ_get
 from ._calls import Signatures
@@ -23,7 +23,9 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     or [num_kv_heads, kv_len, head_dim] (HND). Returns o like q, and with
     return_lse the base-2 log-sum-exp [num_qo_heads]. batch_invariant=True: the
     prefill kernel's output for this query row (docs/numerics.md); None:
-    FLASHJIT_BATCH_INVARIANT."""
+    FLASHJIT_BATCH_INVARIANT. k/v may be an FP8 cache (float8_e4m3fn,
+    float8_e5m2) with q fp16 or bf16: keys are k * k_scale, values v * v_scale
+    (Python floats or one-element float32 tensors, ops._scales; default 1)."""
     if is_compiling() or dispatch_modes():  # _dispatch.tracing()
         _check_traced_mode(batch_invariant)
         _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, q_scale=q_scale, k_scale=k_scale,
@@ -32,6 +34,8 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
                                                        logits_soft_cap, backend, bool(return_lse), strict)
         return (res[0], res[1]) if return_lse else res[0]
     # run_single's body, spelled out: one Python call less on a path measured against 10 us.
+    if k_scale is not None or v_scale is not None:  # the signature holds a tensor scale's address, not the tensor
+        k_scale, v_scale = _scales.scale_key(k_scale), _scales.scale_key(v_scale)
     invariant = _MODES[_environ_get(_ENV_KEY, b"")] if batch_invariant is None else _invariant.resolve(batch_invariant)
     options = (kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
                logits_soft_cap, sm_scale, return_lse, backend, strict, invariant)
@@ -45,16 +49,18 @@ def run_single(q, k, v, kv_layout: str, options: tuple, batch_invariant=None):
     """The eager body of single_decode_with_kv_cache; options in its argument order,
     pos_encoding_mode to strict."""
     invariant = _invariant.resolve(batch_invariant)
+    pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, *rest = options
+    options = (pos_encoding_mode, use_tensor_cores, q_scale, _scales.scale_key(k_scale), _scales.scale_key(v_scale),
+               *rest)
     return run_single_request(_prepared, _prepare, q, k, v, (kv_layout, *options, invariant))
 
 
 def _prepare(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
              logits_soft_cap, sm_scale, return_lse, backend, strict, batch_invariant: bool = False):
-    _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, q_scale=q_scale, k_scale=k_scale,
-                              v_scale=v_scale)
+    _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, q_scale=q_scale)
     _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout, q_ndim=2)
     return prepare_single_request("single_decode", q, k, v, kv_layout, head_dim, num_qo_heads, num_kv_heads,
                                   causal=False, sm_scale=sm_scale, window_left=window_left,
                                   logits_soft_cap=logits_soft_cap, backend=backend,
                                   use_tensor_cores=use_tensor_cores, return_lse=return_lse, strict=strict,
-                                  batch_invariant=batch_invariant)
+                                  batch_invariant=batch_invariant, k_scale=k_scale, v_scale=v_scale)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch, _invariant
+from . import _checks, _dispatch, _invariant, _scales
 from ._dispatch import dispatch_modes, is_compiling
 from ._batch import BatchAttention
 from ._calls import fill_slot, keep_run, tensor_signature
@@ -48,13 +48,20 @@ class _PagedAttention(BatchAttention):
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse: bool = False, enable_pdl=None, window_left=None, **kwargs):
-        if args or kwargs or q_scale is not None or k_scale is not None or v_scale is not None:
+        """k_scale / v_scale (an FP8 cache's dequantisation scales): Python floats or
+        one-element float32 tensors, which the kernel reads (ops._scales)."""
+        if args or kwargs or q_scale is not None:
             _checks.check_no_extra_args("run()", args)
-            _checks.check_unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+            _checks.check_unsupported(q_scale=q_scale)
             raise NotImplementedError(f"{sorted(kwargs)}: not supported by flashjit's {type(self).__name__}.run()")
+        scaled = k_scale is not None or v_scale is not None
         if is_compiling() or dispatch_modes():  # _dispatch.tracing()
+            _checks.check_unsupported(k_scale=k_scale, v_scale=v_scale)
             k, v = _dispatch.cache_args(paged_kv_cache)
             return _dispatch.run_batch(self, q, k, v, out, lse, return_lse, window_left)
+        if scaled:
+            scales = (_scales.scale_key(k_scale), _scales.scale_key(v_scale))
+            return self._run(q, paged_kv_cache, None, out, lse, return_lse, window_left, scales)
         if lse is None and window_left is None:  # the last run, if these are its signature (ops._calls.Signatures)
             if out is None:
                 known, check, call = self._launches.fast
@@ -66,8 +73,9 @@ class _PagedAttention(BatchAttention):
                     return call(q, paged_kv_cache, paged_kv_cache, out, None)
         return self._run(q, paged_kv_cache, None, out, lse, return_lse, window_left)
 
-    def _run(self, q, k, v, out, lse, return_lse: bool, window_left):
-        """run()'s eager body: the cache is k alone (a 5-D tensor or a (K, V) tuple) or (k, v)."""
+    def _run(self, q, k, v, out, lse, return_lse: bool, window_left, scales=(None, None)):
+        """run()'s eager body: the cache is k alone (a 5-D tensor or a (K, V) tuple) or (k, v);
+        scales: (k_scale, v_scale) as ops._scales.scale_key gave them."""
         paged_kv_cache = k if v is None else (k, v)
         try:
             if isinstance(paged_kv_cache, torch.Tensor):
@@ -77,7 +85,7 @@ class _PagedAttention(BatchAttention):
                 k_src, v_src = paged_kv_cache
                 cache_key = (tensor_signature(k_src), tensor_signature(v_src))
             key = (q.shape, q.stride(), q.dtype, q.device, cache_key, return_lse, window_left,
-                   out if out is None else tensor_signature(out), lse if lse is None else tensor_signature(lse))
+                   out if out is None else tensor_signature(out), lse if lse is None else tensor_signature(lse), scales)
             launches = self._launches
             last_key, launch = launches.last
             if key != last_key:
@@ -87,7 +95,7 @@ class _PagedAttention(BatchAttention):
         except (AttributeError, TypeError, ValueError):  # the checks below say what is wrong
             key = launch = None
         if launch is not None:
-            if lse is None and window_left is None:
+            if lse is None and window_left is None and scales == (None, None):
                 fill_slot(launches, return_lse, out, launch)
             return launch(q, k_src, v_src, out, lse)
         plan = self._plan
@@ -104,12 +112,15 @@ class _PagedAttention(BatchAttention):
             raise ValueError(f"{self._indices_name}: page id {plan.max_page} is past the cache's {num_pages} pages "
                              f"(paged_kv_cache: expected at least {plan.max_page + 1} pages, as planned, got "
                              f"{_shape_text(paged_kv_cache)})")
+        _scales.check_scales_for(k.dtype, *scales)
+        checked = tuple(_scales.scale_arg(name, key, q.device) for name, key in zip(("k_scale", "v_scale"), scales))
         out, lse = self._outputs(q, plan, out, lse, return_lse)
-        launch = self._launch(q, k, v, k_strides, v_strides, out, lse, v_offset)
+        launch = self._launch(q, k, v, k_strides, v_strides, out, lse, v_offset, checked)
         # The cache as run() passes it: one tensor, or a pair whose tensors the check takes apart.
         caches = (k,) if k is v else (k, v)
         keep_run(self._launches, key, launch, (q, *caches) if given_out is None else (q, *caches, given_out),
-                 return_lse, given_out, given_lse is None and window_left is None, pair=k is not v)
+                 return_lse, given_out, given_lse is None and window_left is None and scales == (None, None),
+                 pair=k is not v)
         return (out, lse) if return_lse else out
 
     @staticmethod
@@ -129,8 +140,12 @@ class _PagedAttention(BatchAttention):
     def _check_cache(self, cache, k, page_size: int, heads: int, dim: int, plan) -> None:
         """The cache's dtype and page geometry against the plan (paged_kv_sources
         has checked its structure; V has K's shape and dtype)."""
-        if k.dtype != plan.q_dtype:
-            raise ValueError(f"paged_kv_cache: expected dtype {plan.q_dtype} as planned (kv_data_type), got {k.dtype}")
+        kv_dtype = getattr(torch, plan.module.spec.dtype_kv)
+        if k.dtype != kv_dtype:
+            fp8 = _scales.is_fp8(k.dtype) or _scales.is_fp8(kv_dtype)
+            hint = f"; plan with kv_data_type={k.dtype} for this cache" if fp8 else ""
+            raise ValueError(f"paged_kv_cache: expected dtype {kv_dtype} as planned (kv_data_type), got {k.dtype}"
+                             f"{hint}")
         if (page_size, heads, dim) != (plan.page_size, plan.num_kv_heads, plan.head_dim):
             fits_other = (heads, page_size, dim) == (plan.page_size, plan.num_kv_heads, plan.head_dim)
             pages = "[page_size, kv heads, head_dim]" if self._kv_layout == "NHD" else "[kv heads, page_size, head_dim]"

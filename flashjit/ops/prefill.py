@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch, _invariant
+from . import _checks, _dispatch, _invariant, _scales
 from ._dispatch import dispatch_modes, is_compiling
 from ._invariant import ENV_KEY as _ENV_KEY, MODES as _MODES, environ_get as _environ_get
 from ._batch import BatchAttention, dtype_arg
@@ -193,7 +193,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
 
     def _check_kv(self, name: str, t, plan) -> None:
         """k or v against the plan: rank, dtype, kv heads, head_dim in the wrapper's layout."""
-        _checks.check_tensor(name, t, 3)
+        _checks.check_tensor(name, t, 3, kv=True)
         if t.dtype != plan.q_dtype:
             raise ValueError(f"{name}: expected dtype {plan.q_dtype} as planned (kv_data_type), got {t.dtype}")
         _, heads, dim, _, _ = _checks.kv_dims(name, t, self._kv_layout)
@@ -220,12 +220,18 @@ def plan_spec(op: str, backend: str, num_qo_heads: int, num_kv_heads: int, head_
     if head_dim_vo is not None and head_dim_vo != head_dim_qk:
         raise ValueError(f"head_dim_vo: expected {head_dim_qk} (as head_dim_qk), got {head_dim_vo}")
     q_dtype = dtype_arg("q_data_type", q_data_type)
-    for name, value in (("kv_data_type", kv_data_type), ("o_data_type", o_data_type)):
-        if value is not None and dtype_arg(name, value) != q_dtype:
-            raise ValueError(f"{name}: expected {q_dtype} (as q_data_type), got {value}")
+    kv_dtype = q_dtype if kv_data_type is None else dtype_arg("kv_data_type", kv_data_type, kv=True)
+    if kv_dtype != q_dtype and not _scales.is_fp8(kv_dtype):
+        raise ValueError(f"kv_data_type: expected {q_dtype} (as q_data_type) or an FP8 format (float8_e4m3fn, "
+                         f"float8_e5m2), got {kv_data_type}")
+    if _scales.is_fp8(kv_dtype) and q_dtype == torch.float32:
+        raise ValueError(f"q_data_type: expected float16 or bfloat16 with an FP8 KV cache (kv_data_type={kv_dtype}), "
+                         f"got {q_dtype}; FP8 caches are not read by the float32 kernels")
+    if o_data_type is not None and dtype_arg("o_data_type", o_data_type) != q_dtype:
+        raise ValueError(f"o_data_type: expected {q_dtype} (as q_data_type), got {o_data_type}")
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim_qk, window_left,
                                                                              logits_soft_cap)
     spec = select_spec(op, q_dtype, head_dim_qk, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,
                        window=has_window, soft_cap=has_cap, return_lse=True, strict=strict,
-                       batch_invariant=batch_invariant)
+                       batch_invariant=batch_invariant, dtype_kv=kv_dtype)
     return spec, (sm_scale, window_left, cap), q_dtype

@@ -17,6 +17,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
+// 8-byte global->shared copy (cp.async.ca: .cg takes 16 bytes only); zero-filled when !valid.
+__device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
 // 16 zero bytes to shared memory by address (a plain store: the generic proxy).
 __device__ __forceinline__ void st_shared_zero_16(uint32_t addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
@@ -27,6 +33,12 @@ __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
                : "r"(addr));
+  return raw;
+}
+// One 8-byte shared-memory load by address (of data this thread copied).
+__device__ __forceinline__ uint2 ld_shared_8(uint32_t addr) {
+  uint2 raw;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(raw.x), "=r"(raw.y) : "r"(addr));
   return raw;
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }

@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FLASHJIT_ABI_VERSION 7
+#define FLASHJIT_ABI_VERSION 8
 
 extern "C" {
 
@@ -69,6 +69,15 @@ struct FlashjitAttentionParams {
   // nothing else. Negative (-chunk): no CTA spans two chunks (a plan that
   // splits them), and the launch runs the kernel normal mode runs.
   int32_t invariant_chunk;
+
+  // FP8 KV caches only: the dequantisation scales (a key is code * k_scale, a
+  // value code * v_scale). A non-null pointer (one float on the device, read
+  // after the grid dependency wait, so that a CUDA graph replays with the
+  // value it holds then) takes precedence over the float beside it.
+  float k_scale;
+  float v_scale;
+  const float* k_scale_ptr;
+  const float* v_scale_ptr;
 
   // MLA only (mla_paged): the rotary part of the query, [tokens, num_qo_heads,
   // 64]; q then holds the 512-wide latent part, k the ckv cache and v the kpe

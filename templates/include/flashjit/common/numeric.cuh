@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <math_constants.h>
 #include <stdint.h>
 
@@ -10,6 +11,53 @@ namespace flashjit {
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
+__device__ __forceinline__ float to_float(__nv_fp8_e5m2 x) { return static_cast<float>(x); }
+
+// FP8 (KV caches only): codes are widened to fp16, which holds every e4m3 and
+// e5m2 value exactly (fp16 has more exponent range and mantissa bits than
+// either), then to fp32, also exactly.
+template <class T>
+struct Fp8Format;
+template <>
+struct Fp8Format<__nv_fp8_e4m3> {
+  static constexpr __nv_fp8_interpretation_t kKind = __NV_E4M3;
+};
+template <>
+struct Fp8Format<__nv_fp8_e5m2> {
+  static constexpr __nv_fp8_interpretation_t kKind = __NV_E5M2;
+};
+template <class T>
+constexpr bool kIsFp8 = sizeof(T) == 1;
+
+// Unpacks the 4 FP8 codes of one 32-bit word into floats (two fp8x2 -> half2 conversions).
+template <class T>
+__device__ __forceinline__ void unpack_fp8_word(uint32_t word, float* out) {
+#pragma unroll
+  for (int pair = 0; pair < 2; ++pair) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word >> (16 * pair)),
+                                                     Fp8Format<T>::kKind);
+    const float2 f = __half22float2(__half2(h));
+    out[2 * pair] = f.x;
+    out[2 * pair + 1] = f.y;
+  }
+}
+
+// Unpacks one 8-byte vector of FP8 codes into 8 floats.
+template <class T>
+__device__ __forceinline__ void unpack8_fp8(const uint2& raw, float* out) {
+  static_assert(kIsFp8<T>, "8-byte vectors of FP8 codes");
+  unpack_fp8_word<T>(raw.x, out);
+  unpack_fp8_word<T>(raw.y, out + 4);
+}
+
+// Quantises two floats to FP8 codes, rounding to nearest even and saturating
+// at the format's largest finite value (448 for e4m3, 57344 for e5m2); NaN
+// gives the format's NaN code.
+template <class T>
+__device__ __forceinline__ uint16_t quantize_fp8x2(float lo, float hi) {
+  return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, Fp8Format<T>::kKind));
+}
 
 template <class T>
 __device__ __forceinline__ T from_float(float x);
@@ -34,6 +82,20 @@ __device__ __forceinline__ void unpack16(const uint4& raw, float* out) {
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int i = 0; i < Vec16<T>::kElems; ++i) out[i] = to_float(e[i]);
+}
+
+// 16 FP8 codes: four words.
+template <>
+__device__ __forceinline__ void unpack16<__nv_fp8_e4m3>(const uint4& raw, float* out) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) unpack_fp8_word<__nv_fp8_e4m3>(words[i], out + 4 * i);
+}
+template <>
+__device__ __forceinline__ void unpack16<__nv_fp8_e5m2>(const uint4& raw, float* out) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) unpack_fp8_word<__nv_fp8_e5m2>(words[i], out + 4 * i);
 }
 
 // bf16 is the top half of an fp32: one shift or one mask per element.

@@ -19,6 +19,10 @@
 // 32-bit and division-free (see DecodeKvRows).
 // The query position is the last key (kv_len - 1), so a causal mask hides
 // nothing and a window only moves the first key.
+// An FP8 KV cache (DTypeKV of one byte) is copied as it lies, 8 bytes per lane
+// and key, and widened to fp32 where the loop reads it (unpack8_fp8); k_scale
+// is folded into the query's scale and v_scale into the final normalisation,
+// so the loop itself does not change.
 #pragma once
 #include <type_traits>
 #include "flashjit/common/async_copy.cuh"
@@ -29,10 +33,12 @@
 
 namespace flashjit {
 
-template <class DType_, int kHeadDim_, int kWarps_, int kKeysPerGroup_, int kStages_, int kMinBlocksPerSm_,
-          bool kPaged_, bool kWindow_, bool kSoftCap_, bool kLse_>
+template <class DType_, class DTypeKV_, int kHeadDim_, int kWarps_, int kKeysPerGroup_, int kStages_,
+          int kMinBlocksPerSm_, bool kPaged_, bool kWindow_, bool kSoftCap_, bool kLse_>
 struct CudaCoreDecodeTraits {
-  using DType = DType_;
+  using DType = DType_;      // q and o
+  using DTypeKV = DTypeKV_;  // K and V: DType, or an FP8 format
+  static constexpr bool kKvFp8 = kIsFp8<DTypeKV>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kWarps = kWarps_;
   static constexpr int kKeysPerGroup = kKeysPerGroup_;  // keys one lane group takes per chunk
@@ -46,8 +52,12 @@ struct CudaCoreDecodeTraits {
   static constexpr int kLanesPerKey = kHeadDim / kDimsPerLane;
   static constexpr int kKeyGroups = 32 / kLanesPerKey;
   static constexpr int kKeysPerChunk = kKeyGroups * kKeysPerGroup;  // one warp, one pipeline stage
-  // 16-byte copies per lane for its 8 dims of one K (or V) row.
-  static constexpr int kVecsPerKey = kDimsPerLane * int(sizeof(DType)) / 16;
+  // Bytes of a lane's 8 dims of one K (or V) row, and the copies that move
+  // them: 16-byte slots (one for 16-bit types, two for fp32), one 8-byte slot for FP8.
+  static constexpr int kLaneBytes = kDimsPerLane * int(sizeof(DTypeKV));
+  static constexpr int kSlotBytes = kLaneBytes < 16 ? kLaneBytes : 16;
+  static constexpr int kSlotElems = kSlotBytes / int(sizeof(DTypeKV));
+  static constexpr int kVecsPerKey = kLaneBytes / kSlotBytes;
   static constexpr int kRowsPerCta = 4;  // flashjit/kernels/cuda_core.py CudaDecodeTiling.rows_per_cta
   static constexpr int kThreads = 32 * kWarps;
   // Four CTAs of four warps (at most 128 registers a thread) keep 16 warps
@@ -55,10 +65,11 @@ struct CudaCoreDecodeTraits {
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
 
   static_assert(kLanesPerKey >= 1 && kLanesPerKey <= 32 && 32 % kLanesPerKey == 0, "head_dim 8..256");
-  static_assert(kVecsPerKey >= 1, "8 dims fill whole 16-byte vectors");
+  static_assert(kSlotBytes == 16 || (kKvFp8 && kSlotBytes == 8), "8 dims fill 16-byte slots, or one 8-byte FP8 slot");
+  static_assert(kKvFp8 || std::is_same<DType, DTypeKV>::value, "K/V of q's dtype, or FP8");
 
-  // Per warp and stage: K then V, kKeysPerGroup keys, kVecsPerKey vectors, 32 lanes.
-  static constexpr uint32_t kStageBytes = 2 * kKeysPerGroup * kVecsPerKey * 32 * 16;
+  // Per warp and stage: K then V, kKeysPerGroup keys, kVecsPerKey slots, 32 lanes.
+  static constexpr uint32_t kStageBytes = 2 * kKeysPerGroup * kVecsPerKey * 32 * kSlotBytes;
   static constexpr size_t kRingBytes = size_t(kWarps) * kStages * kStageBytes;
   // The warps' states (acc, then m and l per row), written once the ring is drained.
   static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kRowsPerCta * (kHeadDim + 2);
@@ -131,14 +142,45 @@ struct DecodeKvRows {
   }
 };
 
+// An FP8 cache's scale (the device float when given, read after the grid
+// dependency wait); exactly 1 for K/V of q's dtype, which read nothing.
+template <class Traits>
+__device__ __forceinline__ float kv_scale(const float* device_value, float value) {
+  if constexpr (Traits::kKvFp8) {
+    return device_value != nullptr ? *device_value : value;
+  } else {
+    return 1.f;
+  }
+}
+
+// One slot of a lane's K or V row: global -> shared, and shared -> floats.
+template <class Traits>
+__device__ __forceinline__ void copy_kv_slot(uint32_t dst, const char* src, bool valid) {
+  if constexpr (Traits::kSlotBytes == 16) {
+    cp_async_16(dst, src, valid);
+  } else {
+    cp_async_8(dst, src, valid);
+  }
+}
+template <class Traits>
+__device__ __forceinline__ void read_kv_slot(uint32_t addr, float* out) {
+  if constexpr (Traits::kSlotBytes == 16) {
+    unpack16<typename Traits::DTypeKV>(ld_shared_16(addr), out);
+  } else {
+    unpack8_fp8<typename Traits::DTypeKV>(ld_shared_8(addr), out);
+  }
+}
+
 template <class Traits, int kRows>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     cuda_core_decode_attention_kernel(const __grid_constant__ FlashjitAttentionParams p) {
   using DType = typename Traits::DType;
+  using DTypeKV = typename Traits::DTypeKV;
   constexpr int D = Traits::kHeadDim, DPL = Traits::kDimsPerLane, LANES = Traits::kLanesPerKey;
   constexpr int GROUPS = Traits::kKeyGroups, NK = Traits::kKeysPerGroup, VECS = Traits::kVecsPerKey;
   constexpr int WARPS = Traits::kWarps, STAGES = Traits::kStages, CHUNK = Traits::kKeysPerChunk;
-  constexpr uint32_t kStageBytes = Traits::kStageBytes, kVecBytes = 32 * 16;  // one vector of every lane
+  constexpr int SLOT = Traits::kSlotBytes, SLOT_ELEMS = Traits::kSlotElems;
+  constexpr uint32_t kStageBytes = Traits::kStageBytes, kVecBytes = 32 * SLOT;  // one slot of every lane
   constexpr float kLog2e = 1.4426950408889634f;
   static_assert(kRows >= 1 && kRows <= Traits::kRowsPerCta && kRows <= LANES, "rows per CTA, at most one per lane of a key");
 
@@ -152,7 +194,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   // This lane's 8 dims of each row's query, pre-scaled so that logits come out
   // in log2 units (natural units when the soft-cap needs them).
-  const float q_scale = Traits::kSoftCap ? p.sm_scale : p.sm_scale * kLog2e;
+  // FP8: k_scale joins the query's scale (logits of the dequantised keys).
+  const float q_scale = (Traits::kSoftCap ? p.sm_scale : p.sm_scale * kLog2e) * kv_scale<Traits>(p.k_scale_ptr, p.k_scale);
   // One query token: packed row r is query head kv_head * group + r of it.
   float q[kRows][DPL];
 #pragma unroll
@@ -174,11 +217,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int first_key = key_begin + warp * CHUNK + key_group;
   constexpr int kChunkStride = WARPS * CHUNK;
 
-  const DecodeKvRows<DType, Traits::kPaged> rows(
-      kv_rows<DType, Traits::kPaged>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page),
-      kv_rows<DType, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page), dim0);
-  // This lane's 16-byte slots: [stage][K, V][key][vector][lane].
-  const uint32_t ring_begin = smem_addr(smem + warp * STAGES * kStageBytes) + lane * 16;
+  const DecodeKvRows<DTypeKV, Traits::kPaged> rows(
+      kv_rows<DTypeKV, Traits::kPaged>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page),
+      kv_rows<DTypeKV, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page), dim0);
+  // This lane's slots: [stage][K, V][key][slot][lane].
+  const uint32_t ring_begin = smem_addr(smem + warp * STAGES * kStageBytes) + lane * SLOT;
   const uint32_t ring_end = ring_begin + STAGES * kStageBytes;
   auto next_stage = [&](uint32_t stage) { return stage + kStageBytes == ring_end ? ring_begin : stage + kStageBytes; };
 
@@ -202,8 +245,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         if (ok) rows.rows_of(page[n], key, k_src, v_src);
 #pragma unroll
         for (int vec = 0; vec < VECS; ++vec) {
-          cp_async_16(stage + (n * VECS + vec) * kVecBytes, k_src + vec * 16, ok);
-          cp_async_16(stage + ((NK + n) * VECS + vec) * kVecBytes, v_src + vec * 16, ok);
+          copy_kv_slot<Traits>(stage + (n * VECS + vec) * kVecBytes, k_src + vec * SLOT, ok);
+          copy_kv_slot<Traits>(stage + ((NK + n) * VECS + vec) * kVecBytes, v_src + vec * SLOT, ok);
         }
       }
     }
@@ -246,7 +289,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       float kf[DPL];
 #pragma unroll
       for (int vec = 0; vec < VECS; ++vec)
-        unpack16<DType>(ld_shared_16(read_stage + (n * VECS + vec) * kVecBytes), kf + vec * Vec16<DType>::kElems);
+        read_kv_slot<Traits>(read_stage + (n * VECS + vec) * kVecBytes, kf + vec * SLOT_ELEMS);
       float dot[kRows];
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
@@ -292,8 +335,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       float vf[DPL];
 #pragma unroll
       for (int vec = 0; vec < VECS; ++vec)
-        unpack16<DType>(ld_shared_16(read_stage + ((NK + n) * VECS + vec) * kVecBytes),
-                        vf + vec * Vec16<DType>::kElems);
+        read_kv_slot<Traits>(read_stage + ((NK + n) * VECS + vec) * kVecBytes, vf + vec * SLOT_ELEMS);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const float weight = row_value(s[n], r);
@@ -364,6 +406,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     }
     // A row that sees no key (kv_len 0, an empty window) outputs 0 and LSE -inf.
     o = l_all > 0.f ? o / l_all : 0.f;
+    if constexpr (Traits::kKvFp8) o *= kv_scale<Traits>(p.v_scale_ptr, p.v_scale);  // v_scale, on the normalised output
     const float lse = l_all > 0.f ? m_all + log2f(l_all) : -CUDART_INF_F;
     const int token = w.qo_start, head = w.kv_head * w.group + row;
     if (w.split >= 0) {  // fp32 partial state; the merge pass rounds once to DType
