@@ -45,10 +45,13 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
 
 
 def _scale(scale) -> float:
-    """A scale as a float64 multiplier (1 when absent); a tensor is read (a host sync)."""
+    """A scale as the kernels take it, a float32, as a float64 multiplier (1 when
+    absent); a tensor is read (a host sync)."""
     if scale is None:
         return 1.0
-    return float(scale.double().item()) if isinstance(scale, torch.Tensor) else float(scale)
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.tensor(float(scale))
+    return float(scale.float().double().item())
 
 
 def ragged_reference(q, k, v, qo_indptr, kv_indptr, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -211,7 +211,9 @@ class KernelSpec:
         if (self.op, self.use_tensor_cores) not in FP8_KV_FAMILIES or self.invariant_decode:
             what = "batch-invariant decode (causal=True)" if self.invariant_decode else \
                 f"{'tensor-core' if self.use_tensor_cores else 'CUDA-core'} {self.op}"
-            nearest = plain.replace(op=self.op if self.op in DECODE_OPS else "batch_decode_paged", dtype_kv=kv,
+            near_op = self.op if self.op in DECODE_OPS else \
+                "single_decode" if self.op == "single_prefill" else "batch_decode_paged"
+            nearest = plain.replace(op=near_op, dtype_kv=kv,
                                     use_tensor_cores=False, backend="fa2", causal=False)
             fail(f"an FP8 KV cache for {what} is not yet generated", supported, nearest)
         return self

@@ -25,6 +25,10 @@ HEAD_DIMS = [64, 128, 256]
 # MLA (ckv 512 + kpe 64): tensor cores, fp16 and bf16; fa2 everywhere, fa3 on sm_90a.
 MLA_DTYPES = [torch.float16, torch.bfloat16]
 MLA_BACKENDS = ["fa2", "fa3"]
+# FP8 KV caches (CUDA-core decode, append): their dtypes and the q/o dtypes beside them.
+FP8_KV_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_Q_DTYPES = [torch.float16, torch.bfloat16]
+FP8_PAGE_SIZES = [1, 16]
 CAUSAL = [False, True]
 # (num_qo_heads, num_kv_heads): MHA, GQA 4, GQA 8 = MQA with 8 query heads.
 HEADS = [(4, 4), (8, 2), (8, 1)]
@@ -93,4 +97,15 @@ def _all_specs() -> list[KernelSpec]:
             specs.append(spec_for(op, dtype, head_dim, causal, variant, tc, backend="fa3"))
     specs += [mla_spec(dtype, causal=causal, backend=backend) for dtype in MLA_DTYPES for causal in CAUSAL
               for backend in MLA_BACKENDS if backend == "fa2" or fa3_runs_here()]
-    return list(dict.fromkeys(specs))
+    return list(dict.fromkeys(specs + fp8_specs()))
+
+
+def fp8_specs() -> list[KernelSpec]:
+    """The FP8 KV-cache configurations the GPU tests use: CUDA-core single decode
+    (with and without LSE), paged decode and the quantising append."""
+    specs = []
+    for q_dtype, kv_dtype, head_dim in itertools.product(FP8_Q_DTYPES, FP8_KV_DTYPES, HEAD_DIMS):
+        specs += [KernelSpec.make(op, q_dtype, head_dim, dtype_kv=kv_dtype, return_lse=lse)
+                  for op, lse in (("single_decode", False), ("single_decode", True), ("batch_decode_paged", True))]
+        specs.append(KernelSpec.make("append_paged", q_dtype, head_dim, dtype_kv=kv_dtype))
+    return specs

@@ -83,8 +83,8 @@ def check_append(append_key, append_value, batch_indices, positions, paged_kv_ca
     returns (k_cache, v_cache, page_size), the caches as 4-D views."""
     _checks.check_layout(kv_layout)
     k_cache, v_cache, cache_name = _checks.unpack_paged_cache(paged_kv_cache)
-    _checks.check_tensor("append_key", append_key, 3)
-    _checks.check_tensor("append_value", append_value, 3)
+    _checks.check_tensor("append_key", append_key, 3, kv=True)
+    _checks.check_tensor("append_value", append_value, 3, kv=True)
     if append_value.shape != append_key.shape:
         raise ValueError(f"append_value: expected shape {tuple(append_key.shape)} (as append_key), "
                          f"got {tuple(append_value.shape)}")
