@@ -1,0 +1,54 @@
+"""Every FP8 KV-cache configuration the GPU tests use, compiled by nvcc for
+sm_80, sm_89 and sm_90a in one build: no register spills on any arch (ptxas
+-v, the manifest's resources), and the SASS converts where the source
+says (codes widened by F2FP ... UNPACK_B in decode; the append packs with
+saturation; sm_89 and sm_90a have the instructions, sm_80 converts in software)."""
+
+from __future__ import annotations
+
+import pytest
+
+import flashjit
+from flashjit import render
+from helpers_sass import sass
+from sweep import fp8_specs
+
+pytestmark = [pytest.mark.nvcc, pytest.mark.slow]
+
+ARCHES = ("sm_80", "sm_89", "sm_90a")
+SPECS = fp8_specs()
+FORMAT = {"float8_e4m3fn": "E4M3", "float8_e5m2": "E5M2"}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8-cache")
+    results = flashjit.build_many(SPECS, ARCHES, root=root)
+    return {r.spec: r for r in results}
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_fp8_configuration_builds_without_spills(built, spec):
+    result = built[spec]
+    assert result.entry is not None, result.error
+    usage = result.entry.manifest["resources"]
+    main = "append_quantize_kernel" if spec.op == "append_paged" else "cuda_core_decode_attention_kernel"
+    assert any(main in u["kernel"] for u in usage), f"no {main} in the ptxas report"
+    assert {u["arch"] for u in usage} == set(ARCHES)
+    spills = [u for u in usage if u["spill_stores"] or u["spill_loads"] or u["stack"]]
+    assert spills == [], f"{spec.name} spills: {spills}"
+    assert result.entry.manifest["tolerance"] == flashjit.error_model.profile(spec)
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.head_dim_qk == 128 and (s.op != "single_decode"
+                                                                               or s.return_lse)],
+                         ids=lambda s: s.name)
+def test_fp8_conversions_in_the_sm90a_sass(built, spec):
+    kind = FORMAT[spec.dtype_kv]
+    code = sass(built[spec].entry.artifact)
+    if spec.op == "append_paged":
+        assert f"F2FP.SATFINITE.{kind}.F32.PACK_AB" in code, "quantise with saturation, two codes an instruction"
+    else:
+        assert f"F2FP.F16.{kind}.UNPACK_B" in code, "codes widened to fp16 pairs where the loop reads them"
+        text = render.render(spec).text
+        assert "DTypeKV=*/__nv_fp8" in text
