@@ -3,6 +3,8 @@ module imports torch and registers the ops as torch.ops.flashjit.* (see
 _library, the layer above the op modules); `import flashjit` alone does neither."""
 
 from .append import append_paged_kv_cache
+from .bitpack import packbits, segment_packbits
+from .cascade import MultiLevelCascadeAttentionWrapper
 from .decode import single_decode_with_kv_cache
 from .merge import merge_state, merge_state_in_place, merge_states
 from .mla import BatchMLAPagedAttentionWrapper
@@ -14,5 +16,6 @@ from . import _library  # last: the top layer, it imports the op modules above
 _library.register()
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper", "BatchPrefillWithPagedKVCacheWrapper",
-           "BatchPrefillWithRaggedKVCacheWrapper", "append_paged_kv_cache", "merge_state", "merge_state_in_place",
-           "merge_states", "single_decode_with_kv_cache", "single_prefill_with_kv_cache"]
+           "BatchPrefillWithRaggedKVCacheWrapper", "MultiLevelCascadeAttentionWrapper", "append_paged_kv_cache",
+           "merge_state", "merge_state_in_place", "merge_states", "packbits", "segment_packbits",
+           "single_decode_with_kv_cache", "single_prefill_with_kv_cache"]
