@@ -14,6 +14,8 @@ import torch
 import flashjit
 from flashjit.ops import cascade
 from flashjit.reference import attention_reference
+from test_bad_input_wrappers import _workspace
+from test_torch_ops import _compiled_graphs, _targets, host_launch, no_compile  # noqa: F401 (fixtures)
 
 PAGE, HEADS, DIM = 4, (4, 2), 16
 
@@ -273,3 +275,29 @@ def test_flashinfer_names():
     w = flashjit.MultiLevelCascadeAttentionWrapper
     assert w.begin_forward is w.plan and w.forward is w.run
     assert "MultiLevelCascadeAttentionWrapper" in flashjit.__all__
+
+
+def test_run_traces_as_the_levels_operators_and_the_merge(host_launch):
+    """Real level wrappers, plans made on the host, a stand-in launch (test_torch_ops):
+    compiled with fullgraph=True, run() is the paged prefill operators and
+    merge_state_in_place, no operator of its own, and gives eager's result."""
+    w = flashjit.MultiLevelCascadeAttentionWrapper(2, _workspace())
+    for wrapper in (w, *w._batch_prefill_wrappers):
+        wrapper._device = torch.device("cpu")  # the plans' metadata stays on the host
+    i32 = dict(dtype=torch.int32)
+    w.plan([torch.tensor([0, 6], **i32), torch.tensor([0, 3, 6], **i32)],
+           [torch.tensor([0, 2], **i32), torch.tensor([0, 1, 2], **i32)],
+           [torch.tensor([0, 1], **i32), torch.tensor([2, 3], **i32)],
+           [torch.tensor([16], **i32), torch.tensor([4, 9], **i32)], 8, 2, 128, 16, causal=True,
+           q_data_type=torch.bfloat16)
+    assert [lvl._plan.module.spec.causal for lvl in w._batch_prefill_wrappers] == [False, True]
+    q, cache = torch.randn(6, 8, 128).to(torch.bfloat16), torch.randn(4, 2, 16, 2, 128).to(torch.bfloat16)
+    eager = w.run(q, cache)
+    compiled, graphs = _compiled_graphs(lambda q, cache: w.run(q, cache), q, cache, backend="aot_eager")
+    assert len(graphs) == 1
+    targets = _targets(graphs)
+    assert targets.count("flashjit.batch_prefill_paged_run.default") == 2
+    assert "flashjit.merge_state_in_place.default" in targets
+    assert not [t for t in targets if "cascade" in t]
+    assert torch.equal(compiled, eager)
+    assert host_launch == [6] * 4
