@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from flashjit.spec import FA3_OPS, KernelSpec, mla_spec
+from flashjit.spec import FA3_OPS, KernelSpec, canonical_dtype, mla_spec
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (dtype, use_tensor_cores) pairs that exist: tensor cores take fp16/bf16 only.
@@ -108,4 +108,7 @@ def fp8_specs() -> list[KernelSpec]:
         specs += [KernelSpec.make(op, q_dtype, head_dim, dtype_kv=kv_dtype, return_lse=lse)
                   for op, lse in (("single_decode", False), ("single_decode", True), ("batch_decode_paged", True))]
         specs.append(KernelSpec.make("append_paged", q_dtype, head_dim, dtype_kv=kv_dtype))
+    # The sliding window and the soft-cap (k_scale joins a logit scale in natural units there), d128.
+    specs += [spec_for("batch_decode_paged", torch.bfloat16, 128, variant=variant).replace(dtype_kv=canonical_dtype(kv))
+              for kv in FP8_KV_DTYPES for variant in ("window", "softcap")]
     return specs

@@ -1,4 +1,5 @@
-"""Every FP8 KV-cache configuration the GPU tests use, compiled by nvcc for
+"""Every FP8 KV-cache configuration the GPU tests use, and the decode variants
+with the most registers (window, soft-cap, LSE), compiled by nvcc for
 sm_80, sm_89 and sm_90a in one build: no register spills on any arch (ptxas
 -v, the manifest's resources), and the SASS converts where the source
 says (codes widened by F2FP ... UNPACK_B in decode; the append packs with
@@ -10,13 +11,18 @@ import pytest
 
 import flashjit
 from flashjit import render
+from flashjit.spec import KernelSpec
 from helpers_sass import sass
 from sweep import fp8_specs
 
 pytestmark = [pytest.mark.nvcc, pytest.mark.slow]
 
 ARCHES = ("sm_80", "sm_89", "sm_90a")
-SPECS = fp8_specs()
+# The GPU tests' configurations, and the register-hungriest decode variants (window, soft-cap, LSE).
+SPECS = fp8_specs() + [KernelSpec.make(op, "bfloat16", head_dim, dtype_kv=kv, sliding_window=True, soft_cap=True,
+                                       return_lse=True)
+                       for op in ("single_decode", "batch_decode_paged") for kv in ("e4m3", "e5m2")
+                       for head_dim in (64, 128, 256)]
 FORMAT = {"float8_e4m3fn": "E4M3", "float8_e5m2": "E5M2"}
 
 

@@ -16,7 +16,8 @@ import torch
 
 import flashjit
 from flashjit.reference import ragged_reference
-from sweep import FP8_KV_DTYPES, FP8_PAGE_SIZES, FP8_Q_DTYPES, HEAD_DIMS, HEADS
+from flashjit.spec import canonical_dtype
+from sweep import FP8_KV_DTYPES, FP8_PAGE_SIZES, FP8_Q_DTYPES, HEAD_DIMS, HEADS, spec_for, variant_kwargs
 from test_gpu_attention import check, poison_allocator, randn
 from test_gpu_paged import indptr_of, workspace
 
@@ -116,6 +117,28 @@ def test_fp8_paged_decode(prewarmed, error_report, q_dtype, kv_dtype, head_dim, 
               ref_lse=ref_lse, shape=f"mixed-page{page_size}", heads=heads)
     empty = DECODE_LENS.index(0)
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+
+
+@pytest.mark.parametrize("variant", ["window", "softcap"])
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
+def test_fp8_paged_decode_variants(prewarmed, error_report, kv_dtype, variant):
+    """A sliding window and the soft-cap (whose logits are in natural units, k_scale folded in)."""
+    q_dtype, head_dim, (num_qo, num_kv), page_size = torch.bfloat16, 128, (8, 2), 16
+    kw = variant_kwargs(variant)
+    batch = Fp8PagedBatch(DECODE_LENS, page_size, num_kv, head_dim, kv_dtype)
+    q = randn(len(DECODE_LENS), num_qo, head_dim, dtype=q_dtype, scale=3.0)  # logits past the soft-cap's knee
+    wrapper = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD")
+    wrapper.plan(batch.indptr, batch.indices, batch.last, num_qo, num_kv, head_dim, page_size, q_data_type=q_dtype,
+                 kv_data_type=kv_dtype, **kw)
+    poison_allocator()
+    out, lse = wrapper.run(q, batch.cache, k_scale=K_SCALE, v_scale=V_SCALE, return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = ragged_reference(q, batch.k, batch.v, list(range(len(DECODE_LENS) + 1)), batch.kv_indptr,
+                                    k_scale=f32(K_SCALE), v_scale=f32(V_SCALE), **kw)
+    spec = spec_for("batch_decode_paged", q_dtype, head_dim, variant=variant).replace(dtype_kv=canonical_dtype(kv_dtype))
+    assert wrapper._plan.module.spec == spec
+    check_fp8(spec, out, ref, q, batch.k, batch.v, max(DECODE_LENS), error_report, f"fp8_decode_{variant}", lse=lse,
+              ref_lse=ref_lse, shape="mixed", heads=(num_qo, num_kv))
 
 
 @pytest.mark.parametrize("layout,form", [("HND", "5d"), ("NHD", "tuple"), ("HND", "tuple")])
