@@ -16,6 +16,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from .decode_fp8 import kv_dtype_arg, kv_dtypes_of
+
 # MLA runs from benchmarks/mla.py (not yet part of `flashjit bench`).
 BENCHMARKS = ("prefill", "decode", "host")
 PEERS = ("sdpa", "flashinfer")
@@ -40,6 +42,9 @@ def add_arguments(parser, positive_int) -> None:
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help="prefill: passes of reps samples per cell, every cell once a pass in shuffled order")
     parser.add_argument("--reps", type=positive_int, default=50, help="decode: timed samples per cell (median)")
+    parser.add_argument("--kv-dtype", nargs="+", type=kv_dtype_arg, metavar="KV_DTYPE",
+                        help="decode: the KV caches of each row, of bf16, e4m3, e5m2 (also fp8_e4m3, float8_e4m3fn, "
+                             "...; default: bf16); an FP8 cache is the bf16 one quantised per tensor")
 
 
 def no_gpu_reason() -> str | None:
@@ -92,7 +97,7 @@ def run(args) -> int:
     if "decode" in only:
         rows = decode.rows(quick=args.quick)
         plans["decode"] = (rows, decode.libraries(peers=args.peers))
-        specs += decode.specs(rows)
+        specs += decode.specs(rows, kv_dtypes_of(args.kv_dtype))
     if "host" in only:
         plans["host"] = (host.CASES, None)
         specs += host.specs()
@@ -117,7 +122,8 @@ def run(args) -> int:
             elif name == "host":
                 sections[name] = host.run(progress=progress)
             else:
-                sections[name] = decode.run(rows, peers, reps=args.reps, progress=progress)
+                sections[name] = decode.run(rows, peers, reps=args.reps, progress=progress,
+                                            kv_dtypes=kv_dtypes_of(args.kv_dtype))
                 status |= bool(sections[name]["failures"])
         except Exception as exc:  # the other benchmark still runs and the reports are still written
             traceback.print_exc()

@@ -11,6 +11,13 @@ float32 reference gathered from the pages, append against the written slots); a
 flashjit mismatch or error is a FAIL line and a failure in the section. Times are
 the median of `reps` CUDA-event samples, each a CUDA graph of N calls (an eager
 loop where capture fails), divided by N.
+
+With kv_dtypes naming FP8 formats (decode_fp8.py), each decode row also runs
+every implementation on the row's cache quantised per tensor (plan
+kv_data_type=FP8, run k_scale=v_scale=scale): checked against the float32
+reference over the dequantised cache with the same bounds; GB/s counts one
+byte an element, and the fraction reported is of the copy bandwidth. A flashjit
+FP8 configuration that is not generated yet is a skipped cell, not a failure.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import sys
 
 import torch
 
+from . import decode_fp8
+from .decode_fp8 import BF16_KV, impl_label, impl_labels, is_fp8
 from .report import decode_cell, git_commit
 from .timing import event_ms, time_us
 
@@ -36,6 +45,8 @@ ROWS = [("GQA 64x4k 32/8", 64, 4096, 32, 8), ("MHA 64x4k 32/32", 64, 4096, 32, 3
 QUICK_ROWS = ("GQA 64x4k 32/8", "split 1x32k 32/8")
 APPEND = [(64, 1), (64, 128)]  # (requests, new tokens per request), 8 kv heads
 APPEND_KV_HEADS = 8
+# Where decode_row builds its cache and queries (the CPU tests run it on the CPU with stand-in libraries).
+DEVICE = "cuda"
 
 
 def bandwidth_baselines(reps: int) -> tuple[dict, float]:
@@ -59,30 +70,37 @@ def spec_bandwidth() -> float | None:
     return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9 if clock_khz and bus_bits else None
 
 
-def paged_cache(batch: int, kv_len: int, kv_heads: int, fill: str = "randn", head_dim: int = D):
+def paged_cache(batch: int, kv_len: int, kv_heads: int, fill: str = "randn", head_dim: int = D, device="cuda"):
     """5-D NHD cache with each request's pages at random ids; (cache, indptr, indices, last_page_len)."""
     ppr = -(-kv_len // PAGE)
     pages = batch * ppr
-    cache = torch.empty(pages, 2, PAGE, kv_heads, head_dim, dtype=BF16, device="cuda")
+    cache = torch.empty(pages, 2, PAGE, kv_heads, head_dim, dtype=BF16, device=device)
     cache.normal_() if fill == "randn" else cache.zero_()
-    indices = torch.randperm(pages, dtype=torch.int32, device="cuda")
-    indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * ppr
-    last = torch.full((batch,), kv_len - (ppr - 1) * PAGE, dtype=torch.int32, device="cuda")
+    indices = torch.randperm(pages, dtype=torch.int32, device=device)
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * ppr
+    last = torch.full((batch,), kv_len - (ppr - 1) * PAGE, dtype=torch.int32, device=device)
     return cache, indptr, indices, last
 
 
-def reference(q, cache, indices, kv_len) -> torch.Tensor:
-    """float32 decode attention, gathered page by page, a few requests at a time."""
+def reference(q, cache, indices, kv_len, scale: float | None = None) -> torch.Tensor:
+    """float32 decode attention, gathered page by page, a few requests at a time.
+    scale: an FP8 cache's per-tensor scale; the keys and values are then the
+    dequantised codes * scale (decode_fp8.dequantise)."""
     batch, qo_heads, _ = q.shape
     kv_heads = cache.shape[3]
     group, ppr = qo_heads // kv_heads, indices.numel() // batch
     pages = indices.view(batch, ppr).long()
     chunk = max(1, (2 << 30) // (kv_len * kv_heads * D * 2 * 4))
     out = torch.empty(batch, qo_heads, D, dtype=torch.float32, device=q.device)
+    fp8 = cache.element_size() == 1
+    if fp8 and scale is None:
+        raise ValueError("reference: an FP8 cache needs its scale")
     for s in range(0, batch, chunk):
-        kv = cache[pages[s:s + chunk]]  # [c, ppr, 2, page, kv_heads, D]
+        # [c, ppr, 2, page, kv_heads, D]; FP8 codes gathered and laid out as bytes (no FP8 indexing kernel needed)
+        kv = (cache.view(torch.uint8) if fp8 else cache)[pages[s:s + chunk]]
         c = kv.shape[0]
-        kv = kv.transpose(1, 2).reshape(c, 2, ppr * PAGE, kv_heads, D)[:, :, :kv_len].float()
+        kv = kv.transpose(1, 2).reshape(c, 2, ppr * PAGE, kv_heads, D)[:, :, :kv_len]
+        kv = decode_fp8.dequantise(kv.view(cache.dtype), scale) if fp8 else kv.float()
         qq = q[s:s + chunk].float().view(c, kv_heads, group, D)
         p = (torch.einsum("bhgd,bnhd->bhgn", qq, kv[:, 0]) / math.sqrt(D)).softmax(-1)
         out[s:s + chunk] = torch.einsum("bhgn,bnhd->bhgd", p, kv[:, 1]).reshape(c, qo_heads, D)
@@ -126,34 +144,58 @@ def _failed(exc: Exception, rec: dict, what: str) -> None:
     print(f"{what}: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
 
 
-def decode_row(libs, workspaces, row, reps, results, failures) -> None:
-    """Checks, then times, every implementation on one row; appends a record each to results['decode']."""
+def decode_row(libs, workspaces, row, reps, results, failures, kv_dtypes=(BF16_KV,)) -> None:
+    """Checks, then times, every implementation on one row, for each KV dtype: the
+    bf16 cache, or its per-tensor FP8 quantisation (decode_fp8.quantise); appends a
+    record each to results['decode']."""
     label, batch, kv_len, qo_heads, kv_heads = row
-    cache, indptr, indices, last = paged_cache(batch, kv_len, kv_heads)
-    q = torch.randn(batch, qo_heads, D, dtype=BF16, device="cuda")
-    ref = reference(q, cache, indices, kv_len)
-    nbytes = batch * kv_len * kv_heads * D * 2 * 2
-    for lib_name, lib in libs.items():
-        for tc in (False, True):
-            impl = f"{lib_name} tc={tc}"
-            rec = {"row": label, "batch": batch, "kv_len": kv_len, "qo_heads": qo_heads, "kv_heads": kv_heads,
-                   "impl": impl, "bytes": nbytes}
-            try:
-                w = lib.BatchDecodeWithPagedKVCacheWrapper(workspaces[lib_name], kv_layout="NHD",
-                                                          use_cuda_graph=False, use_tensor_cores=tc)
-                w.plan(indptr, indices, last, qo_heads, kv_heads, D, PAGE, q_data_type=BF16, kv_data_type=BF16)
-                ok, max_err, rel = check(w.run(q, cache), ref)
-                rec.update(ok=ok, max_err=max_err, rel_err=rel)
-                if not ok:
-                    print(f"FAIL {impl} {label}: max |out - ref| {max_err:.4g}, ||out - ref||/||ref|| {rel:.4g} "
-                          f"(bound {ATOL} + {RTOL}*|ref|, rel < {REL_NORM})", file=sys.stderr, flush=True)
-                else:
-                    _timed(lambda w=w: w.run(q, cache), reps, nbytes, results["read_gbps"], "frac_read", rec)
-            except Exception as exc:
-                _failed(exc, rec, f"{impl} {label}")
-            if lib_name == "flashjit" and not rec["ok"]:
-                failures.append(f"{impl} {label}: {decode_cell(rec, 'decode')}")
-            results["decode"].append(rec)
+    cache, indptr, indices, last = paged_cache(batch, kv_len, kv_heads, device=DEVICE)
+    q = torch.randn(batch, qo_heads, D, dtype=BF16, device=DEVICE)
+    for kv in kv_dtypes:
+        kv_cache, scale = decode_fp8.quantise(cache, kv) if is_fp8(kv) else (cache, None)
+        ref = reference(q, kv_cache, indices, kv_len, scale)
+        nbytes = batch * kv_len * kv_heads * D * 2 * kv_cache.element_size()
+        scales = {} if scale is None else {"k_scale": scale, "v_scale": scale}
+        for lib_name, lib in libs.items():
+            for tc in (False, True):
+                impl = impl_label(lib_name, tc, kv)
+                rec = {"row": label, "batch": batch, "kv_len": kv_len, "qo_heads": qo_heads, "kv_heads": kv_heads,
+                       "impl": impl, "lib": lib_name, "tensor_cores": tc, "kv_dtype": kv, "bytes": nbytes}
+                if scale is not None:
+                    rec["scale"] = scale
+                try:
+                    w = lib.BatchDecodeWithPagedKVCacheWrapper(workspaces[lib_name], kv_layout="NHD",
+                                                              use_cuda_graph=False, use_tensor_cores=tc)
+                    w.plan(indptr, indices, last, qo_heads, kv_heads, D, PAGE, q_data_type=BF16,
+                           kv_data_type=kv_cache.dtype)
+                    _check_and_time(lambda w=w: w.run(q, kv_cache, **scales), ref, reps, nbytes, results, rec)
+                except Exception as exc:
+                    if lib_name == "flashjit" and is_fp8(kv) and decode_fp8.is_not_generated(exc):
+                        rec.update(ok=None, skipped=f"{type(exc).__name__}: {exc}")
+                        results["skipped"].append(f"{impl} {label}")
+                        print(f"skipped {impl} {label}: {decode_fp8.NOT_GENERATED}", file=sys.stderr, flush=True)
+                    else:
+                        _failed(exc, rec, f"{impl} {label}")
+                if lib_name == "flashjit" and not rec["ok"] and "skipped" not in rec:
+                    failures.append(f"{impl} {label}: {decode_cell(rec, 'decode')}")
+                results["decode"].append(rec)
+        del kv_cache, ref
+        torch.cuda.empty_cache()
+
+
+def _check_and_time(fn, ref, reps, nbytes, results, rec) -> None:
+    """Checks fn's output against ref, then times it: bf16 cells against the read
+    bandwidth, FP8 cells against the copy bandwidth (their target) and the read's."""
+    ok, max_err, rel = check(fn(), ref)
+    rec.update(ok=ok, max_err=max_err, rel_err=rel)
+    if not ok:
+        print(f"FAIL {rec['impl']} {rec['row']}: max |out - ref| {max_err:.4g}, ||out - ref||/||ref|| {rel:.4g} "
+              f"(bound {ATOL} + {RTOL}*|ref|, rel < {REL_NORM})", file=sys.stderr, flush=True)
+    elif is_fp8(rec["kv_dtype"]):
+        _timed(fn, reps, nbytes, results["copy_gbps"], "frac_copy", rec)
+        rec["frac_read"] = rec["gbps"] / results["read_gbps"]
+    else:
+        _timed(fn, reps, nbytes, results["read_gbps"], "frac_read", rec)
 
 
 def append_row(libs, n_req, n_new, reps, results, failures) -> None:
@@ -204,31 +246,41 @@ def rows(quick: bool = False) -> list[dict]:
     return plan
 
 
-def specs(plan: list[dict]) -> list:
-    """The flashjit configurations `plan` runs, to build in one parallel run before timing."""
+def specs(plan: list[dict], kv_dtypes=(BF16_KV,)) -> list:
+    """The flashjit configurations `plan` runs, to build in one parallel run before
+    timing; FP8 ones that are not generated yet are left out (their cells say skipped)."""
     from flashjit.spec import KernelSpec
 
     out = []
     if any(row["kind"] == "decode" for row in plan):
-        out += [KernelSpec.make("batch_decode_paged", "bfloat16", D, use_tensor_cores=tc, return_lse=True)
-                for tc in (False, True)]
+        for kv in kv_dtypes:
+            for tc in (False, True):
+                spec = KernelSpec.make("batch_decode_paged", "bfloat16", D, dtype_kv=decode_fp8.canonical_of(kv),
+                                       use_tensor_cores=tc, return_lse=True)
+                try:
+                    out.append(spec.validate())
+                except ValueError as exc:
+                    if not (is_fp8(kv) and decode_fp8.is_not_generated(exc)):
+                        raise
     if any(row["kind"] == "append" for row in plan):
         out.append(KernelSpec.make("append_paged", "bfloat16", D))
     return out
 
 
-def run(plan: list[dict], libs: dict, reps: int = 50, progress=None, on_row=None) -> dict:
-    """Runs `plan` (rows()) over `libs` (libraries()); returns the section
+def run(plan: list[dict], libs: dict, reps: int = 50, progress=None, on_row=None, kv_dtypes=(BF16_KV,)) -> dict:
+    """Runs `plan` (rows()) over `libs` (libraries()) and each of kv_dtypes
+    (decode_fp8 short names: bf16, e4m3, e5m2); returns the section
     report.decode_table() renders (the raw numbers, as decode.py's --json wrote
     them). progress(label) after each row; on_row(section, label) after each
-    table row, for callers that print rows as they come."""
+    row of the plan, for callers that print rows as they come."""
+    kv_dtypes = decode_fp8.kv_dtypes_of(kv_dtypes)
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference stays float32
     section = {"kind": "decode", "gpu": torch.cuda.get_device_name(),
                "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(),
                "torch": torch.__version__, "flashinfer": getattr(libs.get("flashinfer"), "__version__", None),
-               "reps": reps, "libs": list(libs), "impls": [f"{lib} tc={tc}" for lib in libs for tc in (False, True)],
-               "decode": [], "append": [], "failures": []}
+               "reps": reps, "libs": list(libs), "kv_dtypes": list(kv_dtypes), "impls": impl_labels(libs, kv_dtypes),
+               "decode": [], "append": [], "failures": [], "skipped": []}
     workspaces = None
     for row in plan:
         if row["kind"] == "baselines":
@@ -239,7 +291,7 @@ def run(plan: list[dict], libs: dict, reps: int = 50, progress=None, on_row=None
                            spec_gbps=spec_bandwidth())
             workspaces = {name: torch.zeros(256 << 20, dtype=torch.uint8, device="cuda") for name in libs}
         elif row["kind"] == "decode":
-            decode_row(libs, workspaces, row["row"], reps, section, section["failures"])
+            decode_row(libs, workspaces, row["row"], reps, section, section["failures"], kv_dtypes)
         else:
             append_row(libs, *row["append"], reps, section, section["failures"])
         torch.cuda.empty_cache()
@@ -247,4 +299,5 @@ def run(plan: list[dict], libs: dict, reps: int = 50, progress=None, on_row=None
             on_row(section, row["label"])
         if progress:
             progress(f"decode {row['label']}")
+    section["fp8_speedup"] = decode_fp8.speed_ratios(section)
     return section

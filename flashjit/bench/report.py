@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from . import host
+from .decode_fp8 import BF16_KV, COPY_TARGET, RATIO_ROW, RATIO_TARGET, impl_label, impl_labels, is_fp8, speed_ratios
 
 MATPLOTLIB_MISSING = "matplotlib is not installed (pip install matplotlib); the markdown and JSON hold every number"
 
@@ -98,15 +99,19 @@ def short_error(error: str) -> str:
 
 
 def decode_cell(rec: dict, kind: str) -> str:
-    """µs · GB/s · % of the baseline bandwidth (read for decode, copy for append), or why not."""
+    """µs · GB/s · % of the baseline bandwidth (read for bf16 decode, copy for FP8
+    decode and for append), or why not."""
+    if "skipped" in rec:
+        return "skipped: not yet generated"
     if "error" in rec:
         return short_error(rec["error"])
     if not rec.get("ok"):
         return f"FAIL max err {rec['max_err']:.3g}, rel {rec['rel_err']:.3g}" if kind == "decode" \
             else "FAIL wrong slots"
-    frac = rec["frac_read"] if kind == "decode" else rec["frac_copy"]
+    fp8 = kind == "decode" and is_fp8(rec.get("kv_dtype", BF16_KV))
+    frac = rec["frac_read"] if kind == "decode" and not fp8 else rec["frac_copy"]
     cell = f"{rec['us']:.{1 if kind == 'decode' else 2}f} · {rec['gbps']:.0f} · {100 * frac:.0f}%"
-    return cell + ("" if rec.get("mode") == "graph" else " (eager)")
+    return cell + (" of copy" if fp8 else "") + ("" if rec.get("mode") == "graph" else " (eager)")
 
 
 def _grouped(records: list[dict]) -> dict[str, list[dict]]:
@@ -116,46 +121,116 @@ def _grouped(records: list[dict]) -> dict[str, list[dict]]:
     return rows
 
 
-def decode_row_line(section: dict, label: str) -> str:
+def fp8_kv_dtypes(section: dict) -> list[str]:
+    """The FP8 KV dtypes a decode section ran (none in a section from before FP8)."""
+    return [kv for kv in section.get("kv_dtypes", [BF16_KV]) if is_fp8(kv)]
+
+
+def decode_columns(section: dict) -> list[str]:
+    """The decode table's implementation columns: every label where bf16 alone ran,
+    else one per library and cores, a row per KV dtype."""
+    return impl_labels(section["libs"], [BF16_KV]) if fp8_kv_dtypes(section) else section["impls"]
+
+
+def decode_row_lines(section: dict, label: str) -> list[str]:
+    """The table lines of one row: one, or with FP8 KV dtypes one per KV dtype that ran."""
     for kind, digits in (("decode", 0), ("append", 2)):
         recs = _grouped(section[kind]).get(label)
-        if recs:
-            by_impl = {rec["impl"]: rec for rec in recs}
+        if not recs:
+            continue
+        by_impl = {rec["impl"]: rec for rec in recs}
+        if kind == "append" or not fp8_kv_dtypes(section):
             names = section["impls"] if kind == "decode" else section["libs"]
             cells = [label, f"{recs[0]['bytes'] / 2**20:.{digits}f}"]
             cells += [decode_cell(by_impl[n], kind) if n in by_impl else "n/a" for n in names]
-            return "| " + " | ".join(cells) + " |"
+            return ["| " + " | ".join(cells) + " |"]
+        lines = []
+        for kv in section["kv_dtypes"]:
+            first = next((rec for rec in recs if rec.get("kv_dtype", BF16_KV) == kv), None)
+            if first is None:
+                continue
+            names = [impl_label(lib, tc, kv) for lib in section["libs"] for tc in (False, True)]
+            cells = [label, kv, f"{first['bytes'] / 2**20:.0f}"]
+            cells += [decode_cell(by_impl[n], kind) if n in by_impl else "n/a" for n in names]
+            lines.append("| " + " | ".join(cells) + " |")
+        return lines
     raise KeyError(label)
+
+
+def decode_row_line(section: dict, label: str) -> str:
+    """decode_row_lines as one string (several lines where FP8 KV dtypes ran), for callers that print rows."""
+    return "\n".join(decode_row_lines(section, label))
 
 
 def decode_header(section: dict) -> list[str]:
     read, best = section["read_all_gbps"], section["read_method"]
     all_read = ", ".join(f"{k} {v:.0f}" for k, v in read.items())
-    impls = section["impls"]
-    return ["## Paged decode, bf16, head_dim 128, page 16, NHD, random page order", "",
+    columns, fp8 = decode_columns(section), fp8_kv_dtypes(section)
+    title = "## Paged decode, bf16, head_dim 128, page 16, NHD, random page order"
+    cells = "cells: µs · GB/s of K+V read · % of read bandwidth"
+    if fp8:
+        title = (f"## Paged decode, bf16 queries, KV cache {' / '.join(section['kv_dtypes'])}, head_dim 128, page 16, "
+                 "NHD, random page order")
+        cells = (f"bf16 rows: µs · GB/s of K+V read · % of read bandwidth; FP8 rows ({', '.join(fp8)}; the bf16 cache "
+                 f"quantised per tensor, k_scale = v_scale = amax / FP8 max, checked against float32 attention over "
+                 f"the dequantised cache): µs · GB/s of FP8 K+V read (1 byte an element) · % of copy bandwidth "
+                 f"(target >= {100 * COPY_TARGET:.0f}%)")
+    return [title, "",
             (f"GPU: {section['gpu']}; date {section['date']}; "
              + (f"commit {section['commit']}; " if section.get("commit") else "")
              + f"torch {section['torch']}; flashinfer {section['flashinfer'] or 'not available'}"),
             (f"read bandwidth {read[best]:.0f} GB/s ({best}; {all_read}); "
              f"copy bandwidth {section['copy_gbps']:.0f} GB/s (2 GiB copy_, read + write); from memory clock x bus "
              "width " + (f"{section['spec_gbps']:.0f} GB/s" if section.get("spec_gbps") else "unknown")),
-            (f"cells: µs · GB/s of K+V read · % of read bandwidth; median of {section['reps']} samples, "
+            (f"{cells}; median of {section['reps']} samples, "
              "each a CUDA graph of N calls / N ('eager' where capture failed)"), "",
-            "| row (B x kv_len, qo/kv heads) | K+V MiB | " + " | ".join(impls) + " |",
-            "|---|---|" + "---|" * len(impls)]
+            "| row (B x kv_len, qo/kv heads) | " + ("KV | " if fp8 else "") + "K+V MiB | " + " | ".join(columns)
+            + " |", "|---|---|" + ("---|" if fp8 else "") + "---|" * len(columns)]
+
+
+def fp8_summary(section: dict) -> list[str]:
+    """With FP8 KV dtypes: FP8 / bf16 requests per second on RATIO_ROW per implementation,
+    and per FP8 cell column how many rows reach the copy-bandwidth target."""
+    fp8 = fp8_kv_dtypes(section)
+    if not fp8:
+        return []
+    columns = decode_columns(section)
+    ratios = {(r["kv_dtype"], r["impl"]): r["ratio"] for r in speed_ratios(section)}
+    lines = ["", f"FP8 / bf16 requests per second on {RATIO_ROW} (bf16 µs / FP8 µs; target >= {RATIO_TARGET}x)", "",
+             "| KV | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join([kv] + [f"{ratios[kv, c]:.2f}x" if (kv, c) in ratios else "n/a" for c in columns])
+              + " |" for kv in fp8]
+    lines.append("")
+    for kv in fp8:
+        counts = []
+        for lib in section["libs"]:
+            for tc in (False, True):
+                recs = [r for r in section["decode"] if r["impl"] == impl_label(lib, tc, kv)]
+                timed = [r for r in recs if r.get("frac_copy") is not None]
+                hit = sum(r["frac_copy"] >= COPY_TARGET for r in timed)
+                untimed = f" of {len(recs)}" if len(timed) < len(recs) else ""
+                counts.append(f"{lib} tc={tc} {hit}/{len(timed)}{untimed}")
+        lines.append(f"{kv} rows at >= {100 * COPY_TARGET:.0f}% of copy bandwidth (of those timed): "
+                     + ", ".join(counts))
+    return lines
 
 
 def decode_table(section: dict) -> str:
     lines = decode_header(section)
-    lines += [decode_row_line(section, label) for label in _grouped(section["decode"])]
+    for label in _grouped(section["decode"]):
+        lines += decode_row_lines(section, label)
+    lines += fp8_summary(section)
     if section["append"]:
         libs = section["libs"]
         lines += ["", "cells: µs · GB/s of new K/V read + written · % of copy bandwidth", "",
                   "| append (NHD, page 16, d128) | MiB moved | " + " | ".join(libs) + " |",
                   "|---|---|" + "---|" * len(libs)]
-        lines += [decode_row_line(section, label) for label in _grouped(section["append"])]
-    failures = section["failures"]
-    lines += [""] + [f"FAIL {f}" for f in failures] + [f"decode benchmark: {len(failures)} flashjit failure(s)"]
+        for label in _grouped(section["append"]):
+            lines += decode_row_lines(section, label)
+    failures, skipped = section["failures"], section.get("skipped", [])
+    lines += [""] + [f"FAIL {f}" for f in failures] + [f"skipped (not yet generated): {s}" for s in skipped]
+    lines.append(f"decode benchmark: {len(failures)} flashjit failure(s)"
+                 + (f", {len(skipped)} skipped cell(s) (not yet generated)" if skipped else ""))
     return "\n".join(lines)
 
 
