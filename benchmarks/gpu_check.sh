@@ -2,8 +2,11 @@
 # GPU check in one call: info, GPU tests (prewarm + numerical sweep), JIT
 # benchmarks, prefill/decode benchmarks. Run from the repository root; logs and
 # reports go to $OUT (or ./gpu_out); a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla|invariant]
+#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla|invariant|fp8]
 # tests: GPU tests only; prefill: GPU tests and prefill.py --rounds 3;
+# fp8: the FP8 KV-cache GPU tests (tests/test_gpu_*fp8*.py), then decode.py
+# --kv-dtype bf16 e4m3 (decode_fp8.md/.json; $FP8_KV_DTYPES replaces "bf16 e4m3"),
+# and a table of both steps with the FP8/bf16 speed ratios last;
 # mla: the MLA GPU tests (FLASHJIT_PREWARM_OPS=mla_paged: only MLA kernels built)
 # for the shipped fa3 tiling and for each of $MLA_VARIANTS (';'-separated
 # Fa3MlaTiling(...) expressions; default: whole-tile waits; dev/pytest_mla_tiling.py),
@@ -42,6 +45,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee
 
 start=$(date +%s)
 test_rc=skipped
+targets=(tests)  # fp8: the FP8 KV-cache GPU test files alone
+[ "$MODE" = fp8 ] && targets=($(ls tests/test_gpu_fp8.py tests/test_gpu_*fp8*.py 2>/dev/null | sort -u))
 if [ "$MODE" != bench ] && [ -z "${SKIP_TESTS:-}" ]; then
 selection=()
 [ "$MODE" = mla ] && selection=(-k mla) && export FLASHJIT_PREWARM_OPS=mla_paged
@@ -54,7 +59,7 @@ if [ "$MODE" = invariant ]; then  # its tests load kernels outside the sweep's p
       --tensor-cores both --causal both; } >"$OUT/prewarm_invariant.log" 2>&1 || status=1
   echo "prewarm (batch-invariant kernels): $(tail -n 1 "$OUT/prewarm_invariant.log") in $(( $(date +%s) - start )) s"
 fi
-python3 -m pytest -q --maxfail=30 --tb=short -m gpu tests "${selection[@]}" -p no:cacheprovider --durations=5 2>&1 \
+python3 -m pytest -q --maxfail=30 --tb=short -m gpu "${targets[@]}" "${selection[@]}" -p no:cacheprovider --durations=5 2>&1 \
   | tee "$OUT/pytest_gpu.log" | tail -25
 test_rc=${PIPESTATUS[0]}
 [ "$test_rc" = 0 ] || status=1
@@ -112,6 +117,27 @@ if [ "$MODE" = invariant ] && [ -z "${SKIP_BENCH:-}" ]; then
 fi
 if [ "$MODE" = prefill ]; then
   python3 benchmarks/prefill.py --rounds 3 --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | grep "|" || status=1
+fi
+if [ "$MODE" = fp8 ]; then
+  kv_dtypes=${FP8_KV_DTYPES:-bf16 e4m3}
+  decode_start=$(date +%s)
+  timeout ${DECODE_LIMIT:-480} python3 benchmarks/decode.py --kv-dtype $kv_dtypes --out "$OUT/decode_fp8.md" \
+    --json "$OUT/decode_fp8.json" >"$OUT/decode_fp8.log" 2>"$OUT/decode_fp8.err"
+  decode_rc=$?
+  [ "$decode_rc" = 0 ] || status=1
+  summarize_errors || status=1
+  grep "|" "$OUT/decode_fp8.md" 2>/dev/null | tail -n 40
+  tests_line=
+  [ "$test_rc" = skipped ] || tests_line=$(tail -n 1 "$OUT/pytest_gpu.log")
+  echo
+  echo "| fp8 step | result |"
+  echo "|---|---|"
+  echo "| gpu tests ${targets[*]} | rc=$test_rc${tests_line:+: $tests_line} |"
+  echo "| decode.py --kv-dtype $kv_dtypes | rc=$decode_rc in $(( $(date +%s) - decode_start )) s:" \
+    "$(grep -E '^decode benchmark:' "$OUT/decode_fp8.md" 2>/dev/null | tail -n 1) |"
+  grep -E "^(e4m3|e5m2) rows at" "$OUT/decode_fp8.md" 2>/dev/null | tail -n 2
+  echo "== summary: gpu tests rc=$test_rc, decode rc=$decode_rc, overall status=$status"
+  exit $status
 fi
 if [ "$MODE" = tests ] || [ "$MODE" = compare ] || [ "$MODE" = prefill ] || [ "$MODE" = mla ] || [ "$MODE" = invariant ]; then
   summarize_errors || status=1
