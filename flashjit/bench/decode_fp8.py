@@ -88,7 +88,7 @@ def quantise(cache, short: str):
     converted to the format (nearest, ties to even). Whole tensor at once."""
     scale = per_tensor_scale(cache, short)
     limit = FP8_MAX[canonical_of(short)]
-    return (cache.float() / scale).clamp_(-limit, limit).to(torch_dtype(short)), scale
+    return cache.float().div_(scale).clamp_(-limit, limit).to(torch_dtype(short)), scale
 
 
 def dequantise(codes, scale: float):
