@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from . import _checks
+from . import _checks, _scales
 
 # tracing()'s two tests; the attention ops and wrappers' run() ask them inline
 # (a Python call less on paths measured against 10 us).
@@ -82,9 +82,32 @@ def cache_of(k, v):
 RUN_OPS: dict = {}
 
 
-def run_batch(wrapper, q, k, v, out, lse, return_lse: bool, window_left=None):
-    """The traced run() of a batch wrapper (k, v as cache_args gives them for a paged cache)."""
-    extra = () if wrapper._op == "batch_prefill_ragged" else (window_left,)
+def scale_operands(k_scale, v_scale) -> tuple:
+    """(k_scale, v_scale, k_scale_tensor, v_scale_tensor) as the operators take an
+    FP8 cache's scales: a tensor is a graph input (its value is read when the graph
+    runs, so it may change between calls); a number is a float operand, which
+    dynamo guards on (a new value recompiles)."""
+    numbers, tensors = [], []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(scale, torch.Tensor):
+            numbers.append(None)
+            tensors.append(scale)
+            continue
+        if isinstance(scale, int) and not isinstance(scale, bool):
+            scale = float(scale)
+        elif scale is not None and not isinstance(scale, (float, torch.SymFloat)):
+            _scales.scale_arg(name, scale, None)  # the eager ValueError for what is not a number
+            scale = float(scale)
+        numbers.append(scale)
+        tensors.append(None)
+    return (*numbers, *tensors)
+
+
+def run_batch(wrapper, q, k, v, out, lse, return_lse: bool, window_left=None, k_scale=None, v_scale=None):
+    """The traced run() of a batch wrapper (k, v as cache_args gives them for a paged cache;
+    k_scale / v_scale: an FP8 cache's, which the operators take as scale_operands gives them)."""
+    scales = scale_operands(k_scale, v_scale)
+    extra = scales if wrapper._op == "batch_prefill_ragged" else (window_left, *scales)
     return _run_traced(wrapper, (q, k, v), extra, out, lse, return_lse)
 
 

@@ -12,6 +12,12 @@ the fake kernels check structure and return outputs of the eager shapes.
 
 A wrapper's plan stays in Python: its run() operator takes an integer handle
 (ops._dispatch.register_wrapper), and the kernel looks the wrapper up.
+
+An FP8 cache's dequantisation scales are four optional operands of the attention
+operators (_SCALES): k_scale / v_scale as floats, or k_scale_tensor /
+v_scale_tensor as one-element tensors, which are graph inputs: the kernel reads
+the value a tensor holds when the graph runs, so it may change between calls
+without a recompile (ops._dispatch.scale_operands splits what run() was given).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import _checks, _dispatch, append, decode, merge, prefill
+from . import _checks, _dispatch, _scales, append, decode, merge, prefill
 from ._batch import check_out_buffer
 from ._dispatch import cache_of as _cache_of, wrapper_of
 from ._launch import check_qkv
@@ -34,6 +40,29 @@ def _outputs(q, return_lse: bool, lse_dims: int) -> list:
     return [out, q.new_empty(q.shape[:lse_dims], dtype=torch.float32)] if return_lse else [out]
 
 
+def _scale_keys(k_scale=None, v_scale=None, k_scale_tensor=None, v_scale_tensor=None) -> tuple:
+    """(k_scale, v_scale) as the eager bodies take them (ops._scales.scale_key), from the four
+    operands (the dispatcher leaves out trailing ones at their default)."""
+    return (_scales.scale_key(k_scale if k_scale_tensor is None else k_scale_tensor),
+            _scales.scale_key(v_scale if v_scale_tensor is None else v_scale_tensor))
+
+
+def _check_scales(kv, device, k_scale=None, v_scale=None, k_scale_tensor=None, v_scale_tensor=None) -> None:
+    """The fake kernels' scale checks, as the eager ones read without tensor data: scales
+    belong to an FP8 cache (kv's dtype); a tensor is one float32 element on q's device
+    (a one-element CPU tensor is read as a number); a number, where it is not symbolic, is
+    finite and positive."""
+    tensors = (("k_scale", k_scale_tensor), ("v_scale", v_scale_tensor))
+    _scales.check_scales_for(kv.dtype, k_scale if k_scale_tensor is None else k_scale_tensor,
+                             v_scale if v_scale_tensor is None else v_scale_tensor)
+    for name, t in tensors:
+        if t is not None and not (t.device.type == "cpu" and t.numel() == 1 and t.dtype.is_floating_point):
+            _scales.scale_arg(name, _scales.TensorScale(0, t.dtype, t.device, t.numel()), device)
+    for name, number in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(number, (int, float)):
+            _scales.scale_arg(name, number, device)
+
+
 # The eager bodies the real kernels run, looked up at each call (tests replace them
 # to tell an operator's kernel from the eager path).
 _eager = SimpleNamespace(single_prefill=prefill.run_single, single_decode=decode.run_single,
@@ -43,36 +72,44 @@ _eager = SimpleNamespace(single_prefill=prefill.run_single, single_decode=decode
 
 
 def _single_prefill(q, k, v, kv_layout, causal, sm_scale, window_left, logits_soft_cap, backend, return_lse,
-                    use_tensor_cores, strict):
-    res = _eager.single_prefill(q, k, v, kv_layout, (None,) * 6 + (causal, "NONE", False, sm_scale, window_left,
-                                                                   logits_soft_cap, backend, return_lse,
-                                                                   use_tensor_cores, strict))
+                    use_tensor_cores, strict, *scales):
+    k_scale, v_scale = _scale_keys(*scales) if scales else (None, None)
+    res = _eager.single_prefill(q, k, v, kv_layout, (None, k_scale, v_scale, None, None, None, causal, "NONE", False,
+                                                     sm_scale, window_left, logits_soft_cap, backend, return_lse,
+                                                     use_tensor_cores, strict))
     return list(res) if return_lse else [res]
 
 
 def _single_prefill_fake(q, k, v, kv_layout, causal, sm_scale, window_left, logits_soft_cap, backend, return_lse,
-                         use_tensor_cores, strict):
+                         use_tensor_cores, strict, *scales):
     check_qkv(q, k, v, kv_layout)
     _checks.variant_values(sm_scale, q.shape[-1], window_left, logits_soft_cap)
+    _check_scales(k, q.device, *scales)
     return _outputs(q, return_lse, 2)
 
 
 def _single_decode(q, k, v, kv_layout, use_tensor_cores, sm_scale, window_left, logits_soft_cap, backend,
-                   return_lse, strict):
-    res = _eager.single_decode(q, k, v, kv_layout, ("NONE", use_tensor_cores, None, None, None, window_left,
+                   return_lse, strict, *scales):
+    k_scale, v_scale = _scale_keys(*scales) if scales else (None, None)
+    res = _eager.single_decode(q, k, v, kv_layout, ("NONE", use_tensor_cores, None, k_scale, v_scale, window_left,
                                                     logits_soft_cap, sm_scale, return_lse, backend, strict))
     return list(res) if return_lse else [res]
 
 
 def _single_decode_fake(q, k, v, kv_layout, use_tensor_cores, sm_scale, window_left, logits_soft_cap, backend,
-                        return_lse, strict):
+                        return_lse, strict, *scales):
     check_qkv(q, k, v, kv_layout, q_ndim=2)
     _checks.variant_values(sm_scale, q.shape[-1], window_left, logits_soft_cap)
+    _check_scales(k, q.device, *scales)
     return _outputs(q, return_lse, 1)
 
 
-def _run(handle, q, k, v, return_lse, window_left=None):
+def _run(handle, q, k, v, return_lse, window_left=None, *scales):
     wrapper = wrapper_of(handle)
+    scales = _scale_keys(*scales) if scales else (None, None)
+    if scales != (None, None):  # prepared calls keyed by the scales (a tensor's address): no fast slot
+        res = wrapper._run(q, k, v, None, None, return_lse, window_left, scales)
+        return list(res) if return_lse else [res]
     known, check, call = wrapper._launches.fast
     res = None
     if window_left is None and known == return_lse:  # run()'s fast slot, its tensors as run() passes them
@@ -86,8 +123,18 @@ def _run(handle, q, k, v, return_lse, window_left=None):
     return list(res) if return_lse else [res]
 
 
-def _run_out(handle, q, k, v, out, lse, window_left=None):
-    wrapper_of(handle)._run(q, k, v, out, lse, lse is not None, window_left)
+def _run_out(handle, q, k, v, out, lse, window_left=None, *scales):
+    scales = _scale_keys(*scales) if scales else (None, None)
+    extra = (scales,) if scales != (None, None) else ()
+    wrapper_of(handle)._run(q, k, v, out, lse, lse is not None, window_left, *extra)
+
+
+def _ragged_run(handle, q, k, v, return_lse, *scales):
+    return _run(handle, q, k, v, return_lse, None, *scales)
+
+
+def _ragged_run_out(handle, q, k, v, out, lse, *scales):
+    _run_out(handle, q, k, v, out, lse, None, *scales)
 
 
 def _planned(handle):
@@ -113,13 +160,23 @@ def _check_out_lse(q, plan, out, lse) -> None:
         check_out_buffer("lse", lse, shape[:2], torch.float32, q.device, "q's rows x num_qo_heads")
 
 
-def _run_fake(handle, q, k, v, return_lse, window_left=None):
+def _run_fake(handle, q, k, v, return_lse, window_left=None, *scales):
     _check_run(handle, q, k, v, window_left=window_left)
+    _check_scales(k, q.device, *scales)
     return _outputs(q, return_lse, 2)
 
 
-def _run_out_fake(handle, q, k, v, out, lse, window_left=None):
+def _run_out_fake(handle, q, k, v, out, lse, window_left=None, *scales):
     _check_run(handle, q, k, v, out, lse, window_left)
+    _check_scales(k, q.device, *scales)
+
+
+def _ragged_run_fake(handle, q, k, v, return_lse, *scales):
+    return _run_fake(handle, q, k, v, return_lse, None, *scales)
+
+
+def _ragged_run_out_fake(handle, q, k, v, out, lse, *scales):
+    _run_out_fake(handle, q, k, v, out, lse, None, *scales)
 
 
 def _mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache, return_lse):
@@ -197,22 +254,27 @@ def _merge_states_fake(v, s):
 # Registration
 
 _PAGED_RUN = "int handle, Tensor q, Tensor k_cache, Tensor? v_cache"
+# An FP8 cache's scales (ops._dispatch.scale_operands): numbers, or one-element tensors read when the graph runs.
+_SCALES = "float? k_scale=None, float? v_scale=None, Tensor? k_scale_tensor=None, Tensor? v_scale_tensor=None"
 _MLA_RUN = "int handle, Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache"
 _SCHEMAS = {
     "single_prefill": ("single_prefill(Tensor q, Tensor k, Tensor v, str kv_layout, bool causal, float? sm_scale, "
                        "int? window_left, float? logits_soft_cap, str backend, bool return_lse, "
-                       "bool? use_tensor_cores, bool? strict) -> Tensor[]", _single_prefill, _single_prefill_fake),
+                       f"bool? use_tensor_cores, bool? strict, {_SCALES}) -> Tensor[]", _single_prefill,
+                       _single_prefill_fake),
     "single_decode": ("single_decode(Tensor q, Tensor k, Tensor v, str kv_layout, bool? use_tensor_cores, "
                       "float? sm_scale, int? window_left, float? logits_soft_cap, str backend, bool return_lse, "
-                      "bool? strict) -> Tensor[]", _single_decode, _single_decode_fake),
+                      f"bool? strict, {_SCALES}) -> Tensor[]", _single_decode, _single_decode_fake),
     "batch_prefill_ragged_run": ("batch_prefill_ragged_run(int handle, Tensor q, Tensor k, Tensor v, "
-                                 "bool return_lse) -> Tensor[]", _run, _run_fake),
+                                 f"bool return_lse, {_SCALES}) -> Tensor[]", _ragged_run, _ragged_run_fake),
     "batch_prefill_ragged_run_out": ("batch_prefill_ragged_run_out(int handle, Tensor q, Tensor k, Tensor v, "
-                                     "Tensor(a!) out, Tensor(b!)? lse) -> ()", _run_out, _run_out_fake),
-    **{f"{op}_run": (f"{op}_run({_PAGED_RUN}, bool return_lse, int? window_left) -> Tensor[]", _run, _run_fake)
+                                     f"Tensor(a!) out, Tensor(b!)? lse, {_SCALES}) -> ()", _ragged_run_out,
+                                     _ragged_run_out_fake),
+    **{f"{op}_run": (f"{op}_run({_PAGED_RUN}, bool return_lse, int? window_left, {_SCALES}) -> Tensor[]", _run,
+                     _run_fake) for op in ("batch_prefill_paged", "batch_decode_paged")},
+    **{f"{op}_run_out": (f"{op}_run_out({_PAGED_RUN}, Tensor(a!) out, Tensor(b!)? lse, int? window_left, "
+                         f"{_SCALES}) -> ()", _run_out, _run_out_fake)
        for op in ("batch_prefill_paged", "batch_decode_paged")},
-    **{f"{op}_run_out": (f"{op}_run_out({_PAGED_RUN}, Tensor(a!) out, Tensor(b!)? lse, int? window_left) -> ()",
-                         _run_out, _run_out_fake) for op in ("batch_prefill_paged", "batch_decode_paged")},
     "mla_paged_run": (f"mla_paged_run({_MLA_RUN}, bool return_lse) -> Tensor[]", _mla_run, _mla_run_fake),
     "mla_paged_run_out": (f"mla_paged_run_out({_MLA_RUN}, Tensor(a!) out, Tensor(b!)? lse) -> ()", _mla_run_out,
                           _mla_run_out_fake),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _invariant, _scales
-from ._dispatch import dispatch_modes, is_compiling
+from ._dispatch import dispatch_modes, is_compiling, scale_operands
 from ._invariant import ENV_KEY as _ENV_KEY, MODES as _MODES, environ_get as _environ_get
 from ._calls import Signatures
 from ._launch import check_qkv, prepare_single_request, run_single_request
@@ -28,10 +28,10 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     (Python floats or one-element float32 tensors, ops._scales; default 1)."""
     if is_compiling() or dispatch_modes():  # _dispatch.tracing()
         _check_traced_mode(batch_invariant)
-        _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, q_scale=q_scale, k_scale=k_scale,
-                                  v_scale=v_scale)
+        _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, q_scale=q_scale)
         res = torch.ops.flashjit.single_decode.default(q, k, v, kv_layout, use_tensor_cores, sm_scale, window_left,
-                                                       logits_soft_cap, backend, bool(return_lse), strict)
+                                                       logits_soft_cap, backend, bool(return_lse), strict,
+                                                       *scale_operands(k_scale, v_scale))
         return (res[0], res[1]) if return_lse else res[0]
     # run_single's body, spelled out: one Python call less on a path measured against 10 us.
     if k_scale is not None or v_scale is not None:  # the signature holds a tensor scale's address, not the tensor

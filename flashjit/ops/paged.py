@@ -56,9 +56,8 @@ class _PagedAttention(BatchAttention):
             raise NotImplementedError(f"{sorted(kwargs)}: not supported by flashjit's {type(self).__name__}.run()")
         scaled = k_scale is not None or v_scale is not None
         if is_compiling() or dispatch_modes():  # _dispatch.tracing()
-            _checks.check_unsupported(k_scale=k_scale, v_scale=v_scale)
             k, v = _dispatch.cache_args(paged_kv_cache)
-            return _dispatch.run_batch(self, q, k, v, out, lse, return_lse, window_left)
+            return _dispatch.run_batch(self, q, k, v, out, lse, return_lse, window_left, k_scale, v_scale)
         if scaled:
             scales = (_scales.scale_key(k_scale), _scales.scale_key(v_scale))
             return self._run(q, paged_kv_cache, None, out, lse, return_lse, window_left, scales)
