@@ -236,7 +236,8 @@ _warned_fallbacks: set = set()
 
 
 def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: str,
-                   targets: tuple[str, ...] | None = None, strict: bool | None = None) -> tuple[str, bool, str]:
+                   targets: tuple[str, ...] | None = None, strict: bool | None = None,
+                   kv_dtype: str | None = None) -> tuple[str, bool, str]:
     """Resolves backend='auto' / use_tensor_cores=None for arches `targets`
     (None: backend_targets()): returns (backend, use_tensor_cores, reason).
     Tensor cores for fp16/bf16 prefill; CUDA cores for fp32 and for decode,
@@ -246,9 +247,10 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
 
     An explicit backend='fa3' that the targets or the op cannot take runs fa2
     with a one-time warning naming the reason; with `strict` (default:
-    FLASHJIT_STRICT_BACKEND) it raises ValueError instead."""
+    FLASHJIT_STRICT_BACKEND) it raises ValueError instead. kv_dtype: an FP8
+    KV cache's dtype (None: q's), which fa3 reads for FA3_FP8_OPS only."""
     from .kernels import fa3
-    from .spec import DECODE_OPS, FA3_OPS, TENSOR_CORE_DTYPES, TENSOR_CORE_OPS
+    from .spec import DECODE_OPS, FA3_FP8_OPS, FA3_OPS, KV_ONLY_DTYPES, TENSOR_CORE_DTYPES, TENSOR_CORE_OPS
 
     if backend not in ("auto", "fa2", "fa3"):
         raise ValueError(f"backend: expected 'auto', 'fa2' or 'fa3', got {backend!r}")
@@ -274,6 +276,8 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
                    + (f" ({device_name()})" if on_this_gpu else ""))
     elif op not in FA3_OPS:
         why_not = f"fa3 does not generate {op} (it does {', '.join(FA3_OPS)})"
+    elif kv_dtype in KV_ONLY_DTYPES and op not in FA3_FP8_OPS:
+        why_not = "fa3 does not read an FP8 KV cache yet"
     if backend == "auto":
         if why_not is None:
             return "fa3", True, reason + "; fa3 (sm_90a: wgmma, TMA, warp specialization)"
@@ -283,8 +287,8 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
     if strict_backend() if strict is None else strict:
         raise ValueError(f"backend='fa3' cannot run here: {why_not}; use backend='fa2' or 'auto', or unset "
                          f"strict / FLASHJIT_STRICT_BACKEND to fall back to fa2")
-    if (op, targets) not in _warned_fallbacks:
-        _warned_fallbacks.add((op, targets))
+    if (op, targets, why_not) not in _warned_fallbacks:
+        _warned_fallbacks.add((op, targets, why_not))
         warnings.warn(f"flashjit: backend='fa3' requested for {op}, but {why_not}: running fa2 "
                       f"(strict=True or FLASHJIT_STRICT_BACKEND=1 makes this an error)", stacklevel=3)
     return "fa2", True, reason + f"; fa2, as backend=fa3 was requested but {why_not}"

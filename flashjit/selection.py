@@ -87,14 +87,15 @@ def _switch(value: str) -> list:
     return {"on": [True], "off": [False], "both": [False, True], "auto": [None]}[value]
 
 
-def _backends(op: str, dtype: str, tc: bool, backend: str, arches) -> list[str]:
+def _backends(op: str, dtype: str, tc: bool, backend: str, arches, kv_dtype: str | None = None) -> list[str]:
     """The backends the ops would run for `backend` on each of the target arches
     (an explicit fa3 where it cannot run: fa2, with the ops' warning; under
     FLASHJIT_STRICT_BACKEND a SelectionError naming --backend)."""
     if not tc or op in UTILITY_OPS:
         return ["fa2"]
     try:
-        return list(dict.fromkeys(choose_backend(op, dtype, tc, backend, targets=(a,))[0] for a in arches))
+        return list(dict.fromkeys(choose_backend(op, dtype, tc, backend, targets=(a,), kv_dtype=kv_dtype)[0]
+                                   for a in arches))
     except ValueError as exc:  # "backend='fa3' cannot run here: <why>; use ..."
         why = str(exc).split("cannot run here: ", 1)[-1].split("; use ", 1)[0]
         raise SelectionError(f"--backend {backend}: {why}; choose --backend fa2 or auto, or unset "
@@ -181,7 +182,7 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
                 specs += [_validated(mla_spec(dtype, causal=causal, backend=chosen))
                           for chosen in _backends(op, dtype, True, backend, arches)]
             continue
-        for chosen in _backends(op, dtype, tc, backend, arches):
+        for chosen in _backends(op, dtype, tc, backend, arches, kv_dtype):
             specs.append(_validated(KernelSpec.make(
                 op, dtype, head_dim, dtype_kv=kv_dtype, backend=chosen, use_tensor_cores=tc, causal=causal, sliding_window=window,
                 soft_cap=cap, return_lse=lse or op in ALWAYS_LSE)))

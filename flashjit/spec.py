@@ -33,8 +33,12 @@ FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 # Other platforms' FP8 formats (no negative zero, another exponent bias): named in errors.
 FNUZ_DTYPES = ("float8_e4m3fnuz", "float8_e5m2fnuz")
 # The configurations that read an FP8 KV cache (op, tensor cores); the rest say
-# "not yet generated" and name this set.
-FP8_KV_FAMILIES = (("single_decode", False), ("batch_decode_paged", False), ("append_paged", False))
+# "not yet generated" and name this set. On tensor cores the fa2 backend reads
+# them (its tiles widened in shared memory); FA3_FP8_OPS: those fa3 reads too.
+FP8_KV_FAMILIES = (("single_decode", False), ("batch_decode_paged", False), ("append_paged", False),
+                   ("single_decode", True), ("batch_decode_paged", True), ("single_prefill", True),
+                   ("batch_prefill_ragged", True), ("batch_prefill_paged", True))
+FA3_FP8_OPS: tuple[str, ...] = ()
 
 ATTENTION_OPS = ("single_prefill", "single_decode", "batch_prefill_ragged", "batch_prefill_paged",
                  "batch_decode_paged")
@@ -216,6 +220,9 @@ class KernelSpec:
             nearest = plain.replace(op=near_op, dtype_kv=kv,
                                     use_tensor_cores=False, backend="fa2", causal=False)
             fail(f"an FP8 KV cache for {what} is not yet generated", supported, nearest)
+        if self.backend == "fa3" and self.op not in FA3_FP8_OPS:
+            fail(f"an FP8 KV cache on backend fa3 is not yet generated", supported + " (backend fa2)",
+                 self.replace(backend="fa2"))
         return self
 
     def _validate_mla(self, fail) -> "KernelSpec":

@@ -25,7 +25,7 @@ HEAD_DIMS = [64, 128, 256]
 # MLA (ckv 512 + kpe 64): tensor cores, fp16 and bf16; fa2 everywhere, fa3 on sm_90a.
 MLA_DTYPES = [torch.float16, torch.bfloat16]
 MLA_BACKENDS = ["fa2", "fa3"]
-# FP8 KV caches (CUDA-core decode, append): their dtypes and the q/o dtypes beside them.
+# FP8 KV caches (decode, append, fa2 prefill): their dtypes and the q/o dtypes beside them.
 FP8_KV_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 FP8_Q_DTYPES = [torch.float16, torch.bfloat16]
 FP8_PAGE_SIZES = [1, 16]
@@ -111,4 +111,21 @@ def fp8_specs() -> list[KernelSpec]:
     # The sliding window and the soft-cap (k_scale joins a logit scale in natural units there), d128.
     specs += [spec_for("batch_decode_paged", torch.bfloat16, 128, variant=variant).replace(dtype_kv=canonical_dtype(kv))
               for kv in FP8_KV_DTYPES for variant in ("window", "softcap")]
+    return specs + fp8_tensor_core_specs()
+
+
+def fp8_tensor_core_specs() -> list[KernelSpec]:
+    """The FP8 KV-cache configurations on tensor cores (fa2) the GPU tests use:
+    paged decode, paged prefill (causal or not), causal ragged prefill, and
+    single prefill without a mask, at every head dim, q and KV dtype."""
+    specs = []
+    for q_dtype, kv_dtype, head_dim in itertools.product(FP8_Q_DTYPES, FP8_KV_DTYPES, HEAD_DIMS):
+        kv = canonical_dtype(kv_dtype)
+        specs += [spec_for(op, q_dtype, head_dim, causal, tensor_cores=True).replace(dtype_kv=kv)
+                  for op, causal in (("batch_decode_paged", False), ("batch_prefill_paged", False),
+                                     ("batch_prefill_paged", True), ("batch_prefill_ragged", True),
+                                     ("single_prefill", False))]
+    # The soft-cap on tensor cores (k_scale joins the cap's inner scale), d128.
+    specs += [spec_for("batch_prefill_ragged", torch.bfloat16, 128, True, "softcap", True).replace(
+        dtype_kv=canonical_dtype(kv)) for kv in FP8_KV_DTYPES]
     return specs

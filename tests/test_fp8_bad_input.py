@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flashjit
+from flashjit import arch
 from flashjit import jit
 from flashjit.ops import _batch, _scales
 from helpers_cache import no_compile  # noqa: F401 (a fixture)
@@ -59,8 +60,8 @@ def _decode(q=None, k=None, v=None, **kw):
     (dict(v_scale=torch.tensor([1.0, 2.0])), ValueError, r"^v_scale: expected .* got a torch.float32 tensor of 2 "
                                                          r"elements"),
     (dict(q_scale=2.0), NotImplementedError, r"^q_scale=2.0: FP8 queries are not supported"),
-    (dict(use_tensor_cores=True), ValueError, r"tensor-core single_decode is not yet generated.*Nearest working "
-                                              r"choice: single_decode_bf16_kve4m3_d128_fa2_cc$"),
+    (dict(batch_invariant=True), ValueError, r"batch-invariant decode \(causal=True\) is not yet generated.*Nearest "
+                                             r"working choice: single_decode_bf16_kve4m3_d128_fa2_cc$"),
     (dict(k_scale=0.5), ValueError, r"^q: expected a CUDA tensor"),  # everything else is right: the device check
 ])
 def test_single_decode_bad_fp8_inputs(kw, exc, match):
@@ -90,10 +91,21 @@ def test_scales_with_a_16_bit_cache_are_not_taken(name):
         _decode(k=k, v=k, **{name: 0.5})
 
 
-def test_fp8_prefill_is_not_yet_generated():
+def test_fp8_prefill_on_cuda_cores_is_not_yet_generated():
     q = torch.randn(5, 8, 128).to(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"an FP8 KV cache for tensor-core single_prefill is not yet generated"):
-        flashjit.single_prefill_with_kv_cache(q, _codes(100, 2, 128), _codes(100, 2, 128))
+    with pytest.raises(ValueError, match=r"an FP8 KV cache for CUDA-core single_prefill is not yet generated"):
+        flashjit.single_prefill_with_kv_cache(q, _codes(100, 2, 128), _codes(100, 2, 128), use_tensor_cores=False)
+
+
+def test_single_prefill_scale_names_are_flashinfers():
+    """single_prefill takes FlashInfer's scale_k / scale_v, checked and named as such."""
+    q = torch.randn(5, 8, 128).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^scale_k: expected a finite positive scale, got -1.0"):
+        flashjit.single_prefill_with_kv_cache(q, _codes(100, 2, 128), _codes(100, 2, 128), scale_k=-1.0)
+    with pytest.raises(NotImplementedError, match=r"^scale_v=2.0: scales apply to an FP8 KV cache only"):
+        flashjit.single_prefill_with_kv_cache(q, q, q, scale_v=2.0)
+    with pytest.raises(NotImplementedError, match=r"^scale_q=2.0: FP8 queries are not supported"):
+        flashjit.single_prefill_with_kv_cache(q, _codes(100, 2, 128), _codes(100, 2, 128), scale_q=2.0)
 
 
 # ---------------------------------------------------------------------------
@@ -185,13 +197,15 @@ def test_plan_mistakes(plan_kw, exc, match, launches):
         _wrapper(kv, **plan_kw)
 
 
-def test_tensor_core_fp8_decode_plan_is_not_yet_generated(launches):
-    workspace = torch.Tensor._make_subclass(_FakeCudaTensor, torch.empty(1 << 16, dtype=torch.uint8))
-    w = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace, use_tensor_cores=True)
-    with pytest.raises(ValueError, match=r"tensor-core batch_decode_paged is not yet generated.*Nearest working "
-                                         r"choice: batch_decode_paged_bf16_kve5m2_d128_fa2_cc_lse$"):
-        w.plan(torch.tensor([0, 1], dtype=torch.int32), torch.arange(1, dtype=torch.int32),
-               torch.tensor([3], dtype=torch.int32), 8, 2, 128, 16, q_data_type="bfloat16", kv_data_type="e5m2")
+def test_fp8_on_fa3_is_not_yet_generated_and_auto_runs_fa2():
+    with pytest.raises(ValueError, match=r"an FP8 KV cache on backend fa3 is not yet generated.*Nearest working "
+                                         r"choice: batch_prefill_paged_bf16_kve5m2_d128_fa2_tc_causal_lse$"):
+        flashjit.KernelSpec.make("batch_prefill_paged", "bfloat16", 128, dtype_kv="e5m2", use_tensor_cores=True,
+                                 backend="fa3", causal=True, return_lse=True).validate()
+    backend, tc, reason = arch.choose_backend("batch_prefill_paged", "bfloat16", None, "auto", targets=("sm_90a",),
+                                              kv_dtype="float8_e5m2")
+    assert (backend, tc) == ("fa2", True) and "fa3 does not read an FP8 KV cache yet" in reason
+    assert arch.choose_backend("batch_prefill_paged", "bfloat16", None, "auto", targets=("sm_90a",))[0] == "fa3"
 
 
 # ---------------------------------------------------------------------------

@@ -51,10 +51,12 @@ def test_fnuz_formats_are_named_as_another_platforms(fnuz):
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(op="batch_prefill_paged", use_tensor_cores=True),
-     r"FP8 KV cache for tensor-core batch_prefill_paged is not yet generated.*Nearest working choice: "
+    (dict(op="batch_prefill_paged"),
+     r"FP8 KV cache for CUDA-core batch_prefill_paged is not yet generated.*Nearest working choice: "
      r"batch_decode_paged_bf16_kve4m3_d128_fa2_cc$"),
-    (dict(use_tensor_cores=True), r"tensor-core batch_decode_paged is not yet generated"),
+    (dict(op="batch_prefill_ragged", use_tensor_cores=True, backend="fa3"),
+     r"FP8 KV cache on backend fa3 is not yet generated.*Nearest working choice: "
+     r"batch_prefill_ragged_bf16_kve4m3_d128_fa2_tc$"),
     (dict(op="single_prefill"), r"CUDA-core single_prefill is not yet generated.*single_decode_bf16_kve4m3"),
     (dict(dtype="float32"), r"an FP8 KV cache with dtype_q=float32.*Nearest working choice: "
                             r"batch_decode_paged_bf16_kve4m3_d128_fa2_cc$"),
@@ -120,8 +122,11 @@ def test_kv_dtype_selector_aliases(words, canonical):
 def test_kv_dtype_selection_on_the_default_preset():
     specs = selection.specs_from_args(_args("--kv-dtype", "e4m3", "e5m2", "--arch", "sm_90a"))
     names = {s.name for s in specs}
+    # On sm_90a the prefill parts run fa2 with an FP8 cache (fa3 reads none yet); MLA has no FP8 cache.
     assert names == {f"{op}_bf16_kv{kv}_d{d}{suffix}" for kv in ("e4m3", "e5m2") for d in (64, 128, 256)
-                     for op, suffix in (("batch_decode_paged", "_fa2_cc_lse"), ("append_paged", ""))}
+                     for op, suffix in (("batch_decode_paged", "_fa2_cc_lse"), ("batch_decode_paged", "_fa2_tc_lse"),
+                                        ("batch_prefill_paged", "_fa2_tc_causal_lse"),
+                                        ("batch_prefill_ragged", "_fa2_tc_causal_lse"), ("append_paged", ""))}
     assert not any(s.dtype_kv.startswith("float8") for s in selection.specs_from_args(_args("--arch", "sm_90a"))), \
         "the default preset stays without FP8"
     specs = selection.specs_from_args(_args("--op", "single_decode", "--dtype", "fp16", "bf16", "--kv-dtype", "e5m2",
@@ -145,9 +150,10 @@ def test_bad_kv_dtype_flags_are_named_in_flag_words(argv, message):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--op", "batch_prefill_paged"], r"^the selection is empty: --kv-dtype e4m3: batch_prefill_paged on tensor "
-                                      r"cores is not yet generated for an FP8 KV cache; FP8 KV caches run "
-                                      r"single_decode \(CUDA cores\), batch_decode_paged \(CUDA cores\), append_paged$"),
+    (["--op", "batch_prefill_paged", "--tensor-cores", "off"],
+     r"^the selection is empty: --kv-dtype e4m3: batch_prefill_paged on CUDA cores is not yet generated for an FP8 "
+     r"KV cache; FP8 KV caches run single_decode \(CUDA cores\), batch_decode_paged \(CUDA cores\), append_paged, "
+     r"single_decode \(tensor cores\)"),
     (["--op", "single_decode", "--dtype", "fp32"], r"^the selection is empty: an FP8 KV cache \(--kv-dtype\) takes "
                                                    r"--dtype fp16 or bf16 \(not fp32\)$"),
 ])

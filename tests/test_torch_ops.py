@@ -153,7 +153,7 @@ def test_errors_under_compile_read_as_in_eager():
     with pytest.raises(Exception, match=r"num_qo_heads \(8\) must be a multiple of num_kv_heads \(3\)"):
         _compiled_graphs(lambda q, k, v: flashjit.single_prefill_with_kv_cache(q, k, v), q, k, v)
     q, k, v = _qkv()
-    with pytest.raises(Exception, match=r"scale_q=1.0: fp8 scales are not supported"):
+    with pytest.raises(Exception, match=r"scale_q=1.0: FP8 queries are not supported"):
         _compiled_graphs(lambda q, k, v: flashjit.single_prefill_with_kv_cache(q, k, v, scale_q=1.0), q, k, v)
     with pytest.raises(ValueError, match=r"^q: expected a CUDA tensor, got a tensor on cpu"):
         _compiled_graphs(lambda q, k, v: flashjit.single_decode_with_kv_cache(q[0], k, v), *_qkv("cpu"))

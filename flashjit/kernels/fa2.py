@@ -62,9 +62,13 @@ class Fa2Tiling:
         return self.keys_per_tile // self.sub_tiles, (1 if self.split_keys else 0)
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of Fa2Traits::kSmemBytes (fa2_traits.cuh): Q tile + K/V stages."""
+        """Mirror of Fa2Traits::kSmemBytes (fa2_traits.cuh): Q tile + K/V stages,
+        and with an FP8 cache stages of codes and the widened K/V pair."""
         d = spec.head_dim_qk
-        size = 2 * self.rows_per_cta * d + self.stages * 2 * self.keys_per_tile * d * 2
+        kv_bytes = common.DTYPE_BYTES[spec.dtype_kv]
+        size = 2 * self.rows_per_cta * d + self.stages * 2 * self.keys_per_tile * d * kv_bytes
+        if kv_bytes == 1:
+            return size + 2 * self.keys_per_tile * d * 2
         if self.tma_kv and spec.op not in PAGED_OPS and not self.split_keys:
             # The stages' 1024-byte alignment, and their mbarriers (two each with slot_release).
             size += 1024 - 128 + 8 * (2 if self.slot_release else 1) * self.stages
@@ -166,8 +170,10 @@ def tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
     chosen = table[spec.head_dim_qk]
     assert chosen.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name
     wide = FA2_WIDE_TILINGS.get(spec.head_dim_qk)
+    # An FP8 cache keeps FA2_TILINGS: the wide tilings load K/V by TMA into the
+    # tiles the MMAs read, and FP8 tiles need the widening pass (fa2_fp8.cuh).
     if (wide is not None and arches and spec.op not in DECODE_OPS and spec.op not in PAGED_OPS
-            and not _wide_spills(spec)
+            and not _wide_spills(spec) and spec.dtype_kv == spec.dtype_q
             and all(wide.min_blocks_per_sm * (wide.smem_bytes(spec) + common.SMEM_RESERVED_PER_CTA) <= common.SMEM_PER_SM.get(a, 0)
                     and a in WIDE_TILING_ARCHES for a in arches)):
         chosen = wide

@@ -33,7 +33,9 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
     backend_op = op
     if batch_invariant:
         backend_op, use_tensor_cores, causal = _invariant.kernel_choice(op, name, causal)
-    chosen_backend, tc, reason = arch.choose_backend(backend_op, name, use_tensor_cores, backend, strict=strict)
+    kv_name = canonical_dtype(dtype_kv) if dtype_kv is not None else None
+    chosen_backend, tc, reason = arch.choose_backend(backend_op, name, use_tensor_cores, backend, strict=strict,
+                                                     kv_dtype=kv_name)
     if batch_invariant:
         reason += f"; batch-invariant mode: {backend_op}'s backend and tiling" if backend_op != op \
             else "; batch-invariant mode"
@@ -93,13 +95,15 @@ def fill_params(q: torch.Tensor, num_kv_heads: int, k_strides: tuple, v_strides:
 def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_qo_heads: int, num_kv_heads: int,
                            *, causal: bool, sm_scale, window_left, logits_soft_cap, backend: str,
                            use_tensor_cores, return_lse: bool, strict: bool | None = None,
-                           batch_invariant: bool = False, k_scale=None, v_scale=None):
+                           batch_invariant: bool = False, k_scale=None, v_scale=None,
+                           scale_names: tuple[str, str] = ("k_scale", "v_scale")):
     """The shared end of single_prefill / single_decode preparation, after their
     own structural checks: scalars, configuration, placement, kernel, params.
-    k_scale / v_scale: as ops._scales.scale_key gave them (an FP8 cache's only).
+    k_scale / v_scale: as ops._scales.scale_key gave them (an FP8 cache's only),
+    named scale_names in errors (single prefill takes FlashInfer's scale_k / scale_v).
     Returns the prepared call (ops._calls.single_request_call)."""
-    _scales.check_scales_for(k.dtype, k_scale, v_scale)
-    scales = (_scales.scale_arg("k_scale", k_scale, q.device), _scales.scale_arg("v_scale", v_scale, q.device))
+    _scales.check_scales_for(k.dtype, k_scale, v_scale, names=scale_names)
+    scales = tuple(_scales.scale_arg(name, key, q.device) for name, key in zip(scale_names, (k_scale, v_scale)))
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
     spec = select_spec(op, q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,

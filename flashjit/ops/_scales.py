@@ -89,10 +89,10 @@ def scale_arg(name: str, key, device: torch.device) -> ScaleArg:
     return ScaleArg(value, 0)
 
 
-def check_scales_for(kv_dtype, k_scale, v_scale) -> None:
+def check_scales_for(kv_dtype, k_scale, v_scale, names: tuple[str, str] = ("k_scale", "v_scale")) -> None:
     """Scales belong to an FP8 cache: with a fp16/bf16/fp32 cache they are refused
     (NotImplementedError, as FlashInfer options flashjit does not take)."""
-    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+    for name, value in zip(names, (k_scale, v_scale)):
         if value is not None and not is_fp8(kv_dtype):
             raise NotImplementedError(f"{name}={value!r}: scales apply to an FP8 KV cache only (float8_e4m3fn / "
                                       f"float8_e5m2), and the cache is {kv_dtype}; for it, fold a key scale into "

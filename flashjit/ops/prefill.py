@@ -28,7 +28,10 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     Returns o like q, and with return_lse the base-2 log-sum-exp [qo_len, num_qo_heads].
     strict=True: a backend this GPU cannot run (fa3 off sm_90a) raises instead of running fa2.
     batch_invariant=True: the output is the one every op gives this request in
-    batch-invariant mode (docs/numerics.md); None: FLASHJIT_BATCH_INVARIANT."""
+    batch-invariant mode (docs/numerics.md); None: FLASHJIT_BATCH_INVARIANT.
+    k/v may be an FP8 cache (float8_e4m3fn, float8_e5m2) with q fp16 or bf16:
+    keys are k * scale_k, values v * scale_v (FlashInfer's names here; Python
+    floats or one-element float32 tensors, ops._scales; default 1)."""
     if is_compiling() or dispatch_modes():  # _dispatch.tracing()
         _check_traced_mode(batch_invariant)
         _check_options(q, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
@@ -38,6 +41,8 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
                                                         use_tensor_cores, strict)
         return (res[0], res[1]) if return_lse else res[0]
     # run_single's body, spelled out: one Python call less on a path measured against 10 us.
+    if scale_k is not None or scale_v is not None:  # the signature holds a tensor scale's address, not the tensor
+        scale_k, scale_v = _scales.scale_key(scale_k), _scales.scale_key(scale_v)
     invariant = _MODES[_environ_get(_ENV_KEY, b"")] if batch_invariant is None else _invariant.resolve(batch_invariant)
     options = (kv_layout, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal,
                pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend, return_lse,
@@ -59,22 +64,24 @@ def _check_traced_mode(batch_invariant) -> None:
 def run_single(q, k, v, kv_layout: str, options: tuple, batch_invariant=None):
     """The eager body of single_prefill_with_kv_cache; options in its argument order, scale_q to strict."""
     invariant = _invariant.resolve(batch_invariant)
+    scale_q, scale_k, scale_v, *rest = options
+    options = (scale_q, _scales.scale_key(scale_k), _scales.scale_key(scale_v), *rest)
     return run_single_request(_prepared, _prepare_single, q, k, v, (kv_layout, *options, invariant))
 
 
 def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal,
                     pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend,
                     return_lse, use_tensor_cores, strict, batch_invariant: bool = False):
-    _checks.check_unsupported(scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, custom_mask=custom_mask,
-                              packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
-                              use_fp16_qk_reduction=use_fp16_qk_reduction)
+    _checks.check_unsupported(scale_q=scale_q, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
+                              pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction)
     _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout)
     _check_o_dtype(q, o_dtype)
     return prepare_single_request("single_prefill", q, k, v, kv_layout, head_dim, num_qo_heads, num_kv_heads,
                                   causal=causal, sm_scale=sm_scale, window_left=window_left,
                                   logits_soft_cap=logits_soft_cap, backend=backend,
                                   use_tensor_cores=use_tensor_cores, return_lse=return_lse, strict=strict,
-                                  batch_invariant=batch_invariant)
+                                  batch_invariant=batch_invariant, k_scale=scale_k, v_scale=scale_v,
+                                  scale_names=("scale_k", "scale_v"))
 
 
 def _check_options(q, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
@@ -131,11 +138,19 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
 
     _op = "batch_prefill_ragged"
 
-    def run(self, q, k, v, *args, out=None, lse=None, return_lse: bool = False, enable_pdl=None):
+    def run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse: bool = False, enable_pdl=None):
+        """k_scale / v_scale (an FP8 K/V's dequantisation scales): Python floats or
+        one-element float32 tensors, which the kernel reads (ops._scales)."""
         if args:
             _checks.check_no_extra_args("run()", args)
+        _checks.check_unsupported(q_scale=q_scale)
         if is_compiling() or dispatch_modes():  # _dispatch.tracing()
+            _checks.check_unsupported(k_scale=k_scale, v_scale=v_scale)
             return _dispatch.run_batch(self, q, k, v, out, lse, return_lse)
+        if k_scale is not None or v_scale is not None:
+            return self._run(q, k, v, out, lse, return_lse, scales=(_scales.scale_key(k_scale),
+                                                                    _scales.scale_key(v_scale)))
         if lse is None:  # the last run, if these tensors are its signature (ops._calls.Signatures)
             if out is None:
                 known, check, call = self._launches.fast
@@ -147,12 +162,13 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
                     return call(q, k, v, out, None)
         return self._run(q, k, v, out, lse, return_lse)
 
-    def _run(self, q, k, v, out, lse, return_lse: bool, window_left=None):
-        """run()'s eager body (window_left: the paged wrappers' argument, never given here)."""
+    def _run(self, q, k, v, out, lse, return_lse: bool, window_left=None, scales=(None, None)):
+        """run()'s eager body (window_left: the paged wrappers' argument, never given here);
+        scales: (k_scale, v_scale) as ops._scales.scale_key gave them."""
         try:
             key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
                    v.dtype, v.device, return_lse, out if out is None else tensor_signature(out),
-                   lse if lse is None else tensor_signature(lse))
+                   lse if lse is None else tensor_signature(lse), scales)
             launches = self._launches
             last_key, launch = launches.last
             if key != last_key:
@@ -162,7 +178,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
         except (AttributeError, TypeError):  # no tensors, or an unhashable option: the checks say which
             key = launch = None
         if launch is not None:
-            if lse is None:
+            if lse is None and scales == (None, None):
                 fill_slot(launches, return_lse, out, launch)
             return launch(q, k, v, out, lse)
         plan = self._plan
@@ -176,12 +192,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
             at_least = "at least " if plan.graph_tokens else ""
             raise ValueError(f"k: expected {at_least}{plan.kv_tokens} tokens (kv_indptr[-1] as planned) in layout "
                              f"{self._kv_layout}, got {kv_len} (shape {tuple(k.shape)})")
+        _scales.check_scales_for(k.dtype, *scales)
+        checked = tuple(_scales.scale_arg(name, key, q.device) for name, key in zip(("k_scale", "v_scale"), scales))
         out, lse = self._outputs(q, plan, out, lse, return_lse)
         _, _, _, k_sn, k_sh = _checks.kv_dims("k", k, self._kv_layout)
         _, _, _, v_sn, v_sh = _checks.kv_dims("v", v, self._kv_layout)
-        launch = self._launch(q, k, v, (k_sn, k_sh, 0), (v_sn, v_sh, 0), out, lse)
+        launch = self._launch(q, k, v, (k_sn, k_sh, 0), (v_sn, v_sh, 0), out, lse, scales=checked)
         keep_run(self._launches, key, launch, (q, k, v) if given_out is None else (q, k, v, given_out), return_lse,
-                 given_out, given_lse is None)
+                 given_out, given_lse is None and scales == (None, None))
         return (out, lse) if return_lse else out
 
     def _check_planned(self, q, k, v, plan, window_left=None) -> None:
@@ -194,8 +212,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
     def _check_kv(self, name: str, t, plan) -> None:
         """k or v against the plan: rank, dtype, kv heads, head_dim in the wrapper's layout."""
         _checks.check_tensor(name, t, 3, kv=True)
-        if t.dtype != plan.q_dtype:
-            raise ValueError(f"{name}: expected dtype {plan.q_dtype} as planned (kv_data_type), got {t.dtype}")
+        kv_dtype = getattr(torch, plan.module.spec.dtype_kv)
+        if t.dtype != kv_dtype:
+            fp8 = _scales.is_fp8(t.dtype) or _scales.is_fp8(kv_dtype)
+            hint = f"; plan with kv_data_type={t.dtype} for it" if fp8 else ""
+            raise ValueError(f"{name}: expected dtype {kv_dtype} as planned (kv_data_type), got {t.dtype}{hint}")
         _, heads, dim, _, _ = _checks.kv_dims(name, t, self._kv_layout)
         if (heads, dim) != (plan.num_kv_heads, plan.head_dim):
             other_heads = t.shape[0] if self._kv_layout == "NHD" else t.shape[1]

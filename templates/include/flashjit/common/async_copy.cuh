@@ -27,6 +27,11 @@ __device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, bool v
 __device__ __forceinline__ void st_shared_zero_16(uint32_t addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
 }
+// One 16-byte shared-memory store by address.
+__device__ __forceinline__ void st_shared_16(uint32_t addr, const uint4& v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
 // One 16-byte shared-memory load by address (of data this thread copied).
 __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
   uint4 raw;

@@ -219,6 +219,13 @@ __device__ __forceinline__ KvRows<T, kPaged> kv_rows(const FlashjitAttentionPara
   return r;
 }
 
+// An FP8 cache's dequantisation scale: the device float when the host passed
+// one (read after the grid dependency wait, so a CUDA graph replays with the
+// value it holds then), else the float in the params.
+__device__ __forceinline__ float kv_scale_value(const float* device_value, float value) {
+  return device_value != nullptr ? *device_value : value;
+}
+
 // Bottom-right aligned masks: query i of a request sees keys j with
 // j <= i + kv_len - qo_len (causal) and j >= that bound - window_left (window).
 template <bool kCausal, bool kWindow>

@@ -142,12 +142,11 @@ struct DecodeKvRows {
   }
 };
 
-// An FP8 cache's scale (the device float when given, read after the grid
-// dependency wait); exactly 1 for K/V of q's dtype, which read nothing.
+// An FP8 cache's scale (kv_scale_value); exactly 1 for K/V of q's dtype, which read nothing.
 template <class Traits>
 __device__ __forceinline__ float kv_scale(const float* device_value, float value) {
   if constexpr (Traits::kKvFp8) {
-    return device_value != nullptr ? *device_value : value;
+    return kv_scale_value(device_value, value);
   } else {
     return 1.f;
   }

@@ -25,6 +25,7 @@
 #include <type_traits>
 #include "flashjit/common/async_copy.cuh"
 #include "flashjit/fa2/fa2_epilogue.cuh"
+#include "flashjit/fa2/fa2_fp8.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/fa2/fa2_softmax.cuh"
 #include "flashjit/fa2/fa2_traits.cuh"
@@ -78,6 +79,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // (docs/fa2.md, "Tilings and why").
   constexpr bool kPlainCausal = Traits::kCausal && !Traits::kSoftCap && !Traits::kWindow;
   constexpr int kCopySpan = (kWideQk && kPlainCausal) ? 128 : ROW_BYTES;
+  // An FP8 cache (fa2_fp8.cuh): rows of codes are copied as pairs of codes
+  // (16-bit words, so the copies keep their 16-byte chunks and element
+  // strides halve) into slots of StageLayout, one whole row a span.
+  constexpr bool kFp8 = Traits::kKvFp8;
+  using CopyT = std::conditional_t<kFp8, uint16_t, T>;
+  constexpr int COPY_D = kFp8 ? D / 2 : D, KV_COPY_SPAN = kFp8 ? D : kCopySpan;
+  constexpr int kStride = kFp8 ? 2 : 1;
+  using StageLayout = typename Traits::KvStageLayout;
   // Commit groups are [Q + K_0], [V_0], [K_1], [V_1], ...; see the main loop.
   // With kOneWait, wait_group(2S-4) at the top of tile t completes V_t as well.
   constexpr int kWaitK = 2 * STAGES - 3, kWaitV = 2 * STAGES - 2, kWaitKV = 2 * STAGES - 4;
@@ -91,6 +100,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const uint32_t kv_smem = kTma ? (q_smem + Traits::kQBytes + Traits::kKvAlign - 1) & ~uint32_t(Traits::kKvAlign - 1)
                                 : q_smem + Traits::kQBytes;
   const uint32_t kv_bars = kv_smem + STAGES * Traits::kStageBytes;
+  // FP8: the widened K and V tiles every warp's math reads.
+  const uint32_t widened_k = kv_smem + STAGES * Traits::kStageBytes, widened_v = widened_k + Traits::kKvTileBytes;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = kLeanLoop ? fa2::warp_uniform(tid / 32) : tid / 32;
   if constexpr (kTma) {
@@ -136,8 +147,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // (fa2_softmax.cuh).
   float o[FM][NT_O][4];
   fa2::WarpSoftmax<Traits> softmax;
-  softmax.scale = Traits::kSoftCap ? 1.f : p.sm_scale * kLog2e;
-  softmax.cap_in = Traits::kSoftCap ? p.sm_scale / p.logits_soft_cap : 0.f;
+  // An FP8 cache's k_scale multiplies every logit (keys are codes x k_scale).
+  const float k_scale = kFp8 ? kv_scale_value(p.k_scale_ptr, p.k_scale) : 1.f;
+  softmax.scale = Traits::kSoftCap ? 1.f : p.sm_scale * k_scale * kLog2e;
+  softmax.cap_in = Traits::kSoftCap ? p.sm_scale * k_scale / p.logits_soft_cap : 0.f;
   softmax.cap_out = Traits::kSoftCap ? p.logits_soft_cap * kLog2e : 0.f;
 #pragma unroll
   for (int f = 0; f < FM; ++f) {
@@ -167,8 +180,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
     }
     const T* q_base = static_cast<const T*>(p.q);
-    const auto k_rows = kv_rows<T, Traits::kPaged>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page);
-    const auto v_rows = kv_rows<T, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page);
+    const auto k_rows = kv_rows<CopyT, Traits::kPaged>(p, w, p.k, p.k_stride_n / kStride, p.k_stride_h / kStride,
+                                                       p.k_stride_page / kStride);
+    const auto v_rows = kv_rows<CopyT, Traits::kPaged>(p, w, p.v, p.v_stride_n / kStride, p.v_stride_h / kStride,
+                                                       p.v_stride_page / kStride);
 
     // ---- Q tile -> swizzled shared memory (first commit group: with K_0, or alone with TMA).
     fa2::copy_q_tile<QLayout, ROWS, D, THREADS, kCopySpan>(p, w, q_base, q_smem, rows_total, tid);
@@ -180,14 +195,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     constexpr int LOAD_KEYS = Traits::kSplitKeys ? WKEYS : KEYS;
     constexpr int LOAD_THREADS = Traits::kSplitKeys ? 32 : THREADS;
     const int load_tid = Traits::kSplitKeys ? lane : tid;
-    const uint32_t load_off = warp_key0 * KV_PITCH;
+    const uint32_t load_off = warp_key0 * StageLayout::kPitch;
+    // Per-thread copy addresses computed once (fa2::RaggedTileCopy, fa2::PagedTileCopy).
+    using Copy = std::conditional_t<
+        Traits::kPaged, fa2::PagedTileCopy<CopyT, StageLayout, LOAD_KEYS, COPY_D, LOAD_THREADS, KV_COPY_SPAN>,
+        fa2::RaggedTileCopy<CopyT, StageLayout, LOAD_KEYS, COPY_D, LOAD_THREADS, KV_COPY_SPAN>>;
     // Pages of this thread's rows of the next tile to issue (K and V share
     // them), looked up one tile ahead of the copy.
-    constexpr int kPageRows = fa2::TileRows<LOAD_KEYS, D, LOAD_THREADS, kCopySpan>::kPerThread;
-    int pages[kPageRows];
-    // Per-thread copy addresses computed once (fa2::RaggedTileCopy, fa2::PagedTileCopy).
-    using Copy = std::conditional_t<Traits::kPaged, fa2::PagedTileCopy<T, KvLayout, LOAD_KEYS, D, LOAD_THREADS, kCopySpan>,
-                                    fa2::RaggedTileCopy<T, KvLayout, LOAD_KEYS, D, LOAD_THREADS, kCopySpan>>;
+    int pages[Copy::R::kPerThread];
     const Copy k_copy(k_rows, load_tid), v_copy(v_rows, load_tid);
     auto lookup = [&](int tile) {
       if constexpr (Traits::kPaged) {
@@ -199,7 +214,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     };
     // Issues tile `tile`'s K (or V) into its ring slot and commits one group;
     // past the last tile it commits an empty group so the counts stay uniform.
-    auto issue = [&](const Copy& copy, const T* fallback, int tile, uint32_t tile_off) {
+    auto issue = [&](const Copy& copy, const CopyT* fallback, int tile, uint32_t tile_off) {
       if (tile < num_tiles) {
         const int k0 = key_begin + tile * KEYS + warp_key0;
         const uint32_t dst = kv_smem + (tile % STAGES) * Traits::kStageBytes + tile_off + load_off;
@@ -212,7 +227,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       cp_async_commit();
     };
     auto issue_k = [&](int tile) { issue(k_copy, k_rows.base, tile, 0); };
-    auto issue_v = [&](int tile) { issue(v_copy, v_rows.base, tile, Traits::kKvTileBytes); };
+    auto issue_v = [&](int tile) { issue(v_copy, v_rows.base, tile, Traits::kStageTileBytes); };
     // The barrier that makes a landed tile visible to the threads that read it.
     auto tile_barrier = [] {
       if constexpr (Traits::kSplitKeys) {
@@ -413,8 +428,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // (Unrolled by its stages, so that ring-slot offsets are immediates, this
     // loop ran no faster once the softmax was one basic block.)
     for (int t = 0; t < num_tiles; ++t) {
-      const uint32_t k_s = kv_smem + (t % STAGES) * Traits::kStageBytes;
-      const uint32_t v_s = k_s + Traits::kKvTileBytes;
+      const uint32_t slot = kv_smem + (t % STAGES) * Traits::kStageBytes;
+      const uint32_t k_s = kFp8 ? widened_k : slot, v_s = kFp8 ? widened_v : slot + Traits::kKvTileBytes;
       const uint32_t k_lane = kLeanLoop ? fa2::opaque(k_s + b_off0) : 0, v_lane = kLeanLoop ? fa2::opaque(v_s + v_off0) : 0;
       const int t0 = key_begin + t * KEYS;
 
@@ -430,7 +445,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
         ring.template issue<kCopySpan>(p, tma_arg.maps, w, t + STAGES - 1);
       } else {
-        if constexpr (Traits::kOneWait) {
+        if constexpr (Traits::kOneWait || kFp8) {
           cp_async_wait<kWaitKV>();
         } else {
           cp_async_wait<kWaitK>();
@@ -439,6 +454,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         issue_k(t + STAGES - 1);
         issue_v(t + STAGES - 1);
         lookup(t + STAGES);
+        if constexpr (kFp8) {
+          // Tile t's codes -> the widened K/V pair: the barrier above proved
+          // every reader done with tile t - 1's; with split keys each warp
+          // widens its own rows.
+          constexpr int WIDEN_ROWS = Traits::kSplitKeys ? WKEYS : KEYS;
+          const uint32_t rows_off = warp_key0 * KV_PITCH;
+          fa2::widen_fp8_tile<typename Traits::KvType, T, KvLayout, WIDEN_ROWS, D, LOAD_THREADS>(
+              slot + load_off, widened_k + rows_off, load_tid);
+          fa2::widen_fp8_tile<typename Traits::KvType, T, KvLayout, WIDEN_ROWS, D, LOAD_THREADS>(
+              slot + Traits::kStageTileBytes + load_off, widened_v + rows_off, load_tid);
+          tile_barrier();
+        }
       }
 
 #pragma unroll
@@ -453,7 +480,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
           for (int f = 0; f < FM; ++f) softmax.exp_to_p(s, pa, f);
         }
-        if (!Traits::kOneWait && !kTma && h == 0) {  // V of the whole tile, before the first step's P.V
+        if (!Traits::kOneWait && !kTma && !kFp8 && h == 0) {  // V of the whole tile, before the first step's P.V
           cp_async_wait<kWaitV>();
           tile_barrier();
         }
@@ -472,6 +499,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // own Q rows are only ever read by this warp: no CTA barrier needed below.
   }
 
+  if constexpr (kFp8) {  // v_scale: values are codes x v_scale, and O is linear in them
+    const float v_scale = kv_scale_value(p.v_scale_ptr, p.v_scale);
+#pragma unroll
+    for (int f = 0; f < FM; ++f)
+#pragma unroll
+      for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[f][n][e] *= v_scale;
+  }
   if constexpr (Traits::kSplitKeys) {
     if (!fa2::merge_warp_states<Traits>(o, softmax.m, softmax.l, smem, softmax.scale)) return;
   }

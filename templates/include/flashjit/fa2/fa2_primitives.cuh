@@ -222,6 +222,16 @@ using RowMajorTile = SwizzledTile<kRowBytes, 128>;
 template <int kRows>
 using BlockedTile = SwizzledTile<128, kRows * 128>;
 
+// An unswizzled tile of kPitch-byte rows: FP8 code tiles, which are read back
+// once, a 16-byte chunk per thread in row order (fa2_fp8.cuh), never by ldmatrix.
+template <int kPitch_>
+struct PlainTile {
+  static constexpr int kPitch = kPitch_;
+  __device__ __forceinline__ static uint32_t at(int row, int chunk) { return static_cast<uint32_t>(row * kPitch + chunk * 16); }
+  __device__ __forceinline__ static uint32_t at(int row, int chunk, int) { return at(row, chunk); }
+  __host__ __device__ static constexpr int block(int b) { return b * 128; }
+};
+
 // Rows of a kRows-key tile that thread `tid` copies: row tid / kChunks + i *
 // kRowsPerPass, and of each row chunk tid % kChunks of every kSpanBytes-byte
 // span (kSpans of them), so that a warp's copies read whole spans (coalesced).
@@ -235,8 +245,10 @@ struct TileRows {
   static constexpr int kSpans = kDim * 2 / kSpanBytes;
   static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kPerThread = kRows / kRowsPerPass;
-  static_assert(kSpanBytes % 128 == 0 && kDim * 2 % kSpanBytes == 0 && kThreads % kChunks == 0 &&
-                    kRows % kRowsPerPass == 0,
+  // Whole 128-byte lines, or one span of a whole row (64-byte rows of FP8
+  // codes at head_dim 64, into a PlainTile).
+  static_assert((kSpanBytes % 128 == 0 || kSpanBytes == kDim * 2) && kDim * 2 % kSpanBytes == 0 &&
+                    kThreads % kChunks == 0 && kRows % kRowsPerPass == 0,
                 "whole 128-byte lines, spans and passes");
   // Shared-memory offset of span j of a row from span 0, in a tile of layout L.
   template <class L>

@@ -10,11 +10,15 @@
 
 namespace flashjit {
 
-template <class DType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
+template <class DType_, class KvType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
           bool kOneWait_, bool kFencePv_, bool kTmaKv_, bool kSlotRelease_, bool kQInRegs_, int kMinBlocksPerSm_,
           bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
 struct Fa2Traits {
   using DType = DType_;
+  // The K/V cache's element type: DType, or an FP8 format whose tiles land in
+  // shared memory as codes and are widened to DType there (fa2_fp8.cuh).
+  using KvType = KvType_;
+  static constexpr bool kKvFp8 = !std::is_same<KvType_, DType_>::value;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kWarps = kWarps_;
   // m16 row fragments per warp (1 or 2): each K / V B-fragment loaded by
@@ -40,7 +44,7 @@ struct Fa2Traits {
   // K/V tiles loaded by the TMA unit (sm_90a; tma.cuh) instead of every
   // thread's cp.async, into the blocked layout its 128-byte swizzle writes.
   // Ragged rows only (pages would need one load per row) and rows-split mode.
-  static constexpr bool kTmaKv = kTmaKv_ && !kPaged_ && !kSplitKeys_;
+  static constexpr bool kTmaKv = kTmaKv_ && !kPaged_ && !kSplitKeys_ && !kKvFp8;
   // With TMA: each warp hands a ring slot back through the slot's "empty"
   // mbarrier once done with it, and the slot's next load waits on that, where
   // a CTA barrier per tile made every warp wait for every other one
@@ -56,7 +60,7 @@ struct Fa2Traits {
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
   // The same kernel shape under another register cap.
   template <int kOtherMinBlocksPerSm>
-  using WithMinBlocks = Fa2Traits<DType_, kHeadDim_, kWarps_, kFragsM_, kKeysPerTile_, kSubTiles_, kStages_, kOneWait_,
+  using WithMinBlocks = Fa2Traits<DType_, KvType_, kHeadDim_, kWarps_, kFragsM_, kKeysPerTile_, kSubTiles_, kStages_, kOneWait_,
                                   kFencePv_, kTmaKv_, kSlotRelease_, kQInRegs_, kOtherMinBlocksPerSm, kSplitKeys_, kPaged_, kCausal_, kWindow_, kSoftCap_,
                                   kLse_>;
   // Warps split each tile's keys instead of the rows (decode: the rows are
@@ -83,9 +87,15 @@ struct Fa2Traits {
   // where the TMA unit writes them.
   using QLayout = fa2::RowMajorTile<kRowBytes>;
   using KvLayout = std::conditional_t<kTmaKv, fa2::BlockedTile<kKeysPerTile_>, fa2::RowMajorTile<kRowBytes>>;
+  // Where the K/V copies land: the ring slots themselves, or, with an FP8
+  // cache, slots of codes (kHeadDim bytes a row, unswizzled) that one pass per
+  // tile widens into a single K/V pair of KvLayout tiles after the ring.
+  static constexpr int kKvRowBytes = kHeadDim * int(sizeof(KvType_));
+  using KvStageLayout = std::conditional_t<kKvFp8, fa2::PlainTile<kKvRowBytes>, KvLayout>;
 
   static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
                 "fa2 tensor-core attention takes __half or __nv_bfloat16");
+  static_assert(!kKvFp8 || sizeof(KvType_) == 1, "K/V of q's dtype, or FP8 codes");
   static_assert(kHeadDim % 64 == 0, "head_dim must be a multiple of 64 (swizzle spans 8 chunks)");
   static_assert(kKeysPerWarp % 16 == 0 && kKeysPerWarp * (kSplitKeys ? kWarps : 1) == kKeysPerTile,
                 "keys per tile (per warp when warps split them): a multiple of 16");
@@ -98,21 +108,25 @@ struct Fa2Traits {
   static_assert(kKeysPerTile % kCopyRowsPerPass == 0 && kRowsPerCta % kCopyRowsPerPass == 0,
                 "tile rows must be a multiple of the rows one copy pass covers");
 
-  // Shared memory, in bytes: [Q | stage 0: K, V | stage 1: K, V | ...]; every
-  // offset is a multiple of 128 bytes.
+  // Shared memory, in bytes: [Q | stage 0: K, V | stage 1: K, V | ...], and
+  // with an FP8 cache the widened [K | V] pair after the stages; every offset
+  // is a multiple of 128 bytes.
   static constexpr int kQBytes = kRowsPerCta * kRowBytes;
   static constexpr int kKvTileBytes = kKeysPerTile * kRowBytes;
-  static constexpr int kStageBytes = 2 * kKvTileBytes;
+  static constexpr int kStageTileBytes = kKeysPerTile * kKvRowBytes;
+  static constexpr int kStageBytes = 2 * kStageTileBytes;
+  static constexpr int kWidenedBytes = kKvFp8 ? 2 * kKvTileBytes : 0;
   // With TMA the K/V stages start at a 1024-byte boundary (the swizzle's
   // period), and 8-byte mbarriers follow them: per stage, its tile landed,
   // and with kSlotRelease every warp is done with it.
   static constexpr int kKvAlign = kTmaKv ? 1024 : 128;
   static constexpr int kStageBarriers = kTmaKv ? (kSlotRelease ? 2 : 1) : 0;
-  static constexpr size_t kSmemBytes = size_t(kQBytes) + size_t(kStages) * kStageBytes +
+  static constexpr size_t kSmemBytes = size_t(kQBytes) + size_t(kStages) * kStageBytes + kWidenedBytes +
                                        (kTmaKv ? kKvAlign - 128 + 8 * kStageBarriers * kStages : 0);
-  // Split keys: each lane's O, m and l per warp, exchanged through the stages.
+  // Split keys: each lane's O, m and l per warp, exchanged through the stages
+  // (and the widened tiles after them).
   static constexpr int kMergeValues = kFragsM * (kHeadDim / 8) * 4 + kFragsM * 4;
-  static_assert(!kSplitKeys || size_t(kWarps) * kMergeValues * 32 * 4 <= size_t(kStages) * kStageBytes,
+  static_assert(!kSplitKeys || size_t(kWarps) * kMergeValues * 32 * 4 <= size_t(kStages) * kStageBytes + kWidenedBytes,
                 "the warps' states must fit in the K/V stages to merge");
 };
 

@@ -1,0 +1,190 @@
+"""FP8 KV caches on tensor cores (the fa2 kernels, which widen each landed tile
+of codes to q's dtype in shared memory): paged decode, paged, ragged and single
+prefill against float64 attention over the dequantised cache within their
+profiles; decode against paged prefill of the same requests within the sum of
+both profiles; the soft-cap; a captured decode that reads new scale tensors at
+each replay. On sm_90a the automatic backend choice runs fa2 for them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flashjit
+from flashjit.reference import ragged_reference
+from flashjit.spec import canonical_dtype
+from sweep import FP8_KV_DTYPES, FP8_PAGE_SIZES, FP8_Q_DTYPES, HEAD_DIMS, HEADS, spec_for
+from test_gpu_attention import poison_allocator, randn
+from test_gpu_fp8 import DECODE_LENS, K_SCALE, V_SCALE, Fp8PagedBatch, check_fp8, codes, f32, fp8_id, reference
+from test_gpu_paged import indptr_of, workspace
+
+pytestmark = pytest.mark.gpu
+
+# Prefill requests: (query tokens, keys); one with no keys, one query longer than its keys' tile.
+PREFILL = [(1, 1), (37, 300), (128, 128), (16, 1000), (70, 70), (0, 5), (5, 0)]
+
+
+def tc_spec(op: str, q_dtype, kv_dtype, head_dim: int, causal: bool = False, variant: str = "plain"):
+    return spec_for(op, q_dtype, head_dim, causal, variant, tensor_cores=True).replace(
+        dtype_kv=canonical_dtype(kv_dtype))
+
+
+def prefill_reference(q, batch, qo_lens, causal, **kw):
+    return ragged_reference(q, batch.k, batch.v, indptr_of(qo_lens), batch.kv_indptr, causal=causal,
+                            k_scale=f32(K_SCALE), v_scale=f32(V_SCALE), **kw)
+
+
+@pytest.mark.parametrize("page_size", FP8_PAGE_SIZES, ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
+@pytest.mark.parametrize("q_dtype", FP8_Q_DTYPES, ids=str)
+def test_fp8_paged_decode_tensor_cores(prewarmed, error_report, q_dtype, kv_dtype, head_dim, heads, page_size):
+    num_qo, num_kv = heads
+    batch = Fp8PagedBatch(DECODE_LENS, page_size, num_kv, head_dim, kv_dtype)
+    q = randn(len(DECODE_LENS), num_qo, head_dim, dtype=q_dtype)
+    wrapper = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=True)
+    wrapper.plan(batch.indptr, batch.indices, batch.last, num_qo, num_kv, head_dim, page_size, q_data_type=q_dtype,
+                 kv_data_type=kv_dtype)
+    spec = tc_spec("batch_decode_paged", q_dtype, kv_dtype, head_dim)
+    assert wrapper._plan.module.spec == spec
+    poison_allocator()
+    out, lse = wrapper.run(q, batch.cache, k_scale=K_SCALE, v_scale=V_SCALE, return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = reference(q, batch.k, batch.v, DECODE_LENS)
+    check_fp8(spec, out, ref, q, batch.k, batch.v, max(DECODE_LENS), error_report, "fp8_tc_decode_paged", lse=lse,
+              ref_lse=ref_lse, shape=f"mixed-page{page_size}", heads=heads)
+    empty = DECODE_LENS.index(0)
+    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("page_size", FP8_PAGE_SIZES, ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
+@pytest.mark.parametrize("q_dtype", FP8_Q_DTYPES, ids=str)
+def test_fp8_paged_prefill(prewarmed, error_report, q_dtype, kv_dtype, head_dim, page_size, causal):
+    (num_qo, num_kv) = (8, 2)
+    qo_lens, kv_lens = zip(*PREFILL)
+    batch = Fp8PagedBatch(kv_lens, page_size, num_kv, head_dim, kv_dtype)
+    q = randn(sum(qo_lens), num_qo, head_dim, dtype=q_dtype)
+    qo_indptr = torch.tensor(indptr_of(qo_lens), dtype=torch.int32, device="cuda")
+    wrapper = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+    wrapper.plan(qo_indptr, batch.indptr, batch.indices, batch.last, num_qo, num_kv, head_dim, page_size,
+                 causal=causal, q_data_type=q_dtype, kv_data_type=kv_dtype)
+    spec = tc_spec("batch_prefill_paged", q_dtype, kv_dtype, head_dim, causal)
+    assert wrapper._plan.module.spec == spec  # fa2 also on sm_90a: fa3 reads no FP8 cache yet
+    poison_allocator()
+    out, lse = wrapper.run(q, batch.cache, k_scale=K_SCALE, v_scale=V_SCALE, return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = prefill_reference(q, batch, qo_lens, causal)
+    check_fp8(spec, out, ref, q, batch.k, batch.v, max(kv_lens), error_report, "fp8_paged_prefill", lse=lse,
+              ref_lse=ref_lse, shape=f"mixed-page{page_size}", heads=(num_qo, num_kv))
+
+
+@pytest.mark.parametrize("variant", ["plain", "softcap"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
+@pytest.mark.parametrize("q_dtype", FP8_Q_DTYPES, ids=str)
+def test_fp8_ragged_prefill_tensor_scales(prewarmed, error_report, q_dtype, kv_dtype, head_dim, variant):
+    """Causal ragged prefill over FP8 K/V, scales as one-element float32 tensors."""
+    if variant == "softcap" and (head_dim != 128 or q_dtype != torch.bfloat16):
+        pytest.skip("the soft-cap runs at d128 bf16 (sweep.fp8_tensor_core_specs)")
+    num_qo, num_kv = 8, 2
+    qo_lens, kv_lens = zip(*PREFILL)
+    k = codes(sum(kv_lens), num_kv, head_dim, kv_dtype=kv_dtype, scale=K_SCALE)
+    v = codes(sum(kv_lens), num_kv, head_dim, kv_dtype=kv_dtype, scale=V_SCALE)
+    q = randn(sum(qo_lens), num_qo, head_dim, dtype=q_dtype, scale=3.0 if variant == "softcap" else 1.0)
+    kw = {"logits_soft_cap": 30.0} if variant == "softcap" else {}
+    wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(), "NHD")
+    wrapper.plan(torch.tensor(indptr_of(qo_lens), dtype=torch.int32, device="cuda"),
+                 torch.tensor(indptr_of(kv_lens), dtype=torch.int32, device="cuda"), num_qo, num_kv, head_dim,
+                 causal=True, q_data_type=q_dtype, kv_data_type=kv_dtype, **kw)
+    spec = tc_spec("batch_prefill_ragged", q_dtype, kv_dtype, head_dim, True, variant)
+    assert wrapper._plan.module.spec == spec
+    scales = torch.tensor([K_SCALE], device="cuda"), torch.tensor([V_SCALE], device="cuda")
+    poison_allocator()
+    out, lse = wrapper.run(q, k.to(kv_dtype), v.to(kv_dtype), k_scale=scales[0], v_scale=scales[1], return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = ragged_reference(q, k, v, indptr_of(qo_lens), indptr_of(kv_lens), causal=True,
+                                    k_scale=f32(K_SCALE), v_scale=f32(V_SCALE), **kw)
+    check_fp8(spec, out, ref, q, k, v, max(kv_lens), error_report, f"fp8_ragged_prefill_{variant}", lse=lse,
+              ref_lse=ref_lse, shape="mixed", heads=(num_qo, num_kv))
+
+
+@pytest.mark.parametrize("qo_len,kv_len", [(1, 1), (37, 300), (300, 1000), (16, 5000)])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
+@pytest.mark.parametrize("q_dtype", FP8_Q_DTYPES, ids=str)
+def test_fp8_single_prefill(prewarmed, error_report, q_dtype, kv_dtype, head_dim, qo_len, kv_len):
+    """FlashInfer's scale_k / scale_v; 5000 keys split across CTAs and merged."""
+    num_qo, num_kv = 8, 2
+    q = randn(qo_len, num_qo, head_dim, dtype=q_dtype)
+    k = codes(kv_len, num_kv, head_dim, kv_dtype=kv_dtype, scale=K_SCALE)
+    v = codes(kv_len, num_kv, head_dim, kv_dtype=kv_dtype, scale=V_SCALE)
+    poison_allocator()
+    out = flashjit.single_prefill_with_kv_cache(q, k.to(kv_dtype), v.to(kv_dtype), scale_k=K_SCALE, scale_v=V_SCALE)
+    torch.cuda.synchronize()
+    ref, _ = ragged_reference(q, k, v, [0, qo_len], [0, kv_len], k_scale=f32(K_SCALE), v_scale=f32(V_SCALE))
+    spec = tc_spec("single_prefill", q_dtype, kv_dtype, head_dim)
+    check_fp8(spec, out, ref, q, k, v, kv_len, error_report, "fp8_single_prefill", shape=f"{qo_len}x{kv_len}",
+              heads=(num_qo, num_kv))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
+def test_fp8_decode_matches_paged_prefill(prewarmed, kv_dtype):
+    """One query token per request through tensor-core decode and through paged
+    prefill of the same pages: within the sum of their profiles of each other."""
+    q_dtype, head_dim, (num_qo, num_kv), page_size = torch.bfloat16, 128, (8, 2), 16
+    lens = [1, 300, 2000, 77]
+    batch = Fp8PagedBatch(lens, page_size, num_kv, head_dim, kv_dtype)
+    q = randn(len(lens), num_qo, head_dim, dtype=q_dtype)
+    decode = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=True)
+    decode.plan(batch.indptr, batch.indices, batch.last, num_qo, num_kv, head_dim, page_size, q_data_type=q_dtype,
+                kv_data_type=kv_dtype)
+    prefill = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+    prefill.plan(torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda"), batch.indptr, batch.indices,
+                 batch.last, num_qo, num_kv, head_dim, page_size, q_data_type=q_dtype, kv_data_type=kv_dtype)
+    a = decode.run(q, batch.cache, k_scale=K_SCALE, v_scale=V_SCALE)
+    b = prefill.run(q, batch.cache, k_scale=K_SCALE, v_scale=V_SCALE)
+    torch.cuda.synchronize()
+    ref, _ = reference(q, batch.k, batch.v, lens)
+    k, v = batch.k.double() * f32(K_SCALE), batch.v.double() * f32(V_SCALE)
+    tols = [flashjit.tolerance(w._plan.module.spec, q=q, k=k, v=v, kv_len=max(lens), sm_scale=1 / math.sqrt(head_dim))
+            for w in (decode, prefill)]
+    bound = sum(t.atol for t in tols) + sum(t.rtol for t in tols) * ref.abs()
+    gap = (a.double() - b.double()).abs()
+    assert bool((gap <= bound).all()), f"decode and prefill differ by {float((gap - bound).max()):.3g} past the bound"
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
+def test_fp8_tensor_core_decode_graph_replays_with_new_scales(prewarmed, error_report, kv_dtype):
+    q_dtype, head_dim, (num_qo, num_kv), page_size = torch.float16, 128, (16, 4), 16
+    kv_lens = [100, 7, 3000, 64]
+    batch = Fp8PagedBatch(kv_lens, page_size, num_kv, head_dim, kv_dtype)
+    page_buf = torch.zeros(batch.num_pages, dtype=torch.int32, device="cuda")
+    wrapper = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace(), use_cuda_graph=True, use_tensor_cores=True,
+                                                          paged_kv_indices_buffer=page_buf)
+    wrapper.plan(batch.indptr, batch.indices, batch.last, num_qo, num_kv, head_dim, page_size, q_data_type=q_dtype,
+                 kv_data_type=kv_dtype)
+    q = randn(len(kv_lens), num_qo, head_dim, dtype=q_dtype)
+    out = torch.empty_like(q)
+    k_scale, v_scale = torch.tensor([K_SCALE], device="cuda"), torch.tensor([V_SCALE], device="cuda")
+    for _ in range(2):
+        wrapper.run(q, batch.cache, k_scale=k_scale, v_scale=v_scale, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, batch.cache, k_scale=k_scale, v_scale=v_scale, out=out)
+    spec = tc_spec("batch_decode_paged", q_dtype, kv_dtype, head_dim)
+    for ks, vs in ((K_SCALE, V_SCALE), (0.05, 3.0), (1.5, 0.25)):
+        k_scale.fill_(ks)
+        v_scale.fill_(vs)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = reference(q, batch.k, batch.v, kv_lens, ks, vs)
+        check_fp8(spec, out, ref, q, batch.k, batch.v, max(kv_lens), error_report, "fp8_tc_graph_replay",
+                  k_scale=ks, v_scale=vs, shape=str(kv_lens), heads=(num_qo, num_kv))
