@@ -46,7 +46,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee
 start=$(date +%s)
 test_rc=skipped
 targets=(tests)  # fp8: the FP8 KV-cache GPU test files alone
-[ "$MODE" = fp8 ] && targets=($(ls tests/test_gpu_fp8.py tests/test_gpu_*fp8*.py 2>/dev/null | sort -u))
+[ "$MODE" = fp8 ] && targets=($(ls tests/test_gpu_fp8.py tests/test_gpu_*fp8*.py 2>/dev/null | sort -u)) &&
+  export FLASHJIT_PREWARM_FP8=1  # the prewarm fixture builds the FP8 configurations alone
 if [ "$MODE" != bench ] && [ -z "${SKIP_TESTS:-}" ]; then
 selection=()
 [ "$MODE" = mla ] && selection=(-k mla) && export FLASHJIT_PREWARM_OPS=mla_paged

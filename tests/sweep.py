@@ -79,7 +79,10 @@ def spec_for(op: str, dtype, head_dim: int, causal: bool = False, variant: str =
 def all_specs() -> list[KernelSpec]:
     """Every configuration the GPU sweep uses; with FLASHJIT_PREWARM_OPS=mla_paged
     (a comma list of ops) only those ops', for a run of their tests alone
-    (`-k mla`) that should not build the whole sweep first."""
+    (`-k mla`) that should not build the whole sweep first; with
+    FLASHJIT_PREWARM_FP8=1 only the FP8 KV-cache ones."""
+    if os.environ.get("FLASHJIT_PREWARM_FP8") == "1":  # the FP8 tests alone (gpu_check.sh fp8)
+        return fp8_specs()
     ops = os.environ.get("FLASHJIT_PREWARM_OPS")
     if ops:
         return [s for s in _all_specs() if s.op in ops.split(",")]
