@@ -4,7 +4,10 @@ V outliers, long contexts, skewed batches, near-empty rows), against the
 float64 reference, each call within the configuration's own tolerance profile.
 
 Soundness is every row's max err/bound <= 1; tightness is each configuration's
-worst row above 1/20 (docs/numerics.md, "Measuring it").
+worst row above 1/20 (docs/numerics.md, "Measuring it"). An FP8 KV-cache
+configuration (--kv-dtype) is measured against float64 over its dequantised
+cache, and reports beside it its end-to-end error against the unquantised K/V
+(runner.py); one that is not generated yet is a skipped row saying so.
 
 Importing this package imports no torch (the CLI builds its parser from
 catalog.CASES); measure() and run() load the GPU parts.
@@ -16,14 +19,17 @@ import sys
 import time
 from pathlib import Path
 
-from .catalog import CASES, DEFAULT_CASES, describe
+from .catalog import CASES, DEFAULT_CASES, describe, not_generated
 
 
 HELP = "every selected configuration against the float64 reference on hard inputs, on this GPU"
 DESCRIPTION = ("Runs the selected configurations (prewarm's selectors; backends: this GPU's) on --seeds fresh random "
                "draws of each case, against the float64 reference, and reports per configuration and case max, "
                "p99.9 and mean |err| and max err/bound. Cases: " + "; ".join(f"{k}: {v}" for k, v in CASES.items())
-               + ". Exit 1 where a case exceeded its bound or failed, 2 for a bad flag or where no GPU is visible.")
+               + ". With --kv-dtype, FP8 KV-cache configurations: the error against float64 over the dequantised "
+               "cache (within the profile) and, beside it, against the unquantised K/V (what FP8 costs); those not "
+               "generated yet are skipped. Exit 1 where a case exceeded its bound or failed, 2 for a bad flag or "
+               "where no GPU is visible.")
 
 
 def add_arguments(parser, positive_int) -> None:
@@ -59,8 +65,10 @@ def measure(specs, cases=None, seeds: int = 3, *, long: bool = False, seed: int 
     err/bound (and LSE err/bound where the op returns LSE), NaN count, the
     bound and error at the element closest to its bound; status "ok" or "over".
     A configuration the ops cannot run exactly here (strict: fa3 off sm_90a) is
-    one row with status "skipped"; a case that raised, status "error".
-    progress(line) is called once per configuration."""
+    one row with status "skipped", as is an FP8 KV-cache configuration that is
+    not generated yet; a case that raised, status "error". FP8 rows also hold
+    e2e_max_err, e2e_p999_err and e2e_mean_err: the errors against float64 over
+    the unquantised K/V. progress(line) is called once per configuration."""
     import torch
 
     from ..spec import UTILITY_OPS
@@ -74,8 +82,10 @@ def measure(specs, cases=None, seeds: int = 3, *, long: bool = False, seed: int 
     workspace = torch.empty(runner.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     rows: list[dict] = []
     for spec in specs:
-        spec.validate()
-        if spec.op in UTILITY_OPS:
+        skipped = not_generated_row(spec)  # validates the spec: any other refusal raises
+        if skipped is not None:
+            spec_rows = [skipped]
+        elif spec.op in UTILITY_OPS:
             spec_rows = [{**describe(spec), "case": "-", "status": "skipped",
                           "reason": f"{spec.op} copies K/V exactly: no error to measure"}]
         else:
@@ -84,6 +94,50 @@ def measure(specs, cases=None, seeds: int = 3, *, long: bool = False, seed: int 
         if progress is not None:
             progress(_progress_line(spec.name, spec_rows))
     return rows
+
+
+def not_generated_row(spec) -> dict | None:
+    """The skipped row of a configuration that is not generated yet (an FP8 KV cache
+    on an op or backend that does not read one); None for any other."""
+    try:
+        spec.validate()
+    except ValueError as exc:
+        reason = not_generated(exc)
+        if reason is not None:
+            return {**describe(spec), "case": "-", "status": "skipped", "reason": reason}
+        raise
+    return None
+
+
+def fp8_left_out(args, arches, selected) -> list[dict]:
+    """Skipped rows for the FP8 KV-cache configurations the selectors name but the
+    selection leaves out because they are not generated yet: each fp16/bf16
+    configuration of the same selectors with each --kv-dtype, where
+    KernelSpec.validate() says "not yet generated"."""
+    import copy
+
+    from ..selection import SelectionError, specs_from_args
+    from ..spec import TENSOR_CORE_DTYPES, UTILITY_OPS
+
+    if not getattr(args, "kv_dtype", None):
+        return []
+    plain_args = copy.copy(args)
+    plain_args.kv_dtype = None
+    try:
+        plain = specs_from_args(plain_args, arches)
+    except SelectionError:
+        return []
+    rows = {}
+    for spec in plain:
+        if spec.dtype_q not in TENSOR_CORE_DTYPES or spec.op in UTILITY_OPS:
+            continue
+        for kv_dtype in args.kv_dtype:
+            fp8 = spec.replace(dtype_kv=kv_dtype)
+            if fp8 not in selected and fp8.name not in rows:
+                row = not_generated_row(fp8)
+                if row is not None:
+                    rows[fp8.name] = row
+    return list(rows.values())
 
 
 def _progress_line(name: str, rows: list[dict]) -> str:
@@ -122,7 +176,7 @@ def run(args) -> int:
     from ..bench import no_gpu_reason
     from ..cache_root import cache_root
     from ..cli_output import BuildProgressLine
-    from ..selection import specs_from_args
+    from ..selection import SelectionError, specs_from_args
     from ..spec import UTILITY_OPS
     from . import report
 
@@ -147,25 +201,36 @@ def run(args) -> int:
     arch.env_nvcc()
     cache_ship.readonly_roots()
     # The backends of this GPU: what the ops run here (name fa3 and fa2 to measure both).
-    specs = specs_from_args(args, (arch.device_arch(),))
+    arches = (arch.device_arch(),)
+    try:
+        specs = specs_from_args(args, arches)
+    except SelectionError as exc:
+        # Only FP8 configurations that are not generated yet: skipped rows, not a bad selection.
+        if not (str(exc).startswith("the selection is empty") and fp8_left_out(args, arches, [])):
+            raise
+        specs = []
+    skipped = fp8_left_out(args, arches, specs)
     left_out = [s for s in specs if s.op in UTILITY_OPS]
     specs = [s for s in specs if s.op not in UTILITY_OPS]
-    if not specs:
+    if not specs and not skipped:
         print("flashjit numerics: the selection has no configuration this command measures (attention ops and "
               "mla_paged; append_paged copies K/V exactly)", file=sys.stderr)
         return 2
     print(f"flashjit numerics: {len(specs)} configuration(s) on {arch.device_name()}, cases {', '.join(cases)}, "
-          f"{args.seeds} seed(s)" + (f"; {len(left_out)} append_paged left out (an exact copy)" if left_out else ""),
+          f"{args.seeds} seed(s)" + (f"; {len(left_out)} append_paged left out (an exact copy)" if left_out else "")
+          + (f"; {len(skipped)} FP8 configuration(s) skipped (not generated yet)" if skipped else ""),
           file=sys.stderr, flush=True)
-    progress = BuildProgressLine(sys.stderr)
-    try:
-        built = jit.build_many(specs, jobs=args.jobs, root=cache_root(create=True), raise_first=False,
-                               progress=progress)
-    finally:
-        progress.finish()
+    built = []
+    if specs:
+        progress = BuildProgressLine(sys.stderr)
+        try:
+            built = jit.build_many(specs, jobs=args.jobs, root=cache_root(create=True), raise_first=False,
+                                   progress=progress)
+        finally:
+            progress.finish()
     broken = {r.spec for r in built if r.error is not None}
-    rows = [{**describe(r.spec), "case": "-", "status": "error", "reason": "build failed (see above)"}
-            for r in built if r.error is not None]
+    rows = skipped + [{**describe(r.spec), "case": "-", "status": "error", "reason": "build failed (see above)"}
+                      for r in built if r.error is not None]
     for r in built:
         if r.error is not None:
             print(f"\n{r.error}", file=sys.stderr)
@@ -203,6 +268,8 @@ def final_status(rows: list[dict], stream=None) -> int:
         print(f"flashjit numerics: {len(report.over(rows))} case(s) over their bound, {len(report.failed(rows))} "
               f"failed: {names}{more}", file=stream)
     else:
-        print(f"flashjit numerics: every case within its bound ({len(report.measured(rows))} measured)", file=stream)
+        skipped = len({r["config"] for r in rows if r["status"] == "skipped"})
+        print(f"flashjit numerics: every case within its bound ({len(report.measured(rows))} measured)"
+              + (f"; {skipped} configuration(s) skipped" if skipped else ""), file=stream)
     return code
 

@@ -3,7 +3,8 @@ lengths, and fresh random tensors drawn from a generator the caller seeds.
 
 Every case keeps the sizes small enough that a default run over the whole
 default selection stays within minutes; the float64 reference dominates the
-time once the kernels are built.
+time once the kernels are built. An FP8 KV-cache configuration's K/V are drawn
+in q's dtype as any other's, then quantised per tensor (quantise()).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..spec import FP8_MAX as SPEC_FP8_MAX
 from .catalog import CASES, LONG_KV, LONG_KV_MAX, OUTLIER_FRACTION, OUTLIER_SCALE, PEAKED_SCALE
 
 BATCH_OPS = ("batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged")
@@ -22,6 +24,8 @@ BATCH_OPS = ("batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged"
 EMPTY_REQUEST = {"batch_prefill_ragged": (3, 0), "batch_prefill_paged": (0, 40), "batch_decode_paged": (1, 0)}
 HEADS = (8, 2)  # GQA: four query heads per KV head, the common serving shape
 PAGE_SIZE = 16
+# The largest finite value of each FP8 KV-cache format (spec.FP8_MAX), by torch dtype.
+FP8_MAX = {getattr(torch, name): value for name, value in SPEC_FP8_MAX.items()}
 
 
 @dataclass
@@ -36,6 +40,22 @@ class Problem:
     k: torch.Tensor
     v: torch.Tensor
     outlier_rows: int = 0
+    # An FP8 KV cache: k and v hold its codes, which k_scale / v_scale dequantise
+    # (codes * scale); k_full / v_full are the unquantised K/V (q's dtype) they came from.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    k_full: torch.Tensor | None = None
+    v_full: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.k_full is not None
+
+    def dequantised(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as the kernel's profile sees them: float64 codes times their scales (exact)."""
+        if not self.fp8:
+            return self.k, self.v
+        return self.k.double() * self.k_scale, self.v.double() * self.v_scale
 
 
 def _prefill_batch(lengths: tuple[list[int], list[int]], op: str) -> tuple[list[int], list[int]]:
@@ -92,9 +112,27 @@ def add_outliers(v: torch.Tensor, generator, fraction: float = OUTLIER_FRACTION,
     return v * factor.view(v.shape[0], v.shape[1], 1), count
 
 
+def per_tensor_scale(x: torch.Tensor, kv_dtype: torch.dtype) -> float:
+    """amax(|x|) / the FP8 format's largest finite value (448 e4m3, 57344 e5m2),
+    rounded to float32 as the kernel holds it; 1 for an empty or all-zero x."""
+    amax = float(x.abs().amax()) if x.numel() else 0.0
+    if not math.isfinite(amax) or amax == 0.0:
+        return 1.0
+    return float(torch.tensor(amax / FP8_MAX[kv_dtype], dtype=torch.float32))
+
+
+def quantise(x: torch.Tensor, kv_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """(FP8 codes, per-tensor scale) of x: x / scale rounded to the format, saturated
+    at its largest finite value (the float32 scale may leave amax / scale a hair past it)."""
+    scale = per_tensor_scale(x, kv_dtype)
+    limit = FP8_MAX[kv_dtype]
+    return (x.float() / scale).clamp(-limit, limit).to(kv_dtype), scale
+
+
 def make_problems(case: str, op: str, head_dim: int, dtype: torch.dtype, *, generator: torch.Generator,
-                  device="cuda", heads: tuple[int, int] = HEADS) -> list[Problem]:
-    """Fresh inputs for each call of `case` on `op`; [] where the case does not apply."""
+                  device="cuda", heads: tuple[int, int] = HEADS, kv_dtype: torch.dtype | None = None) -> list[Problem]:
+    """Fresh inputs for each call of `case` on `op`; [] where the case does not apply.
+    kv_dtype (FP8): K/V drawn in `dtype` as always, then quantised per tensor (quantise())."""
     if case not in CASES:
         raise ValueError(f"case: expected one of {', '.join(CASES)}, got {case!r}")
     num_qo, num_kv = heads
@@ -107,7 +145,11 @@ def make_problems(case: str, op: str, head_dim: int, dtype: torch.dtype, *, gene
         outliers = 0
         if case == "v_outliers":
             v, outliers = add_outliers(v, generator)
-        problems.append(Problem(case, list(qo_lens), list(kv_lens), q.to(dtype), k.to(dtype), v.to(dtype), outliers))
+        p = Problem(case, list(qo_lens), list(kv_lens), q.to(dtype), k.to(dtype), v.to(dtype), outliers)
+        if kv_dtype is not None and kv_dtype in FP8_MAX:
+            p.k_full, p.v_full = p.k, p.v
+            (p.k, p.k_scale), (p.v, p.v_scale) = quantise(p.k_full, kv_dtype), quantise(p.v_full, kv_dtype)
+        problems.append(p)
     return problems
 
 
@@ -136,11 +178,13 @@ def paged(problem: Problem, generator, page_size: int = PAGE_SIZE, spare_pages: 
     num_pages = page_indptr[-1] + spare_pages
     cache = _randn((num_pages, 2, page_size, k.shape[1], k.shape[2]), generator, device).to(k.dtype)
     order = torch.randperm(num_pages, generator=generator, device=device)[:page_indptr[-1]].to(torch.int32)
+    # FP8 codes are scattered as their bytes: indexed writes are not defined for every float8 dtype.
+    raw, k, v = (t.view(torch.uint8) if problem.fp8 else t for t in (cache, k, v))
     for r, n in enumerate(problem.kv_lens):
         pos = torch.arange(n, device=device)
         page = order[page_indptr[r] + pos // page_size].long()
-        cache[page, 0, pos % page_size] = k[kv_indptr[r]:kv_indptr[r] + n]
-        cache[page, 1, pos % page_size] = v[kv_indptr[r]:kv_indptr[r] + n]
+        raw[page, 0, pos % page_size] = k[kv_indptr[r]:kv_indptr[r] + n]
+        raw[page, 1, pos % page_size] = v[kv_indptr[r]:kv_indptr[r] + n]
     last = [(n - 1) % page_size + 1 if n else 0 for n in problem.kv_lens]
     return Pages(cache, torch.tensor(page_indptr, dtype=torch.int32, device=device), order,
                  torch.tensor(last, dtype=torch.int32, device=device))

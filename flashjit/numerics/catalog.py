@@ -29,5 +29,15 @@ def path_of(spec) -> str:
 
 def describe(spec) -> dict:
     """The configuration's columns of a row."""
-    return {"config": spec.name, "op": spec.op, "dtype": spec.dtype_q, "head_dim": spec.head_dim_qk,
-            "path": path_of(spec), "causal": spec.causal, "window": spec.sliding_window, "soft_cap": spec.soft_cap}
+    return {"config": spec.name, "op": spec.op, "dtype": spec.dtype_q, "kv_dtype": spec.dtype_kv,
+            "head_dim": spec.head_dim_qk, "path": path_of(spec), "causal": spec.causal, "window": spec.sliding_window,
+            "soft_cap": spec.soft_cap}
+
+
+def not_generated(exc: ValueError) -> str | None:
+    """What KernelSpec.validate() said, where it refused a configuration that is not
+    generated yet (an FP8 KV cache on an op or backend that does not read one); else None."""
+    text = str(exc)
+    if "not yet generated" not in text:
+        return None
+    return text.split(": ", 1)[-1].split(". Supported:", 1)[0]

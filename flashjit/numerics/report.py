@@ -11,7 +11,7 @@ from ..bench.report import MATPLOTLIB_MISSING, version_text
 
 # A bound is tight when the worst error observed reaches this fraction of it (within 20x).
 TIGHT = 1 / 20
-SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
 
 def _num(x, digits: int = 2) -> str:
@@ -26,6 +26,17 @@ def _status(row: dict) -> str:
     if row["status"] in ("ok", "over"):
         return "OVER" if row["status"] == "over" else "ok"
     return f"{row['status']}: {row.get('reason', '')}".replace("|", "/").replace("\n", " ")
+
+
+def dtype_label(row: dict) -> str:
+    """q's dtype, and an FP8 cache's after a slash: 'bf16', 'bf16/e4m3'."""
+    q, kv = row["dtype"], row.get("kv_dtype", row["dtype"])
+    return SHORT_DTYPE.get(q, q) + ("" if kv == q else "/" + SHORT_DTYPE.get(kv, kv))
+
+
+def fp8_rows(rows: list[dict]) -> list[dict]:
+    """Measured rows of FP8 KV-cache configurations (they carry the end-to-end errors)."""
+    return [r for r in measured(rows) if "e2e_max_err" in r]
 
 
 def measured(rows: list[dict]) -> list[dict]:
@@ -58,20 +69,25 @@ def by_dtype_path(rows: list[dict]) -> dict[str, tuple[float, float]]:
     """'bf16 fa2' -> (worst ratio, the loosest configuration's worst ratio)."""
     groups: dict[str, list[float]] = {}
     for r in worst_by_config(rows).values():
-        groups.setdefault(f"{SHORT_DTYPE.get(r['dtype'], r['dtype'])} {r['path']}", []).append(r["ratio"])
+        groups.setdefault(f"{dtype_label(r)} {r['path']}", []).append(r["ratio"])
     return {k: (max(v), min(v)) for k, v in sorted(groups.items())}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| configuration | case | calls | max err | p99.9 err | mean err | max err/bound | LSE err/bound | |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """A row per (configuration, case); where any FP8 row was measured, a column of
+    the end-to-end max error against the unquantised K/V ('-' for other rows)."""
+    fp8 = bool(fp8_rows(rows))
+    lines = ["| configuration | case | calls | max err | p99.9 err | mean err | max err/bound | LSE err/bound | "
+             + ("FP8: max err vs unquantised K/V | " if fp8 else "") + "|",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if fp8 else "") + "|"]
     for r in rows:
+        e2e = f" {_num(r.get('e2e_max_err'))} |" if fp8 else ""
         if r["status"] in ("ok", "over"):
             lines.append(f"| {r['config']} | {r['case']} | {r['calls']} | {_num(r['max_err'])} | "
                          f"{_num(r['p999_err'])} | {_num(r['mean_err'])} | {_ratio(r['ratio'])} | "
-                         f"{_ratio(r.get('lse_ratio'))} | {_status(r)} |")
+                         f"{_ratio(r.get('lse_ratio'))} |{e2e} {_status(r)} |")
         else:
-            lines.append(f"| {r['config']} | {r['case']} | - | - | - | - | - | - | {_status(r)} |")
+            lines.append(f"| {r['config']} | {r['case']} | - | - | - | - | - | - |{e2e} {_status(r)} |")
     return "\n".join(lines)
 
 
@@ -86,6 +102,11 @@ def summary(rows: list[dict]) -> list[str]:
     if groups:
         lines.append("worst err/bound by dtype and path (worst; loosest configuration's worst): "
                      + ", ".join(f"{k} {a:.3f}; {b:.3f}" for k, (a, b) in groups.items()))
+    cost = fp8_cost(rows)
+    if cost:
+        lines.append("FP8 end to end (max err against float64 over the unquantised K/V, no bound; worst per dtype "
+                     "and path, and that row's max err over the dequantised cache): "
+                     + ", ".join(f"{k} {e2e:.2e} ({kernel:.2e})" for k, (e2e, kernel) in cost.items()))
     lines += [f"OVER  {r['config']} {r['case']}: max err/bound {_ratio(r['ratio'])}, LSE {_ratio(r.get('lse_ratio'))}"
               + (f", data-dependent {_ratio(r['data_ratio'])}" if "data_ratio" in r else "")
               + (f", its LSE {_ratio(r['data_lse_ratio'])}" if "data_lse_ratio" in r else "")
@@ -93,6 +114,16 @@ def summary(rows: list[dict]) -> list[str]:
     lines += [f"ERROR {r['config']} {r['case']}: {r.get('reason', '')}" for r in failed(rows)]
     lines += [f"LOOSE {r['config']}: worst err/bound {r['ratio']:.3f} ({r['case']})" for r in loose(rows)]
     return lines
+
+
+def fp8_cost(rows: list[dict]) -> dict[str, tuple[float, float]]:
+    """'bf16/e4m3 cc' -> (the worst end-to-end max error, that row's kernel max error)."""
+    worst: dict[str, dict] = {}
+    for r in fp8_rows(rows):
+        key = f"{dtype_label(r)} {r['path']}"
+        if key not in worst or r["e2e_max_err"] > worst[key]["e2e_max_err"]:
+            worst[key] = r
+    return {k: (r["e2e_max_err"], r["max_err"]) for k, r in sorted(worst.items())}
 
 
 def data_rows(rows: list[dict]) -> list[dict]:
@@ -131,9 +162,12 @@ def markdown(results: dict) -> str:
     head = "; ".join(version_text(meta) if k == "flashjit" else f"{k} {v}" for k, v in meta.items()
                      if k not in ("argv", "commit") and v is not None)
     data = data_section(results["rows"])
+    fp8 = (". FP8 KV caches: ref is over the dequantised cache (codes times k_scale / v_scale), which the bound "
+           "covers; the FP8 column is against float64 over the unquantised K/V instead (what FP8 costs; no bound)."
+           if fp8_rows(results["rows"]) else "")
     return "\n".join(["# flashjit numerics", "", head, "",
                       "err: |out - ref| elementwise against the float64 reference; bound: atol + rtol*|ref| of the "
-                      "configuration's profile for each call's inputs; calls: seeds x calls per case", "",
+                      "configuration's profile for each call's inputs; calls: seeds x calls per case" + fp8, "",
                       table(results["rows"]), "", *summary(results["rows"]), *([""] + data if data else []), ""])
 
 
@@ -157,7 +191,7 @@ def plot_points(rows: list[dict]) -> dict[str, dict[str, list[tuple[float, float
     panels: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for r in measured(rows):
         if r.get("worst_bound") and r.get("worst_err"):
-            panels.setdefault(SHORT_DTYPE.get(r["dtype"], r["dtype"]), {}).setdefault(r["path"], []).append(
+            panels.setdefault(dtype_label(r), {}).setdefault(r["path"], []).append(
                 (r["worst_bound"], r["worst_err"]))
     return panels
 

@@ -1,10 +1,17 @@
 """Runs one configuration on a case's inputs through the public op that selects
 exactly that configuration, and measures its output against the float64
 reference within the configuration's own tolerance profile (MLA's inputs,
-call, reference and bound: numerics.mla)."""
+call, reference and bound: numerics.mla).
+
+An FP8 KV-cache configuration runs on K/V quantised per tensor (cases.quantise)
+with its scales as k_scale / v_scale. Its pass/fail error is against float64
+attention over the dequantised cache (codes times scales), which the profile
+bounds; beside it, the end-to-end error against float64 attention over the
+unquantised K/V says what the quantisation costs (no bound: it is the user's choice)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 import zlib
@@ -15,12 +22,13 @@ import flashjit
 from ..error_model import evaluate_lse, measure as magnitudes, profile
 from ..ops._launch import select_spec
 from ..reference import attention_reference, ragged_reference
-from ..spec import MLA_OPS, KernelSpec
+from ..spec import KV_ONLY_DTYPES, MLA_OPS, KernelSpec
 from . import mla
 from .catalog import describe
 from .cases import HEADS, Problem, applies, indptr, make_problems, paged
 
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 WINDOW_LEFT = 70          # as the GPU tests: wider than a tile, shorter than most requests
 SOFT_CAP = 30.0
 WORKSPACE_BYTES = 64 << 20
@@ -37,19 +45,38 @@ def poison_allocator(nbytes: int = 1 << 26) -> None:
 def not_runnable(spec: KernelSpec) -> str | None:
     """Why the ops cannot run exactly this configuration on this GPU (strict: no
     fallback to another backend), or None. A selection that differs is a bug, raised."""
-    if spec.dtype_kv != spec.dtype_q:
-        return (f"{spec.name}: FP8 KV caches are not measured by `flashjit numerics` yet; the GPU tests "
-                f"(tests/test_gpu_fp8.py) check them against their profiles")
     try:
         chosen = select_spec(spec.op, TORCH_DTYPES[spec.dtype_q], spec.head_dim_qk, backend=spec.backend,
                              use_tensor_cores=spec.use_tensor_cores, causal=spec.causal, window=spec.sliding_window,
                              soft_cap=spec.soft_cap, return_lse=spec.return_lse, strict=True,
-                             head_dim_vo=spec.head_dim_vo)
+                             head_dim_vo=spec.head_dim_vo, **_kv_dtype(spec))
     except ValueError as exc:
         return str(exc)
     if chosen != spec:
         raise RuntimeError(f"the ops select {chosen.name} for the arguments of {spec.name}")
     return None
+
+
+def is_fp8(spec: KernelSpec) -> bool:
+    return spec.dtype_kv in KV_ONLY_DTYPES
+
+
+def _kv_dtype(spec: KernelSpec) -> dict:
+    """select_spec's dtype_kv for an FP8 cache; nothing otherwise."""
+    return {"dtype_kv": TORCH_DTYPES[spec.dtype_kv]} if is_fp8(spec) else {}
+
+
+def _scales(p: Problem, names: tuple[str, str] = ("k_scale", "v_scale")) -> dict:
+    """The dequantisation scales of an FP8 problem (Python floats, float32 values) under
+    the op's keyword names; nothing otherwise."""
+    return dict(zip(names, (p.k_scale, p.v_scale))) if p.fp8 else {}
+
+
+def _single_prefill_scale_names() -> tuple[str, str]:
+    """single_prefill_with_kv_cache's names for the scales: FlashInfer 0.7's function has
+    scale_k / scale_v beside k_scale / v_scale; flashjit's takes one pair."""
+    params = inspect.signature(flashjit.single_prefill_with_kv_cache).parameters
+    return ("k_scale", "v_scale") if "k_scale" in params else ("scale_k", "scale_v")
 
 
 def _variant(spec: KernelSpec) -> dict:
@@ -72,7 +99,8 @@ def problems(spec: KernelSpec, case: str, generator, device="cuda") -> list:
     dtype = TORCH_DTYPES[spec.dtype_q]
     if spec.op in MLA_OPS:
         return mla.make_problems(case, spec.causal, dtype, generator=generator, device=device)
-    return make_problems(case, spec.op, spec.head_dim_qk, dtype, generator=generator, device=device, heads=HEADS)
+    return make_problems(case, spec.op, spec.head_dim_qk, dtype, generator=generator, device=device, heads=HEADS,
+                         kv_dtype=TORCH_DTYPES[spec.dtype_kv] if is_fp8(spec) else None)
 
 
 def single_kv_chunk(spec: KernelSpec, p: Problem) -> int | None:
@@ -101,54 +129,61 @@ def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> 
         _check_planned(wrapper, spec)
         poison_allocator()
         return (*mla.run(wrapper, p), None)
-    var, dtype = _variant(spec), TORCH_DTYPES[spec.dtype_q]
+    var, dtype, scales = _variant(spec), TORCH_DTYPES[spec.dtype_q], _scales(p)
     num_qo, num_kv, head_dim = p.q.shape[1], p.k.shape[1], spec.head_dim_qk
     picks = {"backend": spec.backend, "strict": True}
+    kv_type = {"kv_data_type": p.k.dtype} if p.fp8 else {}  # plan(): the cache's dtype where it is not q's
     if spec.op == "single_prefill":
         poison_allocator()
         res = flashjit.single_prefill_with_kv_cache(p.q, p.k, p.v, causal=spec.causal, return_lse=spec.return_lse,
-                                                    use_tensor_cores=spec.use_tensor_cores, **picks, **var)
+                                                    use_tensor_cores=spec.use_tensor_cores, **picks, **var,
+                                                    **_scales(p, _single_prefill_scale_names()))
         return (*(res if spec.return_lse else (res, None)), single_kv_chunk(spec, p))
     if spec.op == "single_decode":
         poison_allocator()
         res = flashjit.single_decode_with_kv_cache(p.q[0], p.k, p.v, use_tensor_cores=spec.use_tensor_cores,
-                                                   return_lse=spec.return_lse, **picks, **var)
+                                                   return_lse=spec.return_lse, **picks, **var, **scales)
         out, lse = res if spec.return_lse else (res, None)
         return out[None], (lse[None] if lse is not None else None), single_kv_chunk(spec, p)
     if spec.op == "batch_prefill_ragged":
         wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, **picks)
         wrapper.plan(torch.tensor(indptr(p.qo_lens), dtype=torch.int32),
                      torch.tensor(indptr(p.kv_lens), dtype=torch.int32), num_qo, num_kv, head_dim,
-                     causal=spec.causal, q_data_type=dtype, use_tensor_cores=spec.use_tensor_cores, **var)
+                     causal=spec.causal, q_data_type=dtype, use_tensor_cores=spec.use_tensor_cores, **kv_type, **var)
         _check_planned(wrapper, spec)
         poison_allocator()
-        return (*wrapper.run(p.q, p.k, p.v, return_lse=True), wrapper._plan.work.kv_chunk)
+        return (*wrapper.run(p.q, p.k, p.v, return_lse=True, **scales), wrapper._plan.work.kv_chunk)
     pages = paged(p, generator)
     if spec.op == "batch_prefill_paged":
         wrapper = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", **picks)
         wrapper.plan(torch.tensor(indptr(p.qo_lens), dtype=torch.int32), pages.indptr, pages.indices,
                      pages.last_page_len, num_qo, num_kv, head_dim, pages.cache.shape[2], causal=spec.causal,
-                     q_data_type=dtype, use_tensor_cores=spec.use_tensor_cores, **var)
+                     q_data_type=dtype, use_tensor_cores=spec.use_tensor_cores, **kv_type, **var)
     elif spec.op == "batch_decode_paged":
         wrapper = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=spec.use_tensor_cores,
                                                               **picks)
         wrapper.plan(pages.indptr, pages.indices, pages.last_page_len, num_qo, num_kv, head_dim,
-                     pages.cache.shape[2], q_data_type=dtype, **var)
+                     pages.cache.shape[2], q_data_type=dtype, **kv_type, **var)
     else:
         raise ValueError(f"{spec.op} is not an attention op: nothing to measure")
     _check_planned(wrapper, spec)
     poison_allocator()
-    return (*wrapper.run(p.q, pages.cache, return_lse=True), wrapper._plan.work.kv_chunk)
+    return (*wrapper.run(p.q, pages.cache, return_lse=True, **scales), wrapper._plan.work.kv_chunk)
 
 
-def reference(spec: KernelSpec, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(spec: KernelSpec, p: Problem, unquantised: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention over p's K/V: an FP8 cache's codes times its scales, or
+    with `unquantised` the K/V in q's dtype that were quantised into them."""
     if spec.op in MLA_OPS:
         return mla.reference(spec, p)
     var = _variant(spec)
     causal = spec.causal and spec.op not in ("single_decode", "batch_decode_paged")
+    k, v = (p.k_full, p.v_full) if unquantised else (p.k, p.v)
+    if p.fp8 and not unquantised:
+        var.update(k_scale=p.k_scale, v_scale=p.v_scale)
     if len(p.qo_lens) == 1:
-        return attention_reference(p.q, p.k, p.v, causal=causal, **var)
-    return ragged_reference(p.q, p.k, p.v, indptr(p.qo_lens), indptr(p.kv_lens), causal=causal, **var)
+        return attention_reference(p.q, k, v, causal=causal, **var)
+    return ragged_reference(p.q, k, v, indptr(p.qo_lens), indptr(p.kv_lens), causal=causal, **var)
 
 
 def bounds(spec: KernelSpec, p: Problem) -> tuple:
@@ -157,29 +192,35 @@ def bounds(spec: KernelSpec, p: Problem) -> tuple:
         return mla.bounds(spec, p)
     kv_len = max(max(p.kv_lens), 1)
     sm_scale = 1.0 / math.sqrt(spec.head_dim_qk)
-    tol = flashjit.tolerance(spec, q=p.q, k=p.k, v=p.v, kv_len=kv_len, sm_scale=sm_scale)
-    _, logit_absmax = magnitudes(p.q, p.k, p.v, sm_scale)
+    k, v = p.dequantised()  # an FP8 cache's magnitudes are its dequantised values'
+    tol = flashjit.tolerance(spec, q=p.q, k=k, v=v, kv_len=kv_len, sm_scale=sm_scale)
+    _, logit_absmax = magnitudes(p.q, k, v, sm_scale)
     return kv_len, tol, evaluate_lse(profile(spec), kv_len=kv_len, logit_absmax=logit_absmax)
 
 
 class Accumulator:
     """Every call of one (configuration, case): the errors for the quantiles,
-    and the call that came closest to its bound."""
+    and the call that came closest to its bound; for an FP8 cache also the
+    end-to-end errors against the unquantised K/V."""
 
     def __init__(self):
         self.errors: list[torch.Tensor] = []
+        self.e2e_errors: list[torch.Tensor] = []
         self.calls = self.nan = 0
         self.ratio, self.lse_ratio, self.worst = 0.0, None, None
         self.data = {}
 
-    def add(self, spec: KernelSpec, p: Problem, out, lse, ref, ref_lse, kv_chunk: int | None = None) -> None:
+    def add(self, spec: KernelSpec, p: Problem, out, lse, ref, ref_lse, kv_chunk: int | None = None,
+            ref_unquantised=None) -> None:
         """One call. With kv_chunk (the launch's split-KV chunk, 0: none), a
         CUDA-core configuration is also checked against the data-dependent
-        bound of error_bound.py."""
+        bound of error_bound.py (not with an FP8 cache: it does not model the
+        scales). ref_unquantised: an FP8 call's reference over the unquantised K/V."""
         kv_len, tol, lse_tol = bounds(spec, p)
         out_d, ref_d = out.double(), ref.double()
-        # Equal values (infinities included) agree; NaN is as far off as it gets.
-        err = torch.where(out_d == ref_d, torch.zeros_like(ref_d), (out_d - ref_d).abs()).nan_to_num(math.inf)
+        err = abs_error(out_d, ref_d)
+        if ref_unquantised is not None:
+            self.e2e_errors.append(abs_error(out_d, ref_unquantised.double()).flatten())
         ratio = err / tol.bound(ref_d)
         self.calls += 1
         self.nan += int(torch.isnan(out).sum())
@@ -195,7 +236,7 @@ class Accumulator:
         if lse is not None:
             r = lse_tol.ratio(lse, ref_lse)
             self.lse_ratio = r if self.lse_ratio is None else max(self.lse_ratio, r)
-        if kv_chunk is not None and not spec.use_tensor_cores:
+        if kv_chunk is not None and not spec.use_tensor_cores and not is_fp8(spec):
             self._add_data_bound(spec, p, out, lse, kv_chunk, 1.0 / math.sqrt(spec.head_dim_qk))
 
     def _add_data_bound(self, spec: KernelSpec, p: Problem, out, lse, kv_chunk: int, sm_scale: float) -> None:
@@ -210,15 +251,27 @@ class Accumulator:
             self.data["data_lse_ratio"] = max(self.data.get("data_lse_ratio", 0.0), bound.lse_ratio(lse))
 
     def row(self) -> dict:
-        err = torch.cat(self.errors) if self.errors else torch.zeros(0, dtype=torch.float64)
-        n = err.numel()
-        stats = {"elements": n, "max_err": float(err.max()) if n else 0.0,
-                 "p999_err": float(err.kthvalue(max(1, math.ceil(P999 * n))).values) if n else 0.0,
-                 "mean_err": float(err.mean()) if n else 0.0}
+        stats = {"elements": sum(e.numel() for e in self.errors), **error_stats(self.errors)}
+        if self.e2e_errors:
+            stats.update({f"e2e_{k}": v for k, v in error_stats(self.e2e_errors).items()})
         over = not self.ratio <= 1.0 or (self.lse_ratio is not None and not self.lse_ratio <= 1.0) or self.nan > 0
         over = over or not all(r <= 1.0 for r in self.data.values())
         return {"status": "over" if over else "ok", "calls": self.calls, **stats, "ratio": self.ratio,
                 "lse_ratio": self.lse_ratio, "nan": self.nan, **self.data, **(self.worst or {})}
+
+
+def abs_error(out_d: torch.Tensor, ref_d: torch.Tensor) -> torch.Tensor:
+    """|out - ref|: equal values (infinities included) agree; NaN is as far off as it gets."""
+    return torch.where(out_d == ref_d, torch.zeros_like(ref_d), (out_d - ref_d).abs()).nan_to_num(math.inf)
+
+
+def error_stats(errors: list[torch.Tensor]) -> dict:
+    """max, p99.9 and mean of the errors of every call."""
+    err = torch.cat(errors) if errors else torch.zeros(0, dtype=torch.float64)
+    n = err.numel()
+    return {"max_err": float(err.max()) if n else 0.0,
+            "p999_err": float(err.kthvalue(max(1, math.ceil(P999 * n))).values) if n else 0.0,
+            "mean_err": float(err.mean()) if n else 0.0}
 
 
 def seed_for(base: int, spec: KernelSpec, case: str, draw: int) -> int:
@@ -248,7 +301,9 @@ def measure_spec(spec: KernelSpec, cases, seeds: int, base_seed: int, workspace)
                     out, lse, kv_chunk = run_op(spec, p, workspace, generator)
                     torch.cuda.synchronize()
                     ref, ref_lse = reference(spec, p)
-                    acc.add(spec, p, out, lse, ref, ref_lse if lse is not None else None, kv_chunk)
+                    fp8 = getattr(p, "fp8", False)  # MLA's problems have no FP8 cache
+                    unquantised = reference(spec, p, unquantised=True)[0] if fp8 else None
+                    acc.add(spec, p, out, lse, ref, ref_lse if lse is not None else None, kv_chunk, unquantised)
             row = acc.row()
         except Exception as exc:  # the other cases and configurations still run; the row says what failed
             row = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
