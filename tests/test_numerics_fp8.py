@@ -1,7 +1,8 @@
 """`flashjit numerics --kv-dtype`: FP8 KV-cache configurations on the CPU. The
 per-tensor quantisation of the cases, the pages of codes, the two references
 (dequantised cache: pass/fail within the profile; unquantised K/V: the
-end-to-end error), the report's FP8 column and summary line, and the command's
+end-to-end error), the calls handing each wrapper the codes and scales (a
+stand-in launch), the report's FP8 column and summary line, and the command's
 selection, where configurations not generated for FP8 are skipped rows; on a
 GPU, the FP8 configurations the GPU tests build, measured within their profiles."""
 
@@ -21,6 +22,7 @@ from flashjit import cli, numerics, selection, spec as spec_module
 from flashjit.numerics import cases, report, runner
 from flashjit.reference import ragged_reference
 from flashjit.spec import KernelSpec
+import helpers_cache
 from helpers_cache import REPO, subprocess_env
 from test_numerics_cli import ROWS, draw, row
 
@@ -29,6 +31,8 @@ FP8 = {E4M3: (448.0, 2.0**-4), E5M2: (57344.0, 2.0**-3)}  # largest finite value
 # The FP8 families before tensor-core FP8: decode on CUDA cores and the append. The CLI
 # tests pin them, so that what is skipped does not move as more families are generated.
 CUDA_CORE_FAMILIES = (("single_decode", False), ("batch_decode_paged", False), ("append_paged", False))
+# A fixture: pytest looks fixtures up by name in the test module.
+no_compile = helpers_cache.no_compile
 
 
 def fp8_draw(case, op, kv_dtype=E4M3, dtype=torch.bfloat16, seed=3, head_dim=64):
@@ -90,7 +94,8 @@ def test_fp8_pages_hold_the_codes_byte_for_byte():
 
 
 def fp8_spec(op="batch_decode_paged", kv_dtype="float8_e4m3fn", **flags):
-    return KernelSpec.make(op, "bfloat16", 64, dtype_kv=kv_dtype, return_lse=op == "batch_decode_paged", **flags)
+    flags.setdefault("return_lse", op == "batch_decode_paged")
+    return KernelSpec.make(op, "bfloat16", 64, dtype_kv=kv_dtype, **flags)
 
 
 def test_the_reference_is_over_the_dequantised_cache_and_the_other_over_the_unquantised():
@@ -144,6 +149,40 @@ def test_scale_keywords_of_each_op():
     names = runner._single_prefill_scale_names()
     import inspect
     assert set(names) <= set(inspect.signature(flashjit.single_prefill_with_kv_cache).parameters)
+
+
+@pytest.mark.parametrize("op", cases.BATCH_OPS)
+def test_run_op_hands_each_wrapper_the_codes_their_dtype_and_the_scales(op, no_compile, monkeypatch):
+    """The wrappers planned on the host (a stand-in kernel module and launch): the
+    plan is for the FP8 cache, and the launch gets the codes and the problem's scales."""
+    from flashjit import jit
+    from flashjit.ops import _batch
+    from test_bad_input_wrappers import _workspace
+
+    monkeypatch.setattr(jit, "get_module", lambda spec: types.SimpleNamespace(spec=spec, rows_per_cta=64,
+                                                                               split_align=64))
+    monkeypatch.setattr(_batch, "resident_ctas", lambda module, device: 132)
+    monkeypatch.setattr(runner, "poison_allocator", lambda: None)
+    launched = []
+
+    def launch(self, q, k, v, k_strides, v_strides, out, lse, v_offset=0, scales=None):
+        launched.append((k.dtype, v.dtype, tuple(s.value for s in scales)))
+        out.zero_()
+        lse.zero_()
+    monkeypatch.setattr(_batch.BatchAttention, "_launch", launch)
+    for name in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+                 "BatchPrefillWithRaggedKVCacheWrapper"):
+        class OnTheHost(getattr(flashjit, name)):
+            def __init__(self, workspace, *args, **kwargs):
+                super().__init__(_workspace(), *args, **kwargs)
+                self._device = torch.device("cpu")  # the plan's metadata stays on the host
+        monkeypatch.setattr(flashjit, name, OnTheHost)
+    tc = op != "batch_decode_paged"
+    spec = fp8_spec(op, "float8_e5m2", use_tensor_cores=tc, causal=tc, return_lse=True)
+    generator = torch.Generator().manual_seed(0)
+    p = runner.problems(spec, "normal", generator, device="cpu")[0]
+    out, lse, _ = runner.run_op(spec, p, None, generator)
+    assert launched == [(E5M2, E5M2, (p.k_scale, p.v_scale))] and out.shape == p.q.shape and lse is not None
 
 
 # ---------------------------------------------------------------------------
