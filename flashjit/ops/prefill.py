@@ -34,11 +34,12 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     floats or one-element float32 tensors, ops._scales; default 1)."""
     if is_compiling() or dispatch_modes():  # _dispatch.tracing()
         _check_traced_mode(batch_invariant)
-        _check_options(q, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
+        _check_options(q, scale_q, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
                        use_fp16_qk_reduction)
         res = torch.ops.flashjit.single_prefill.default(q, k, v, kv_layout, bool(causal), sm_scale, window_left,
                                                         logits_soft_cap, backend, bool(return_lse),
-                                                        use_tensor_cores, strict)
+                                                        use_tensor_cores, strict,
+                                                        *_dispatch.scale_operands(scale_k, scale_v))
         return (res[0], res[1]) if return_lse else res[0]
     # run_single's body, spelled out: one Python call less on a path measured against 10 us.
     if scale_k is not None or scale_v is not None:  # the signature holds a tensor scale's address, not the tensor
@@ -84,12 +85,11 @@ def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, cust
                                   scale_names=("scale_k", "scale_v"))
 
 
-def _check_options(q, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
+def _check_options(q, scale_q, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
                    use_fp16_qk_reduction) -> None:
     """The options the operator does not take: at their defaults, or an error as in eager calls."""
-    _checks.check_unsupported(scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, custom_mask=custom_mask,
-                              packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
-                              use_fp16_qk_reduction=use_fp16_qk_reduction)
+    _checks.check_unsupported(scale_q=scale_q, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
+                              pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction)
     _check_o_dtype(q, o_dtype)
 
 
@@ -146,8 +146,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
             _checks.check_no_extra_args("run()", args)
         _checks.check_unsupported(q_scale=q_scale)
         if is_compiling() or dispatch_modes():  # _dispatch.tracing()
-            _checks.check_unsupported(k_scale=k_scale, v_scale=v_scale)
-            return _dispatch.run_batch(self, q, k, v, out, lse, return_lse)
+            return _dispatch.run_batch(self, q, k, v, out, lse, return_lse, None, k_scale, v_scale)
         if k_scale is not None or v_scale is not None:
             return self._run(q, k, v, out, lse, return_lse, scales=(_scales.scale_key(k_scale),
                                                                     _scales.scale_key(v_scale)))
