@@ -191,18 +191,39 @@ def evaluate_worst_case(prof: dict, *, kv_len: int, v_absmax: float, logit_absma
     return Tolerance(rtol=prof["rtol"], atol=atol), lse
 
 
-def evaluate_lse(prof: dict, *, kv_len: int, logit_absmax: float) -> Tolerance:
+def sink_terms(kv_len: int, logit_absmax: float, sink_absmax: float | None) -> tuple[float, float]:
+    """(rtol, LSE atol) that folding a sink into a finished row adds (sink_fold.cuh):
+    lse' = hi + log2(1 + 2^(lo - hi)) and the output factor 2^(lse - lse').
+    The sink's conversion to log2 units rounds by |s| log2 e * u; lse' by |lse'| * u
+    plus exp2f / log2f (2 ulp each); the factor's exponent lse - lse' carries both,
+    times ln 2, and exp2f's 2 ulp. |lse| <= S + log2(n) (S: the logit bound in log2
+    units), |lse'| <= max(|lse|, |s| log2 e) + 1. Logaddexp moves by at most the
+    larger of its arguments' errors, so the row's own LSE bound carries over.
+    No sinks (None): (0, 0)."""
+    if sink_absmax is None:
+        return 0.0, 0.0
+    n = max(int(kv_len), 1)
+    lse_abs = _LOG2E * float(logit_absmax) + math.log2(n)
+    s_abs = _LOG2E * float(sink_absmax)
+    exponent = U32 * (s_abs + max(lse_abs, s_abs) + 1 + lse_abs + 8)  # lse' and lse - lse', in log2 units
+    return _LN2 * exponent + 4 * U32, exponent
+
+
+def evaluate_lse(prof: dict, *, kv_len: int, logit_absmax: float, sink_absmax: float | None = None) -> Tolerance:
     """Bound on the base-2 LSE (m + log2 l): the logit perturbation in log2 units,
-    the relative error of l over ln 2, and the final rounding of m + log2 l."""
+    the relative error of l over ln 2, and the final rounding of m + log2 l; with
+    sinks (sink_absmax: the largest |sink| of the call), sink_terms' as well."""
+    sink_atol = sink_terms(kv_len, logit_absmax, sink_absmax)[1]
     if prof.get("bound") == "worst_case":
-        return evaluate_worst_case(prof, kv_len=kv_len, v_absmax=0.0, logit_absmax=logit_absmax)[1]
+        t = evaluate_worst_case(prof, kv_len=kv_len, v_absmax=0.0, logit_absmax=logit_absmax)[1]
+        return Tolerance(rtol=t.rtol, atol=t.atol + sink_atol)
     n = max(int(kv_len), 1)
     tiles = rescales(prof, n)
     s_log2 = _LOG2E * float(logit_absmax)
     logit = prof["logit_per_s"] * s_log2 / (2 * _LN2)          # Delta's logit part, back in log2 units
     l_rel = (prof["accumulation_per_sqrt_kv"] * math.sqrt(n) + prof["exp2"]
              + prof["rescale_per_sqrt_tiles"] * math.sqrt(tiles)) / 2
-    return Tolerance(rtol=2 * U32, atol=logit + l_rel / _LN2 + 2 * U32)
+    return Tolerance(rtol=2 * U32, atol=logit + l_rel / _LN2 + 2 * U32 + sink_atol)
 
 
 def measure(q, k, v, sm_scale: float) -> tuple[float, float]:
@@ -224,14 +245,16 @@ def _dequantised(t, scale):
 def tolerance(spec: KernelSpec | None = None, *, op: str = "single_prefill", dtype=None, head_dim: int | None = None,
               use_tensor_cores: bool = False, kv_len: int | None = None, v_absmax: float | None = None,
               logit_absmax: float | None = None, q=None, k=None, v=None, sm_scale: float | None = None,
-              dtype_kv=None, k_scale=1.0, v_scale=1.0) -> Tolerance:
+              dtype_kv=None, k_scale=1.0, v_scale=1.0, sinks=None) -> Tolerance:
     """The bound for a configuration and the magnitudes of a call.
 
     Pass a KernelSpec, or op/dtype/head_dim/use_tensor_cores (and dtype_kv for an
     FP8 cache) as the ops take them. Magnitudes: pass q, k, v (measured; an FP8
     k / v is dequantised with k_scale / v_scale first), or v_absmax (of the
     dequantised values) and optionally logit_absmax (default 4*sqrt(head_dim),
-    i.e. unit-scale inputs), and kv_len.
+    i.e. unit-scale inputs), and kv_len. sinks: the call's attention sinks (a
+    tensor or the largest |sink| as a float; -inf entries are no sink), which
+    add sink_terms' relative error.
     """
     if spec is None and op in MLA_OPS:
         if dtype is None:
@@ -256,7 +279,19 @@ def tolerance(spec: KernelSpec | None = None, *, op: str = "single_prefill", dty
         raise ValueError("tolerance: pass kv_len= (the most keys one query attends to)")
     if logit_absmax is None:
         logit_absmax = 4.0 * math.sqrt(spec.head_dim_qk)
-    return evaluate(profile(spec), kv_len=kv_len, v_absmax=v_absmax, logit_absmax=logit_absmax)
+    bound = evaluate(profile(spec), kv_len=kv_len, v_absmax=v_absmax, logit_absmax=logit_absmax)
+    sink_rtol = sink_terms(kv_len, logit_absmax, sink_absmax(sinks))[0]
+    return Tolerance(rtol=bound.rtol + sink_rtol, atol=bound.atol) if sink_rtol else bound
+
+
+def sink_absmax(sinks) -> float | None:
+    """The largest finite |sink| of a call's sinks (a tensor or a number; None: no sinks)."""
+    if sinks is None:
+        return None
+    if not hasattr(sinks, "double"):
+        return abs(float(sinks))
+    finite = sinks.double()[sinks.double().isfinite()]
+    return float(finite.abs().max()) if finite.numel() else 0.0
 
 
 def measure_mla(q_nope, q_pe, ckv, kpe, sm_scale: float) -> tuple[float, float]:

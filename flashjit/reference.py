@@ -12,11 +12,14 @@ import torch
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
-                        kv_layout: str = "NHD", k_scale=None, v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+                        kv_layout: str = "NHD", k_scale=None, v_scale=None,
+                        sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [qo_len, H, D], k/v [kv_len, Hkv, D] (NHD) -> (o [qo_len, H, Dv] float64, lse [qo_len, H] float64).
     k_scale / v_scale (an FP8 cache's; floats or one-element tensors): the keys and
     values are k * k_scale and v * v_scale, dequantised in float64 (exact for FP8
-    codes times an fp32 scale), so the cache's quantisation is not in the error."""
+    codes times an fp32 scale), so the cache's quantisation is not in the error.
+    sinks ([H], natural units): one more logit per row, after the scale and the
+    soft-cap, whose probability joins the denominator (and the LSE) but not the output."""
     if kv_layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     qo_len, num_heads, head_dim = q.shape
@@ -39,6 +42,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         visible &= j >= i + (kv_len - qo_len) - window_left
     logits = logits.masked_fill(~visible, -math.inf)
     lse = torch.logsumexp(logits, dim=-1)                      # [H, qo_len], natural log
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.double().to(q.device)[:, None])
     weights = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
     out = torch.einsum("hqk,khd->qhd", weights, vd)
     return out, (lse / math.log(2.0)).transpose(0, 1)

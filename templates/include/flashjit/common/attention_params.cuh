@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FLASHJIT_ABI_VERSION 8
+#define FLASHJIT_ABI_VERSION 9
 
 extern "C" {
 
@@ -78,6 +78,13 @@ struct FlashjitAttentionParams {
   float v_scale;
   const float* k_scale_ptr;
   const float* v_scale_ptr;
+  // Attention sinks (gpt-oss): one float32 logit per query head, in natural
+  // units beside the scaled (and soft-capped) logits, or null. Each row's
+  // softmax runs over [its logits, the sink]; the sink's probability is
+  // dropped from the output and the LSE counts it. Only the writes of final
+  // rows apply it (sink_fold.cuh): partial split-KV states leave it to the
+  // merge, so it is counted once.
+  const float* sinks;
 
   // MLA only (mla_paged): the rotary part of the query, [tokens, num_qo_heads,
   // 64]; q then holds the 512-wide latent part, k the ckv cache and v the kpe

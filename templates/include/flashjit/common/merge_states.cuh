@@ -8,6 +8,7 @@
 #include "flashjit/common/chunk_fold.cuh"
 #include "flashjit/common/grid_dependency.cuh"
 #include "flashjit/common/numeric.cuh"
+#include "flashjit/common/sink_fold.cuh"
 
 namespace flashjit {
 
@@ -25,15 +26,21 @@ __device__ __forceinline__ void partial_rows_of(const FlashjitAttentionParams& p
 }
 
 // Writes the merged output row (sum of weighted partials `acc`, weights summing
-// to `sum`, maximum LSE m) and its LSE; lane-strided dims.
+// to `sum`, maximum LSE m) and its LSE, with the head's sink where the call has
+// sinks (sink_fold.cuh); lane-strided dims.
 template <class DTypeO, int kDimsPerLane>
 __device__ __forceinline__ void store_merged(const FlashjitAttentionParams& p, int token, int head, int lane,
                                              const float (&acc)[kDimsPerLane], float sum, float m) {
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  float lse = sum > 0.f ? m + log2f(sum) : -CUDART_INF_F;
+  const float factor = fold_sink(p.sinks, head, lse);
   DTypeO* out = static_cast<DTypeO*>(p.o) + token * p.o_stride_n + head * p.o_stride_h;
 #pragma unroll
-  for (int i = 0; i < kDimsPerLane; ++i) out[lane + 32 * i] = from_float<DTypeO>(acc[i] * inv);
-  if (p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_n + head] = sum > 0.f ? m + log2f(sum) : -CUDART_INF_F;
+  for (int i = 0; i < kDimsPerLane; ++i) {
+    const float y = acc[i] * inv;
+    out[lane + 32 * i] = from_float<DTypeO>(p.sinks != nullptr ? __fmul_rn(y, factor) : y);
+  }
+  if (p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_n + head] = lse;
 }
 
 // Both merge kernels below sum in one order, so that a row's bits do not
@@ -246,10 +253,12 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
     fold.m = __shfl_sync(0xffffffffu, m_after, n - 1);
   }
   const float inv = fold.inv_sum();
+  float lse = fold.lse();
+  const float factor = fold_sink(p.sinks, head, lse);  // 1 without sinks: the product below is exact
   DTypeO* out = static_cast<DTypeO*>(p.o) + token * p.o_stride_n + head * p.o_stride_h;
 #pragma unroll
-  for (int i = 0; i < kDimsPerLane; ++i) out[dim0 + 32 * i] = from_float<DTypeO>(__fmul_rn(acc[i], inv));
-  if (p.lse != nullptr && dim0 == 0) p.lse[token * p.lse_stride_n + head] = fold.lse();
+  for (int i = 0; i < kDimsPerLane; ++i) out[dim0 + 32 * i] = from_float<DTypeO>(__fmul_rn(__fmul_rn(acc[i], inv), factor));
+  if (p.lse != nullptr && dim0 == 0) p.lse[token * p.lse_stride_n + head] = lse;
 }
 
 // Rows from which the merge takes a warp per row (256 CTAs of four warps).

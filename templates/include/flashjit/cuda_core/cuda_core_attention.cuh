@@ -11,6 +11,7 @@
 #include "flashjit/common/kernel_config.cuh"
 #include "flashjit/common/merge_states.cuh"
 #include "flashjit/common/numeric.cuh"
+#include "flashjit/common/sink_fold.cuh"
 #include "flashjit/common/work.cuh"
 
 namespace flashjit {
@@ -237,10 +238,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       if (lane == 0) p.partial_lse[idx] = lse;
       continue;
     }
+    float lse_out = lse;  // with the head's sink, where the call has sinks (sink_fold.cuh)
+    const float factor = fold_sink(p.sinks, head, lse_out);
     DTypeO* out = static_cast<DTypeO*>(p.o) + token * p.o_stride_n + head * p.o_stride_h;
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) out[lane + 32 * i] = from_float<DTypeO>(acc[r][i] * inv_l);
-    if (Traits::kLse && p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_n + head] = lse;
+    for (int i = 0; i < DPL; ++i) {
+      const float y = acc[r][i] * inv_l;
+      out[lane + 32 * i] = from_float<DTypeO>(p.sinks != nullptr ? __fmul_rn(y, factor) : y);
+    }
+    if (Traits::kLse && p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_n + head] = lse_out;
   }
 }
 

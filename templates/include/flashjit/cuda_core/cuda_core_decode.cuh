@@ -29,6 +29,7 @@
 #include "flashjit/common/kernel_config.cuh"
 #include "flashjit/common/merge_states.cuh"
 #include "flashjit/common/numeric.cuh"
+#include "flashjit/common/sink_fold.cuh"
 #include "flashjit/common/work.cuh"
 
 namespace flashjit {
@@ -413,8 +414,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       p.partial_o[prow * D + d] = o;
       if (d == 0) p.partial_lse[prow] = lse;
     } else {
-      static_cast<DType*>(p.o)[token * p.o_stride_n + head * p.o_stride_h + d] = from_float<DType>(o);
-      if (Traits::kLse && p.lse != nullptr && d == 0) p.lse[token * p.lse_stride_n + head] = lse;
+      float lse_out = lse;  // with the head's sink, where the call has sinks (sink_fold.cuh)
+      const float factor = fold_sink(p.sinks, head, lse_out);
+      static_cast<DType*>(p.o)[token * p.o_stride_n + head * p.o_stride_h + d] =
+          from_float<DType>(p.sinks != nullptr ? __fmul_rn(o, factor) : o);
+      if (Traits::kLse && p.lse != nullptr && d == 0) p.lse[token * p.lse_stride_n + head] = lse_out;
     }
   }
 }

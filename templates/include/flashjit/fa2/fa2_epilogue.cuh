@@ -9,6 +9,7 @@
 #include "flashjit/common/chunk_fold.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/common/numeric.cuh"
+#include "flashjit/common/sink_fold.cuh"
 #include "flashjit/common/work.cuh"
 
 namespace flashjit {
@@ -131,6 +132,26 @@ __device__ __forceinline__ void write_rows(const FlashjitAttentionParams& p, con
       }
     return;
   }
+  // Attention sinks (sink_fold.cuh): each row's output factor and its LSE with the sink.
+  const bool has_sinks = p.sinks != nullptr;
+  float sink_factor[FM][2], lse_out[FM][2];
+#pragma unroll
+  for (int f = 0; f < FM; ++f)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      lse_out[f][r] = lse[f][r];
+      sink_factor[f][r] = 1.f;
+      const int row = warp_row0 + 16 * f + g + 8 * r;
+      if (has_sinks && row < rows_total) {
+        int token, head;
+        packed.locate(row, token, head);
+        sink_factor[f][r] = fold_sink(p.sinks, head, lse_out[f][r]);
+      }
+    }
+  auto out = [&](float x, int f, int r) {
+    const float y = x * inv_l[f][r];
+    return has_sinks ? __fmul_rn(y, sink_factor[f][r]) : y;
+  };
   unsigned char* stage = smem + warp * WROWS * ROW_BYTES;
   __syncwarp();  // all lanes' last reads of the warp's Q rows are done
 #pragma unroll
@@ -139,9 +160,8 @@ __device__ __forceinline__ void write_rows(const FlashjitAttentionParams& p, con
     for (int n = 0; n < NT_O; ++n) {
       // Row 16f + g (and + 8), logical chunk n, word tq; (16f + g + 8) % 8 == g.
       const int at = (16 * f + g) * ROW_BYTES + ((n ^ g) << 4) + tq * 4;
-      *reinterpret_cast<uint32_t*>(stage + at) = pack2<T>(o[f][n][0] * inv_l[f][0], o[f][n][1] * inv_l[f][0]);
-      *reinterpret_cast<uint32_t*>(stage + at + 8 * ROW_BYTES) =
-          pack2<T>(o[f][n][2] * inv_l[f][1], o[f][n][3] * inv_l[f][1]);
+      *reinterpret_cast<uint32_t*>(stage + at) = pack2<T>(out(o[f][n][0], f, 0), out(o[f][n][1], f, 0));
+      *reinterpret_cast<uint32_t*>(stage + at + 8 * ROW_BYTES) = pack2<T>(out(o[f][n][2], f, 1), out(o[f][n][3], f, 1));
     }
   __syncwarp();
   {
@@ -170,7 +190,7 @@ __device__ __forceinline__ void write_rows(const FlashjitAttentionParams& p, con
         if (row < rows_total) {
           int token, head;
           packed.locate(row, token, head);
-          p.lse[int64_t(token) * p.lse_stride_n + head] = lse[f][r];
+          p.lse[int64_t(token) * p.lse_stride_n + head] = lse_out[f][r];
         }
       }
   }
