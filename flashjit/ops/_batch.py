@@ -257,13 +257,14 @@ class BatchAttention:
         return out, lse
 
     def _launch(self, q, k, v, k_strides: tuple, v_strides: tuple, out, lse, v_offset: int = 0,
-                scales: tuple = (_scales.UNIT, _scales.UNIT)):
+                scales: tuple = (_scales.UNIT, _scales.UNIT), sinks: int = 0):
         """The first run() of a signature, after its checks against the plan:
         placement, the params, the launch. Returns the prepared call that
         repeats it for that signature (ops._calls.batch_call). v_offset: bytes
         from v's address to V's first element (one 5-D paged cache passes
         itself as k and v). scales: an FP8 cache's k_scale and v_scale, checked
-        (ops._scales.ScaleArg)."""
+        (ops._scales.ScaleArg). sinks: the checked address of the attention
+        sinks (ops._sinks; 0: none), passed by keyword and only where nonzero."""
         plan = self._plan
         spec = plan.module.spec
         check_placement(q, k, v, spec)
@@ -273,7 +274,7 @@ class BatchAttention:
             _checks.check_vector_aligned("out", out)
         params = fill_params(q, plan.num_kv_heads, k_strides, v_strides, plan.page_size,
                              (plan.num_qo_heads * plan.head_dim, plan.head_dim), plan.num_qo_heads, *plan.scalars,
-                             kv_element_size=k.element_size(), scales=scales)
+                             kv_element_size=k.element_size(), scales=scales, sinks=sinks)
         # Negative: no CTA spans two chunks, the plain kernel runs (attention_params.cuh).
         params.invariant_chunk = plan.invariant_chunk if plan.work.folds else -plan.invariant_chunk
         head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1,

@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from . import _checks, _scales
+from . import _checks, _scales, _sinks
 
 # tracing()'s two tests; the attention ops and wrappers' run() ask them inline
 # (a Python call less on paths measured against 10 us).
@@ -103,10 +103,18 @@ def scale_operands(k_scale, v_scale) -> tuple:
     return (*numbers, *tensors)
 
 
-def run_batch(wrapper, q, k, v, out, lse, return_lse: bool, window_left=None, k_scale=None, v_scale=None):
+def sinks_operands(sinks) -> tuple:
+    """The operators' operands after the scales: (sinks,), or none (the schema's default)."""
+    return () if sinks is None else (_sinks.operand(sinks),)
+
+
+def run_batch(wrapper, q, k, v, out, lse, return_lse: bool, window_left=None, k_scale=None, v_scale=None,
+              sinks=None):
     """The traced run() of a batch wrapper (k, v as cache_args gives them for a paged cache;
-    k_scale / v_scale: an FP8 cache's, which the operators take as scale_operands gives them)."""
-    scales = scale_operands(k_scale, v_scale)
+    k_scale / v_scale: an FP8 cache's, which the operators take as scale_operands gives them;
+    sinks: a tensor operand after them, a graph input whose values the kernel reads when the
+    graph runs)."""
+    scales = scale_operands(k_scale, v_scale) + sinks_operands(sinks)
     extra = scales if wrapper._op == "batch_prefill_ragged" else (window_left, *scales)
     return _run_traced(wrapper, (q, k, v), extra, out, lse, return_lse)
 

@@ -11,7 +11,7 @@ import torch
 from .. import arch, jit
 from ..loader import AttentionParams
 from ..spec import KernelSpec, canonical_dtype
-from . import _calls, _checks, _invariant, _scales
+from . import _calls, _checks, _invariant, _scales, _sinks
 from ._calls import Signatures, check_placement, remember, single_request_call
 
 # For the ops that pack their own params (mla, append), which import them from here.
@@ -73,10 +73,12 @@ def check_kv_strides(name: str, strides: tuple, page_size: int, element_size: in
 
 def fill_params(q: torch.Tensor, num_kv_heads: int, k_strides: tuple, v_strides: tuple, page_size: int,
                 out_strides: tuple[int, int], lse_stride: int, sm_scale: float, window_left: int, soft_cap: float,
-                kv_element_size: int | None = None, scales: tuple = (_scales.UNIT, _scales.UNIT)) -> AttentionParams:
+                kv_element_size: int | None = None, scales: tuple = (_scales.UNIT, _scales.UNIT),
+                sinks: int = 0) -> AttentionParams:
     """The non-pointer fields; k/v strides are (token, head, page) in elements of
     kv_element_size bytes (None: q's). scales: the checked (k_scale, v_scale)
-    (ops._scales), which only FP8 configurations read.
+    (ops._scales), which only FP8 configurations read. sinks: the checked
+    address of the attention sinks (ops._sinks; 0: none).
     Raises ValueError for K/V strides the kernels cannot address (see check_kv_strides)."""
     for name, strides in (("k", k_strides), ("v", v_strides)):
         check_kv_strides(name, strides, page_size, kv_element_size or q.element_size())
@@ -89,6 +91,7 @@ def fill_params(q: torch.Tensor, num_kv_heads: int, k_strides: tuple, v_strides:
     p.lse_stride_n = lse_stride
     p.sm_scale, p.logits_soft_cap, p.window_left = sm_scale, soft_cap, window_left
     _scales.apply(p, *scales)
+    p.sinks = sinks or None
     return p
 
 
@@ -96,12 +99,15 @@ def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_
                            *, causal: bool, sm_scale, window_left, logits_soft_cap, backend: str,
                            use_tensor_cores, return_lse: bool, strict: bool | None = None,
                            batch_invariant: bool = False, k_scale=None, v_scale=None,
-                           scale_names: tuple[str, str] = ("k_scale", "v_scale")):
+                           scale_names: tuple[str, str] = ("k_scale", "v_scale"), sinks=None):
     """The shared end of single_prefill / single_decode preparation, after their
     own structural checks: scalars, configuration, placement, kernel, params.
     k_scale / v_scale: as ops._scales.scale_key gave them (an FP8 cache's only),
     named scale_names in errors (single prefill takes FlashInfer's scale_k / scale_v).
+    sinks: the call's attention sinks as given (ops._sinks: structure checked
+    first, device and values after q's placement).
     Returns the prepared call (ops._calls.single_request_call)."""
+    _sinks.check_structure(_sinks.key(sinks), num_qo_heads)
     _scales.check_scales_for(k.dtype, k_scale, v_scale, names=scale_names)
     scales = tuple(_scales.scale_arg(name, key, q.device) for name, key in zip(scale_names, (k_scale, v_scale)))
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
@@ -110,21 +116,25 @@ def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_
                        window=has_window, soft_cap=has_cap, return_lse=return_lse, strict=strict,
                        batch_invariant=batch_invariant, dtype_kv=k.dtype)
     check_placement(q, k, v, spec)
+    sinks_address = _sinks.checked_address(sinks, num_qo_heads, q.device)
     module = jit.get_module(spec)
     params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
                          window_left, cap)
     _scales.apply(params, *scales)
+    params.sinks = sinks_address or None
     chunk = _invariant.chunk_keys(None, True, module.split_align) if batch_invariant else 0
     return single_request_call(module, params, q, k, v, kv_layout, num_qo_heads // num_kv_heads, q.dim() == 3,
                                bool(return_lse), invariant_chunk=chunk)
 
 
-def run_single_request(cache: Signatures, prepare, q, k, v, options: tuple):
+def run_single_request(cache: Signatures, prepare, q, k, v, options: tuple, sinks=None):
     """single_prefill / single_decode past the tracing test and their `fast`
     slot: the prepared call of the arguments' signature, made by
-    prepare(q, k, v, *options) (every check) on its first call, then the call,
-    which becomes the slot's. options: kv_layout, then the op's options. The
-    signature leaves out the token counts, which the call reads and checks."""
+    prepare(q, k, v, *options[:-1], sinks) (every check) on its first call, then
+    the call, which becomes the slot's. options: kv_layout, then the op's
+    options, the last the sinks' key (ops._sinks.key; the address, not the
+    tensor, whose values prepare reads). The signature leaves out the token
+    counts, which the call reads and checks."""
     kv_layout = options[0]
     heads = 1 if kv_layout == "NHD" else 0  # HND: heads first, tokens second
     try:
@@ -139,7 +149,7 @@ def run_single_request(cache: Signatures, prepare, q, k, v, options: tuple):
     except (AttributeError, IndexError, TypeError):  # no tensors, too few dims, unhashable options
         key = call = None
     if call is None:
-        call = remember(cache, key, prepare(q, k, v, *options))
+        call = remember(cache, key, prepare(q, k, v, *options[:-1], sinks))
     if key is not None and call is not None:
         cache.fast = (options, call.check, call)
     return call(q, k, v)

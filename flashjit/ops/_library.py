@@ -18,6 +18,8 @@ operators (_SCALES): k_scale / v_scale as floats, or k_scale_tensor /
 v_scale_tensor as one-element tensors, which are graph inputs: the kernel reads
 the value a tensor holds when the graph runs, so it may change between calls
 without a recompile (ops._dispatch.scale_operands splits what run() was given).
+Attention sinks are the operand after them, `Tensor? sinks`, a graph input as
+well: the kernel reads its values when the graph runs (ops._sinks).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import _checks, _dispatch, _scales, append, decode, merge, prefill
+from . import _checks, _dispatch, _scales, _sinks, append, decode, merge, prefill
 from ._batch import check_out_buffer
 from ._dispatch import cache_of as _cache_of, wrapper_of
 from ._launch import check_qkv
@@ -71,44 +73,60 @@ _eager = SimpleNamespace(single_prefill=prefill.run_single, single_decode=decode
                          merge_state_in_place=merge.merge_state_in_place_eager)
 
 
+def _sinks_of(operands: tuple) -> tuple:
+    """(the four scale operands, sinks) from the operands after the options (the
+    dispatcher leaves out trailing ones at their default)."""
+    return operands[:4], operands[4] if len(operands) > 4 else None
+
+
 def _single_prefill(q, k, v, kv_layout, causal, sm_scale, window_left, logits_soft_cap, backend, return_lse,
-                    use_tensor_cores, strict, *scales):
+                    use_tensor_cores, strict, *operands):
+    scales, sinks = _sinks_of(operands)
     k_scale, v_scale = _scale_keys(*scales) if scales else (None, None)
-    res = _eager.single_prefill(q, k, v, kv_layout, (None, k_scale, v_scale, None, None, None, causal, "NONE", False,
-                                                     sm_scale, window_left, logits_soft_cap, backend, return_lse,
-                                                     use_tensor_cores, strict))
+    options = (None, k_scale, v_scale, None, None, None, causal, "NONE", False, sm_scale, window_left, logits_soft_cap,
+               backend, return_lse, use_tensor_cores, strict)
+    res = _eager.single_prefill(q, k, v, kv_layout, options) if sinks is None else \
+        _eager.single_prefill(q, k, v, kv_layout, options, sinks=sinks)
     return list(res) if return_lse else [res]
 
 
 def _single_prefill_fake(q, k, v, kv_layout, causal, sm_scale, window_left, logits_soft_cap, backend, return_lse,
-                         use_tensor_cores, strict, *scales):
+                         use_tensor_cores, strict, *operands):
+    scales, sinks = _sinks_of(operands)
     check_qkv(q, k, v, kv_layout)
     _checks.variant_values(sm_scale, q.shape[-1], window_left, logits_soft_cap)
     _check_scales(k, q.device, *scales)
+    _sinks.check_fake(sinks, q.shape[-2], q.device)
     return _outputs(q, return_lse, 2)
 
 
 def _single_decode(q, k, v, kv_layout, use_tensor_cores, sm_scale, window_left, logits_soft_cap, backend,
-                   return_lse, strict, *scales):
+                   return_lse, strict, *operands):
+    scales, sinks = _sinks_of(operands)
     k_scale, v_scale = _scale_keys(*scales) if scales else (None, None)
-    res = _eager.single_decode(q, k, v, kv_layout, ("NONE", use_tensor_cores, None, k_scale, v_scale, window_left,
-                                                    logits_soft_cap, sm_scale, return_lse, backend, strict))
+    options = ("NONE", use_tensor_cores, None, k_scale, v_scale, window_left, logits_soft_cap, sm_scale, return_lse,
+               backend, strict)
+    res = _eager.single_decode(q, k, v, kv_layout, options) if sinks is None else \
+        _eager.single_decode(q, k, v, kv_layout, options, sinks=sinks)
     return list(res) if return_lse else [res]
 
 
 def _single_decode_fake(q, k, v, kv_layout, use_tensor_cores, sm_scale, window_left, logits_soft_cap, backend,
-                        return_lse, strict, *scales):
+                        return_lse, strict, *operands):
+    scales, sinks = _sinks_of(operands)
     check_qkv(q, k, v, kv_layout, q_ndim=2)
     _checks.variant_values(sm_scale, q.shape[-1], window_left, logits_soft_cap)
     _check_scales(k, q.device, *scales)
+    _sinks.check_fake(sinks, q.shape[-2], q.device)
     return _outputs(q, return_lse, 1)
 
 
-def _run(handle, q, k, v, return_lse, window_left=None, *scales):
+def _run(handle, q, k, v, return_lse, window_left=None, *operands):
     wrapper = wrapper_of(handle)
+    scales, sinks = _sinks_of(operands)
     scales = _scale_keys(*scales) if scales else (None, None)
-    if scales != (None, None):  # prepared calls keyed by the scales (a tensor's address): no fast slot
-        res = wrapper._run(q, k, v, None, None, return_lse, window_left, scales)
+    if scales != (None, None) or sinks is not None:  # prepared calls keyed by a tensor's address: no fast slot
+        res = wrapper._run(q, k, v, None, None, return_lse, window_left, scales, sinks)
         return list(res) if return_lse else [res]
     known, check, call = wrapper._launches.fast
     res = None
@@ -123,18 +141,19 @@ def _run(handle, q, k, v, return_lse, window_left=None, *scales):
     return list(res) if return_lse else [res]
 
 
-def _run_out(handle, q, k, v, out, lse, window_left=None, *scales):
+def _run_out(handle, q, k, v, out, lse, window_left=None, *operands):
+    scales, sinks = _sinks_of(operands)
     scales = _scale_keys(*scales) if scales else (None, None)
-    extra = (scales,) if scales != (None, None) else ()
+    extra = (scales, sinks) if sinks is not None else (scales,) if scales != (None, None) else ()
     wrapper_of(handle)._run(q, k, v, out, lse, lse is not None, window_left, *extra)
 
 
-def _ragged_run(handle, q, k, v, return_lse, *scales):
-    return _run(handle, q, k, v, return_lse, None, *scales)
+def _ragged_run(handle, q, k, v, return_lse, *operands):
+    return _run(handle, q, k, v, return_lse, None, *operands)
 
 
-def _ragged_run_out(handle, q, k, v, out, lse, *scales):
-    _run_out(handle, q, k, v, out, lse, None, *scales)
+def _ragged_run_out(handle, q, k, v, out, lse, *operands):
+    _run_out(handle, q, k, v, out, lse, None, *operands)
 
 
 def _planned(handle):
@@ -160,23 +179,27 @@ def _check_out_lse(q, plan, out, lse) -> None:
         check_out_buffer("lse", lse, shape[:2], torch.float32, q.device, "q's rows x num_qo_heads")
 
 
-def _run_fake(handle, q, k, v, return_lse, window_left=None, *scales):
+def _run_fake(handle, q, k, v, return_lse, window_left=None, *operands):
+    scales, sinks = _sinks_of(operands)
     _check_run(handle, q, k, v, window_left=window_left)
     _check_scales(k, q.device, *scales)
+    _sinks.check_fake(sinks, q.shape[-2], q.device)
     return _outputs(q, return_lse, 2)
 
 
-def _run_out_fake(handle, q, k, v, out, lse, window_left=None, *scales):
+def _run_out_fake(handle, q, k, v, out, lse, window_left=None, *operands):
+    scales, sinks = _sinks_of(operands)
     _check_run(handle, q, k, v, out, lse, window_left)
     _check_scales(k, q.device, *scales)
+    _sinks.check_fake(sinks, q.shape[-2], q.device)
 
 
-def _ragged_run_fake(handle, q, k, v, return_lse, *scales):
-    return _run_fake(handle, q, k, v, return_lse, None, *scales)
+def _ragged_run_fake(handle, q, k, v, return_lse, *operands):
+    return _run_fake(handle, q, k, v, return_lse, None, *operands)
 
 
-def _ragged_run_out_fake(handle, q, k, v, out, lse, *scales):
-    _run_out_fake(handle, q, k, v, out, lse, None, *scales)
+def _ragged_run_out_fake(handle, q, k, v, out, lse, *operands):
+    _run_out_fake(handle, q, k, v, out, lse, None, *operands)
 
 
 def _mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache, return_lse):
@@ -256,24 +279,26 @@ def _merge_states_fake(v, s):
 _PAGED_RUN = "int handle, Tensor q, Tensor k_cache, Tensor? v_cache"
 # An FP8 cache's scales (ops._dispatch.scale_operands): numbers, or one-element tensors read when the graph runs.
 _SCALES = "float? k_scale=None, float? v_scale=None, Tensor? k_scale_tensor=None, Tensor? v_scale_tensor=None"
+# Attention sinks (ops._sinks): after the scales, a tensor read when the graph runs.
+_SINKS = "Tensor? sinks=None"
 _MLA_RUN = "int handle, Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache"
 _SCHEMAS = {
     "single_prefill": ("single_prefill(Tensor q, Tensor k, Tensor v, str kv_layout, bool causal, float? sm_scale, "
                        "int? window_left, float? logits_soft_cap, str backend, bool return_lse, "
-                       f"bool? use_tensor_cores, bool? strict, {_SCALES}) -> Tensor[]", _single_prefill,
+                       f"bool? use_tensor_cores, bool? strict, {_SCALES}, {_SINKS}) -> Tensor[]", _single_prefill,
                        _single_prefill_fake),
     "single_decode": ("single_decode(Tensor q, Tensor k, Tensor v, str kv_layout, bool? use_tensor_cores, "
                       "float? sm_scale, int? window_left, float? logits_soft_cap, str backend, bool return_lse, "
-                      f"bool? strict, {_SCALES}) -> Tensor[]", _single_decode, _single_decode_fake),
+                      f"bool? strict, {_SCALES}, {_SINKS}) -> Tensor[]", _single_decode, _single_decode_fake),
     "batch_prefill_ragged_run": ("batch_prefill_ragged_run(int handle, Tensor q, Tensor k, Tensor v, "
-                                 f"bool return_lse, {_SCALES}) -> Tensor[]", _ragged_run, _ragged_run_fake),
+                                 f"bool return_lse, {_SCALES}, {_SINKS}) -> Tensor[]", _ragged_run, _ragged_run_fake),
     "batch_prefill_ragged_run_out": ("batch_prefill_ragged_run_out(int handle, Tensor q, Tensor k, Tensor v, "
-                                     f"Tensor(a!) out, Tensor(b!)? lse, {_SCALES}) -> ()", _ragged_run_out,
+                                     f"Tensor(a!) out, Tensor(b!)? lse, {_SCALES}, {_SINKS}) -> ()", _ragged_run_out,
                                      _ragged_run_out_fake),
-    **{f"{op}_run": (f"{op}_run({_PAGED_RUN}, bool return_lse, int? window_left, {_SCALES}) -> Tensor[]", _run,
-                     _run_fake) for op in ("batch_prefill_paged", "batch_decode_paged")},
+    **{f"{op}_run": (f"{op}_run({_PAGED_RUN}, bool return_lse, int? window_left, {_SCALES}, {_SINKS}) -> Tensor[]",
+                     _run, _run_fake) for op in ("batch_prefill_paged", "batch_decode_paged")},
     **{f"{op}_run_out": (f"{op}_run_out({_PAGED_RUN}, Tensor(a!) out, Tensor(b!)? lse, int? window_left, "
-                         f"{_SCALES}) -> ()", _run_out, _run_out_fake)
+                         f"{_SCALES}, {_SINKS}) -> ()", _run_out, _run_out_fake)
        for op in ("batch_prefill_paged", "batch_decode_paged")},
     "mla_paged_run": (f"mla_paged_run({_MLA_RUN}, bool return_lse) -> Tensor[]", _mla_run, _mla_run_fake),
     "mla_paged_run_out": (f"mla_paged_run_out({_MLA_RUN}, Tensor(a!) out, Tensor(b!)? lse) -> ()", _mla_run_out,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch, _invariant, _scales
+from . import _checks, _dispatch, _invariant, _scales, _sinks
 from ._dispatch import dispatch_modes, is_compiling
 from ._batch import BatchAttention
 from ._calls import fill_slot, keep_run, tensor_signature
@@ -47,20 +47,28 @@ class _PagedAttention(BatchAttention):
                          allow_split=not disable_split_kv, non_blocking=non_blocking, batch_invariant=batch_invariant)
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse: bool = False, enable_pdl=None, window_left=None, **kwargs):
+            return_lse: bool = False, enable_pdl=None, window_left=None, sinks: torch.Tensor | None = None,
+            **kwargs):
         """k_scale / v_scale (an FP8 cache's dequantisation scales): Python floats or
-        one-element float32 tensors, which the kernel reads (ops._scales)."""
+        one-element float32 tensors, which the kernel reads (ops._scales).
+        sinks (FlashInfer's name and place): attention sinks, a contiguous
+        float32 tensor [num_qo_heads] on q's device, natural-log units
+        (ops._sinks): each row's softmax runs over its logits and sinks[h]; the
+        sink's probability is left out of out, and the LSE includes it (a row
+        with no visible key: out = 0, lse = sinks[h] * log2(e)); -inf is no
+        sink. Its values are checked (NaN, +inf refused) at the first run() with
+        that tensor, not after later in-place writes, which the kernel reads (a
+        CUDA graph replays with the values then)."""
         if args or kwargs or q_scale is not None:
             _checks.check_no_extra_args("run()", args)
             _checks.check_unsupported(q_scale=q_scale)
             raise NotImplementedError(f"{sorted(kwargs)}: not supported by flashjit's {type(self).__name__}.run()")
-        scaled = k_scale is not None or v_scale is not None
         if is_compiling() or dispatch_modes():  # _dispatch.tracing()
             k, v = _dispatch.cache_args(paged_kv_cache)
-            return _dispatch.run_batch(self, q, k, v, out, lse, return_lse, window_left, k_scale, v_scale)
-        if scaled:
+            return _dispatch.run_batch(self, q, k, v, out, lse, return_lse, window_left, k_scale, v_scale, sinks)
+        if k_scale is not None or v_scale is not None or sinks is not None:
             scales = (_scales.scale_key(k_scale), _scales.scale_key(v_scale))
-            return self._run(q, paged_kv_cache, None, out, lse, return_lse, window_left, scales)
+            return self._run(q, paged_kv_cache, None, out, lse, return_lse, window_left, scales, sinks)
         if lse is None and window_left is None:  # the last run, if these are its signature (ops._calls.Signatures)
             if out is None:
                 known, check, call = self._launches.fast
@@ -72,10 +80,13 @@ class _PagedAttention(BatchAttention):
                     return call(q, paged_kv_cache, paged_kv_cache, out, None)
         return self._run(q, paged_kv_cache, None, out, lse, return_lse, window_left)
 
-    def _run(self, q, k, v, out, lse, return_lse: bool, window_left, scales=(None, None)):
+    def _run(self, q, k, v, out, lse, return_lse: bool, window_left, scales=(None, None), sinks=None):
         """run()'s eager body: the cache is k alone (a 5-D tensor or a (K, V) tuple) or (k, v);
-        scales: (k_scale, v_scale) as ops._scales.scale_key gave them."""
+        scales: (k_scale, v_scale) as ops._scales.scale_key gave them; sinks: the
+        tensor as given (its key joins the signature; the fast slots hold only
+        runs with neither scales nor sinks)."""
         paged_kv_cache = k if v is None else (k, v)
+        plain = window_left is None and scales == (None, None) and sinks is None
         try:
             if isinstance(paged_kv_cache, torch.Tensor):
                 k_src = v_src = paged_kv_cache
@@ -84,7 +95,8 @@ class _PagedAttention(BatchAttention):
                 k_src, v_src = paged_kv_cache
                 cache_key = (tensor_signature(k_src), tensor_signature(v_src))
             key = (q.shape, q.stride(), q.dtype, q.device, cache_key, return_lse, window_left,
-                   out if out is None else tensor_signature(out), lse if lse is None else tensor_signature(lse), scales)
+                   out if out is None else tensor_signature(out), lse if lse is None else tensor_signature(lse), scales,
+                   _sinks.key(sinks))
             launches = self._launches
             last_key, launch = launches.last
             if key != last_key:
@@ -94,7 +106,7 @@ class _PagedAttention(BatchAttention):
         except (AttributeError, TypeError, ValueError):  # the checks below say what is wrong
             key = launch = None
         if launch is not None:
-            if lse is None and window_left is None and scales == (None, None):
+            if lse is None and plain:
                 fill_slot(launches, return_lse, out, launch)
             return launch(q, k_src, v_src, out, lse)
         plan = self._plan
@@ -113,13 +125,14 @@ class _PagedAttention(BatchAttention):
                              f"{_shape_text(paged_kv_cache)})")
         _scales.check_scales_for(k.dtype, *scales)
         checked = tuple(_scales.scale_arg(name, key, q.device) for name, key in zip(("k_scale", "v_scale"), scales))
+        sinks_address = _sinks.checked_address(sinks, plan.num_qo_heads, q.device)
         out, lse = self._outputs(q, plan, out, lse, return_lse)
-        launch = self._launch(q, k, v, k_strides, v_strides, out, lse, v_offset, checked)
+        launch = self._launch(q, k, v, k_strides, v_strides, out, lse, v_offset, checked,
+                              **({"sinks": sinks_address} if sinks_address else {}))
         # The cache as run() passes it: one tensor, or a pair whose tensors the check takes apart.
         caches = (k,) if k is v else (k, v)
         keep_run(self._launches, key, launch, (q, *caches) if given_out is None else (q, *caches, given_out),
-                 return_lse, given_out, given_lse is None and window_left is None and scales == (None, None),
-                 pair=k is not v)
+                 return_lse, given_out, given_lse is None and plain, pair=k is not v)
         return (out, lse) if return_lse else out
 
     @staticmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch, _invariant, _scales
+from . import _checks, _dispatch, _invariant, _scales, _sinks
 from ._dispatch import dispatch_modes, is_compiling
 from ._invariant import ENV_KEY as _ENV_KEY, MODES as _MODES, environ_get as _environ_get
 from ._batch import BatchAttention, dtype_arg
@@ -22,10 +22,17 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
                                  sm_scale=None, window_left: int = -1, logits_soft_cap=None, rope_scale=None,
                                  rope_theta=None, backend: str = "auto", return_lse: bool = False, *,
                                  use_tensor_cores: bool | None = None, strict: bool | None = None,
-                                 batch_invariant: bool | None = None):
+                                 batch_invariant: bool | None = None, sinks: torch.Tensor | None = None):
     """Attention of one request: q [qo_len, num_qo_heads, head_dim], k/v [kv_len,
     num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND).
     Returns o like q, and with return_lse the base-2 log-sum-exp [qo_len, num_qo_heads].
+    sinks (flashjit's keyword; FlashInfer's single prefill has none): attention
+    sinks, a contiguous float32 tensor [num_qo_heads] on q's device, natural-log
+    units (ops._sinks): each row's softmax runs over its logits and sinks[h];
+    the sink's probability is left out of o, and the LSE includes it (a row
+    with no visible key: o = 0, lse = sinks[h] * log2(e)); -inf is no sink.
+    Its values are checked (NaN, +inf refused) at the first call with that
+    tensor, not after later in-place writes, which the kernel reads.
     strict=True: a backend this GPU cannot run (fa3 off sm_90a) raises instead of running fa2.
     batch_invariant=True: the output is the one every op gives this request in
     batch-invariant mode (docs/numerics.md); None: FLASHJIT_BATCH_INVARIANT.
@@ -39,7 +46,8 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
         res = torch.ops.flashjit.single_prefill.default(q, k, v, kv_layout, bool(causal), sm_scale, window_left,
                                                         logits_soft_cap, backend, bool(return_lse),
                                                         use_tensor_cores, strict,
-                                                        *_dispatch.scale_operands(scale_k, scale_v))
+                                                        *_dispatch.scale_operands(scale_k, scale_v),
+                                                        *_dispatch.sinks_operands(sinks))
         return (res[0], res[1]) if return_lse else res[0]
     # run_single's body, spelled out: one Python call less on a path measured against 10 us.
     if scale_k is not None or scale_v is not None:  # the signature holds a tensor scale's address, not the tensor
@@ -47,11 +55,11 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     invariant = _MODES[_environ_get(_ENV_KEY, b"")] if batch_invariant is None else _invariant.resolve(batch_invariant)
     options = (kv_layout, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal,
                pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend, return_lse,
-               use_tensor_cores, strict, invariant)
-    known, check, call = _prepared.fast  # the last call, if these options and tensors are its signature
-    if options == known and check(q, k, v):
+               use_tensor_cores, strict, invariant, sinks if sinks is None else _sinks.key(sinks))
+    known, check, call = _prepared.fast  # the last call, if these options (the sinks' address too) and tensors
+    if options == known and check(q, k, v):  # are its signature
         return call(q, k, v)
-    return run_single_request(_prepared, _prepare_single, q, k, v, options)
+    return run_single_request(_prepared, _prepare_single, q, k, v, options, sinks)
 
 
 def _check_traced_mode(batch_invariant) -> None:
@@ -62,17 +70,18 @@ def _check_traced_mode(batch_invariant) -> None:
                                   f"operators; under tracing set {_invariant.ENV_VAR} for the process instead")
 
 
-def run_single(q, k, v, kv_layout: str, options: tuple, batch_invariant=None):
+def run_single(q, k, v, kv_layout: str, options: tuple, batch_invariant=None, sinks=None):
     """The eager body of single_prefill_with_kv_cache; options in its argument order, scale_q to strict."""
     invariant = _invariant.resolve(batch_invariant)
     scale_q, scale_k, scale_v, *rest = options
     options = (scale_q, _scales.scale_key(scale_k), _scales.scale_key(scale_v), *rest)
-    return run_single_request(_prepared, _prepare_single, q, k, v, (kv_layout, *options, invariant))
+    return run_single_request(_prepared, _prepare_single, q, k, v, (kv_layout, *options, invariant, _sinks.key(sinks)),
+                              sinks)
 
 
 def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal,
                     pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend,
-                    return_lse, use_tensor_cores, strict, batch_invariant: bool = False):
+                    return_lse, use_tensor_cores, strict, batch_invariant: bool = False, sinks=None):
     _checks.check_unsupported(scale_q=scale_q, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
                               pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction)
     _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout)
@@ -82,7 +91,7 @@ def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, cust
                                   logits_soft_cap=logits_soft_cap, backend=backend,
                                   use_tensor_cores=use_tensor_cores, return_lse=return_lse, strict=strict,
                                   batch_invariant=batch_invariant, k_scale=scale_k, v_scale=scale_v,
-                                  scale_names=("scale_k", "scale_v"))
+                                  scale_names=("scale_k", "scale_v"), sinks=sinks)
 
 
 def _check_options(q, scale_q, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
@@ -139,17 +148,25 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
     _op = "batch_prefill_ragged"
 
     def run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse: bool = False, enable_pdl=None):
+            return_lse: bool = False, enable_pdl=None, sinks: torch.Tensor | None = None):
         """k_scale / v_scale (an FP8 K/V's dequantisation scales): Python floats or
-        one-element float32 tensors, which the kernel reads (ops._scales)."""
+        one-element float32 tensors, which the kernel reads (ops._scales).
+        sinks (flashjit's keyword; FlashInfer's ragged run() has none): attention
+        sinks, a contiguous float32 tensor [num_qo_heads] on q's device,
+        natural-log units (ops._sinks): each row's softmax runs over its logits
+        and sinks[h]; the sink's probability is left out of out, and the LSE
+        includes it (a row with no visible key: out = 0, lse = sinks[h] *
+        log2(e)); -inf is no sink. Its values are checked (NaN, +inf refused) at
+        the first run() with that tensor, not after later in-place writes,
+        which the kernel reads (a CUDA graph replays with the values then)."""
         if args:
             _checks.check_no_extra_args("run()", args)
         _checks.check_unsupported(q_scale=q_scale)
         if is_compiling() or dispatch_modes():  # _dispatch.tracing()
-            return _dispatch.run_batch(self, q, k, v, out, lse, return_lse, None, k_scale, v_scale)
-        if k_scale is not None or v_scale is not None:
+            return _dispatch.run_batch(self, q, k, v, out, lse, return_lse, None, k_scale, v_scale, sinks)
+        if k_scale is not None or v_scale is not None or sinks is not None:
             return self._run(q, k, v, out, lse, return_lse, scales=(_scales.scale_key(k_scale),
-                                                                    _scales.scale_key(v_scale)))
+                                                                    _scales.scale_key(v_scale)), sinks=sinks)
         if lse is None:  # the last run, if these tensors are its signature (ops._calls.Signatures)
             if out is None:
                 known, check, call = self._launches.fast
@@ -161,13 +178,16 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
                     return call(q, k, v, out, None)
         return self._run(q, k, v, out, lse, return_lse)
 
-    def _run(self, q, k, v, out, lse, return_lse: bool, window_left=None, scales=(None, None)):
+    def _run(self, q, k, v, out, lse, return_lse: bool, window_left=None, scales=(None, None), sinks=None):
         """run()'s eager body (window_left: the paged wrappers' argument, never given here);
-        scales: (k_scale, v_scale) as ops._scales.scale_key gave them."""
+        scales: (k_scale, v_scale) as ops._scales.scale_key gave them; sinks: the
+        tensor as given (its key joins the signature; the fast slots hold only
+        runs with neither scales nor sinks)."""
+        plain = scales == (None, None) and sinks is None
         try:
             key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
                    v.dtype, v.device, return_lse, out if out is None else tensor_signature(out),
-                   lse if lse is None else tensor_signature(lse), scales)
+                   lse if lse is None else tensor_signature(lse), scales, _sinks.key(sinks))
             launches = self._launches
             last_key, launch = launches.last
             if key != last_key:
@@ -177,7 +197,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
         except (AttributeError, TypeError):  # no tensors, or an unhashable option: the checks say which
             key = launch = None
         if launch is not None:
-            if lse is None and scales == (None, None):
+            if lse is None and plain:
                 fill_slot(launches, return_lse, out, launch)
             return launch(q, k, v, out, lse)
         plan = self._plan
@@ -193,12 +213,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
                              f"{self._kv_layout}, got {kv_len} (shape {tuple(k.shape)})")
         _scales.check_scales_for(k.dtype, *scales)
         checked = tuple(_scales.scale_arg(name, key, q.device) for name, key in zip(("k_scale", "v_scale"), scales))
+        sinks_address = _sinks.checked_address(sinks, plan.num_qo_heads, q.device)
         out, lse = self._outputs(q, plan, out, lse, return_lse)
         _, _, _, k_sn, k_sh = _checks.kv_dims("k", k, self._kv_layout)
         _, _, _, v_sn, v_sh = _checks.kv_dims("v", v, self._kv_layout)
-        launch = self._launch(q, k, v, (k_sn, k_sh, 0), (v_sn, v_sh, 0), out, lse, scales=checked)
+        launch = self._launch(q, k, v, (k_sn, k_sh, 0), (v_sn, v_sh, 0), out, lse, scales=checked,
+                              **({"sinks": sinks_address} if sinks_address else {}))
         keep_run(self._launches, key, launch, (q, k, v) if given_out is None else (q, k, v, given_out), return_lse,
-                 given_out, given_lse is None and scales == (None, None))
+                 given_out, given_lse is None and plain)
         return (out, lse) if return_lse else out
 
     def _check_planned(self, q, k, v, plan, window_left=None) -> None:
