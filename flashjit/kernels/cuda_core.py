@@ -89,8 +89,10 @@ class CudaDecodeTiling:
 def cuda_decode_tiling(spec: KernelSpec) -> CudaDecodeTiling:
     # Three stages of 4 KB per warp (16-bit types) leave room for four CTAs,
     # 16 warps, per SM; fp32 rows are twice as wide, so two stages; FP8 rows
-    # half as wide, so the same three stages take half the shared memory.
-    stages = 2 if common.DTYPE_BYTES[spec.dtype_kv] == 4 else 3
+    # half as wide, so six stages keep as many bytes in flight as three of a
+    # 16-bit cache in the same shared memory (three left the loop waiting on
+    # memory latency: docs/fp8.md, "Speed").
+    stages = {4: 2, 2: 3, 1: 6}[common.DTYPE_BYTES[spec.dtype_kv]]
     tiling = CudaDecodeTiling(warps=4, keys_per_group=4, stages=stages)
     assert tiling.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name
     return tiling
