@@ -61,7 +61,8 @@ def used_specs() -> list:
 
 
 def make_sinks(kind: str, heads: int = HEADS[0]) -> torch.Tensor:
-    """randn: N(0, 1); dominant: 30 (e^30 against row sums near e^6); none: -inf; mixed: randn, -inf on even heads."""
+    """randn: N(0, 1); dominant: 30 (e^30 against row sums of e^11 at most here); none: -inf; mixed: randn, -inf
+    on even heads."""
     if kind == "dominant":
         return torch.full((heads,), 30.0, device="cuda")
     if kind == "none":
