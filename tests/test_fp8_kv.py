@@ -181,10 +181,7 @@ def test_profile_terms_of_an_fp8_cache():
     assert fp8["p_rounding"] == 0.0 and fp8["bound"] == "worst_case", "CUDA cores: P stays fp32"
     kw = dict(kv_len=4096, v_absmax=3.0, logit_absmax=40.0)
     a, b = error_model.evaluate(fp8, **kw), error_model.evaluate(same, **kw)
-    # An FP8 lane takes 16 dims (kernels.cuda_core.cuda_decode_tiling): its Q.K chains are longer,
-    # its P.V and row-sum chains twice as many and half as long, which the bound weighs more.
-    assert fp8["dot_chain"] == same["dot_chain"] + 7 and fp8["pv_chains"] == 2 * same["pv_chains"]
-    assert 0.9 * b.atol < a.atol < b.atol, "16-dim lanes: shorter P.V chains, beside the one scale rounding more"
+    assert b.atol < a.atol < 1.05 * b.atol, "only the one scale rounding more than the fp16 cache"
     # Tensor-core profiles round P to q's dtype (the MMA operand), whatever the cache holds.
     tc = error_model.profile(KernelSpec.make("batch_decode_paged", "bfloat16", 128, use_tensor_cores=True,
                                              return_lse=True))

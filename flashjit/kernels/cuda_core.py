@@ -58,32 +58,29 @@ class CudaDecodeTiling:
     min_blocks_per_sm: int = 4
     # The query heads of one KV head that a CTA holds (fewer for smaller groups).
     rows_per_cta: int = 4
-    # Head dims of a key per lane: 8, or 16 with an FP8 cache (16 bytes of codes,
-    # as a 16-bit cache's lane copies 16 bytes of 8 dims).
-    dims_per_lane: int = 8
 
     def rescales(self, spec: KernelSpec) -> tuple[int, int]:
         """(keys per rescale, merge rescales): one rescale per chunk of the key's
         lane group, which takes every (groups * warps)-th chunk; then the merges,
         lane groups by halves and the warps."""
-        groups = 32 // (spec.head_dim_qk // self.dims_per_lane)
+        groups = 32 // (spec.head_dim_qk // 8)
         return self.keys_per_group * groups * self.warps, groups.bit_length() - 1 + 1
 
     def chains(self, spec: KernelSpec) -> dict:
         """How the fp32 sums run (for the worst-case bound, error_model): Q.K an
-        fma chain over a lane's dims, then the lanes halved; P.V and the row
+        fma chain over a lane's 8 dims, then the lanes halved; P.V and the row
         sum one chain per (warp, key group), merged in log2(groups) halvings and
         then a sum over the warps (each merge two roundings)."""
-        lanes = spec.head_dim_qk // self.dims_per_lane
+        lanes = spec.head_dim_qk // 8
         groups = 32 // lanes
         levels = groups.bit_length() - 1
-        return {"dot_chain": self.dims_per_lane + lanes.bit_length() - 1, "pv_chains": groups * self.warps,
+        return {"dot_chain": 8 + lanes.bit_length() - 1, "pv_chains": groups * self.warps,
                 "l_chains": groups * self.warps, "l_tail": 2 * levels + 2 * self.warps, "merge_levels": levels + 1}
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of CudaCoreDecodeTraits::kSmemBytes: a lane's dims of a key take
-        16 (8 of 16 bits, 16 FP8 codes) or 32 bytes (8 of fp32)."""
-        lane_bytes = self.dims_per_lane * common.DTYPE_BYTES[spec.dtype_kv]
+        """Mirror of CudaCoreDecodeTraits::kSmemBytes: a lane's 8 dims of a key take
+        8 (FP8), 16 or 32 bytes."""
+        lane_bytes = 8 * common.DTYPE_BYTES[spec.dtype_kv]
         ring = self.warps * self.stages * 2 * self.keys_per_group * lane_bytes * 32
         merge = 4 * self.warps * self.rows_per_cta * (spec.head_dim_vo + 2)
         return max(ring, merge)
@@ -91,14 +88,9 @@ class CudaDecodeTiling:
 
 def cuda_decode_tiling(spec: KernelSpec) -> CudaDecodeTiling:
     # Three stages of 4 KB per warp (16-bit types) leave room for four CTAs,
-    # 16 warps, per SM; fp32 rows are twice as wide, so two stages. An FP8
-    # lane takes 16 dims, 16 bytes of codes a key: the loop's instructions per
-    # key halve, and a stage holds twice the keys in the 16-bit cache's bytes.
-    # Its q and accumulator slices (16 floats a row each) need the register
-    # cap of three CTAs per SM. (With 8 dims the FP8 loop ran no faster than
-    # the 16-bit one at GQA 32/8, at half the bytes: docs/fp8.md, "Speed".)
-    fp8 = common.DTYPE_BYTES[spec.dtype_kv] == 1
-    tiling = CudaDecodeTiling(warps=4, keys_per_group=4, stages=2 if common.DTYPE_BYTES[spec.dtype_kv] == 4 else 3,
-                              min_blocks_per_sm=2 if fp8 else 4, dims_per_lane=16 if fp8 else 8)
+    # 16 warps, per SM; fp32 rows are twice as wide, so two stages; FP8 rows
+    # half as wide, so the same three stages take half the shared memory.
+    stages = 2 if common.DTYPE_BYTES[spec.dtype_kv] == 4 else 3
+    tiling = CudaDecodeTiling(warps=4, keys_per_group=4, stages=stages)
     assert tiling.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name
     return tiling

@@ -166,16 +166,8 @@ def tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
     unknown) admits FA2_WIDE_TILINGS where all of them are WIDE_TILING_ARCHES
     and fit min_blocks_per_sm of its CTAs per SM."""
     # Batch-invariant decode splits rows, on the key tiles of paged prefill.
-    decode = spec.op in DECODE_OPS and not spec.invariant_decode
-    table = FA2_DECODE_TILINGS if decode else FA2_TILINGS
+    table = FA2_DECODE_TILINGS if spec.op in DECODE_OPS and not spec.invariant_decode else FA2_TILINGS
     chosen = table[spec.head_dim_qk]
-    if decode and spec.dtype_kv != spec.dtype_q:
-        # An FP8 cache: up to twice the stages (as many as fit beside the widened
-        # pair), so that at least as many bytes are in flight as with a 16-bit
-        # cache; with the 16-bit stage count the loop waited on memory latency
-        # at half the bytes (docs/fp8.md, "Speed").
-        deeper = [dataclasses.replace(chosen, stages=n) for n in range(2 * chosen.stages, chosen.stages, -1)]
-        chosen = next((t for t in deeper if t.smem_bytes(spec) <= common.SMEM_BUDGET), chosen)
     assert chosen.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name
     wide = FA2_WIDE_TILINGS.get(spec.head_dim_qk)
     # An FP8 cache keeps FA2_TILINGS: the wide tilings load K/V by TMA into the
