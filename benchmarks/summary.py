@@ -28,7 +28,7 @@ END = "<!-- perf-table:end -->"
 NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
 PREFILL = "2026-11-24-h200-prefill-fa3-vs-peers.md"
-DECODE = "2026-11-22-h200-paged-decode-vs-flashinfer.md"
+DECODE = "2026-12-07-h200-paged-decode-bf16-fp8-vs-flashinfer.md"
 MLA = "2026-11-27-h200-mla-pairs-producer.md"
 
 
@@ -52,12 +52,17 @@ def head_dim(value: str) -> Callable[[dict], bool]:
 
 PREFILL_HEADER = ("head_dim", "batch x S", "causal", "flashjit fa2", "flashjit fa3")
 PREFILL_PEERS = (("sdpa-cudnn", "SDPA cuDNN"), ("flashinfer-fa3", "FlashInfer fa3"))
-DECODE_HEADER = ("row (B x kv_len, qo/kv heads)", "K+V MiB")
+DECODE_HEADER = ("row (B x kv_len, qo/kv heads)", "KV", "K+V MiB")
 MLA_HEADER = ("row", "flashjit fa3", "FlashInfer fa3", "flashjit fa2", "FlashInfer fa2")
 
 
 def every_row(row: dict) -> bool:
     return True
+
+
+def bf16_cache(row: dict) -> bool:
+    """The decode rows of a bf16 cache (the FP8 rows beside them are compared in docs/fp8.md)."""
+    return row["KV"] == "bf16"
 
 
 COMPARISONS = (
@@ -67,9 +72,9 @@ COMPARISONS = (
                "flashjit fa3", "fa3", PREFILL_PEERS[1:], True),  # SDPA takes no ragged batch
     Comparison(PREFILL, PREFILL_HEADER, "ragged prefill, every row", every_row, "flashjit fa2", "fa2",
                (("flashinfer-fa2", "FlashInfer fa2"),), True),
-    Comparison(DECODE, DECODE_HEADER, "paged decode", every_row, "flashjit tc=True",
+    Comparison(DECODE, DECODE_HEADER, "paged decode", bf16_cache, "flashjit tc=True",
                "tensor cores", (("flashinfer tc=True", "FlashInfer tensor cores"),), False),
-    Comparison(DECODE, DECODE_HEADER, "paged decode", every_row, "flashjit tc=False",
+    Comparison(DECODE, DECODE_HEADER, "paged decode", bf16_cache, "flashjit tc=False",
                "CUDA cores", (("flashinfer tc=False", "FlashInfer CUDA cores"),), False),
     Comparison(DECODE, ("append (NHD, page 16, d128)",), "append_paged_kv_cache", every_row, "flashjit",
                "append", (("flashinfer", "FlashInfer"),), False),
