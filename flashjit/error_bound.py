@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.cuda_core import cuda_decode_tiling
 from .reference import attention_reference
 from .spec import DECODE_OPS, DTYPES, KernelSpec
 
@@ -158,7 +159,8 @@ def chains(spec: KernelSpec, n: int, kv_chunk: int, first: int, device) -> Chain
             rows.append(torch.arange(b, e))
             split_of.append(c)
     else:
-        step, groups = DECODE_KEYS_PER_GROUP, 32 // (spec.head_dim_qk // 8)
+        dims_per_lane = cuda_decode_tiling(spec).dims_per_lane  # the shipped tiling's lane width
+        step, groups = DECODE_KEYS_PER_GROUP, 32 // (spec.head_dim_qk // dims_per_lane)
         chunk, warps = groups * DECODE_KEYS_PER_GROUP, DECODE_WARPS
         for c, (b, e) in enumerate(_splits(n, kv_chunk)):
             begin = max(first, b)

@@ -58,29 +58,34 @@ class CudaDecodeTiling:
     min_blocks_per_sm: int = 4
     # The query heads of one KV head that a CTA holds (fewer for smaller groups).
     rows_per_cta: int = 4
+    # Head dims of a key per lane: 8; 16 is for FP8 caches (16 bytes of codes a
+    # key, as a 16-bit lane copies 16 bytes of 8 dims), a variant that
+    # benchmarks/dev/decode_tilings.py times and no shipped tiling uses yet
+    # (its four rows need 255 registers: docs/fp8.md, "Speed").
+    dims_per_lane: int = 8
 
     def rescales(self, spec: KernelSpec) -> tuple[int, int]:
         """(keys per rescale, merge rescales): one rescale per chunk of the key's
         lane group, which takes every (groups * warps)-th chunk; then the merges,
         lane groups by halves and the warps."""
-        groups = 32 // (spec.head_dim_qk // 8)
+        groups = 32 // (spec.head_dim_qk // self.dims_per_lane)
         return self.keys_per_group * groups * self.warps, groups.bit_length() - 1 + 1
 
     def chains(self, spec: KernelSpec) -> dict:
         """How the fp32 sums run (for the worst-case bound, error_model): Q.K an
-        fma chain over a lane's 8 dims, then the lanes halved; P.V and the row
+        fma chain over a lane's dims, then the lanes halved; P.V and the row
         sum one chain per (warp, key group), merged in log2(groups) halvings and
         then a sum over the warps (each merge two roundings)."""
-        lanes = spec.head_dim_qk // 8
+        lanes = spec.head_dim_qk // self.dims_per_lane
         groups = 32 // lanes
         levels = groups.bit_length() - 1
-        return {"dot_chain": 8 + lanes.bit_length() - 1, "pv_chains": groups * self.warps,
+        return {"dot_chain": self.dims_per_lane + lanes.bit_length() - 1, "pv_chains": groups * self.warps,
                 "l_chains": groups * self.warps, "l_tail": 2 * levels + 2 * self.warps, "merge_levels": levels + 1}
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of CudaCoreDecodeTraits::kSmemBytes: a lane's 8 dims of a key take
-        8 (FP8), 16 or 32 bytes."""
-        lane_bytes = 8 * common.DTYPE_BYTES[spec.dtype_kv]
+        """Mirror of CudaCoreDecodeTraits::kSmemBytes: a lane's dims of a key take
+        8 or 16 (FP8), 16 or 32 bytes."""
+        lane_bytes = self.dims_per_lane * common.DTYPE_BYTES[spec.dtype_kv]
         ring = self.warps * self.stages * 2 * self.keys_per_group * lane_bytes * 32
         merge = 4 * self.warps * self.rows_per_cta * (spec.head_dim_vo + 2)
         return max(ring, merge)

@@ -19,10 +19,11 @@
 // 32-bit and division-free (see DecodeKvRows).
 // The query position is the last key (kv_len - 1), so a causal mask hides
 // nothing and a window only moves the first key.
-// An FP8 KV cache (DTypeKV of one byte) is copied as it lies, 8 bytes per lane
-// and key, and widened to fp32 where the loop reads it (unpack8_fp8); k_scale
-// is folded into the query's scale and v_scale into the final normalisation,
-// so the loop itself does not change.
+// An FP8 KV cache (DTypeKV of one byte) is copied as it lies, a lane's dims of
+// a key (8 or 16: kDimsPerLane) as 8 or 16 bytes, and widened to fp32 where
+// the loop reads it (unpack8_fp8, unpack16); k_scale is folded into the
+// query's scale and v_scale into the final normalisation, so the loop itself
+// does not change.
 #pragma once
 #include <type_traits>
 #include "flashjit/common/async_copy.cuh"
@@ -35,7 +36,7 @@
 namespace flashjit {
 
 template <class DType_, class DTypeKV_, int kHeadDim_, int kWarps_, int kKeysPerGroup_, int kStages_,
-          int kMinBlocksPerSm_, bool kPaged_, bool kWindow_, bool kSoftCap_, bool kLse_>
+          int kDimsPerLane_, int kMinBlocksPerSm_, bool kPaged_, bool kWindow_, bool kSoftCap_, bool kLse_>
 struct CudaCoreDecodeTraits {
   using DType = DType_;      // q and o
   using DTypeKV = DTypeKV_;  // K and V: DType, or an FP8 format
@@ -49,11 +50,14 @@ struct CudaCoreDecodeTraits {
   static constexpr bool kSoftCap = kSoftCap_;
   static constexpr bool kLse = kLse_;
 
-  static constexpr int kDimsPerLane = 8;
+  // Head dims of a key per lane: 8, or 16 with an FP8 cache, whose lane then
+  // copies and reads 16 bytes of codes a key, as a 16-bit cache's lane does:
+  // half the lanes per key, twice the keys per warp instruction.
+  static constexpr int kDimsPerLane = kDimsPerLane_;
   static constexpr int kLanesPerKey = kHeadDim / kDimsPerLane;
   static constexpr int kKeyGroups = 32 / kLanesPerKey;
   static constexpr int kKeysPerChunk = kKeyGroups * kKeysPerGroup;  // one warp, one pipeline stage
-  // Bytes of a lane's 8 dims of one K (or V) row, and the copies that move
+  // Bytes of a lane's dims of one K (or V) row, and the copies that move
   // them: 16-byte slots (one for 16-bit types, two for fp32), one 8-byte slot for FP8.
   static constexpr int kLaneBytes = kDimsPerLane * int(sizeof(DTypeKV));
   static constexpr int kSlotBytes = kLaneBytes < 16 ? kLaneBytes : 16;
@@ -66,7 +70,8 @@ struct CudaCoreDecodeTraits {
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
 
   static_assert(kLanesPerKey >= 1 && kLanesPerKey <= 32 && 32 % kLanesPerKey == 0, "head_dim 8..256");
-  static_assert(kSlotBytes == 16 || (kKvFp8 && kSlotBytes == 8), "8 dims fill 16-byte slots, or one 8-byte FP8 slot");
+  static_assert(kSlotBytes == 16 || (kKvFp8 && kSlotBytes == 8), "a lane's dims fill 16-byte slots, or one 8-byte FP8 slot");
+  static_assert(kDimsPerLane == 8 || (kKvFp8 && kDimsPerLane == 16), "8 dims a lane, or 16 of an FP8 cache");
   static_assert(kKvFp8 || std::is_same<DType, DTypeKV>::value, "K/V of q's dtype, or FP8");
 
   // Per warp and stage: K then V, kKeysPerGroup keys, kVecsPerKey slots, 32 lanes.
@@ -103,7 +108,7 @@ __device__ __forceinline__ void reduce_scatter(float* v, int lane) {
   }
 }
 
-// Where one lane's 8 dims of key `key` lie in K and V: a slot of one of the
+// Where one lane's dims of key `key` lie in K and V: a slot of one of the
 // request's pages, or a ragged row. Strides are 32-bit byte counts (the host
 // rejects strides of 2 GiB or more, and pages of 4 GiB or more), so that an
 // address costs one wide multiply-add per stride.
@@ -192,7 +197,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int key_group = lane / LANES, dim0 = (lane % LANES) * DPL;
 
-  // This lane's 8 dims of each row's query, pre-scaled so that logits come out
+  // This lane's dims of each row's query, pre-scaled so that logits come out
   // in log2 units (natural units when the soft-cap needs them).
   // FP8: k_scale joins the query's scale (logits of the dequantised keys).
   const float q_scale = (Traits::kSoftCap ? p.sm_scale : p.sm_scale * kLog2e) * kv_scale<Traits>(p.k_scale_ptr, p.k_scale);
