@@ -6,7 +6,8 @@
 # tests: GPU tests only; prefill: GPU tests and prefill.py --rounds 3;
 # fp8: the FP8 KV-cache GPU tests (tests/test_gpu_*fp8*.py), then decode.py
 # --kv-dtype bf16 e4m3 (decode_fp8.md/.json; $FP8_KV_DTYPES replaces "bf16 e4m3"),
-# and a table of both steps with the FP8/bf16 speed ratios last;
+# with FP8_TILINGS=1 the FP8 decode tilings' A/B (dev/decode_tilings.py --kv-dtype
+# e4m3, both cores), and a table of both steps with the FP8/bf16 speed ratios last;
 # mla: the MLA GPU tests (FLASHJIT_PREWARM_OPS=mla_paged: only MLA kernels built)
 # for the shipped fa3 tiling and for each of $MLA_VARIANTS (';'-separated
 # Fa3MlaTiling(...) expressions; default: whole-tile waits; dev/pytest_mla_tiling.py),
@@ -126,6 +127,12 @@ if [ "$MODE" = fp8 ]; then
     --json "$OUT/decode_fp8.json" >"$OUT/decode_fp8.log" 2>"$OUT/decode_fp8.err"
   decode_rc=$?
   [ "$decode_rc" = 0 ] || status=1
+  if [ -n "${FP8_TILINGS:-}" ]; then  # the FP8 decode tilings' A/B (docs/fp8.md, "Speed")
+    for cores in tensor cuda; do
+      timeout ${TILINGS_LIMIT:-300} python3 benchmarks/dev/decode_tilings.py --cores $cores --kv-dtype e4m3 \
+        --out "$OUT/fp8_tilings_$cores.md" 2>"$OUT/fp8_tilings_$cores.err" | grep "|" || status=1
+    done
+  fi
   summarize_errors || status=1
   grep "|" "$OUT/decode_fp8.md" 2>/dev/null | tail -n 40
   tests_line=
