@@ -94,16 +94,18 @@ def check_fp8(spec, out, ref, q, k, v, kv_len, report, what, k_scale=K_SCALE, v_
           report, what, lse=lse, ref_lse=ref_lse, **info)
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cc", "tc"])
 @pytest.mark.parametrize("page_size", FP8_PAGE_SIZES, ids=lambda p: f"page{p}")
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
 @pytest.mark.parametrize("q_dtype", FP8_Q_DTYPES, ids=str)
-def test_fp8_paged_decode(prewarmed, error_report, q_dtype, kv_dtype, head_dim, heads, page_size):
+def test_fp8_paged_decode(prewarmed, error_report, q_dtype, kv_dtype, head_dim, heads, page_size, tensor_cores):
+    """CUDA cores, and tensor cores (fa2: tiles of codes widened in shared memory)."""
     num_qo, num_kv = heads
     batch = Fp8PagedBatch(DECODE_LENS, page_size, num_kv, head_dim, kv_dtype)
     q = randn(len(DECODE_LENS), num_qo, head_dim, dtype=q_dtype)
-    wrapper = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=False)
+    wrapper = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=tensor_cores)
     wrapper.plan(batch.indptr, batch.indices, batch.last, num_qo, num_kv, head_dim, page_size, q_data_type=q_dtype,
                  kv_data_type=kv_dtype)
     poison_allocator()
@@ -111,10 +113,11 @@ def test_fp8_paged_decode(prewarmed, error_report, q_dtype, kv_dtype, head_dim, 
     torch.cuda.synchronize()
     assert out.dtype == q_dtype and out.shape == q.shape
     ref, ref_lse = reference(q, batch.k, batch.v, DECODE_LENS)
-    spec = fp8_spec("batch_decode_paged", q_dtype, kv_dtype, head_dim, True)
+    spec = fp8_spec("batch_decode_paged", q_dtype, kv_dtype, head_dim, True).replace(use_tensor_cores=tensor_cores)
     assert wrapper._plan.module.spec == spec
-    check_fp8(spec, out, ref, q, batch.k, batch.v, max(DECODE_LENS), error_report, "fp8_batch_decode_paged", lse=lse,
-              ref_lse=ref_lse, shape=f"mixed-page{page_size}", heads=heads)
+    check_fp8(spec, out, ref, q, batch.k, batch.v, max(DECODE_LENS), error_report,
+              f"fp8_batch_decode_paged_{'tc' if tensor_cores else 'cc'}", lse=lse, ref_lse=ref_lse,
+              shape=f"mixed-page{page_size}", heads=heads)
     empty = DECODE_LENS.index(0)
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
 

@@ -1,7 +1,7 @@
 """FP8 KV caches on tensor cores (the fa2 kernels, which widen each landed tile
-of codes to q's dtype in shared memory): paged decode, paged, ragged and single
-prefill against float64 attention over the dequantised cache within their
-profiles; decode against paged prefill of the same requests within the sum of
+of codes to q's dtype in shared memory): paged, ragged and single prefill
+against float64 attention over the dequantised cache within their profiles
+(paged decode: test_gpu_fp8.py, both cores); decode against paged prefill of the same requests within the sum of
 both profiles; the soft-cap; a captured decode that reads new scale tensors at
 each replay. On sm_90a the automatic backend choice runs fa2 for them."""
 
@@ -15,9 +15,9 @@ import torch
 import flashjit
 from flashjit.reference import ragged_reference
 from flashjit.spec import canonical_dtype
-from sweep import FP8_KV_DTYPES, FP8_PAGE_SIZES, FP8_Q_DTYPES, HEAD_DIMS, HEADS, spec_for
+from sweep import FP8_KV_DTYPES, FP8_PAGE_SIZES, FP8_Q_DTYPES, HEAD_DIMS, spec_for
 from test_gpu_attention import poison_allocator, randn
-from test_gpu_fp8 import DECODE_LENS, K_SCALE, V_SCALE, Fp8PagedBatch, check_fp8, codes, f32, fp8_id, reference
+from test_gpu_fp8 import K_SCALE, V_SCALE, Fp8PagedBatch, check_fp8, codes, f32, fp8_id, reference
 from test_gpu_paged import indptr_of, workspace
 
 pytestmark = pytest.mark.gpu
@@ -34,30 +34,6 @@ def tc_spec(op: str, q_dtype, kv_dtype, head_dim: int, causal: bool = False, var
 def prefill_reference(q, batch, qo_lens, causal, **kw):
     return ragged_reference(q, batch.k, batch.v, indptr_of(qo_lens), batch.kv_indptr, causal=causal,
                             k_scale=f32(K_SCALE), v_scale=f32(V_SCALE), **kw)
-
-
-@pytest.mark.parametrize("page_size", FP8_PAGE_SIZES, ids=lambda p: f"page{p}")
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
-@pytest.mark.parametrize("q_dtype", FP8_Q_DTYPES, ids=str)
-def test_fp8_paged_decode_tensor_cores(prewarmed, error_report, q_dtype, kv_dtype, head_dim, heads, page_size):
-    num_qo, num_kv = heads
-    batch = Fp8PagedBatch(DECODE_LENS, page_size, num_kv, head_dim, kv_dtype)
-    q = randn(len(DECODE_LENS), num_qo, head_dim, dtype=q_dtype)
-    wrapper = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=True)
-    wrapper.plan(batch.indptr, batch.indices, batch.last, num_qo, num_kv, head_dim, page_size, q_data_type=q_dtype,
-                 kv_data_type=kv_dtype)
-    spec = tc_spec("batch_decode_paged", q_dtype, kv_dtype, head_dim)
-    assert wrapper._plan.module.spec == spec
-    poison_allocator()
-    out, lse = wrapper.run(q, batch.cache, k_scale=K_SCALE, v_scale=V_SCALE, return_lse=True)
-    torch.cuda.synchronize()
-    ref, ref_lse = reference(q, batch.k, batch.v, DECODE_LENS)
-    check_fp8(spec, out, ref, q, batch.k, batch.v, max(DECODE_LENS), error_report, "fp8_tc_decode_paged", lse=lse,
-              ref_lse=ref_lse, shape=f"mixed-page{page_size}", heads=heads)
-    empty = DECODE_LENS.index(0)
-    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
