@@ -17,6 +17,7 @@ _LAZY = {
     "append_paged_kv_cache": "flashjit.ops.append",
     "get_batch_indices_positions": "flashjit.ops.append",
     "get_seq_lens": "flashjit.ops.append",
+    "fast_decode_plan": "flashjit.ops._aliases",
     "merge_state": "flashjit.ops.merge",
     "merge_state_in_place": "flashjit.ops.merge",
     "merge_states": "flashjit.ops.merge",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _dispatch, _invariant, _scales, _sinks
+from ._aliases import DecodeAliases, PagedPrefillAliases, remembers_plan
 from ._dispatch import dispatch_modes, is_compiling
 from ._batch import BatchAttention
 from ._calls import fill_slot, keep_run, tensor_signature
@@ -166,8 +167,6 @@ class _PagedAttention(BatchAttention):
                              f"{page_size}, {heads} and {dim} ({_shape_text(cache)})"
                              f"{_checks.other_layout_hint(self._kv_layout, fits_other)}")
 
-    forward = run
-
 
 def _shape_text(cache) -> str:
     """The shape of a cache that paged_kv_sources has accepted: one 5-D tensor or a (K, V) tuple."""
@@ -176,7 +175,7 @@ def _shape_text(cache) -> str:
     return f"shape {tuple(cache[0].shape)} for K"
 
 
-class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
+class BatchPrefillWithPagedKVCacheWrapper(PagedPrefillAliases, _PagedAttention):
     """Prefill (or append / chunked prefill) of a ragged batch of queries,
     q [qo_indptr[-1], heads, dim], against a paged KV cache."""
 
@@ -191,6 +190,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
             raise NotImplementedError("jit_args: custom JIT modules are not supported; flashjit generates its own")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, paged_kv_indices_buf, strict)
 
+    @remembers_plan
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim_qk: int, page_size: int, head_dim_vo: int | None = None, custom_mask=None,
              packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
@@ -214,7 +214,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedAttention):
                          non_blocking, batch_invariant=invariant)
 
 
-class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
+class BatchDecodeWithPagedKVCacheWrapper(DecodeAliases, _PagedAttention):
     """One query token per request, q [batch_size, heads, dim], against a paged
     KV cache. use_tensor_cores=False keeps fp32 softmax and P.V on CUDA cores;
     True packs the query heads of each KV head as the rows of the MMA."""
@@ -235,6 +235,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedAttention):
     def use_tensor_cores(self) -> bool:
         return self._use_tensor_cores
 
+    @remembers_plan
     def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1, logits_soft_cap=None,
              q_data_type="float16", kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _dispatch, _invariant, _scales, _sinks
+from ._aliases import RaggedPrefillAliases, remembers_plan
 from ._dispatch import dispatch_modes, is_compiling
 from ._invariant import ENV_KEY as _ENV_KEY, MODES as _MODES, environ_get as _environ_get
 from ._batch import BatchAttention, dtype_arg
@@ -107,7 +108,7 @@ def _check_o_dtype(q, o_dtype) -> None:
         raise ValueError(f"o_dtype: expected None or {q.dtype} (the output has q's dtype), got {o_dtype}")
 
 
-class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
+class BatchPrefillWithRaggedKVCacheWrapper(RaggedPrefillAliases, BatchAttention):
     """Prefill over a ragged batch: q packed as [qo_indptr[-1], heads, dim], k/v
     packed as [kv_indptr[-1], kv_heads, dim] (NHD) or [kv_heads, kv_indptr[-1], dim]
     (HND). plan() once per batch shape on the host, run() many times."""
@@ -120,6 +121,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
             raise NotImplementedError("jit_args: custom JIT modules are not supported; flashjit generates its own")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, strict=strict)
 
+    @remembers_plan
     def plan(self, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
              head_dim_vo: int | None = None, custom_mask=None, packed_custom_mask=None, causal: bool = False,
              pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, window_left: int = -1,
@@ -244,8 +246,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchAttention):
             hint = _checks.other_layout_hint(self._kv_layout, dim == plan.head_dim and other_heads == plan.num_kv_heads)
             raise ValueError(f"{name}: expected {plan.num_kv_heads} kv heads of head_dim {plan.head_dim} as planned "
                              f"(layout {self._kv_layout}), got {heads} of {dim} (shape {tuple(t.shape)}){hint}")
-
-    forward = run
 
 
 def plan_spec(op: str, backend: str, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo,
