@@ -117,12 +117,27 @@ def remembers_plan(plan):
     return plan_and_remember
 
 
+def _returning_lse(run):
+    """FlashInfer's `run_return_lse = functools.partialmethod(run, return_lse=True)`
+    as a plain function, which dynamo traces (it cannot trace partialmethod's
+    __get__): run with return_lse=True unless the call says otherwise, and
+    run's signature with that default."""
+    @functools.wraps(run)
+    def run_return_lse(self, *args, **kwargs):
+        return run(self, *args, **{"return_lse": True, **kwargs})
+
+    signature = inspect.signature(run)
+    run_return_lse.__signature__ = signature.replace(parameters=[
+        p.replace(default=True) if p.name == "return_lse" else p for p in signature.parameters.values()])
+    return run_return_lse
+
+
 class EngineAliases:
     """Base of the per-wrapper alias mixins below. A wrapper class that inherits
     one (before its plan()/run() base) gets FlashInfer's class attributes
-    `begin_forward = plan` and `run_return_lse = partialmethod(run,
-    return_lse=True)`, bound to its own plan and run; subclasses of that
-    wrapper inherit them, as FlashInfer's do."""
+    `begin_forward = plan` and `run_return_lse` (run with return_lse=True),
+    bound to its own plan and run; subclasses of that wrapper inherit them,
+    as FlashInfer's do."""
 
     _plan_call: PlanCall | None = None
 
@@ -130,7 +145,7 @@ class EngineAliases:
         super().__init_subclass__(**kwargs)
         if hasattr(cls, "plan") and hasattr(cls, "run") and not hasattr(cls, "begin_forward"):
             cls.begin_forward = cls.plan
-            cls.run_return_lse = functools.partialmethod(cls.run, return_lse=True)
+            cls.run_return_lse = _returning_lse(cls.run)
 
     def _adopt(self, options: dict) -> None:
         """forward()'s options become the plan's: nothing to do where they match
