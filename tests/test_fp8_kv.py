@@ -204,3 +204,10 @@ def test_tolerance_and_reference_dequantise_with_the_scales():
                               v_absmax=vmax, logit_absmax=error_model.measure(q, k_codes.double() * 0.3,
                                                                               v_codes.double(), 1 / 8)[1])
     assert tol.atol == pytest.approx(same.atol, rel=1e-6) and tol.rtol == same.rtol
+
+
+def test_batch_invariant_prewarm_of_an_fp8_cache_runs_fa2_on_sm90a():
+    """--batch-invariant picks each spec's backend again per arch: fa2 for an FP8 cache, as the ops do."""
+    specs = selection.specs_from_args(_args("--batch-invariant", "--op", "batch_prefill_ragged", "--kv-dtype", "e4m3",
+                                            "--head-dim", "128", "--arch", "sm_90a"))
+    assert specs and {(s.backend, s.dtype_kv) for s in specs} == {("fa2", "float8_e4m3fn")}

@@ -109,7 +109,8 @@ def prewarm_specs(specs, arches) -> list:
             continue
         backend_op, tc, causal = kernel_choice(spec.op, spec.dtype_q, spec.causal)
         for target in arches:
-            backend = arch.choose_backend(backend_op, spec.dtype_q, tc, "auto", targets=(target,))[0]
+            backend = arch.choose_backend(backend_op, spec.dtype_q, tc, "auto", targets=(target,),
+                                          kv_dtype=spec.dtype_kv)[0]
             out.append(spec.replace(use_tensor_cores=tc, causal=causal, backend=backend).validate())
     return list(dict.fromkeys(out))
 
