@@ -21,7 +21,7 @@ from flashjit import jit
 from flashjit.ops import _batch, _dispatch
 import helpers_cache
 from test_bad_input_wrappers import _i32, _workspace
-from test_torch_ops import BF16, OPCHECK, _op, _targets
+from test_torch_ops import BF16, OPCHECK, _compiled_graphs, _op, _targets
 
 # A fixture: pytest looks fixtures up by name in the test module.
 no_compile = helpers_cache.no_compile
@@ -114,15 +114,8 @@ def test_compiled_decode_reads_new_values_of_its_scale_tensors(backend, scaled_l
 
 def test_the_graph_passes_the_scale_tensors_to_the_operators(scaled_launch):
     w, q, cache = _fp8_decode()
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    fn = torch.compile(lambda q, c, ks, vs: w.run(q, c, k_scale=ks, v_scale=vs), fullgraph=True, backend=record)
-    fn(q, cache, torch.tensor([0.5]), torch.tensor([2.0]))
+    _, graphs = _compiled_graphs(lambda q, c, ks, vs: w.run(q, c, k_scale=ks, v_scale=vs), q, cache,
+                                 torch.tensor([0.5]), torch.tensor([2.0]))
     calls = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function"
              and str(n.target) == "flashjit.batch_decode_paged_run.default"]
     assert len(calls) == 1
@@ -180,17 +173,9 @@ def test_scale_mistakes_under_compile_read_as_in_eager(scaled_launch):
 def test_single_decode_traces_its_scales_on_meta():
     q = torch.randn(8, 128, device="meta", dtype=BF16)
     k, v = (torch.empty(40, 2, 128, device="meta", dtype=E4M3) for _ in range(2))
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    fn = torch.compile(lambda q, k, v, s: flashjit.single_decode_with_kv_cache(q, k, v, k_scale=s, v_scale=0.5,
-                                                                               return_lse=True),
-                       fullgraph=True, backend=record)
-    o, lse = fn(q, k, v, torch.tensor([0.25], device="meta"))
+    (o, lse), graphs = _compiled_graphs(
+        lambda q, k, v, s: flashjit.single_decode_with_kv_cache(q, k, v, k_scale=s, v_scale=0.5, return_lse=True),
+        q, k, v, torch.tensor([0.25], device="meta"))
     assert (o.shape, o.dtype, lse.shape) == ((8, 128), BF16, (8,))
     assert "flashjit.single_decode.default" in _targets(graphs)
     with pytest.raises(Exception, match=r"v_scale=0.5: scales apply to an FP8 KV cache only"):

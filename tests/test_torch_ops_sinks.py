@@ -23,8 +23,8 @@ import flashjit
 from flashjit import jit
 from flashjit.ops import _batch
 import helpers_cache
-from test_torch_ops import BF16, OPCHECK, _op, _targets
-from test_torch_ops_fp8 import ATTENTION_OPERATORS
+from test_torch_ops import BF16, OPCHECK, _compiled_graphs, _op, _targets
+from test_torch_ops_fp8 import ATTENTION_OPERATORS, _compile
 from test_bad_input_wrappers import _i32, _workspace
 
 # A fixture: pytest looks fixtures up by name in the test module.
@@ -105,14 +105,7 @@ def test_compiled_run_reads_the_values_its_sinks_hold(kind, backend, sink_launch
 
 def test_the_graph_passes_the_sinks_tensor_to_the_operator(sink_launch):
     w, (q, cache) = _decode()
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(lambda q, c, s: w.run(q, c, sinks=s), fullgraph=True, backend=record)(q, cache, torch.zeros(8))
+    _, graphs = _compiled_graphs(lambda q, c, s: w.run(q, c, sinks=s), q, cache, torch.zeros(8))
     calls = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function"
              and str(n.target) == "flashjit.batch_decode_paged_run.default"]
     assert len(calls) == 1
@@ -129,11 +122,6 @@ def test_opcheck_with_sinks(sink_launch):
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
     opcheck(_op("batch_decode_paged_run_out"), (w._handle, q, cache, None, out, lse, None, None, None, None, None,
                                                 sinks), test_utils=OPCHECK)
-
-
-def _compile(fn, *args):
-    torch._dynamo.reset()
-    return torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
 
 
 @pytest.mark.parametrize("sinks,match", [
@@ -172,16 +160,9 @@ def test_single_ops_trace_their_sinks_on_fake_tensors():
 def test_single_decode_compiles_with_its_sinks_on_meta():
     q = torch.randn(8, 128, device="meta", dtype=BF16)
     k, v = (torch.empty(40, 2, 128, device="meta", dtype=BF16) for _ in range(2))
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    fn = torch.compile(lambda q, k, v, s: flashjit.single_decode_with_kv_cache(q, k, v, return_lse=True, sinks=s),
-                       fullgraph=True, backend=record)
-    o, lse = fn(q, k, v, torch.empty(8, device="meta"))
+    (o, lse), graphs = _compiled_graphs(
+        lambda q, k, v, s: flashjit.single_decode_with_kv_cache(q, k, v, return_lse=True, sinks=s),
+        q, k, v, torch.empty(8, device="meta"))
     assert (o.shape, lse.shape) == ((8, 128), (8,))
     assert "flashjit.single_decode.default" in _targets(graphs)
     node = next(n for gm in graphs for n in gm.graph.nodes if str(n.target) == "flashjit.single_decode.default")
