@@ -19,7 +19,7 @@ from flashjit.reference import ragged_reference
 from flashjit.spec import canonical_dtype
 from sweep import FP8_KV_DTYPES, FP8_PAGE_SIZES, FP8_Q_DTYPES, HEAD_DIMS, HEADS, spec_for, variant_kwargs
 from test_gpu_attention import check, poison_allocator, randn
-from test_gpu_paged import indptr_of, workspace
+from test_gpu_paged import indptr_of, scatter_requests, workspace
 
 pytestmark = pytest.mark.gpu
 
@@ -59,17 +59,7 @@ class Fp8PagedBatch:
         self.k = codes(self.kv_indptr[-1], num_kv, head_dim, kv_dtype=kv_dtype, scale=K_SCALE)
         self.v = codes(self.kv_indptr[-1], num_kv, head_dim, kv_dtype=kv_dtype, scale=V_SCALE)
         cache = codes(self.num_pages, 2, page_size, num_kv, head_dim, kv_dtype=kv_dtype, scale=K_SCALE)
-        order = torch.randperm(self.num_pages, device="cuda")[:sum(pages)].to(torch.int32)
-        self.indptr = torch.tensor(indptr_of(pages), dtype=torch.int32, device="cuda")
-        self.indices = order
-        self.last = torch.tensor([(n - 1) % page_size + 1 if n else 0 for n in self.kv_lens], dtype=torch.int32,
-                                 device="cuda")
-        for r, n in enumerate(self.kv_lens):
-            pos = torch.arange(n, device="cuda")
-            page = order[indptr_of(pages)[r] + pos // page_size].long()
-            start = self.kv_indptr[r]
-            cache[page, 0, pos % page_size] = self.k[start:start + n]
-            cache[page, 1, pos % page_size] = self.v[start:start + n]
+        self.indptr, self.indices, self.last = scatter_requests(cache, self.kv_lens, self.k, self.v)
         self.codes = cache  # float32, NHD, 5-D
         if layout == "HND":
             cache = cache.transpose(2, 3).contiguous()

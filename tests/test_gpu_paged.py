@@ -31,6 +31,24 @@ def indptr_of(lengths) -> list[int]:
     return out
 
 
+def scatter_requests(cache, kv_lens, k, v):
+    """Writes each request's packed K/V rows (k, v: NHD, requests back to back) into
+    pages of `cache` ([pages, 2, page_size, heads, dim]) taken in random order, and
+    returns the page table: (indptr, indices, last_page_len) as int32 CUDA tensors."""
+    page_size = cache.shape[2]
+    pages = [math.ceil(n / page_size) for n in kv_lens]
+    order = torch.randperm(cache.shape[0], device="cuda")[:sum(pages)].to(torch.int32)
+    page_indptr, kv_indptr = indptr_of(pages), indptr_of(kv_lens)
+    for r, n in enumerate(kv_lens):
+        pos = torch.arange(n, device="cuda")
+        page = order[page_indptr[r] + pos // page_size].long()
+        cache[page, 0, pos % page_size] = k[kv_indptr[r]:kv_indptr[r] + n]
+        cache[page, 1, pos % page_size] = v[kv_indptr[r]:kv_indptr[r] + n]
+    last = [(n - 1) % page_size + 1 if n else 0 for n in kv_lens]
+    return (torch.tensor(page_indptr, dtype=torch.int32, device="cuda"), order,
+            torch.tensor(last, dtype=torch.int32, device="cuda"))
+
+
 class PagedBatch:
     """Requests' keys/values packed NHD (for the reference) and the same values
     scattered over the pages of a cache in random order, the other pages random."""
@@ -43,17 +61,7 @@ class PagedBatch:
         self.k = randn(self.kv_indptr[-1], num_kv, head_dim, dtype=dtype) if k is None else k
         self.v = randn(self.kv_indptr[-1], num_kv, head_dim, dtype=dtype)
         cache = randn(self.num_pages, 2, page_size, num_kv, head_dim, dtype=dtype)  # NHD
-        order = torch.randperm(self.num_pages, device="cuda")[:sum(pages)].to(torch.int32)
-        self.indptr = torch.tensor(indptr_of(pages), dtype=torch.int32, device="cuda")
-        self.indices = order
-        self.last = torch.tensor([(n - 1) % page_size + 1 if n else 0 for n in self.kv_lens], dtype=torch.int32,
-                                 device="cuda")
-        for r, n in enumerate(self.kv_lens):
-            pos = torch.arange(n, device="cuda")
-            page = order[indptr_of(pages)[r] + pos // page_size].long()
-            start = self.kv_indptr[r]
-            cache[page, 0, pos % page_size] = self.k[start:start + n]
-            cache[page, 1, pos % page_size] = self.v[start:start + n]
+        self.indptr, self.indices, self.last = scatter_requests(cache, self.kv_lens, self.k, self.v)
         if layout == "HND":
             cache = cache.transpose(2, 3).contiguous()
         self.cache = cache if form == "5d" else (cache[:, 0].contiguous(), cache[:, 1].contiguous())
