@@ -167,10 +167,23 @@ def test_plot_draws_a_panel_per_dtype_and_a_series_per_path(tmp_path, monkeypatc
     assert [c.kwargs["label"] for c in axes[0][1].scatter.call_args_list] == ["cc"]
 
 
-def test_cli_writes_the_reports_and_exits_1_naming_the_case(tmp_path, monkeypatch, capsys):
-    """The command's wiring on CPU: GPU, build and measurement replaced by synthetic ones."""
+def fake_gpu(monkeypatch, tmp_path, build_many, measure) -> None:
+    """`flashjit numerics` on CPU: a stand-in sm_80 GPU, the cache under tmp_path, and
+    build_many / measure (jit's and numerics') replaced by the caller's."""
     import flashjit.bench
     from flashjit import arch, jit
+
+    monkeypatch.setenv("FLASHJIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(flashjit.bench, "no_gpu_reason", lambda: None)
+    monkeypatch.setattr(arch, "device_arch", lambda: "sm_80")
+    monkeypatch.setattr(arch, "device_name", lambda: "Fake GPU")
+    monkeypatch.setattr(jit, "build_many", build_many)
+    monkeypatch.setattr(numerics, "measure", measure)
+    monkeypatch.setattr(numerics, "_meta", lambda args, seeds: {"device": "Fake GPU", "seeds": seeds})
+
+
+def test_cli_writes_the_reports_and_exits_1_naming_the_case(tmp_path, monkeypatch, capsys):
+    """The command's wiring on CPU: GPU, build and measurement replaced by synthetic ones."""
 
     seen = {}
     over = row(case="peaked", ratio=1.5)
@@ -185,13 +198,7 @@ def test_cli_writes_the_reports_and_exits_1_naming_the_case(tmp_path, monkeypatc
             progress(s.name)
         return ROWS + [over]
 
-    monkeypatch.setenv("FLASHJIT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(flashjit.bench, "no_gpu_reason", lambda: None)
-    monkeypatch.setattr(arch, "device_arch", lambda: "sm_80")
-    monkeypatch.setattr(arch, "device_name", lambda: "Fake GPU")
-    monkeypatch.setattr(jit, "build_many", build_many)
-    monkeypatch.setattr(numerics, "measure", measure)
-    monkeypatch.setattr(numerics, "_meta", lambda args, seeds: {"device": "Fake GPU", "seeds": seeds})
+    fake_gpu(monkeypatch, tmp_path, build_many, measure)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     files = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "r.png"
     code = cli.main(["numerics", *SMALL, "--long", "--seeds", "2", "--json", str(files[0]), "--out", str(files[1]),

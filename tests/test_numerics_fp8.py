@@ -24,7 +24,7 @@ from flashjit.reference import ragged_reference
 from flashjit.spec import KernelSpec
 import helpers_cache
 from helpers_cache import REPO, subprocess_env
-from test_numerics_cli import ROWS, draw, row
+from test_numerics_cli import ROWS, draw, fake_gpu, row
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = {E4M3: (448.0, 2.0**-4), E5M2: (57344.0, 2.0**-3)}  # largest finite value, unit roundoff
@@ -236,9 +236,6 @@ def test_summary_groups_fp8_apart_and_states_its_cost():
 def cli_without_gpu(tmp_path, monkeypatch):
     """The command's wiring on the CPU: GPU, build and measurement replaced; the FP8
     families pinned to CUDA_CORE_FAMILIES. Returns what was built and measured."""
-    import flashjit.bench
-    from flashjit import arch, jit
-
     seen = {"built": [], "measured": []}
 
     def build_many(specs, **kw):
@@ -251,13 +248,7 @@ def cli_without_gpu(tmp_path, monkeypatch):
 
     for module in (spec_module, selection):
         monkeypatch.setattr(module, "FP8_KV_FAMILIES", CUDA_CORE_FAMILIES)
-    monkeypatch.setenv("FLASHJIT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(flashjit.bench, "no_gpu_reason", lambda: None)
-    monkeypatch.setattr(arch, "device_arch", lambda: "sm_80")
-    monkeypatch.setattr(arch, "device_name", lambda: "Fake GPU")
-    monkeypatch.setattr(jit, "build_many", build_many)
-    monkeypatch.setattr(numerics, "measure", measure)
-    monkeypatch.setattr(numerics, "_meta", lambda args, seeds: {"device": "Fake GPU", "seeds": seeds})
+    fake_gpu(monkeypatch, tmp_path, build_many, measure)
     return seen
 
 

@@ -17,7 +17,7 @@ from flashjit.error_model import evaluate_lse, measure_mla, mla_tolerance, profi
 from flashjit.numerics import catalog, mla, runner
 from flashjit.reference import attention_reference
 from flashjit.spec import mla_spec
-from test_numerics_cli import check_accumulator_bounds, parse
+from test_numerics_cli import check_accumulator_bounds, fake_gpu, parse
 
 SPECS = [mla_spec("bfloat16"), mla_spec("bfloat16", causal=True)]
 FA3_SPECS = [mla_spec("bfloat16", backend="fa3"), mla_spec("float16", causal=True, backend="fa3")]
@@ -31,9 +31,6 @@ def draw(case, spec=SPECS[0], dtype=torch.float32, seed=5, page_size=mla.PAGE_SI
 
 def test_selection_is_measured(tmp_path, monkeypatch, capsys):
     """--op mla_paged selects one configuration per dtype and mask, all of which are built and measured."""
-    import flashjit.bench
-    from flashjit import arch, jit, numerics
-
     seen = {}
 
     def build_many(specs, **kw):
@@ -44,13 +41,7 @@ def test_selection_is_measured(tmp_path, monkeypatch, capsys):
         seen["measured"] = [s.name for s in specs]
         return []
 
-    monkeypatch.setenv("FLASHJIT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(flashjit.bench, "no_gpu_reason", lambda: None)
-    monkeypatch.setattr(arch, "device_arch", lambda: "sm_80")
-    monkeypatch.setattr(arch, "device_name", lambda: "Fake GPU")
-    monkeypatch.setattr(jit, "build_many", build_many)
-    monkeypatch.setattr(numerics, "measure", measure)
-    monkeypatch.setattr(numerics, "_meta", lambda args, seeds: {"device": "Fake GPU"})
+    fake_gpu(monkeypatch, tmp_path, build_many, measure)
     assert cli.main(["numerics", "--op", "mla_paged", "append_paged", "--dtype", "bf16"]) == 0
     names = [s.name for s in SPECS]
     assert seen == {"built": names, "measured": names}
