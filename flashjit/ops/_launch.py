@@ -108,8 +108,7 @@ def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_
     first, device and values after q's placement).
     Returns the prepared call (ops._calls.single_request_call)."""
     _sinks.check_structure(_sinks.key(sinks), num_qo_heads)
-    _scales.check_scales_for(k.dtype, k_scale, v_scale, names=scale_names)
-    scales = tuple(_scales.scale_arg(name, key, q.device) for name, key in zip(scale_names, (k_scale, v_scale)))
+    scales = _scales.checked(k.dtype, (k_scale, v_scale), q.device, scale_names)
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
     spec = select_spec(op, q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,

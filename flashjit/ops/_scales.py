@@ -99,6 +99,21 @@ def check_scales_for(kv_dtype, k_scale, v_scale, names: tuple[str, str] = ("k_sc
                                       f"sm_scale")
 
 
+def checked(kv_dtype, scales: tuple, device: torch.device, names: tuple[str, str] = ("k_scale", "v_scale")) -> tuple:
+    """(k_scale, v_scale) as scale_key gave them, checked for a launch on `device`
+    against a cache of kv_dtype (check_scales_for, scale_arg): two ScaleArg."""
+    check_scales_for(kv_dtype, *scales, names=names)
+    return tuple(scale_arg(name, key, device) for name, key in zip(names, scales))
+
+
+def check_planned_dtype(name: str, got: torch.dtype, planned: torch.dtype) -> None:
+    """A K/V tensor's dtype against the plan's kv_data_type: ValueError naming `name`,
+    with the fix where an FP8 format is on either side."""
+    if got != planned:
+        hint = f"; plan with kv_data_type={got} for it" if is_fp8(got) or is_fp8(planned) else ""
+        raise ValueError(f"{name}: expected dtype {planned} as planned (kv_data_type), got {got}{hint}")
+
+
 def apply(params, k_scale: ScaleArg, v_scale: ScaleArg) -> None:
     """Writes checked scales into an AttentionParams."""
     params.k_scale, params.v_scale = k_scale.value, v_scale.value

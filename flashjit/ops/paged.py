@@ -124,8 +124,7 @@ class _PagedAttention(BatchAttention):
             raise ValueError(f"{self._indices_name}: page id {plan.max_page} is past the cache's {num_pages} pages "
                              f"(paged_kv_cache: expected at least {plan.max_page + 1} pages, as planned, got "
                              f"{_shape_text(paged_kv_cache)})")
-        _scales.check_scales_for(k.dtype, *scales)
-        checked = tuple(_scales.scale_arg(name, key, q.device) for name, key in zip(("k_scale", "v_scale"), scales))
+        checked = _scales.checked(k.dtype, scales, q.device)
         sinks_address = _sinks.checked_address(sinks, plan.num_qo_heads, q.device)
         out, lse = self._outputs(q, plan, out, lse, return_lse)
         launch = self._launch(q, k, v, k_strides, v_strides, out, lse, v_offset, checked,
@@ -153,12 +152,7 @@ class _PagedAttention(BatchAttention):
     def _check_cache(self, cache, k, page_size: int, heads: int, dim: int, plan) -> None:
         """The cache's dtype and page geometry against the plan (paged_kv_sources
         has checked its structure; V has K's shape and dtype)."""
-        kv_dtype = getattr(torch, plan.module.spec.dtype_kv)
-        if k.dtype != kv_dtype:
-            fp8 = _scales.is_fp8(k.dtype) or _scales.is_fp8(kv_dtype)
-            hint = f"; plan with kv_data_type={k.dtype} for this cache" if fp8 else ""
-            raise ValueError(f"paged_kv_cache: expected dtype {kv_dtype} as planned (kv_data_type), got {k.dtype}"
-                             f"{hint}")
+        _scales.check_planned_dtype("paged_kv_cache", k.dtype, getattr(torch, plan.module.spec.dtype_kv))
         if (page_size, heads, dim) != (plan.page_size, plan.num_kv_heads, plan.head_dim):
             fits_other = (heads, page_size, dim) == (plan.page_size, plan.num_kv_heads, plan.head_dim)
             pages = "[page_size, kv heads, head_dim]" if self._kv_layout == "NHD" else "[kv heads, page_size, head_dim]"

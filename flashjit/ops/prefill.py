@@ -213,8 +213,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedPrefillAliases, BatchAttention)
             at_least = "at least " if plan.graph_tokens else ""
             raise ValueError(f"k: expected {at_least}{plan.kv_tokens} tokens (kv_indptr[-1] as planned) in layout "
                              f"{self._kv_layout}, got {kv_len} (shape {tuple(k.shape)})")
-        _scales.check_scales_for(k.dtype, *scales)
-        checked = tuple(_scales.scale_arg(name, key, q.device) for name, key in zip(("k_scale", "v_scale"), scales))
+        checked = _scales.checked(k.dtype, scales, q.device)
         sinks_address = _sinks.checked_address(sinks, plan.num_qo_heads, q.device)
         out, lse = self._outputs(q, plan, out, lse, return_lse)
         _, _, _, k_sn, k_sh = _checks.kv_dims("k", k, self._kv_layout)
@@ -235,11 +234,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedPrefillAliases, BatchAttention)
     def _check_kv(self, name: str, t, plan) -> None:
         """k or v against the plan: rank, dtype, kv heads, head_dim in the wrapper's layout."""
         _checks.check_tensor(name, t, 3, kv=True)
-        kv_dtype = getattr(torch, plan.module.spec.dtype_kv)
-        if t.dtype != kv_dtype:
-            fp8 = _scales.is_fp8(t.dtype) or _scales.is_fp8(kv_dtype)
-            hint = f"; plan with kv_data_type={t.dtype} for it" if fp8 else ""
-            raise ValueError(f"{name}: expected dtype {kv_dtype} as planned (kv_data_type), got {t.dtype}{hint}")
+        _scales.check_planned_dtype(name, t.dtype, getattr(torch, plan.module.spec.dtype_kv))
         _, heads, dim, _, _ = _checks.kv_dims(name, t, self._kv_layout)
         if (heads, dim) != (plan.num_kv_heads, plan.head_dim):
             other_heads = t.shape[0] if self._kv_layout == "NHD" else t.shape[1]
