@@ -63,12 +63,15 @@ class Fa2Tiling:
 
     def smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of Fa2Traits::kSmemBytes (fa2_traits.cuh): Q tile + K/V stages,
-        and with an FP8 cache stages of codes and the widened K/V pair."""
+        and with an FP8 cache stages of codes and the widened K/V pair; 16-bit
+        rows take whole 128-byte blocks (kPitchBytes), FP8 code rows head_dim bytes."""
         d = spec.head_dim_qk
+        pitch = -(-2 * d // 128) * 128
         kv_bytes = common.DTYPE_BYTES[spec.dtype_kv]
-        size = 2 * self.rows_per_cta * d + self.stages * 2 * self.keys_per_tile * d * kv_bytes
+        stage_row = d if kv_bytes == 1 else pitch
+        size = self.rows_per_cta * pitch + self.stages * 2 * self.keys_per_tile * stage_row
         if kv_bytes == 1:
-            return size + 2 * self.keys_per_tile * d * 2
+            return size + 2 * self.keys_per_tile * pitch
         if self.tma_kv and spec.op not in PAGED_OPS and not self.split_keys:
             # The stages' 1024-byte alignment, and their mbarriers (two each with slot_release).
             size += 1024 - 128 + 8 * (2 if self.slot_release else 1) * self.stages
@@ -107,6 +110,14 @@ FA2_DECODE_TILINGS = {
                    mha_min_blocks_per_sm=3),
     256: Fa2Tiling(warps=2, keys_per_tile=32, stages=2, q_in_regs=False, min_blocks_per_sm=2, split_keys=True),
 }
+
+
+# The tiling a head dim takes: that of the smallest of 64, 128 and 256 that
+# holds it. Its registers (Q, O and S fragments scale with the head dim) and
+# shared memory (rows padded to whole 128-byte blocks) are at most those of
+# that head dim, which builds without spills (docs/fa2.md, "Head dims").
+def tiling_head_dim(head_dim: int) -> int:
+    return next(d for d in sorted(FA2_TILINGS) if d >= head_dim)
 
 
 # Prefill tilings for libraries whose every target is an sm_90a part (the arch
@@ -167,8 +178,9 @@ def tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
     and fit min_blocks_per_sm of its CTAs per SM."""
     # Batch-invariant decode splits rows, on the key tiles of paged prefill.
     table = FA2_DECODE_TILINGS if spec.op in DECODE_OPS and not spec.invariant_decode else FA2_TILINGS
-    chosen = table[spec.head_dim_qk]
+    chosen = table[tiling_head_dim(spec.head_dim_qk)]
     assert chosen.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name
+    # The wide tilings load K/V by TMA in 128-byte blocks: head dims 64, 128 and 256.
     wide = FA2_WIDE_TILINGS.get(spec.head_dim_qk)
     # An FP8 cache keeps FA2_TILINGS: the wide tilings load K/V by TMA into the
     # tiles the MMAs read, and FP8 tiles need the widening pass (fa2_fp8.cuh).

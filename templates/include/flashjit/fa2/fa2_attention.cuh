@@ -46,7 +46,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr int D = Traits::kHeadDim, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
   constexpr int THREADS = Traits::kThreads, ROWS = Traits::kRowsPerCta;
   constexpr int FM = Traits::kFragsM, WROWS = Traits::kRowsPerWarp;  // m16 fragments, rows per warp
-  constexpr int ROW_BYTES = Traits::kRowBytes;
+  constexpr int ROW_BYTES = Traits::kRowBytes;  // a row's data
+  constexpr int Q_PITCH = Traits::QLayout::kPitch;  // between rows of the Q tile
   constexpr bool kTma = Traits::kTmaKv;
   using QLayout = typename Traits::QLayout;
   using KvLayout = typename Traits::KvLayout;
@@ -275,8 +276,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // four registers across the loop.
     static_assert(Traits::kStageBytes % 128 == 0 && Traits::kKvTileBytes % 128 == 0 && KV_PITCH % 128 == 0,
                   "128-byte aligned slots and tile rows");
-    // Fragment f of this warp's Q rows at + f * 16 * ROW_BYTES.
-    const uint32_t q_warp = q_smem + (Traits::kSplitKeys ? 0 : warp * WROWS * ROW_BYTES);
+    // Fragment f of this warp's Q rows at + f * 16 * Q_PITCH.
+    const uint32_t q_warp = q_smem + (Traits::kSplitKeys ? 0 : warp * WROWS * Q_PITCH);
 
     uint32_t q_frag[kQInRegs ? FM : 1][kQInRegs ? KSTEPS_QK : 1][4];
     if constexpr (kQInRegs || Traits::kSplitKeys) {
@@ -292,7 +293,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       for (int f = 0; f < FM; ++f)
 #pragma unroll
         for (int kk = 0; kk < KSTEPS_QK; ++kk)
-          fa2::ldmatrix_x4(q_frag[f][kk], a_at(q_warp + f * 16 * ROW_BYTES, kk));
+          fa2::ldmatrix_x4(q_frag[f][kk], a_at(q_warp + f * 16 * Q_PITCH, kk));
     }
 
     // Warp-uniform, for the step of keys k0 .. k0 + SKEYS - 1: no key is visible
@@ -327,7 +328,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
             for (int e = 0; e < 4; ++e) a[f][e] = q_frag[f][kk][e];
           } else {
-            fa2::ldmatrix_x4(a[f], a_at(q_warp + f * 16 * ROW_BYTES, kk));
+            fa2::ldmatrix_x4(a[f], a_at(q_warp + f * 16 * Q_PITCH, kk));
           }
         }
       };

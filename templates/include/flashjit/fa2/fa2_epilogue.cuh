@@ -107,7 +107,7 @@ __device__ __forceinline__ void write_rows(const FlashjitAttentionParams& p, con
                                            int warp_row0, int rows_total) {
   using T = typename Traits::DType;
   constexpr int D = Traits::kHeadDim, FM = Traits::kFragsM, NT_O = D / 8;
-  constexpr int WROWS = Traits::kRowsPerWarp, ROW_BYTES = Traits::kRowBytes;
+  constexpr int WROWS = Traits::kRowsPerWarp, PITCH = Traits::QLayout::kPitch;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, tq = lane % 4;
   const auto packed = w.packed_rows();
@@ -152,29 +152,32 @@ __device__ __forceinline__ void write_rows(const FlashjitAttentionParams& p, con
     const float y = x * inv_l[f][r];
     return has_sinks ? __fmul_rn(y, sink_factor[f][r]) : y;
   };
-  unsigned char* stage = smem + warp * WROWS * ROW_BYTES;
+  unsigned char* stage = smem + warp * WROWS * PITCH;
   __syncwarp();  // all lanes' last reads of the warp's Q rows are done
 #pragma unroll
   for (int f = 0; f < FM; ++f)
 #pragma unroll
     for (int n = 0; n < NT_O; ++n) {
       // Row 16f + g (and + 8), logical chunk n, word tq; (16f + g + 8) % 8 == g.
-      const int at = (16 * f + g) * ROW_BYTES + ((n ^ g) << 4) + tq * 4;
+      const int at = (16 * f + g) * PITCH + ((n ^ g) << 4) + tq * 4;
       *reinterpret_cast<uint32_t*>(stage + at) = pack2<T>(out(o[f][n][0], f, 0), out(o[f][n][1], f, 0));
-      *reinterpret_cast<uint32_t*>(stage + at + 8 * ROW_BYTES) = pack2<T>(out(o[f][n][2], f, 1), out(o[f][n][3], f, 1));
+      *reinterpret_cast<uint32_t*>(stage + at + 8 * PITCH) = pack2<T>(out(o[f][n][2], f, 1), out(o[f][n][3], f, 1));
     }
   __syncwarp();
   {
-    // Lane l stores chunk l % kChunks of rows l / kChunks + kRowStep * i.
-    constexpr int kChunks = D / 8, kRowStep = 32 / kChunks;
-    static_assert(32 % kChunks == 0, "a warp covers whole rows of the output");
+    // Lane l stores chunk l % kLanes of rows l / kLanes + kRowStep * i: a
+    // row's D / 8 chunks, rounded up to a power of two of lanes (the lanes
+    // past them store nothing at head dims 48, 80, 96, ...).
+    constexpr int kChunks = D / 8, kLanes = kChunks <= 1 ? 1 : 1 << (32 - __builtin_clz(kChunks - 1));
+    constexpr int kRowStep = 32 / kLanes;
+    static_assert(kLanes <= 32 && WROWS % kRowStep == 0, "a warp covers whole rows of the output");
     T* o_base = static_cast<T*>(p.o);
-    const int rr0 = lane / kChunks, c = lane % kChunks;
+    const int rr0 = lane / kLanes, c = lane % kLanes;
     auto rows = packed.template walk<kRowStep>(warp_row0 + rr0, p.o_stride_n, p.o_stride_h);
 #pragma unroll
     for (int i = 0; i < WROWS / kRowStep; ++i) {
       const int rr = rr0 + i * kRowStep;
-      if (warp_row0 + rr < rows_total) {
+      if (c < kChunks && warp_row0 + rr < rows_total) {
         const uint4 val = *reinterpret_cast<const uint4*>(stage + Traits::QLayout::at(rr, c));
         *reinterpret_cast<uint4*>(o_base + rows.offset + c * 8) = val;
       }

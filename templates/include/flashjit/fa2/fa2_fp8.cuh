@@ -51,11 +51,14 @@ __device__ __forceinline__ void widen_fp8x16(const uint4& codes, uint4& lo, uint
 template <class KvT, class T, class L, int kRows, int kDim, int kThreads>
 __device__ __forceinline__ void widen_fp8_tile(uint32_t src, uint32_t dst, int tid) {
   constexpr int kChunks = kDim / 16;  // chunks of codes per row
-  constexpr int kPasses = kRows * kChunks / kThreads;
-  static_assert(kRows * kChunks % kThreads == 0, "whole passes over the tile");
+  // The last pass is partial where the tile's chunks are not a multiple of
+  // the threads (head dims 48, 80, 112, ...).
+  constexpr int kPasses = (kRows * kChunks + kThreads - 1) / kThreads;
+  constexpr bool kWhole = kRows * kChunks % kThreads == 0;
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int idx = tid + i * kThreads;
+    if (!kWhole && idx >= kRows * kChunks) break;
     const int row = idx / kChunks, c = idx % kChunks;
     uint4 lo, hi;
     widen_fp8x16<KvT, T>(ld_shared_16(src + row * kDim + c * 16), lo, hi);

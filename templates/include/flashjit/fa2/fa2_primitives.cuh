@@ -239,17 +239,30 @@ struct PlainTile {
 // kSpanBytes / 128 blocks apart (the swizzle XORs only the low three chunk
 // bits, and a span is a whole number of blocks): one address per row, its
 // spans at immediate offsets (span_off).
+//
+// A span of a whole row whose chunk count is not a power of two (head dims
+// 80, 96, 112, 144, ...) takes the next power of two of threads, and the
+// threads past the row's chunks copy nothing (active()).
 template <int kRows, int kDim, int kThreads, int kSpanBytes>
 struct TileRows {
-  static constexpr int kChunks = kSpanBytes / 16;  // 16-byte chunks of a span
+  static constexpr int kDataChunks = kSpanBytes / 16;  // 16-byte chunks of a span
+  static constexpr int kChunks = kDataChunks <= 1 ? 1 : 1 << (32 - __builtin_clz(kDataChunks - 1));
   static constexpr int kSpans = kDim * 2 / kSpanBytes;
   static constexpr int kRowsPerPass = kThreads / kChunks;
-  static constexpr int kPerThread = kRows / kRowsPerPass;
-  // Whole 128-byte lines, or one span of a whole row (64-byte rows of FP8
-  // codes at head_dim 64, into a PlainTile).
+  // One pass may cover more rows than the tile has (16 decode rows of head
+  // dim 32): the threads past them copy nothing.
+  static constexpr int kPerThread = kRows >= kRowsPerPass ? kRows / kRowsPerPass : 1;
+  // Whole 128-byte lines, or one span of a whole row (e.g. 64-byte rows of
+  // FP8 codes at head_dim 64, into a PlainTile; 160-byte rows at head_dim 80).
   static_assert((kSpanBytes % 128 == 0 || kSpanBytes == kDim * 2) && kDim * 2 % kSpanBytes == 0 &&
-                    kThreads % kChunks == 0 && kRows % kRowsPerPass == 0,
-                "whole 128-byte lines, spans and passes");
+                    kSpanBytes % 16 == 0 && kThreads % kChunks == 0 &&
+                    (kRows % kRowsPerPass == 0 || kRowsPerPass % kRows == 0),
+                "whole 16-byte chunks, spans and passes");
+  // Whether the thread copying chunk `chunk` of each span of rows row0,
+  // row0 + kRowsPerPass, ... has data to copy.
+  __device__ __forceinline__ static bool active(int chunk, int row0) {
+    return (kChunks == kDataChunks || chunk < kDataChunks) && (kRowsPerPass <= kRows || row0 < kRows);
+  }
   // Shared-memory offset of span j of a row from span 0, in a tile of layout L.
   template <class L>
   __host__ __device__ static constexpr int span_off(int j) {
@@ -273,9 +286,11 @@ __device__ __forceinline__ void copy_q_tile(const FlashjitAttentionParams& p, co
     const int r = r0 + i * R::kRowsPerPass;
     const bool ok = w.row_begin + r < rows_total;
     const T* src = ok ? q_base + rows.offset + chunk * 8 : q_base;
+    if (R::active(chunk, r0)) {
 #pragma unroll
-    for (int j = 0; j < R::kSpans; ++j)
-      cp_async_16(q_smem + L::at(r, chunk) + R::template span_off<L>(j), src + (ok ? j * kSpanElems : 0), ok);
+      for (int j = 0; j < R::kSpans; ++j)
+        cp_async_16(q_smem + L::at(r, chunk) + R::template span_off<L>(j), src + (ok ? j * kSpanElems : 0), ok);
+    }
     rows.next();
   }
 }
@@ -334,6 +349,7 @@ struct RaggedTileCopy {
     const T* s = kCtaBase ? src + int64_t(first + row0) * stride_n + chunk * 8 : src + int64_t(first) * stride_n;
     const int64_t step = int64_t(R::kRowsPerPass) * stride_n;
     constexpr int kSpanElems = kSpanBytes / sizeof(T);
+    if (!R::active(chunk, row0)) return;
     if (valid >= kRows) {
 #pragma unroll
       for (int i = 0; i < R::kPerThread; ++i)
@@ -387,6 +403,7 @@ struct PagedTileCopy {
   // Copies keys first .. first + kRows - 1 (their pages from lookup) into the
   // tile at `dst`; rows at or past `valid` are zero-filled, reading nothing.
   __device__ __forceinline__ void issue(uint32_t dst, const int (&page)[R::kPerThread], int first, int valid) const {
+    if (!R::active(chunk, row0)) return;
 #pragma unroll
     for (int i = 0; i < R::kPerThread; ++i) {
       const int row = row0 + i * R::kRowsPerPass, key = first + row;

@@ -82,21 +82,27 @@ struct Fa2Traits {
   // a chunk of each 128-byte line (fa2::TileRows); a pass over whole rows
   // covers a power-of-two fraction of them.
   static constexpr int kCopyRowsPerPass = kThreads / 8;
+  // A row's 16-bit data, and its pitch in the swizzled tiles: whole 128-byte
+  // blocks, so that a head dim that is not a multiple of 64 (80, 96, 112, ...)
+  // keeps the swizzle's conflict-free ldmatrix phases; the chunks past the
+  // data are never written or read (fa2::TileRows).
   static constexpr int kRowBytes = kHeadDim * 2;
+  static constexpr int kPitchBytes = (kRowBytes + 127) / 128 * 128;
   // Shared-memory layouts (fa2_primitives.cuh): Q row-major; K and V blocked
   // where the TMA unit writes them.
-  using QLayout = fa2::RowMajorTile<kRowBytes>;
-  using KvLayout = std::conditional_t<kTmaKv, fa2::BlockedTile<kKeysPerTile_>, fa2::RowMajorTile<kRowBytes>>;
+  using QLayout = fa2::RowMajorTile<kPitchBytes>;
+  using KvLayout = std::conditional_t<kTmaKv, fa2::BlockedTile<kKeysPerTile_>, fa2::RowMajorTile<kPitchBytes>>;
   // Where the K/V copies land: the ring slots themselves, or, with an FP8
   // cache, slots of codes (kHeadDim bytes a row, unswizzled) that one pass per
   // tile widens into a single K/V pair of KvLayout tiles after the ring.
-  static constexpr int kKvRowBytes = kHeadDim * int(sizeof(KvType_));
+  static constexpr int kKvRowBytes = kKvFp8 ? kHeadDim : kPitchBytes;
   using KvStageLayout = std::conditional_t<kKvFp8, fa2::PlainTile<kKvRowBytes>, KvLayout>;
 
   static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
                 "fa2 tensor-core attention takes __half or __nv_bfloat16");
   static_assert(!kKvFp8 || sizeof(KvType_) == 1, "K/V of q's dtype, or FP8 codes");
-  static_assert(kHeadDim % 64 == 0, "head_dim must be a multiple of 64 (swizzle spans 8 chunks)");
+  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 32 && kHeadDim <= 256, "head_dim: a multiple of 16 in [32, 256]");
+  static_assert(!kTmaKv || kRowBytes % 128 == 0, "TMA K/V tiles: whole 128-byte blocks a row");
   static_assert(kKeysPerWarp % 16 == 0 && kKeysPerWarp * (kSplitKeys ? kWarps : 1) == kKeysPerTile,
                 "keys per tile (per warp when warps split them): a multiple of 16");
   static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
@@ -111,8 +117,8 @@ struct Fa2Traits {
   // Shared memory, in bytes: [Q | stage 0: K, V | stage 1: K, V | ...], and
   // with an FP8 cache the widened [K | V] pair after the stages; every offset
   // is a multiple of 128 bytes.
-  static constexpr int kQBytes = kRowsPerCta * kRowBytes;
-  static constexpr int kKvTileBytes = kKeysPerTile * kRowBytes;
+  static constexpr int kQBytes = kRowsPerCta * kPitchBytes;
+  static constexpr int kKvTileBytes = kKeysPerTile * kPitchBytes;
   static constexpr int kStageTileBytes = kKeysPerTile * kKvRowBytes;
   static constexpr int kStageBytes = 2 * kStageTileBytes;
   static constexpr int kWidenedBytes = kKvFp8 ? 2 * kKvTileBytes : 0;
