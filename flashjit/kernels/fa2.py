@@ -65,13 +65,13 @@ class Fa2Tiling:
         """Mirror of Fa2Traits::kSmemBytes (fa2_traits.cuh): Q tile + K/V stages,
         and with an FP8 cache stages of codes and the widened K/V pair; 16-bit
         rows take whole 128-byte blocks (kPitchBytes), FP8 code rows head_dim bytes."""
-        d = spec.head_dim_qk
-        pitch = -(-2 * d // 128) * 128
+        d, dv = spec.head_dim_qk, spec.head_dim_vo
+        pitch, v_pitch = (-(-2 * x // 128) * 128 for x in (d, dv))
         kv_bytes = common.DTYPE_BYTES[spec.dtype_kv]
-        stage_row = d if kv_bytes == 1 else pitch
-        size = self.rows_per_cta * pitch + self.stages * 2 * self.keys_per_tile * stage_row
+        stage_rows = d + dv if kv_bytes == 1 else pitch + v_pitch
+        size = self.rows_per_cta * pitch + self.stages * self.keys_per_tile * stage_rows
         if kv_bytes == 1:
-            return size + 2 * self.keys_per_tile * pitch
+            return size + self.keys_per_tile * (pitch + v_pitch)
         if self.tma_kv and spec.op not in PAGED_OPS and not self.split_keys:
             # The stages' 1024-byte alignment, and their mbarriers (two each with slot_release).
             size += 1024 - 128 + 8 * (2 if self.slot_release else 1) * self.stages

@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     fa2_attention_kernel(const __grid_constant__ FlashjitAttentionParams p,
                          const __grid_constant__ KvMapsArg<Traits::kTmaKv> tma_arg) {
   using T = typename Traits::DType;
-  constexpr int D = Traits::kHeadDim, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
+  constexpr int D = Traits::kHeadDim, DV = Traits::kHeadDimVo, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
   constexpr int THREADS = Traits::kThreads, ROWS = Traits::kRowsPerCta;
   constexpr int FM = Traits::kFragsM, WROWS = Traits::kRowsPerWarp;  // m16 fragments, rows per warp
   constexpr int ROW_BYTES = Traits::kRowBytes;  // a row's data
@@ -51,13 +51,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr bool kTma = Traits::kTmaKv;
   using QLayout = typename Traits::QLayout;
   using KvLayout = typename Traits::KvLayout;
-  constexpr int KV_PITCH = KvLayout::kPitch;  // between rows of a K or V tile
+  using VLayout = typename Traits::VLayout;
+  constexpr int KV_PITCH = KvLayout::kPitch;  // between rows of a K tile
+  constexpr int V_PITCH = VLayout::kPitch;    // ... and of a V tile
   constexpr int KSTEPS_QK = D / 16;    // k-steps of S = Q.K^T (head dims)
   constexpr int WKEYS = Traits::kKeysPerWarp;  // keys of each tile this warp computes
   constexpr int SKEYS = Traits::kKeysPerStep, SUB = Traits::kSubTiles;  // ... in SUB steps of SKEYS keys
   constexpr int KSTEPS_PV = SKEYS / 16;  // k-steps of O += P.V (keys)
   constexpr int NT_S = SKEYS / 8;        // n8 tiles of S
-  constexpr int NT_O = D / 8;           // n8 tiles of O
+  constexpr int NT_O = DV / 8;          // n8 tiles of O
   constexpr bool kQInRegs = Traits::kQInRegs;
   // Two fragments with Q in shared memory (the d128 wide tiling): Q.K^T keeps a
   // two-deep K ring (below), which lets ldmatrix run ahead of the mma's there;
@@ -86,8 +88,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr bool kFp8 = Traits::kKvFp8;
   using CopyT = std::conditional_t<kFp8, uint16_t, T>;
   constexpr int COPY_D = kFp8 ? D / 2 : D, KV_COPY_SPAN = kFp8 ? D : kCopySpan;
+  // V rows, as wide as K's but for DeepSeek's 192 / 128 (then ragged, 16-bit, whole rows a span).
+  constexpr int COPY_DV = kFp8 ? DV / 2 : DV, V_COPY_SPAN = DV == D ? KV_COPY_SPAN : DV * 2;
   constexpr int kStride = kFp8 ? 2 : 1;
   using StageLayout = typename Traits::KvStageLayout;
+  using VStageLayout = typename Traits::VStageLayout;
   // Commit groups are [Q + K_0], [V_0], [K_1], [V_1], ...; see the main loop.
   // With kOneWait, wait_group(2S-4) at the top of tile t completes V_t as well.
   constexpr int kWaitK = 2 * STAGES - 3, kWaitV = 2 * STAGES - 2, kWaitKV = 2 * STAGES - 4;
@@ -103,6 +108,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const uint32_t kv_bars = kv_smem + STAGES * Traits::kStageBytes;
   // FP8: the widened K and V tiles every warp's math reads.
   const uint32_t widened_k = kv_smem + STAGES * Traits::kStageBytes, widened_v = widened_k + Traits::kKvTileBytes;
+  static_assert(!kTma || DV == D, "TMA rings hold K and V tiles of one width");
 
   const int tid = threadIdx.x, lane = tid % 32, warp = kLeanLoop ? fa2::warp_uniform(tid / 32) : tid / 32;
   if constexpr (kTma) {
@@ -204,7 +210,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // Pages of this thread's rows of the next tile to issue (K and V share
     // them), looked up one tile ahead of the copy.
     int pages[Copy::R::kPerThread];
-    const Copy k_copy(k_rows, load_tid), v_copy(v_rows, load_tid);
+    // V's copies: the same as K's, or, at head_dim_vo < head_dim (ragged
+    // only), copies of the narrower rows into V's part of the slot.
+    using VCopy = std::conditional_t<DV == D, Copy,
+                                     fa2::RaggedTileCopy<CopyT, VStageLayout, LOAD_KEYS, COPY_DV, LOAD_THREADS, V_COPY_SPAN>>;
+    const Copy k_copy(k_rows, load_tid);
+    const VCopy v_copy(v_rows, load_tid);
     auto lookup = [&](int tile) {
       if constexpr (Traits::kPaged) {
         if (tile < num_tiles) {
@@ -215,7 +226,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     };
     // Issues tile `tile`'s K (or V) into its ring slot and commits one group;
     // past the last tile it commits an empty group so the counts stay uniform.
-    auto issue = [&](const Copy& copy, const CopyT* fallback, int tile, uint32_t tile_off) {
+    auto issue = [&](const auto& copy, const CopyT* fallback, int tile, uint32_t tile_off) {
       if (tile < num_tiles) {
         const int k0 = key_begin + tile * KEYS + warp_key0;
         const uint32_t dst = kv_smem + (tile % STAGES) * Traits::kStageBytes + tile_off + load_off;
@@ -263,18 +274,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // two fragments at the register cap need. Q (row-major) and V (KvLayout)
     // take the A pattern, K the B pattern.
     const uint32_t a_off0 = QLayout::at(lane % 16, lane / 16, lane % 8);
-    const uint32_t v_off0 = KvLayout::at(lane % 16, lane / 16, lane % 8);
+    const uint32_t v_off0 = VLayout::at(lane % 16, lane / 16, lane % 8);
     const uint32_t b_off0 = KvLayout::at(8 * (lane / 16) + lane % 8, (lane / 8) % 2, lane % 8);
     // Shared-memory address of chunk pair i of the 16-row block at `rows`.
     auto a_at = [a_off0](uint32_t rows, int i) { return rows + QLayout::pair(a_off0, i); };
-    auto v_at = [v_off0](uint32_t rows, int i) { return rows + KvLayout::pair(v_off0, i); };
+    auto v_at = [v_off0](uint32_t rows, int i) { return rows + VLayout::pair(v_off0, i); };
     auto b_at = [b_off0](uint32_t rows, int i) { return rows + KvLayout::pair(b_off0, i); };
     // kLeanLoop: the lane's K (V) address in a ring slot is formed once per tile,
     // k_lane = slot + b_off0, and chunk pair i taken from it by an XOR and an
     // immediate: the slots are 128-byte aligned, so the XOR still meets only
     // b_off0's bits. Otherwise ptxas keeps pair(b_off0, i) for i % 4 = 0..3 in
     // four registers across the loop.
-    static_assert(Traits::kStageBytes % 128 == 0 && Traits::kKvTileBytes % 128 == 0 && KV_PITCH % 128 == 0,
+    static_assert(Traits::kStageBytes % 128 == 0 && Traits::kKvTileBytes % 128 == 0 && KV_PITCH % 128 == 0 &&
+                      Traits::kStageTileBytes % 128 == 0 && V_PITCH % 128 == 0,
                   "128-byte aligned slots and tile rows");
     // Fragment f of this warp's Q rows at + f * 16 * Q_PITCH.
     const uint32_t q_warp = q_smem + (Traits::kSplitKeys ? 0 : warp * WROWS * Q_PITCH);
@@ -404,10 +416,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
       for (int kk = 0; kk < KSTEPS_PV; ++kk) {
 #pragma unroll
-        for (int dn = 0; dn < D / 16; ++dn) {
+        for (int dn = 0; dn < DV / 16; ++dn) {
           uint32_t b[4];
-          const uint32_t row_off = (kofs + kk * 16) * KV_PITCH;
-          fa2::ldmatrix_x4_trans(b, kLeanLoop ? KvLayout::pair(v_lane, dn) + row_off : v_at(v_s + row_off, dn));
+          const uint32_t row_off = (kofs + kk * 16) * V_PITCH;
+          fa2::ldmatrix_x4_trans(b, kLeanLoop ? VLayout::pair(v_lane, dn) + row_off : v_at(v_s + row_off, dn));
 #pragma unroll
           for (int f = 0; f < FM; ++f) {
             fa2::mma_16816<T>(o[f][2 * dn], pa[f][kk], b[0], b[1]);
@@ -430,7 +442,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // loop ran no faster once the softmax was one basic block.)
     for (int t = 0; t < num_tiles; ++t) {
       const uint32_t slot = kv_smem + (t % STAGES) * Traits::kStageBytes;
-      const uint32_t k_s = kFp8 ? widened_k : slot, v_s = kFp8 ? widened_v : slot + Traits::kKvTileBytes;
+      const uint32_t k_s = kFp8 ? widened_k : slot, v_s = kFp8 ? widened_v : slot + Traits::kStageTileBytes;
       const uint32_t k_lane = kLeanLoop ? fa2::opaque(k_s + b_off0) : 0, v_lane = kLeanLoop ? fa2::opaque(v_s + v_off0) : 0;
       const int t0 = key_begin + t * KEYS;
 

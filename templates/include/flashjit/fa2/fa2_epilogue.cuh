@@ -19,7 +19,7 @@ namespace fa2 {
 // the warp, head dims 8n + 2 * tq + e % 2), the running max m[f][r] in logit
 // units before `scale`, and this lane's partial row sum l[f][r].
 template <class Traits>
-using WarpO = float[Traits::kFragsM][Traits::kHeadDim / 8][4];
+using WarpO = float[Traits::kFragsM][Traits::kHeadDimVo / 8][4];
 template <class Traits>
 using WarpRows = float[Traits::kFragsM][2];
 
@@ -30,7 +30,7 @@ using WarpRows = float[Traits::kFragsM][2];
 template <class Traits>
 __device__ __forceinline__ bool merge_warp_states(WarpO<Traits>& o, WarpRows<Traits>& m, WarpRows<Traits>& l,
                                                   unsigned char* smem, float scale) {
-  constexpr int FM = Traits::kFragsM, NT_O = Traits::kHeadDim / 8, V = Traits::kMergeValues;
+  constexpr int FM = Traits::kFragsM, NT_O = Traits::kHeadDimVo / 8, V = Traits::kMergeValues;
   const float kNegInf = -CUDART_INF_F;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   cp_async_wait<0>();  // only empty groups can still be pending
@@ -106,7 +106,7 @@ __device__ __forceinline__ void write_rows(const FlashjitAttentionParams& p, con
                                            const float (&lse)[Traits::kFragsM][2], unsigned char* smem,
                                            int warp_row0, int rows_total) {
   using T = typename Traits::DType;
-  constexpr int D = Traits::kHeadDim, FM = Traits::kFragsM, NT_O = D / 8;
+  constexpr int D = Traits::kHeadDimVo, FM = Traits::kFragsM, NT_O = D / 8;
   constexpr int WROWS = Traits::kRowsPerWarp, PITCH = Traits::QLayout::kPitch;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, tq = lane % 4;
@@ -218,7 +218,7 @@ __device__ __forceinline__ void store_rows(const FlashjitAttentionParams& p, con
 // are whole lines), then its rows' running (m, sum) pairs [f][thread].
 template <class Traits>
 struct ChunkMerge {
-  static constexpr int FM = Traits::kFragsM, NT_O = Traits::kHeadDim / 8;
+  static constexpr int FM = Traits::kFragsM, NT_O = Traits::kHeadDimVo / 8;
 
   // The slot's loads and stores ask L2 to keep its lines (evict_last): a
   // persistent CTA reuses one slot at every boundary, and the K/V streaming
@@ -243,7 +243,7 @@ struct ChunkMerge {
   // Floats of scratch per CTA row: its accumulator, and the (m, sum) of its
   // pair of rows that each of the four lanes of its quad keeps (8 floats):
   // 2 * rows / FM threads of FM * NT_O + FM float4s each.
-  static constexpr int kFloatsPerRow = Traits::kHeadDim + 8;
+  static constexpr int kFloatsPerRow = Traits::kHeadDimVo + 8;
 
   // Folds the chunk state (m, l, O) in after `folded` earlier chunks (0: the
   // scratch holds nothing yet): into the scratch (keep), or, for the last

@@ -18,7 +18,7 @@ int launch_fa2_attention(const FlashjitAttentionParams& p, cudaStream_t stream) 
       if (err != cudaSuccess) return err;
     }
   }
-  return launch_attention<fa2_attention_kernel<Traits>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
+  return launch_attention<fa2_attention_kernel<Traits>, typename Traits::DType, Traits::kHeadDimVo, Traits::kLse>(
       p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), stream, tma_arg);
 }
 

@@ -24,7 +24,7 @@ struct WarpSoftmax {
   using T = typename Traits::DType;
   static constexpr int FM = Traits::kFragsM;
   static constexpr int NT_S = Traits::kKeysPerStep / 8;       // n8 tiles of S
-  static constexpr int NT_O = Traits::kHeadDim / 8;           // n8 tiles of O
+  static constexpr int NT_O = Traits::kHeadDimVo / 8;           // n8 tiles of O
   static constexpr int KSTEPS_PV = Traits::kKeysPerStep / 16;  // k-steps of O += P.V
   static constexpr bool kLazyMax = !Traits::kSplitKeys;
   static constexpr float kLazyLog2 = 8.f;

@@ -10,7 +10,7 @@
 
 namespace flashjit {
 
-template <class DType_, class KvType_, int kHeadDim_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
+template <class DType_, class KvType_, int kHeadDim_, int kHeadDimVo_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
           bool kOneWait_, bool kFencePv_, bool kTmaKv_, bool kSlotRelease_, bool kQInRegs_, int kMinBlocksPerSm_,
           bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
 struct Fa2Traits {
@@ -19,7 +19,10 @@ struct Fa2Traits {
   // shared memory as codes and are widened to DType there (fa2_fp8.cuh).
   using KvType = KvType_;
   static constexpr bool kKvFp8 = !std::is_same<KvType_, DType_>::value;
+  // Q and K rows (kHeadDim), V and O rows (kHeadDimVo): DeepSeek's prefill
+  // runs 192 / 128; otherwise the two are equal.
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimVo = kHeadDimVo_;
   static constexpr int kWarps = kWarps_;
   // m16 row fragments per warp (1 or 2): each K / V B-fragment loaded by
   // ldmatrix feeds kFragsM mma's, so shared-memory traffic per FLOP is 1/kFragsM.
@@ -60,7 +63,7 @@ struct Fa2Traits {
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
   // The same kernel shape under another register cap.
   template <int kOtherMinBlocksPerSm>
-  using WithMinBlocks = Fa2Traits<DType_, KvType_, kHeadDim_, kWarps_, kFragsM_, kKeysPerTile_, kSubTiles_, kStages_, kOneWait_,
+  using WithMinBlocks = Fa2Traits<DType_, KvType_, kHeadDim_, kHeadDimVo_, kWarps_, kFragsM_, kKeysPerTile_, kSubTiles_, kStages_, kOneWait_,
                                   kFencePv_, kTmaKv_, kSlotRelease_, kQInRegs_, kOtherMinBlocksPerSm, kSplitKeys_, kPaged_, kCausal_, kWindow_, kSoftCap_,
                                   kLse_>;
   // Warps split each tile's keys instead of the rows (decode: the rows are
@@ -86,23 +89,30 @@ struct Fa2Traits {
   // blocks, so that a head dim that is not a multiple of 64 (80, 96, 112, ...)
   // keeps the swizzle's conflict-free ldmatrix phases; the chunks past the
   // data are never written or read (fa2::TileRows).
-  static constexpr int kRowBytes = kHeadDim * 2;
-  static constexpr int kPitchBytes = (kRowBytes + 127) / 128 * 128;
-  // Shared-memory layouts (fa2_primitives.cuh): Q row-major; K and V blocked
-  // where the TMA unit writes them.
+  static constexpr int kRowBytes = kHeadDim * 2, kVRowBytes = kHeadDimVo * 2;
+  static constexpr int kPitchBytes = (kRowBytes + 127) / 128 * 128, kVPitchBytes = (kVRowBytes + 127) / 128 * 128;
+  // Shared-memory layouts (fa2_primitives.cuh): Q row-major (and O, staged in
+  // the warp's Q rows on its way out); K and V blocked where the TMA unit
+  // writes them.
   using QLayout = fa2::RowMajorTile<kPitchBytes>;
   using KvLayout = std::conditional_t<kTmaKv, fa2::BlockedTile<kKeysPerTile_>, fa2::RowMajorTile<kPitchBytes>>;
+  using VLayout = std::conditional_t<kTmaKv, fa2::BlockedTile<kKeysPerTile_>, fa2::RowMajorTile<kVPitchBytes>>;
   // Where the K/V copies land: the ring slots themselves, or, with an FP8
   // cache, slots of codes (kHeadDim bytes a row, unswizzled) that one pass per
   // tile widens into a single K/V pair of KvLayout tiles after the ring.
   static constexpr int kKvRowBytes = kKvFp8 ? kHeadDim : kPitchBytes;
+  static constexpr int kVStageRowBytes = kKvFp8 ? kHeadDimVo : kVPitchBytes;
   using KvStageLayout = std::conditional_t<kKvFp8, fa2::PlainTile<kKvRowBytes>, KvLayout>;
+  using VStageLayout = std::conditional_t<kKvFp8, fa2::PlainTile<kVStageRowBytes>, VLayout>;
 
   static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
                 "fa2 tensor-core attention takes __half or __nv_bfloat16");
   static_assert(!kKvFp8 || sizeof(KvType_) == 1, "K/V of q's dtype, or FP8 codes");
   static_assert(kHeadDim % 16 == 0 && kHeadDim >= 32 && kHeadDim <= 256, "head_dim: a multiple of 16 in [32, 256]");
   static_assert(!kTmaKv || kRowBytes % 128 == 0, "TMA K/V tiles: whole 128-byte blocks a row");
+  static_assert(kHeadDimVo % 16 == 0 && kHeadDimVo >= 32 && kHeadDimVo <= kHeadDim, "head_dim_vo: [32, head_dim]");
+  static_assert(kHeadDimVo == kHeadDim || (!kTmaKv_ && !kPaged_ && !kKvFp8 && !kSplitKeys_),
+                "head_dim_vo != head_dim: ragged K/V of q's dtype, rows split, no TMA");
   static_assert(kKeysPerWarp % 16 == 0 && kKeysPerWarp * (kSplitKeys ? kWarps : 1) == kKeysPerTile,
                 "keys per tile (per warp when warps split them): a multiple of 16");
   static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
@@ -118,10 +128,11 @@ struct Fa2Traits {
   // with an FP8 cache the widened [K | V] pair after the stages; every offset
   // is a multiple of 128 bytes.
   static constexpr int kQBytes = kRowsPerCta * kPitchBytes;
-  static constexpr int kKvTileBytes = kKeysPerTile * kPitchBytes;
-  static constexpr int kStageTileBytes = kKeysPerTile * kKvRowBytes;
-  static constexpr int kStageBytes = 2 * kStageTileBytes;
-  static constexpr int kWidenedBytes = kKvFp8 ? 2 * kKvTileBytes : 0;
+  static constexpr int kKvTileBytes = kKeysPerTile * kPitchBytes;  // a K tile (and V's, head dims equal)
+  static constexpr int kVTileBytes = kKeysPerTile * kVPitchBytes;
+  static constexpr int kStageTileBytes = kKeysPerTile * kKvRowBytes;  // K's part of a stage; V's follows
+  static constexpr int kStageBytes = kStageTileBytes + kKeysPerTile * kVStageRowBytes;
+  static constexpr int kWidenedBytes = kKvFp8 ? kKvTileBytes + kVTileBytes : 0;
   // With TMA the K/V stages start at a 1024-byte boundary (the swizzle's
   // period), and 8-byte mbarriers follow them: per stage, its tile landed,
   // and with kSlotRelease every warp is done with it.
@@ -131,7 +142,7 @@ struct Fa2Traits {
                                        (kTmaKv ? kKvAlign - 128 + 8 * kStageBarriers * kStages : 0);
   // Split keys: each lane's O, m and l per warp, exchanged through the stages
   // (and the widened tiles after them).
-  static constexpr int kMergeValues = kFragsM * (kHeadDim / 8) * 4 + kFragsM * 4;
+  static constexpr int kMergeValues = kFragsM * (kHeadDimVo / 8) * 4 + kFragsM * 4;
   static_assert(!kSplitKeys || size_t(kWarps) * kMergeValues * 32 * 4 <= size_t(kStages) * kStageBytes + kWidenedBytes,
                 "the warps' states must fit in the K/V stages to merge");
 };

@@ -70,6 +70,7 @@ struct Fa3Traits {
   static constexpr int kRowsPerWarp = 16;
   static constexpr int kKeysPerStep = kKeysPerTile;
   static constexpr bool kSplitKeys = false;
+  static constexpr int kHeadDimVo = kHeadDim;
   static constexpr int kRowBytes = kHeadDim * 2;
   using QLayout = fa2::RowMajorTile<kRowBytes>;  // the output staging of fa2::store_rows
   // Q, K and V as TMA's 128-byte swizzle writes them: 64-column blocks of
