@@ -237,7 +237,7 @@ _warned_fallbacks: set = set()
 
 def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: str,
                    targets: tuple[str, ...] | None = None, strict: bool | None = None,
-                   kv_dtype: str | None = None) -> tuple[str, bool, str]:
+                   kv_dtype: str | None = None, head_dim: int | None = None) -> tuple[str, bool, str]:
     """Resolves backend='auto' / use_tensor_cores=None for arches `targets`
     (None: backend_targets()): returns (backend, use_tensor_cores, reason).
     Tensor cores for fp16/bf16 prefill; CUDA cores for fp32 and for decode,
@@ -248,9 +248,12 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
     An explicit backend='fa3' that the targets or the op cannot take runs fa2
     with a one-time warning naming the reason; with `strict` (default:
     FLASHJIT_STRICT_BACKEND) it raises ValueError instead. kv_dtype: an FP8
-    KV cache's dtype (None: q's), which fa3 reads for FA3_FP8_OPS only."""
+    KV cache's dtype (None: q's), which fa3 reads for FA3_FP8_OPS only.
+    head_dim: Q's and K's (None: not known yet), which fa3 generates for
+    FA3_HEAD_DIMS only (MLA has its own geometry)."""
     from .kernels import fa3
-    from .spec import DECODE_OPS, FA3_FP8_OPS, FA3_OPS, KV_ONLY_DTYPES, TENSOR_CORE_DTYPES, TENSOR_CORE_OPS
+    from .spec import DECODE_OPS, FA3_FP8_OPS, FA3_HEAD_DIMS, FA3_OPS, KV_ONLY_DTYPES, MLA_OPS, \
+        TENSOR_CORE_DTYPES, TENSOR_CORE_OPS
 
     if backend not in ("auto", "fa2", "fa3"):
         raise ValueError(f"backend: expected 'auto', 'fa2' or 'fa3', got {backend!r}")
@@ -276,6 +279,8 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
                    + (f" ({device_name()})" if on_this_gpu else ""))
     elif op not in FA3_OPS:
         why_not = f"fa3 does not generate {op} (it does {', '.join(FA3_OPS)})"
+    elif head_dim is not None and op not in MLA_OPS and head_dim not in FA3_HEAD_DIMS:
+        why_not = f"fa3 does not generate head_dim {head_dim} (it does {', '.join(map(str, FA3_HEAD_DIMS))})"
     elif kv_dtype in KV_ONLY_DTYPES and op not in FA3_FP8_OPS:
         why_not = "fa3 does not read an FP8 KV cache yet"
     if backend == "auto":

@@ -12,7 +12,7 @@ import itertools
 from .arch import choose_backend
 from .spec import _DTYPE_ALIASES as DTYPE_ALIASES
 from .spec import DECODE_OPS, DTYPES, FP8_KV_FAMILIES, HEAD_DIMS, KV_ONLY_DTYPES, MLA_OPS, OPS, TENSOR_CORE_DTYPES, \
-    UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec
+    UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec, or_list
 
 # Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
 ALWAYS_LSE = {"batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged"}
@@ -29,7 +29,8 @@ NO_CAUSAL = set(DECODE_OPS)
 #            causal ragged and paged prefill, paged decode on both core types,
 #            the KV append and MLA (the README's first command; 25 builds).
 #   minimal: every non-MLA op in bf16 at head dim 128.
-#   full:    every op, dtype, head dim and causal choice (125 builds).
+#   full:    every op, dtype, head dim and causal choice (449 builds for sm_80,
+#            sm_89 and sm_90a).
 _PRESET_OPS = [op for op in OPS if op not in MLA_OPS]
 SWITCH_DEFAULTS = {"tensor_cores": "auto", "causal": "both"}
 PRESETS = {
@@ -62,10 +63,7 @@ class SelectionError(ValueError):
     flag's values; specs_from_args says why a combination names nothing)."""
 
 
-def choices_text(values) -> str:
-    """'a, b or c'."""
-    values = [str(v) for v in values]
-    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
+choices_text = or_list  # 'a, b or c'
 
 
 def dtype_names(kv_only: bool = False) -> dict[str, list[str]]:
@@ -87,15 +85,16 @@ def _switch(value: str) -> list:
     return {"on": [True], "off": [False], "both": [False, True], "auto": [None]}[value]
 
 
-def _backends(op: str, dtype: str, tc: bool, backend: str, arches, kv_dtype: str | None = None) -> list[str]:
+def _backends(op: str, dtype: str, tc: bool, backend: str, arches, kv_dtype: str | None = None,
+              head_dim: int | None = None) -> list[str]:
     """The backends the ops would run for `backend` on each of the target arches
     (an explicit fa3 where it cannot run: fa2, with the ops' warning; under
     FLASHJIT_STRICT_BACKEND a SelectionError naming --backend)."""
     if not tc or op in UTILITY_OPS:
         return ["fa2"]
     try:
-        return list(dict.fromkeys(choose_backend(op, dtype, tc, backend, targets=(a,), kv_dtype=kv_dtype)[0]
-                                   for a in arches))
+        return list(dict.fromkeys(choose_backend(op, dtype, tc, backend, targets=(a,), kv_dtype=kv_dtype,
+                                                 head_dim=head_dim)[0] for a in arches))
     except ValueError as exc:  # "backend='fa3' cannot run here: <why>; use ..."
         why = str(exc).split("cannot run here: ", 1)[-1].split("; use ", 1)[0]
         raise SelectionError(f"--backend {backend}: {why}; choose --backend fa2 or auto, or unset "
@@ -182,7 +181,7 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
                 specs += [_validated(mla_spec(dtype, causal=causal, backend=chosen))
                           for chosen in _backends(op, dtype, True, backend, arches)]
             continue
-        for chosen in _backends(op, dtype, tc, backend, arches, kv_dtype):
+        for chosen in _backends(op, dtype, tc, backend, arches, kv_dtype, head_dim):
             specs.append(_validated(KernelSpec.make(
                 op, dtype, head_dim, dtype_kv=kv_dtype, backend=chosen, use_tensor_cores=tc, causal=causal, sliding_window=window,
                 soft_cap=cap, return_lse=lse or op in ALWAYS_LSE)))

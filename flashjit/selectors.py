@@ -5,8 +5,8 @@ the flags' own words before torch is imported or a GPU probed.
 
 Every accepted set comes from flashjit.spec, flashjit.arch and
 selection.PRESETS, so the help and the checks follow what is generated.
-A bad value is a SelectionError: "--head-dim: 100 is not generated; choose 64,
-128 or 256". The command prints it after its own name and exits 2.
+A bad value is a SelectionError: "--head-dim: 100 is not generated; choose 96
+or 112 (the nearest; ...)". The command prints it after its own name and exits 2.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import textwrap
 from .arch import ARCHES, DEFAULT_ARCHES, normalize_arch
 from .errors import ToolchainError
 from .selection import PRESETS, SelectionError, choices_text, dtype_names, short_dtype
-from .spec import BACKENDS, HEAD_DIMS, KV_ONLY_DTYPES, MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_OPS, OPS, \
-    PLANNED_OPS, canonical_dtype
+from .spec import BACKENDS, FA3_HEAD_DIMS, HEAD_DIMS, KV_ONLY_DTYPES, MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_OPS, \
+    OPS, PLANNED_OPS, canonical_dtype, head_dims_text, nearest_head_dims
 
 SWITCHES = ("on", "off", "both")
 TENSOR_CORE_CHOICES = ("auto", *SWITCHES)
@@ -81,11 +81,12 @@ def add_selectors(parser) -> None:
                              f"dtype): {dtype_choices(kv_only=True)}; FP8 KV caches run CUDA-core decode and "
                              f"append_paged")
     parser.add_argument("--head-dim", nargs="+", metavar="D",
-                        help=f"the head dims (default: the preset's): {choices_text(HEAD_DIMS)}; mla_paged has its "
-                             f"own (ckv {MLA_HEAD_DIM_CKV} + kpe {MLA_HEAD_DIM_KPE})")
+                        help=f"the head dims (default: the preset's): {head_dims_text(HEAD_DIMS)} (fa3: "
+                             f"{', '.join(map(str, FA3_HEAD_DIMS))}; the others run fa2); mla_paged has its own (ckv "
+                             f"{MLA_HEAD_DIM_CKV} + kpe {MLA_HEAD_DIM_KPE})")
     parser.add_argument("--backend", nargs="+", default=["auto"], metavar="BACKEND",
                         help=f"{choices_text(BACKEND_CHOICES)}; auto (default): what the ops pick on each target "
-                             f"arch (fa3 on sm_90a for the prefill ops it generates, fa2 elsewhere)")
+                             f"arch (fa3 on sm_90a for the prefill ops and head dims it generates, fa2 elsewhere)")
     parser.add_argument("--tensor-cores", metavar=_switch_metavar(TENSOR_CORE_CHOICES),
                         help="auto: what the ops pick when not told (tensor cores for fp16/bf16 prefill); both: each "
                              "configuration with and without (default: the preset's, else auto)")
@@ -125,20 +126,24 @@ def _check_op(op: str) -> None:
                          + (f" (did you mean {close[0]}?)" if close else ""))
 
 
-def _check_head_dims(values, ops) -> list[int]:
+def check_head_dims(values, ops) -> list[int]:
+    """The --head-dim values for `ops` as ints; one not generated names the
+    nearest that are (prewarm, numerics, and bench's prefill rows)."""
     mla_only = all(op in MLA_OPS for op in ops)
     allowed = list(HEAD_DIMS) + ([MLA_HEAD_DIM] if mla_only else [])
+    generated = head_dims_text(HEAD_DIMS)
     head_dims = []
     for text in values:
         value = int(text) if re.fullmatch(r"\s*\d+\s*", str(text)) else None
         if value is None:
-            raise SelectionError(f"--head-dim: {text} is not a number; choose {choices_text(HEAD_DIMS)}")
+            raise SelectionError(f"--head-dim: {text} is not a number; choose {generated}")
         if value == MLA_HEAD_DIM and not mla_only:
             raise SelectionError(f"--head-dim: {value} is mla_paged's (ckv {MLA_HEAD_DIM_CKV} + kpe "
-                                 f"{MLA_HEAD_DIM_KPE}), which it takes alone; the other ops take "
-                                 f"{choices_text(HEAD_DIMS)}")
+                                 f"{MLA_HEAD_DIM_KPE}), which it takes alone; the other ops take {generated}")
         if value not in allowed:
-            raise SelectionError(f"--head-dim: {value} is not generated; choose {choices_text(HEAD_DIMS)}")
+            raise SelectionError(f"--head-dim: {value} is not generated; choose "
+                                 f"{choices_text(nearest_head_dims(value, HEAD_DIMS))} (the nearest; generated: "
+                                 f"{generated})")
         head_dims.append(value)
     return head_dims
 
@@ -190,7 +195,7 @@ def check_selectors(args) -> None:
     if hasattr(args, "kv_dtype"):
         args.kv_dtype = kv_dtypes or None
     ops = args.op or PRESETS[args.preset]["ops"]
-    args.head_dim = _check_head_dims(args.head_dim, ops) if args.head_dim else None
+    args.head_dim = check_head_dims(args.head_dim, ops) if args.head_dim else None
     for backend in args.backend:
         _one_of("--backend", backend, BACKEND_CHOICES)
     if args.tensor_cores is not None:

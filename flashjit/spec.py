@@ -56,7 +56,10 @@ PAGED_OPS = ("batch_prefill_paged", "batch_decode_paged")
 DECODE_OPS = ("single_decode", "batch_decode_paged")
 # Ops not generated yet, and the available op nearest to each.
 PLANNED_OPS: dict[str, str] = {}
-HEAD_DIMS = (64, 128, 256)
+# Every multiple of 16 from 32 to 256 (Phi's 80 and 96, 112, 160, 192, ...).
+HEAD_DIMS = tuple(range(32, 257, 16))
+# The head dims the fa3 backend generates; others run on fa2 (arch.choose_backend).
+FA3_HEAD_DIMS = (64, 128, 256)
 BACKENDS = ("fa2", "fa3")
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 TENSOR_CORE_OPS = ATTENTION_OPS + MLA_OPS
@@ -82,6 +85,36 @@ def canonical_dtype(dtype) -> str:
 
 def unit_roundoff(dtype) -> float:
     return DTYPES[canonical_dtype(dtype)][2]
+
+
+def or_list(values) -> str:
+    """'a, b or c'."""
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
+
+
+def nearest_head_dims(value: int, dims=HEAD_DIMS) -> tuple[int, ...]:
+    """The generated head dims either side of `value`, in order (100 -> (96, 112)),
+    or the end of their range it lies beyond (8 -> (32,), 300 -> (256,)): the
+    choices an error names for a head dim that is not generated."""
+    below = [d for d in dims if d < value]
+    above = [d for d in dims if d > value]
+    return tuple(([max(below)] if below else []) + ([min(above)] if above else []))
+
+
+def nearest_head_dim(value: int, dims=HEAD_DIMS) -> int:
+    """The generated head dim closest to `value` (the smaller of two as close)."""
+    return min(dims, key=lambda d: (abs(d - value), d))
+
+
+def head_dims_text(dims=HEAD_DIMS) -> str:
+    """The generated head dims in words: 'a multiple of 16 from 32 to 256' where
+    they are such a run, else the list ('64, 128 or 256')."""
+    dims = sorted(dims)
+    step = dims[1] - dims[0] if len(dims) > 2 else 0
+    if step and dims == list(range(dims[0], dims[-1] + 1, step)) and dims[0] % step == 0:
+        return f"a multiple of {step} from {dims[0]} to {dims[-1]}"
+    return or_list(dims)
 
 
 @dataclass(frozen=True)
@@ -169,9 +202,9 @@ class KernelSpec:
         for field in ("head_dim_qk", "head_dim_vo"):
             value = getattr(self, field)
             if value not in HEAD_DIMS:
-                nearest = min(HEAD_DIMS, key=lambda d: (abs(d - value), d))
-                fail(f"{field}={value}", f"head_dim in {HEAD_DIMS}",
-                     self.replace(head_dim_qk=nearest, head_dim_vo=nearest))
+                nearest = nearest_head_dim(value)
+                fail(f"{field}={value} is not generated (nearest: {or_list(nearest_head_dims(value))})",
+                     f"head_dim {head_dims_text()}", self.replace(head_dim_qk=nearest, head_dim_vo=nearest))
         if self.head_dim_qk != self.head_dim_vo:
             fail(f"head_dim_qk={self.head_dim_qk} != head_dim_vo={self.head_dim_vo}",
                  f"equal head dims for {self.op}", self.replace(head_dim_vo=self.head_dim_qk))
@@ -196,6 +229,10 @@ class KernelSpec:
         if self.backend == "fa3" and self.op not in FA3_OPS and not self.invariant_decode:
             fail(f"backend fa3 for {self.op}", f"fa3 for {', '.join(FA3_OPS)} (and batch-invariant decode, "
                  f"causal=True); {self.op} on fa2", self.replace(backend="fa2"))
+        if self.backend == "fa3" and self.head_dim_qk not in FA3_HEAD_DIMS:
+            fail(f"backend fa3 with head_dim {self.head_dim_qk}",
+                 f"fa3 for head dims {', '.join(map(str, FA3_HEAD_DIMS))}; every head dim ({head_dims_text()}) on fa2",
+                 self.replace(backend="fa2"))
         return self
 
     def _validate_fp8(self, fail) -> "KernelSpec":

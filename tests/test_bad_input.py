@@ -46,7 +46,7 @@ def _noncontig_last(t: torch.Tensor) -> torch.Tensor:
 # CPU tensors
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
 def test_cpu_tensors_are_rejected_naming_the_argument(op, dtype, head_dim):
@@ -94,11 +94,12 @@ MISTAKES = [
     _case("v-ndim", lambda op, q, k, v: (q, k, v[0]), r"^v: expected 3 dimensions"),
     _case("k-head_dim", lambda op, q, k, v: (q, k[..., :64].contiguous(), v), r"^k: expected head_dim 128"),
     _case("v-head_dim", lambda op, q, k, v: (q, k, v[..., :64].contiguous()), r"^v: expected head_dim 128"),
-    _case("head_dim-96", lambda op, q, k, v: (q[..., :96].contiguous(), k[..., :96].contiguous(),
-                                              v[..., :96].contiguous()),
-          r"head_dim.*\(64, 128, 256\), got 96 \(nearest supported: (64|128)\)"),
-    _case("head_dim-32", lambda op, q, k, v: (q[..., :32].contiguous(), k[..., :32].contiguous(),
-                                              v[..., :32].contiguous()), r"head_dim.*got 32"),
+    _case("head_dim-100", lambda op, q, k, v: (q[..., :100].contiguous(), k[..., :100].contiguous(),
+                                               v[..., :100].contiguous()),
+          r"^q.shape\[-1\] \(head_dim\): expected a head_dim that is a multiple of 16 from 32 to 256, got 100 "
+          r"\(nearest generated: 96 or 112\)$"),
+    _case("head_dim-24", lambda op, q, k, v: (q[..., :24].contiguous(), k[..., :24].contiguous(),
+                                              v[..., :24].contiguous()), r"head_dim.*got 24 \(nearest generated: 32\)"),
     _case("v-tokens", lambda op, q, k, v: (q, k, v[:-1]), r"^v: expected 33 tokens x 2 heads"),
     _case("v-heads", lambda op, q, k, v: (q, k, v[:, :1]), r"^v: expected 33 tokens x 2 heads"),
     _case("qo-heads-not-multiple-of-kv-heads", lambda op, q, k, v: (q[..., :3, :].contiguous(), k, v),
@@ -122,7 +123,7 @@ def test_shape_and_dtype_mistakes_name_the_argument(op, dtype, mutate, match, ex
     assert "CUDA" not in str(info.value), "the device check ran before the argument checks"
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
 def test_gqa_mistake_for_every_dtype_and_head_dim(op, dtype, head_dim):

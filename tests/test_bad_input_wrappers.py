@@ -72,7 +72,8 @@ PLAN = dict(qo_indptr=[0, 3, 8], kv_indptr=[0, 10, 30], num_qo_heads=8, num_kv_h
     ({"qo_indptr": [-1, 3, 8]}, ValueError, r"^qo_indptr: expected non-negative"),
     ({"num_qo_heads": 6, "num_kv_heads": 4}, ValueError, r"^num_qo_heads \(6\) must be a multiple"),
     ({"num_kv_heads": 0}, ValueError, r"^num_qo_heads / num_kv_heads: expected positive"),
-    ({"head_dim_qk": 96}, ValueError, r"^head_dim_qk: expected a head_dim in \(64, 128, 256\), got 96"),
+    ({"head_dim_qk": 100}, ValueError, r"^head_dim_qk: expected a head_dim that is a multiple of 16 from 32 to 256, "
+                                       r"got 100 \(nearest generated: 96 or 112\)$"),
     ({"head_dim_vo": 64}, ValueError, r"^head_dim_vo: expected 128"),
     ({"q_data_type": torch.int8}, ValueError, r"^q_data_type: expected float16, bfloat16 or float32"),
     ({"q_data_type": "float64"}, ValueError, r"^q_data_type"),
@@ -117,7 +118,8 @@ DECODE_PLAN = dict(indptr=_i32(0, 2, 5), indices=_i32(4, 0, 1, 2, 3), last_page_
     ({"indices": _i32(4, 0, 1)}, r"^indices: expected at least 5 elements, got 3"),
     ({"indices": torch.tensor([4, 0, 1, 2, 3])}, r"^indices: expected a 1-D int32 tensor, got torch.int64"),
     ({"page_size": 0}, r"^page_size: expected a positive int"),
-    ({"head_dim": 80}, r"^head_dim: expected a head_dim in \(64, 128, 256\), got 80"),
+    ({"head_dim": 72}, r"^head_dim: expected a head_dim that is a multiple of 16 from 32 to 256, got 72 \(nearest "
+                       r"generated: 64 or 80\)$"),
     ({"pos_encoding_mode": "ROPE_LLAMA"}, r"^pos_encoding_mode='ROPE_LLAMA'"),
     ({"q_data_type": torch.float32, "kv_data_type": torch.float16}, r"^kv_data_type: expected torch.float32"),
 ], ids=lambda x: "-".join(x) if isinstance(x, dict) else None)

@@ -113,7 +113,12 @@ def test_default_preset_is_the_serving_set_and_flags_replace_its_switches():
     assert names("--op", "batch_prefill_ragged") == {
         f"batch_prefill_ragged_bf16_d{d}_{b}_tc{c}_lse" for d in (64, 128, 256) for b in ("fa2", "fa3")
         for c in ("", "_causal")}
-    assert len(names("--preset", "full")) == 125
+    full = names("--preset", "full")
+    assert len(full) == 449
+    # fa3 builds its head dims; every other head dim's tensor-core prefill is fa2's alone.
+    assert {re.search(r"_d(\d+)_", n).group(1) for n in full if "_fa3_" in n and "_d" in n} == {"64", "128", "256"}
+    assert {n for n in full if n.startswith("batch_prefill_ragged_bf16_d96_") and "_tc" in n} == {
+        f"batch_prefill_ragged_bf16_d96_fa2_tc{c}_lse" for c in ("", "_causal")}
 
 
 @pytest.mark.parametrize("flags,expected_count", [
@@ -224,8 +229,8 @@ def test_cache_clear_empties_it(prewarmed, tmp_path):
 
 
 @pytest.mark.parametrize("argv,names", [
-    pytest.param(["--head-dim", "96", "--dtype", "bfloat16"],
-                 ["--head-dim: 96 is not generated; choose 64, 128 or 256"], id="head_dim-96"),
+    pytest.param(["--head-dim", "100", "--dtype", "bfloat16"],
+                 ["--head-dim: 100 is not generated; choose 96 or 112"], id="head_dim-100"),
     pytest.param(["--dtype", "float64", "--head-dim", "64"], ["--dtype: float64 is not supported", "bf16", "fp16",
                                                                "fp32"], id="dtype-float64"),
     pytest.param(["--dtype", "float32", "--tensor-cores", "on", "--head-dim", "64"],
@@ -306,7 +311,7 @@ def test_prewarm_prints_the_selection_progress_and_a_summary(fake_build, capsys)
     assert max(len(line) for line in lines) < 200, "a long line on stderr"
     assert lines[0] == f"flashjit prewarm: {len(specs)} configuration(s) for sm_80, sm_89, sm_90a (--arch)"
     assert re.search(r"^  dtypes +float16, bfloat16, float32$", err, re.M)
-    assert re.search(r"^  head_dims +64, 128, 256 \(mla_paged: ckv 512 \+ kpe 64\)$", err, re.M)
+    assert re.search(r"^  head_dims +32, 48, 64, 80, .*, 240, 256 \(mla_paged: ckv 512 \+ kpe 64\)$", err, re.M)
     progress = [line for line in lines if line.startswith("[")]
     assert 10 <= len(progress) <= 22, "a log keeps about one line per twentieth"
     assert progress[-1].startswith(f"[{len(specs)}/{len(specs)}] elapsed ") and specs[-1].name in progress[-1]

@@ -27,11 +27,15 @@ def run_fresh(tmp_path, *argv: str):
     return json.loads(out.stdout.splitlines()[-1]), out.stderr
 
 
+GENERATED = "a multiple of 16 from 32 to 256"
 BAD = [
-    (["--head-dim", "100"], "--head-dim: 100 is not generated; choose 64, 128 or 256"),
-    (["--head-dim", "big"], "--head-dim: big is not a number; choose 64, 128 or 256"),
-    (["--head-dim", "576"], "--head-dim: 576 is mla_paged's (ckv 512 + kpe 64), which it takes alone; the other ops "
-                            "take 64, 128 or 256"),
+    (["--head-dim", "100"], f"--head-dim: 100 is not generated; choose 96 or 112 (the nearest; generated: "
+                            f"{GENERATED})"),
+    (["--head-dim", "8"], f"--head-dim: 8 is not generated; choose 32 (the nearest; generated: {GENERATED})"),
+    (["--head-dim", "512"], f"--head-dim: 512 is not generated; choose 256 (the nearest; generated: {GENERATED})"),
+    (["--head-dim", "big"], f"--head-dim: big is not a number; choose {GENERATED}"),
+    (["--head-dim", "576"], f"--head-dim: 576 is mla_paged's (ckv 512 + kpe 64), which it takes alone; the other ops "
+                            f"take {GENERATED}"),
     (["--dtype", "int8"], "--dtype: int8 is not supported; choose fp16 (float16, half, f16), bf16 (bfloat16) or "
                           "fp32 (float32, float, f32)"),
     (["--op", "single_prefil"], "--op: single_prefil is not an op flashjit generates; choose single_prefill, "
@@ -60,18 +64,33 @@ def test_bad_selector_is_one_line_in_the_flags_words_before_torch(tmp_path, argv
     assert not (tmp_path / "cache").exists()
 
 
+def test_bench_checks_its_head_dims_before_torch(tmp_path):
+    result, err = run_fresh(tmp_path, "bench", "--head-dim", "96", "100", "--out", str(tmp_path / "reports"))
+    assert err == f"flashjit bench: --head-dim: 100 is not generated; choose 96 or 112 (the nearest; generated: " \
+                  f"{GENERATED})\n"
+    assert result == {"code": 2, "torch": False, "build": False}
+    assert not (tmp_path / "reports").exists()
+
+
 def test_numerics_checks_its_selectors_before_the_gpu(tmp_path):
     result, err = run_fresh(tmp_path, "numerics", "--op", "attention")
     assert err.startswith("flashjit numerics: --op: attention is not an op flashjit generates; choose single_prefill")
     assert result == {"code": 2, "torch": False, "build": False}
 
 
+def test_every_generated_head_dim_is_accepted():
+    values = [str(d) for d in HEAD_DIMS]
+    args = cli.build_parser().parse_args(["prewarm", "--op", "batch_prefill_ragged", "--head-dim", *values])
+    selectors.check_selectors(args)
+    assert args.head_dim == list(HEAD_DIMS) == list(range(32, 257, 16))
+
+
 def test_the_messages_follow_the_generated_sets(monkeypatch):
     """The choices come from flashjit.spec: a head dim added there is offered here."""
     monkeypatch.setattr(selectors, "HEAD_DIMS", (*HEAD_DIMS, 512))
-    args = cli.build_parser().parse_args(["prewarm", "--head-dim", "100"])
-    with pytest.raises(selectors.SelectionError, match=r"^--head-dim: 100 is not generated; choose 64, 128, 256 or "
-                                                       r"512$"):
+    args = cli.build_parser().parse_args(["prewarm", "--head-dim", "400"])
+    with pytest.raises(selectors.SelectionError, match=r"^--head-dim: 400 is not generated; choose 256 or 512 \(the "
+                                                       r"nearest; generated: 32, 48, .*, 256 or 512\)$"):
         selectors.check_selectors(args)
     assert [names[0] for names in selectors.dtype_names().values()] == ["fp16", "bf16", "fp32"]
     assert list(selectors.dtype_names()) == [d for d in DTYPES if d not in KV_ONLY_DTYPES]
@@ -81,7 +100,7 @@ def test_the_messages_follow_the_generated_sets(monkeypatch):
 def test_a_combination_spec_rejects_is_named_in_flags(monkeypatch):
     """A value the selectors accept but KernelSpec.validate rejects (here: a head
     dim the checks are told exists) is reported as the flags that select it."""
-    monkeypatch.setattr(selectors, "HEAD_DIMS", (64, 100))
+    monkeypatch.setattr(selectors, "HEAD_DIMS", (*HEAD_DIMS, 100))
     args = cli.build_parser().parse_args(["prewarm", "--op", "single_decode", "--dtype", "fp16", "--head-dim", "100"])
     with pytest.raises(selectors.SelectionError) as info:
         selection.specs_from_args(args, ("sm_80",))

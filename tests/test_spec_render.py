@@ -53,7 +53,7 @@ def all_valid_specs() -> dict[str, KernelSpec]:
 
 def test_sweep_names_are_unique_and_readable():
     names = [s.name for s in SWEEP]
-    assert len(SWEEP) == len(ATTENTION_OPS) * 3 * 3 * 16
+    assert len(SWEEP) == len(ATTENTION_OPS) * 3 * len(HEAD_DIMS) * 16
     assert len(set(names)) == len(names), "two configurations share a name (and so a cache directory)"
     for spec in SWEEP:
         assert spec.name.startswith(f"{spec.op}_{DTYPES[spec.dtype_q][0]}_d{spec.head_dim_qk}_fa2_cc")
@@ -279,10 +279,12 @@ def _diff(a: KernelSpec, b: KernelSpec) -> set[str]:
     pytest.param(KernelSpec.make("single_decode", "float32", 64, use_tensor_cores=True, return_lse=True),
                  ["float16", "bfloat16"], {"use_tensor_cores", "dtype_q", "dtype_kv", "dtype_o"},
                  id="fp32-tensor-cores-decode"),
-    pytest.param(KernelSpec.make("single_prefill", "bfloat16", 96), ["64", "128", "256"],
-                 {"head_dim_qk", "head_dim_vo"}, id="head_dim-96"),
-    pytest.param(KernelSpec.make("batch_prefill_ragged", "float16", 512, return_lse=True), ["64", "128", "256"],
-                 {"head_dim_qk", "head_dim_vo"}, id="head_dim-512"),
+    pytest.param(KernelSpec.make("single_prefill", "bfloat16", 100), ["nearest: 96 or 112", "from 32 to 256"],
+                 {"head_dim_qk", "head_dim_vo"}, id="head_dim-100"),
+    pytest.param(KernelSpec.make("batch_prefill_ragged", "float16", 512, return_lse=True),
+                 ["nearest: 256", "from 32 to 256"], {"head_dim_qk", "head_dim_vo"}, id="head_dim-512"),
+    pytest.param(KernelSpec.make("batch_prefill_paged", "bfloat16", 96, backend="fa3", use_tensor_cores=True,
+                                 causal=True), ["64, 128, 256", "on fa2"], {"backend"}, id="fa3-head_dim-96"),
     pytest.param(KernelSpec.make("single_prefill", "float16", 128, head_dim_vo=64), ["equal head dims"],
                  {"head_dim_qk", "head_dim_vo"}, id="qk-ne-vo"),
     pytest.param(KernelSpec.make("single_prefill", "float16", 128, dtype_kv="bfloat16"), ["one dtype"],

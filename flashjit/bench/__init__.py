@@ -16,10 +16,14 @@ import sys
 import traceback
 from pathlib import Path
 
+from ..selectors import check_head_dims
+from ..spec import FA3_HEAD_DIMS, head_dims_text
 from .decode_fp8 import kv_dtype_arg, kv_dtypes_of
 
 # MLA runs from benchmarks/mla.py (not yet part of `flashjit bench`).
 BENCHMARKS = ("prefill", "decode", "host")
+# The prefill table's head dims unless --head-dim names others (prefill.rows).
+PREFILL_HEAD_DIMS = (64, 128, 256)
 PEERS = ("sdpa", "flashinfer")
 HELP = "prefill and paged-decode benchmarks on this GPU, beside the peers that import; host time per call"
 DESCRIPTION = ("Times flashjit beside PyTorch SDPA and FlashInfer (where importable) on the visible GPU, and the host "
@@ -42,6 +46,11 @@ def add_arguments(parser, positive_int) -> None:
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help="prefill: passes of reps samples per cell, every cell once a pass in shuffled order")
     parser.add_argument("--reps", type=positive_int, default=50, help="decode: timed samples per cell (median)")
+    parser.add_argument("--head-dim", nargs="+", metavar="D",
+                        help=f"prefill: the head dims of its rows (default: {', '.join(map(str, PREFILL_HEAD_DIMS))}; "
+                             f"--quick: 128), each {head_dims_text()}; flashjit fa3 cells where fa3 generates "
+                             f"it ({', '.join(map(str, FA3_HEAD_DIMS))}); the skewed batch, the decode rows and "
+                             f"the host cases stay at 128")
     parser.add_argument("--kv-dtype", nargs="+", type=kv_dtype_arg, metavar="KV_DTYPE",
                         help="decode: the KV caches of each row, of bf16, e4m3, e5m2 (also fp8_e4m3, float8_e4m3fn, "
                              "...; default: bf16); an FP8 cache is the bf16 one quantised per tensor")
@@ -73,6 +82,8 @@ def run(args) -> int:
     """The `flashjit bench` command (cli.py parses its arguments). Exit 2 where
     no GPU is visible; 1 where a benchmark failed or a flashjit output was
     wrong (the reports are written either way); 0 otherwise."""
+    # --head-dim in its own words first, before torch is imported or a GPU probed (a SelectionError: exit 2).
+    head_dims = check_head_dims(args.head_dim, ["batch_prefill_ragged"]) if getattr(args, "head_dim", None) else None
     reason = no_gpu_reason()
     if reason:
         print(f"flashjit bench: {reason}; the benchmarks need an NVIDIA GPU (SM80 or newer)", file=sys.stderr)
@@ -91,7 +102,7 @@ def run(args) -> int:
     plans, specs = {}, []
     if "prefill" in only:
         impls = prefill.implementations(peers=args.peers)
-        rows = prefill.rows(quick=args.quick)
+        rows = prefill.rows(quick=args.quick, head_dims=head_dims)
         plans["prefill"] = (rows, impls)
         specs += prefill.specs(rows, impls)
     if "decode" in only:

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..spec import HEAD_DIMS
+from ..spec import HEAD_DIMS, head_dims_text, nearest_head_dims, or_list
 from . import _scales
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -102,9 +102,10 @@ def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
 
 
 def check_head_dim(name: str, head_dim: int) -> None:
+    """A head dim flashjit generates; another names the nearest that are."""
     if head_dim not in HEAD_DIMS:
-        nearest = min(HEAD_DIMS, key=lambda d: (abs(d - head_dim), d))
-        raise ValueError(f"{name}: expected a head_dim in {HEAD_DIMS}, got {head_dim} (nearest supported: {nearest})")
+        raise ValueError(f"{name}: expected a head_dim that is {head_dims_text()}, got {head_dim} (nearest "
+                         f"generated: {or_list(nearest_head_dims(head_dim))})")
 
 
 def check_unsupported(**options) -> None:

@@ -35,7 +35,7 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
         backend_op, use_tensor_cores, causal = _invariant.kernel_choice(op, name, causal)
     kv_name = canonical_dtype(dtype_kv) if dtype_kv is not None else None
     chosen_backend, tc, reason = arch.choose_backend(backend_op, name, use_tensor_cores, backend, strict=strict,
-                                                     kv_dtype=kv_name)
+                                                     kv_dtype=kv_name, head_dim=head_dim)
     if batch_invariant:
         reason += f"; batch-invariant mode: {backend_op}'s backend and tiling" if backend_op != op \
             else "; batch-invariant mode"
