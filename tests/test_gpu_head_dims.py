@@ -1,0 +1,224 @@
+"""Head dims beyond 64/128/256 on a GPU: single prefill and decode, ragged and
+paged prefill, paged decode on CUDA cores (fp16, bf16, fp32) and on the fa2
+tensor cores (fp16, bf16), causal and not, GQA 8/2, each against the float64
+reference within its own tolerance profile (LSE too), on fresh random inputs
+with poisoned outputs; per head dim one sinks case, one soft-cap + sliding
+window case, the `auto` choice (fa2: fa3 generates 64, 128 and 256 only) and
+the KV append. tests/sweep.py keeps the main sweep at 64/128/256; these
+configurations are built by their own prewarm, in one parallel build."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flashjit
+from flashjit.reference import attention_reference, ragged_reference
+from flashjit.spec import KernelSpec
+from sweep import path_kwargs, spec_for, spec_path
+from test_gpu_attention import RAGGED_BATCHES, check, poison_allocator, randn
+from test_gpu_paged import DECODE_LENS, PREFILL_KV, PREFILL_QO, decode_case, prefill_case
+from test_gpu_sinks import Case, make_sinks, run_and_check
+
+pytestmark = pytest.mark.gpu
+
+NEW_HEAD_DIMS = [32, 48, 80, 96, 112, 160, 192, 240]
+HEADS = (8, 2)
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+# (dtype, path) of prefill: CUDA cores ("cc") and the fa2 tensor cores; of decode: (dtype, tensor cores).
+PREFILL_PATHS = [(F16, "cc"), (BF16, "cc"), (F32, "cc"), (F16, "fa2"), (BF16, "fa2")]
+DECODE_PATHS = [(F16, False), (BF16, False), (F32, False), (F16, True), (BF16, True)]
+CAUSAL = [False, True]
+# Both caps together (the flag pair that presses hardest on registers).
+CAP_WINDOW = {"window_left": 70, "logits_soft_cap": 30.0}
+
+
+def prefill_id(pair) -> str:
+    return f"{str(pair[0]).removeprefix('torch.')}-{pair[1]}"
+
+
+def decode_id(pair) -> str:
+    return f"{str(pair[0]).removeprefix('torch.')}-{'tc' if pair[1] else 'cc'}"
+
+
+def cap_window_spec(head_dim: int) -> KernelSpec:
+    return KernelSpec.make("single_prefill", BF16, head_dim, use_tensor_cores=True, causal=True, sliding_window=True,
+                           soft_cap=True, return_lse=True)
+
+
+def used_specs() -> list[KernelSpec]:
+    """Every configuration these tests run (the sinks case and `auto` reuse the ragged and single-prefill ones)."""
+    specs = []
+    for d in NEW_HEAD_DIMS:
+        for (dtype, path), causal in ((p, c) for p in PREFILL_PATHS for c in CAUSAL):
+            specs += [spec_for(op, dtype, d, causal, "lse" if op == "single_prefill" else "plain", **spec_path(path))
+                      for op in ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")]
+        specs += [spec_for(op, dtype, d, False, "lse" if op == "single_decode" else "plain", tensor_cores=tc)
+                  for dtype, tc in DECODE_PATHS for op in ("single_decode", "batch_decode_paged")]
+        specs += [cap_window_spec(d), KernelSpec.make("append_paged", BF16, d)]
+    return list(dict.fromkeys(specs))
+
+
+@pytest.fixture(scope="module")
+def built():
+    """This file's configurations, in one parallel build."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    results = flashjit.build_many(used_specs())
+    assert all(r.entry is not None for r in results)
+    return results
+
+
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("dtype,path", PREFILL_PATHS, ids=[prefill_id(p) for p in PREFILL_PATHS])
+def test_single_prefill(built, error_report, dtype, path, head_dim, causal):
+    """(513, 77) causal: rows that see no key (o = 0, LSE -inf); (16, 5000): split keys."""
+    num_qo, num_kv = HEADS
+    spec = spec_for("single_prefill", dtype, head_dim, causal, "lse", **spec_path(path))
+    for qo_len, kv_len in [(1, 1), (37, 300), (513, 77), (16, 5000)]:
+        q = randn(qo_len, num_qo, head_dim, dtype=dtype)
+        k, v = (randn(kv_len, num_kv, head_dim, dtype=dtype) for _ in range(2))
+        poison_allocator()
+        out, lse = flashjit.single_prefill_with_kv_cache(q, k, v, causal=causal, return_lse=True,
+                                                         **path_kwargs(path))
+        torch.cuda.synchronize()
+        ref, ref_lse = attention_reference(q, k, v, causal=causal)
+        check(spec, out, ref, q, k, v, kv_len, 1 / math.sqrt(head_dim), error_report, "single_prefill", lse=lse,
+              ref_lse=ref_lse, shape=f"{qo_len}x{kv_len}", heads=HEADS)
+
+
+@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("dtype,tensor_cores", DECODE_PATHS, ids=[decode_id(p) for p in DECODE_PATHS])
+def test_single_decode(built, error_report, dtype, tensor_cores, head_dim):
+    num_qo, num_kv = HEADS
+    spec = spec_for("single_decode", dtype, head_dim, False, "lse", tensor_cores=tensor_cores)
+    for kv_len, layout in [(1, "NHD"), (255, "HND"), (4097, "NHD")]:
+        q = randn(num_qo, head_dim, dtype=dtype)
+        k_nhd, v_nhd = (randn(kv_len, num_kv, head_dim, dtype=dtype) for _ in range(2))
+        k, v = (k_nhd, v_nhd) if layout == "NHD" else (k_nhd.transpose(0, 1).contiguous(),
+                                                        v_nhd.transpose(0, 1).contiguous())
+        poison_allocator()
+        out, lse = flashjit.single_decode_with_kv_cache(q, k, v, kv_layout=layout, use_tensor_cores=tensor_cores,
+                                                        return_lse=True)
+        torch.cuda.synchronize()
+        ref, ref_lse = attention_reference(q[None], k_nhd, v_nhd)
+        check(spec, out, ref[0], q, k_nhd, v_nhd, kv_len, 1 / math.sqrt(head_dim), error_report, "single_decode",
+              lse=lse, ref_lse=ref_lse[0], shape=f"1x{kv_len}_{layout}", heads=HEADS)
+
+
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("dtype,path", PREFILL_PATHS, ids=[prefill_id(p) for p in PREFILL_PATHS])
+def test_batch_prefill_ragged(built, error_report, dtype, path, head_dim, causal):
+    num_qo, num_kv = HEADS
+    spec = spec_for("batch_prefill_ragged", dtype, head_dim, causal, **spec_path(path))
+    for batch, (qo_lens, kv_lens) in sorted(RAGGED_BATCHES.items()):
+        qo_indptr = torch.tensor([0] + qo_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        kv_indptr = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        q = randn(int(qo_indptr[-1]), num_qo, head_dim, dtype=dtype)
+        k, v = (randn(int(kv_indptr[-1]), num_kv, head_dim, dtype=dtype) for _ in range(2))
+        wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
+                                                                backend=path_kwargs(path)["backend"])
+        wrapper.plan(qo_indptr, kv_indptr, num_qo, num_kv, head_dim, causal=causal, q_data_type=dtype,
+                     use_tensor_cores=path != "cc")
+        assert wrapper._plan.module.spec == spec
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[0], num_qo), float("nan"), device="cuda")
+        wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
+        torch.cuda.synchronize()
+        ref, ref_lse = ragged_reference(q, k, v, qo_indptr.tolist(), kv_indptr.tolist(), causal=causal)
+        check(spec, out, ref, q, k, v, max(kv_lens), 1 / math.sqrt(head_dim), error_report, "batch_prefill_ragged",
+              lse=lse, ref_lse=ref_lse, shape=batch, heads=HEADS)
+
+
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("dtype,path", PREFILL_PATHS, ids=[prefill_id(p) for p in PREFILL_PATHS])
+def test_batch_prefill_paged(built, error_report, dtype, path, head_dim, causal):
+    spec = spec_for("batch_prefill_paged", dtype, head_dim, causal, **spec_path(path))
+    for page_size, layout in [(16, "NHD"), (1, "HND")]:
+        batch, q, out, lse, ref, ref_lse = prefill_case(PREFILL_QO, PREFILL_KV, dtype, path, head_dim, HEADS, causal,
+                                                        page_size, layout)
+        check(spec, out, ref, q, batch.k, batch.v, max(PREFILL_KV), 1 / math.sqrt(head_dim), error_report,
+              "batch_prefill_paged", lse=lse, ref_lse=ref_lse, shape=f"page{page_size}_{layout}", heads=HEADS)
+
+
+@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("dtype,tensor_cores", DECODE_PATHS, ids=[decode_id(p) for p in DECODE_PATHS])
+def test_batch_decode_paged(built, error_report, dtype, tensor_cores, head_dim):
+    """DECODE_LENS holds a request without keys (o = 0, LSE -inf); the long
+    requests, split at 40 pages, go through the merge pass."""
+    spec = spec_for("batch_decode_paged", dtype, head_dim, False, tensor_cores=tensor_cores)
+    for kv_lens, plan_kw in [(DECODE_LENS, {}), ([20000, 5, 3001], {"fixed_split_size": 40})]:
+        wrapper, batch, q, out, lse, ref, ref_lse = decode_case(kv_lens, dtype, tensor_cores, head_dim, HEADS,
+                                                                plan_kw=plan_kw)
+        assert wrapper._plan.work.kv_chunk > 0 or not plan_kw, "the plan was meant to split"
+        check(spec, out, ref, q, batch.k, batch.v, max(kv_lens), 1 / math.sqrt(head_dim), error_report,
+              "batch_decode_paged", lse=lse, ref_lse=ref_lse, shape="split" if plan_kw else "mixed", heads=HEADS)
+        if 0 in kv_lens:
+            assert (out[kv_lens.index(0)] == 0).all() and torch.isneginf(lse[kv_lens.index(0)]).all()
+
+
+@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+def test_sinks(built, error_report, head_dim):
+    """Ragged causal prefill on fa2, bf16: random sinks and sinks that dominate
+    every row within the profile; sinks of -inf bit for bit no sinks."""
+    case = Case("batch_prefill_ragged", "fa2", head_dim, *RAGGED_BATCHES["mixed"], causal=True)
+    for kind in ("randn", "dominant"):
+        run_and_check(case, kind, error_report, "ragged_sinks", shape="mixed")
+    out, lse = case.run(None)
+    out_inf, lse_inf = case.run(make_sinks("none"))
+    assert torch.equal(out_inf, out) and torch.equal(lse_inf, lse)
+
+
+@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+def test_soft_cap_with_sliding_window(built, error_report, head_dim):
+    num_qo, num_kv = HEADS
+    spec = cap_window_spec(head_dim)
+    q = randn(300, num_qo, head_dim, dtype=BF16, scale=3.0)  # logits past the cap
+    k, v = (randn(1000, num_kv, head_dim, dtype=BF16) for _ in range(2))
+    poison_allocator()
+    out, lse = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True, backend="fa2",
+                                                     use_tensor_cores=True, **CAP_WINDOW)
+    torch.cuda.synchronize()
+    ref, ref_lse = attention_reference(q, k, v, causal=True, **CAP_WINDOW)
+    check(spec, out, ref, q, k, v, 1000, 1 / math.sqrt(head_dim), error_report, "softcap_window", lse=lse,
+          ref_lse=ref_lse, shape="300x1000", heads=HEADS)
+
+
+@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+def test_auto_runs_fa2(built, head_dim):
+    """`auto` takes fa2 for these head dims on every GPU: bit for bit the explicit fa2 call."""
+    q = randn(300, HEADS[0], head_dim, dtype=BF16)
+    k, v = (randn(700, HEADS[1], head_dim, dtype=BF16) for _ in range(2))
+    auto = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True)
+    explicit = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True, backend="fa2",
+                                                     use_tensor_cores=True)
+    assert torch.equal(auto[0], explicit[0]) and torch.equal(auto[1], explicit[1])
+
+
+@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+def test_append_writes_every_head_dim(built, head_dim):
+    """The append kernel (16-byte vectors of each head) at each new head dim: the
+    rows land in their pages and slots bit for bit, and nothing else moves."""
+    num_kv, page_size, lens = HEADS[1], 16, [5, 40, 17]
+    pages = [math.ceil(n / page_size) for n in lens]
+    cache = randn(sum(pages) + 2, 2, page_size, num_kv, head_dim, dtype=BF16)
+    before = cache.clone()
+    indices = torch.randperm(cache.shape[0], device="cuda")[:sum(pages)].to(torch.int32)
+    indptr = torch.tensor([0, *pages], dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    last = torch.tensor([(n - 1) % page_size + 1 for n in lens], dtype=torch.int32, device="cuda")
+    batch = torch.cat([torch.full((n,), r, dtype=torch.int32) for r, n in enumerate(lens)]).cuda()
+    pos = torch.cat([torch.arange(n, dtype=torch.int32) for n in lens]).cuda()
+    k, v = (randn(sum(lens), num_kv, head_dim, dtype=BF16) for _ in range(2))
+    flashjit.append_paged_kv_cache(k, v, batch, pos, cache, indices, indptr, last)
+    torch.cuda.synchronize()
+    page = indices[(indptr[batch.long()] + pos // page_size).long()].long()
+    slot = (pos % page_size).long()
+    assert torch.equal(cache[page, 0, slot], k) and torch.equal(cache[page, 1, slot], v)
+    written = torch.zeros(cache.shape[:3], dtype=torch.bool, device="cuda")
+    written[page, :, slot] = True
+    assert torch.equal(cache[~written], before[~written])
