@@ -308,7 +308,10 @@ def check_gpu_rows(specs, cases_run, kv_dtype: str) -> None:
     assert {r["config"] for r in report.measured(rows)} == {s.name for s in specs}
     for r in rows:
         assert r["status"] == "ok" and r["kv_dtype"] == kv_dtype, r
-        assert 0 < r["ratio"] <= 1 and r["nan"] == 0 and r["max_err"] > 0
+        assert 0 <= r["ratio"] <= 1 and r["nan"] == 0
+        # A row of one visible key can come out exact (e5m2 codes times v_scale land on the
+        # output's grid); every other case must show the kernel's error, or the check is vacuous.
+        assert r["max_err"] > 0 or r["case"] == "near_empty", r
         # What FP8 costs is above what the kernel adds: quantising moves K/V by up to 2^-4 (e4m3) of themselves.
         assert r["max_err"] < r["e2e_max_err"] < math.inf and r["e2e_mean_err"] <= r["e2e_max_err"]
 

@@ -70,7 +70,7 @@ struct MlaTraits : MlaTraitsBase<DType_, kWarps_, 16, kKeysPerTile_, kStages_, k
     using DType = DType_;
     static constexpr int kFragsM = 1;
     static constexpr int kKeysPerStep = kKeysPerTile_;
-    static constexpr int kHeadDim = kVoDim / kWarps_;
+    static constexpr int kHeadDimVo = kVoDim / kWarps_;  // the O columns of a warp
     static constexpr bool kSplitKeys = false;
     static constexpr bool kSoftCap = false;
   };
