@@ -38,7 +38,7 @@ from .errors import CacheError, FlashjitError, JitDisabledError, ToolchainError
 from .loader import ABI_VERSION, KernelModule, load_library
 from .kernels import target_arches, template_for
 from .render import RenderedSource, generator_digest, render
-from .spec import KernelSpec
+from .spec import MLA_OPS, KernelSpec
 from .error_model import profile
 
 log = logging.getLogger("flashjit")
@@ -155,7 +155,8 @@ def prewarm_command(spec: KernelSpec, arches) -> str:
     mode = ("--causal off --batch-invariant", "") if spec.invariant_decode else \
         (f"--causal {switch(spec.causal)}", f"--backend {spec.backend} ")
     kv = f"--kv-dtype {spec.dtype_kv} " if spec.dtype_kv != spec.dtype_q else ""
-    return (f"flashjit prewarm --op {spec.op} --dtype {spec.dtype_q} {kv}--head-dim {spec.head_dim_qk} "
+    vo = f"--head-dim-vo {spec.head_dim_vo} " if spec.head_dim_vo != spec.head_dim_qk and spec.op not in MLA_OPS else ""
+    return (f"flashjit prewarm --op {spec.op} --dtype {spec.dtype_q} {kv}--head-dim {spec.head_dim_qk} {vo}"
             f"{mode[1]}--tensor-cores {switch(spec.use_tensor_cores)} {mode[0]} --window {switch(spec.sliding_window)} "
             f"--soft-cap {switch(spec.soft_cap)} --lse {switch(spec.return_lse)} --arch {' '.join(arches)}")
 

@@ -14,7 +14,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
                         sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
                         kv_layout: str = "NHD", k_scale=None, v_scale=None,
                         sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [qo_len, H, D], k/v [kv_len, Hkv, D] (NHD) -> (o [qo_len, H, Dv] float64, lse [qo_len, H] float64).
+    """q [qo_len, H, D], k [kv_len, Hkv, D], v [kv_len, Hkv, Dv] (NHD; Dv: head_dim_vo, D's or
+    narrower) -> (o [qo_len, H, Dv] float64, lse [qo_len, H] float64); sm_scale defaults to 1/sqrt(D).
     k_scale / v_scale (an FP8 cache's; floats or one-element tensors): the keys and
     values are k * k_scale and v * v_scale, dequantised in float64 (exact for FP8
     codes times an fp32 scale), so the cache's quantisation is not in the error.

@@ -1,5 +1,5 @@
 """Which configurations a selection names: prewarm's and `flashjit numerics`'
-selectors (--preset, --op, --dtype, --kv-dtype, --head-dim, --backend,
+selectors (--preset, --op, --dtype, --kv-dtype, --head-dim, --head-dim-vo, --backend,
 --tensor-cores and the variant switches) resolved for the target arches into validated KernelSpecs, and
 the few lines prewarm prints about them. A selection that names nothing, or a
 combination the spec rejects, is a SelectionError in the flags' words (the
@@ -11,8 +11,8 @@ import itertools
 
 from .arch import choose_backend
 from .spec import _DTYPE_ALIASES as DTYPE_ALIASES
-from .spec import DECODE_OPS, DTYPES, FP8_KV_FAMILIES, HEAD_DIMS, KV_ONLY_DTYPES, MLA_OPS, OPS, TENSOR_CORE_DTYPES, \
-    UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec, or_list
+from .spec import DECODE_OPS, DTYPES, FP8_KV_FAMILIES, HEAD_DIMS, KV_ONLY_DTYPES, MLA_OPS, OPS, QK_VO_HEAD_DIMS, \
+    QK_VO_OPS, TENSOR_CORE_DTYPES, UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec, or_list
 
 # Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
 ALWAYS_LSE = {"batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged"}
@@ -86,7 +86,7 @@ def _switch(value: str) -> list:
 
 
 def _backends(op: str, dtype: str, tc: bool, backend: str, arches, kv_dtype: str | None = None,
-              head_dim: int | None = None) -> list[str]:
+              head_dim: int | None = None, head_dim_vo: int | None = None) -> list[str]:
     """The backends the ops would run for `backend` on each of the target arches
     (an explicit fa3 where it cannot run: fa2, with the ops' warning; under
     FLASHJIT_STRICT_BACKEND a SelectionError naming --backend)."""
@@ -94,7 +94,7 @@ def _backends(op: str, dtype: str, tc: bool, backend: str, arches, kv_dtype: str
         return ["fa2"]
     try:
         return list(dict.fromkeys(choose_backend(op, dtype, tc, backend, targets=(a,), kv_dtype=kv_dtype,
-                                                 head_dim=head_dim)[0] for a in arches))
+                                                 head_dim=head_dim, head_dim_vo=head_dim_vo)[0] for a in arches))
     except ValueError as exc:  # "backend='fa3' cannot run here: <why>; use ..."
         why = str(exc).split("cannot run here: ", 1)[-1].split("; use ", 1)[0]
         raise SelectionError(f"--backend {backend}: {why}; choose --backend fa2 or auto, or unset "
@@ -107,7 +107,8 @@ def flag_words(spec: KernelSpec) -> str:
         return "on" if flag else "off"
 
     kv = f" --kv-dtype {short_dtype(spec.dtype_kv)}" if spec.dtype_kv in KV_ONLY_DTYPES else ""
-    return (f"--op {spec.op} --dtype {short_dtype(spec.dtype_q)}{kv} --head-dim {spec.head_dim_qk} --backend "
+    vo = f" --head-dim-vo {spec.head_dim_vo}" if spec.head_dim_vo != spec.head_dim_qk and spec.op not in MLA_OPS else ""
+    return (f"--op {spec.op} --dtype {short_dtype(spec.dtype_q)}{kv} --head-dim {spec.head_dim_qk}{vo} --backend "
             f"{spec.backend} --tensor-cores {switch(spec.use_tensor_cores)} --causal {switch(spec.causal)} --window "
             f"{switch(spec.sliding_window)} --soft-cap {switch(spec.soft_cap)} --lse {switch(spec.return_lse)}")
 
@@ -121,8 +122,15 @@ def _validated(spec: KernelSpec) -> KernelSpec:
 
 
 def _left_out(op: str, dtype: str, tc: bool, causal: bool, window: bool, cap: bool, lse: bool,
-              kv_dtype: str | None = None) -> str | None:
-    """Why a combination of the selectors' values names no configuration (None: it names one)."""
+              kv_dtype: str | None = None, dims: tuple[int, int] | None = None) -> str | None:
+    """Why a combination of the selectors' values names no configuration (None: it names one).
+    dims: (head_dim_qk, head_dim_vo) (None: equal)."""
+    if dims is not None and dims[0] != dims[1] and op not in MLA_OPS:
+        if op not in QK_VO_OPS:
+            return (f"--head-dim-vo {dims[1]}: {op} takes V as wide as Q and K (--head-dim {dims[0]}); "
+                    f"{' and '.join(QK_VO_OPS)} take {dims[0]}/{dims[1]}")
+        if kv_dtype is not None:
+            return f"--head-dim-vo {dims[1]}: an FP8 KV cache (--kv-dtype) takes V as wide as Q and K"
     if kv_dtype is not None:
         if dtype not in TENSOR_CORE_DTYPES:
             return f"an FP8 KV cache (--kv-dtype) takes --dtype fp16 or bf16 (not {short_dtype(dtype)})"
@@ -148,6 +156,15 @@ def _left_out(op: str, dtype: str, tc: bool, causal: bool, window: bool, cap: bo
     return None
 
 
+def head_dim_pairs(head_dims, head_dims_vo) -> list[tuple[int, int]]:
+    """(head_dim_qk, head_dim_vo) of a selection: each --head-dim with each
+    --head-dim-vo value generated beside it (its own, or a QK_VO_HEAD_DIMS
+    pair's); without --head-dim-vo, each --head-dim with itself."""
+    if not head_dims_vo:
+        return [(qk, qk) for qk in head_dims]
+    return [(qk, vo) for qk in head_dims for vo in head_dims_vo if vo == qk or (qk, vo) in QK_VO_HEAD_DIMS]
+
+
 def specs_from_args(args, arches=None) -> list[KernelSpec]:
     """The selection for target `arches` (default: --arch, else this GPU's, else
     the default set): with tensor cores, each backend the ops pick on some
@@ -162,15 +179,17 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
     # None: K/V of q's dtype; else the FP8 KV-cache dtypes of --kv-dtype.
     kv_dtypes = [canonical_dtype(d) for d in getattr(args, "kv_dtype", None) or ()] or [None]
     head_dims = [int(h) for h in args.head_dim] if args.head_dim else preset["head_dims"]
+    dims_vo = [int(h) for h in getattr(args, "head_dim_vo", None) or ()]
+    dim_pairs = head_dim_pairs(head_dims, dims_vo)
     specs, reasons = [], []
     combos = itertools.chain.from_iterable(itertools.product(
-        part["ops"], dtypes, kv_dtypes, head_dims, args.backend, _switch(part["tensor_cores"]),
+        part["ops"], dtypes, kv_dtypes, dim_pairs, args.backend, _switch(part["tensor_cores"]),
         _switch(part["causal"]), _switch(args.window), _switch(args.soft_cap), _switch(args.lse))
         for part in preset_parts(args))
-    for op, dtype, kv_dtype, head_dim, backend, tc, causal, window, cap, lse in combos:
+    for op, dtype, kv_dtype, (head_dim, head_dim_vo), backend, tc, causal, window, cap, lse in combos:
         if tc is None:
             tc = op in MLA_OPS or (False if op in UTILITY_OPS else choose_backend(op, dtype, None, "fa2")[1])
-        reason = _left_out(op, dtype, tc, causal, window, cap, lse, kv_dtype)
+        reason = _left_out(op, dtype, tc, causal, window, cap, lse, kv_dtype, (head_dim, head_dim_vo))
         if reason is not None:
             reasons.append(reason)
             continue
@@ -181,10 +200,10 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
                 specs += [_validated(mla_spec(dtype, causal=causal, backend=chosen))
                           for chosen in _backends(op, dtype, True, backend, arches)]
             continue
-        for chosen in _backends(op, dtype, tc, backend, arches, kv_dtype, head_dim):
+        for chosen in _backends(op, dtype, tc, backend, arches, kv_dtype, head_dim, head_dim_vo):
             specs.append(_validated(KernelSpec.make(
-                op, dtype, head_dim, dtype_kv=kv_dtype, backend=chosen, use_tensor_cores=tc, causal=causal, sliding_window=window,
-                soft_cap=cap, return_lse=lse or op in ALWAYS_LSE)))
+                op, dtype, head_dim, head_dim_vo=head_dim_vo, dtype_kv=kv_dtype, backend=chosen, use_tensor_cores=tc,
+                causal=causal, sliding_window=window, soft_cap=cap, return_lse=lse or op in ALWAYS_LSE)))
     if not specs and reasons:
         raise SelectionError("the selection is empty: " + "; ".join(dict.fromkeys(reasons)))
     if getattr(args, "batch_invariant", False):
@@ -192,6 +211,11 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
 
         specs = _invariant.prewarm_specs(specs, arches)
     return list(dict.fromkeys(specs))
+
+
+def _dims(spec: KernelSpec) -> str:
+    """A configuration's head dims in the summary: 128, or 192/128 (head_dim_qk/head_dim_vo)."""
+    return str(spec.head_dim_qk) if spec.head_dim_qk == spec.head_dim_vo else f"{spec.head_dim_qk}/{spec.head_dim_vo}"
 
 
 def summary_lines(specs: list[KernelSpec], arches, arches_from: str) -> list[str]:
@@ -205,6 +229,6 @@ def summary_lines(specs: list[KernelSpec], arches, arches_from: str) -> list[str
             f"  dtypes     {axis(s.dtype_q for s in specs)}",
             *([f"  kv dtypes  {axis(s.dtype_kv for s in specs)}"] if any(s.dtype_kv in KV_ONLY_DTYPES for s in specs)
               else []),
-            f"  head_dims  {axis(s.head_dim_qk for s in specs if s.op not in MLA_OPS) or '-'}"
+            f"  head_dims  {axis(_dims(s) for s in specs if s.op not in MLA_OPS) or '-'}"
             + (" (mla_paged: ckv 512 + kpe 64)" if any(s.op in MLA_OPS for s in specs) else ""),
             f"  cores      {cores.count(True)} on tensor cores, {cores.count(False)} on CUDA cores"]

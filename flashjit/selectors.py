@@ -1,5 +1,5 @@
 """The selector flags `flashjit prewarm` and `flashjit numerics` share (--op,
---dtype, --kv-dtype, --head-dim, --backend, --tensor-cores, --causal, --window, --soft-cap,
+--dtype, --kv-dtype, --head-dim, --head-dim-vo, --backend, --tensor-cores, --causal, --window, --soft-cap,
 --lse, --preset, and prewarm's --arch): their help, and their values checked in
 the flags' own words before torch is imported or a GPU probed.
 
@@ -17,9 +17,9 @@ import textwrap
 
 from .arch import ARCHES, DEFAULT_ARCHES, normalize_arch
 from .errors import ToolchainError
-from .selection import PRESETS, SelectionError, choices_text, dtype_names, short_dtype
+from .selection import PRESETS, SelectionError, choices_text, dtype_names, head_dim_pairs, short_dtype
 from .spec import BACKENDS, FA3_HEAD_DIMS, HEAD_DIMS, KV_ONLY_DTYPES, MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_OPS, \
-    OPS, PLANNED_OPS, canonical_dtype, head_dims_text, nearest_head_dims
+    OPS, PLANNED_OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, canonical_dtype, head_dims_text, nearest_head_dims
 
 SWITCHES = ("on", "off", "both")
 TENSOR_CORE_CHOICES = ("auto", *SWITCHES)
@@ -84,6 +84,9 @@ def add_selectors(parser) -> None:
                         help=f"the head dims (default: the preset's): {head_dims_text(HEAD_DIMS)} (fa3: "
                              f"{', '.join(map(str, FA3_HEAD_DIMS))}; the others run fa2); mla_paged has its own (ckv "
                              f"{MLA_HEAD_DIM_CKV} + kpe {MLA_HEAD_DIM_KPE})")
+    parser.add_argument("--head-dim-vo", nargs="+", metavar="DV",
+                        help=f"V's and the output's head dims beside --head-dim's (default: each --head-dim): "
+                             f"{qk_vo_pairs_text()}; each pairs with the --head-dim values it is generated with")
     parser.add_argument("--backend", nargs="+", default=["auto"], metavar="BACKEND",
                         help=f"{choices_text(BACKEND_CHOICES)}; auto (default): what the ops pick on each target "
                              f"arch (fa3 on sm_90a for the prefill ops and head dims it generates, fa2 elsewhere)")
@@ -148,6 +151,38 @@ def check_head_dims(values, ops) -> list[int]:
     return head_dims
 
 
+def qk_vo_pairs_text() -> str:
+    """'192/128 (head_dim_qk/head_dim_vo) for single_prefill and batch_prefill_ragged on CUDA cores and fa2'."""
+    pairs = choices_text(f"{qk}/{vo}" for qk, vo in QK_VO_HEAD_DIMS)
+    return f"{pairs} (--head-dim/--head-dim-vo) for {' and '.join(QK_VO_OPS)} on CUDA cores and fa2"
+
+
+def check_head_dims_vo(values, head_dims) -> list[int]:
+    """The --head-dim-vo values as ints, each generated beside some --head-dim
+    (head_dims: the --head-dim values, which it needs), and every --head-dim
+    with some --head-dim-vo value."""
+    if not head_dims:
+        raise SelectionError("--head-dim-vo: give --head-dim too (the Q/K head dims it pairs with); generated pairs: "
+                             f"{qk_vo_pairs_text()}")
+    dims_vo = []
+    for text in values:
+        value = int(text) if re.fullmatch(r"\s*\d+\s*", str(text)) else None
+        if value is None:
+            raise SelectionError(f"--head-dim-vo: {text} is not a number; choose {qk_vo_pairs_text()}, or leave "
+                                 f"--head-dim-vo out for V as wide as Q and K")
+        if not any(vo == value for _, vo in head_dim_pairs(head_dims, [value])):
+            partners = [vo for qk, vo in QK_VO_HEAD_DIMS if qk in head_dims]
+            raise SelectionError(f"--head-dim-vo: {value} with --head-dim {' '.join(map(str, head_dims))} is not "
+                                 f"generated; choose {choices_text(sorted(set(head_dims) | set(partners)))} (pairs: "
+                                 f"{qk_vo_pairs_text()}; a --head-dim value itself is V as wide as Q and K)")
+        dims_vo.append(value)
+    for qk in head_dims:
+        if not head_dim_pairs([qk], dims_vo):
+            raise SelectionError(f"--head-dim {qk}: no --head-dim-vo value is generated beside it; add {qk} to "
+                                 f"--head-dim-vo (V as wide as Q and K) or drop it (pairs: {qk_vo_pairs_text()})")
+    return dims_vo
+
+
 def _check_arches(values) -> list[str]:
     arches = []
     for text in values:
@@ -196,6 +231,8 @@ def check_selectors(args) -> None:
         args.kv_dtype = kv_dtypes or None
     ops = args.op or PRESETS[args.preset]["ops"]
     args.head_dim = check_head_dims(args.head_dim, ops) if args.head_dim else None
+    if getattr(args, "head_dim_vo", None):
+        args.head_dim_vo = check_head_dims_vo(args.head_dim_vo, args.head_dim)
     for backend in args.backend:
         _one_of("--backend", backend, BACKEND_CHOICES)
     if args.tensor_cores is not None:

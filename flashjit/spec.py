@@ -60,6 +60,11 @@ PLANNED_OPS: dict[str, str] = {}
 HEAD_DIMS = tuple(range(32, 257, 16))
 # The head dims the fa3 backend generates; others run on fa2 (arch.choose_backend).
 FA3_HEAD_DIMS = (64, 128, 256)
+# (head_dim_qk, head_dim_vo) pairs with V and O narrower than Q and K (DeepSeek-V2/V3's
+# prefill), for QK_VO_OPS with K/V of q's dtype: CUDA cores, and fa2's tensor cores
+# (its paged, FP8, TMA and split-keys kernels keep the two equal; fa3 does too).
+QK_VO_HEAD_DIMS = ((192, 128),)
+QK_VO_OPS = ("single_prefill", "batch_prefill_ragged")
 BACKENDS = ("fa2", "fa3")
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 TENSOR_CORE_OPS = ATTENTION_OPS + MLA_OPS
@@ -105,6 +110,13 @@ def nearest_head_dims(value: int, dims=HEAD_DIMS) -> tuple[int, ...]:
 def nearest_head_dim(value: int, dims=HEAD_DIMS) -> int:
     """The generated head dim closest to `value` (the smaller of two as close)."""
     return min(dims, key=lambda d: (abs(d - value), d))
+
+
+def qk_vo_text() -> str:
+    """Where head_dim_qk != head_dim_vo is generated, in words (errors name it)."""
+    pairs = or_list(f"{qk}/{vo}" for qk, vo in QK_VO_HEAD_DIMS)
+    return (f"head_dim_qk/head_dim_vo {pairs} for {' and '.join(QK_VO_OPS)}, K/V of q's dtype, on CUDA cores "
+            f"(fp16, bf16, fp32) or fa2 tensor cores (fp16, bf16)")
 
 
 def head_dims_text(dims=HEAD_DIMS) -> str:
@@ -206,8 +218,7 @@ class KernelSpec:
                 fail(f"{field}={value} is not generated (nearest: {or_list(nearest_head_dims(value))})",
                      f"head_dim {head_dims_text()}", self.replace(head_dim_qk=nearest, head_dim_vo=nearest))
         if self.head_dim_qk != self.head_dim_vo:
-            fail(f"head_dim_qk={self.head_dim_qk} != head_dim_vo={self.head_dim_vo}",
-                 f"equal head dims for {self.op}", self.replace(head_dim_vo=self.head_dim_qk))
+            self._validate_qk_vo(fail)
         if self.op in UTILITY_OPS:
             flags = [f for f in ("causal", "sliding_window", "soft_cap", "return_lse") if getattr(self, f)]
             if flags or self.use_tensor_cores:
@@ -260,7 +271,29 @@ class KernelSpec:
         if self.backend == "fa3" and self.op not in FA3_FP8_OPS:
             fail(f"an FP8 KV cache on backend fa3 is not yet generated", supported + " (backend fa2)",
                  self.replace(backend="fa2"))
+        if self.head_dim_qk != self.head_dim_vo:
+            fail(f"an FP8 KV cache with head_dim_qk={self.head_dim_qk} != head_dim_vo={self.head_dim_vo} is not "
+                 f"generated", f"{supported}, with equal head dims; {qk_vo_text()}", plain)
         return self
+
+    def _validate_qk_vo(self, fail) -> None:
+        """head_dim_qk != head_dim_vo (both generated head dims): a pair of
+        QK_VO_HEAD_DIMS, for QK_VO_OPS, on CUDA cores or fa2."""
+        qk, vo = self.head_dim_qk, self.head_dim_vo
+        supported = qk_vo_text()
+        equal = self.replace(head_dim_vo=qk)
+        if vo > qk:
+            fail(f"head_dim_vo={vo} > head_dim_qk={qk} is not generated", supported, equal)
+        if (qk, vo) not in QK_VO_HEAD_DIMS:
+            fail(f"head_dim_qk={qk}, head_dim_vo={vo} is not generated", supported, equal)
+        if self.op not in QK_VO_OPS:
+            # Paged prefill's nearest is the ragged op, which takes the pair; the others keep their op.
+            nearest = self.replace(op="batch_prefill_ragged", backend="fa2") if self.op == "batch_prefill_paged" \
+                else equal
+            fail(f"head_dim_qk={qk} != head_dim_vo={vo} for {self.op}", supported, nearest)
+        if self.backend == "fa3":
+            fail(f"backend fa3 with head_dim_qk={qk} != head_dim_vo={vo}",
+                 f"{supported}; fa3 generates equal head dims only", self.replace(backend="fa2"))
 
     def _validate_mla(self, fail) -> "KernelSpec":
         qk, vo = MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE, MLA_HEAD_DIM_CKV

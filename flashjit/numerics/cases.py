@@ -31,7 +31,8 @@ FP8_MAX = {getattr(torch, name): value for name, value in SPEC_FP8_MAX.items()}
 @dataclass
 class Problem:
     """One call's inputs: q [sum(qo_lens), Hq, D] (decode ops: one row per request),
-    k and v [sum(kv_lens), Hkv, D] packed NHD; the paged ops scatter them over pages."""
+    k [sum(kv_lens), Hkv, D] and v [sum(kv_lens), Hkv, Dv] packed NHD (Dv: the
+    configuration's head_dim_vo); the paged ops scatter them over pages."""
 
     case: str
     qo_lens: list[int]
@@ -130,9 +131,11 @@ def quantise(x: torch.Tensor, kv_dtype: torch.dtype) -> tuple[torch.Tensor, floa
 
 
 def make_problems(case: str, op: str, head_dim: int, dtype: torch.dtype, *, generator: torch.Generator,
-                  device="cuda", heads: tuple[int, int] = HEADS, kv_dtype: torch.dtype | None = None) -> list[Problem]:
+                  device="cuda", heads: tuple[int, int] = HEADS, kv_dtype: torch.dtype | None = None,
+                  head_dim_vo: int | None = None) -> list[Problem]:
     """Fresh inputs for each call of `case` on `op`; [] where the case does not apply.
-    kv_dtype (FP8): K/V drawn in `dtype` as always, then quantised per tensor (quantise())."""
+    kv_dtype (FP8): K/V drawn in `dtype` as always, then quantised per tensor (quantise()).
+    head_dim_vo: V's width (None: head_dim)."""
     if case not in CASES:
         raise ValueError(f"case: expected one of {', '.join(CASES)}, got {case!r}")
     num_qo, num_kv = heads
@@ -141,7 +144,7 @@ def make_problems(case: str, op: str, head_dim: int, dtype: torch.dtype, *, gene
         q_scale = PEAKED_SCALE if case == "peaked" else 1.0
         q = _randn((sum(qo_lens), num_qo, head_dim), generator, device, q_scale)
         k = _randn((sum(kv_lens), num_kv, head_dim), generator, device)
-        v = _randn((sum(kv_lens), num_kv, head_dim), generator, device)
+        v = _randn((sum(kv_lens), num_kv, head_dim_vo or head_dim), generator, device)
         outliers = 0
         if case == "v_outliers":
             v, outliers = add_outliers(v, generator)

@@ -30,8 +30,8 @@ def path_of(spec) -> str:
 def describe(spec) -> dict:
     """The configuration's columns of a row."""
     return {"config": spec.name, "op": spec.op, "dtype": spec.dtype_q, "kv_dtype": spec.dtype_kv,
-            "head_dim": spec.head_dim_qk, "path": path_of(spec), "causal": spec.causal, "window": spec.sliding_window,
-            "soft_cap": spec.soft_cap}
+            "head_dim": spec.head_dim_qk, "head_dim_vo": spec.head_dim_vo, "path": path_of(spec), "causal": spec.causal,
+            "window": spec.sliding_window, "soft_cap": spec.soft_cap}
 
 
 def not_generated(exc: ValueError) -> str | None:

@@ -100,7 +100,8 @@ def problems(spec: KernelSpec, case: str, generator, device="cuda") -> list:
     if spec.op in MLA_OPS:
         return mla.make_problems(case, spec.causal, dtype, generator=generator, device=device)
     return make_problems(case, spec.op, spec.head_dim_qk, dtype, generator=generator, device=device, heads=HEADS,
-                         kv_dtype=TORCH_DTYPES[spec.dtype_kv] if is_fp8(spec) else None)
+                         kv_dtype=TORCH_DTYPES[spec.dtype_kv] if is_fp8(spec) else None,
+                         head_dim_vo=spec.head_dim_vo)
 
 
 def single_kv_chunk(spec: KernelSpec, p: Problem) -> int | None:
@@ -149,7 +150,8 @@ def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> 
         wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, **picks)
         wrapper.plan(torch.tensor(indptr(p.qo_lens), dtype=torch.int32),
                      torch.tensor(indptr(p.kv_lens), dtype=torch.int32), num_qo, num_kv, head_dim,
-                     causal=spec.causal, q_data_type=dtype, use_tensor_cores=spec.use_tensor_cores, **kv_type, **var)
+                     head_dim_vo=spec.head_dim_vo, causal=spec.causal, q_data_type=dtype,
+                     use_tensor_cores=spec.use_tensor_cores, **kv_type, **var)
         _check_planned(wrapper, spec)
         poison_allocator()
         return (*wrapper.run(p.q, p.k, p.v, return_lse=True, **scales), wrapper._plan.work.kv_chunk)

@@ -35,6 +35,7 @@ class BatchPlan:
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
+    head_dim_vo: int                # V's, O's and the partial states' width: head_dim, or spec.QK_VO_HEAD_DIMS'
     q_dtype: torch.dtype
     qo_tokens: int
     page_size: int                  # 0: ragged K/V
@@ -97,12 +98,16 @@ class BatchAttention:
 
     def _plan_batch(self, spec, qo_indptr: list[int], kv_indptr: list[int], kv_lens: list[int], *,
                     num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype, scalars: tuple,
+                    head_dim_vo: int | None = None,
                     page_size: int = 0, last_page_len: list[int] | None = None, page_indices=None, max_page: int = -1,
                     fixed_chunk: int | None = None, allow_split: bool = True, non_blocking: bool = True,
                     batch_invariant: bool | None = None) -> None:
-        """batch_invariant: split-KV in fixed chunks of keys from key 0 (ops._invariant),
+        """head_dim_vo: V's and O's width (None: head_dim), which sizes the output
+        and the fp32 partial states of split requests.
+        batch_invariant: split-KV in fixed chunks of keys from key 0 (ops._invariant),
         never resized for the batch, the GPU or the workspace (None: FLASHJIT_BATCH_INVARIANT)."""
         batch_invariant = _invariant.resolve(batch_invariant)
+        dim_vo = head_dim if head_dim_vo is None else head_dim_vo
         group = num_qo_heads // num_kv_heads
         module = jit.get_module(spec)
         if hasattr(module, "for_group"):  # the shape of the kernel this head count runs (fa2 MLA)
@@ -134,23 +139,23 @@ class BatchAttention:
         # offset behind room for as many rows as fit (fixed across plans, as a
         # captured graph needs). A small workspace means fewer, longer chunks.
         workspace_bytes = self._workspace.numel() * self._workspace.element_size()
-        rows_fit = workspace_bytes // (4 * num_qo_heads * (head_dim + 1))
+        rows_fit = workspace_bytes // (4 * num_qo_heads * (dim_vo + 1))
         if batch_invariant:
             work = _invariant.plan(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta,
                                    num_kv_heads=num_kv_heads, resident_ctas=wave, chunk=chunk, causal=spec.causal,
                                    max_items=max_items, fold=_invariant.folds(module.spec))
             rows = work.partial_rows
-            if work.folds:  # the fold scratch, in partial rows (num_qo_heads x (head_dim + 1) floats)
-                rows = ceil_div(_invariant.scratch_floats(wave, module.rows_per_cta, head_dim),
-                                num_qo_heads * (head_dim + 1))
-            base, rows_fit = self._invariant_partials(rows, rows_fit, num_qo_heads, head_dim)
+            if work.folds:  # the fold scratch, in partial rows (num_qo_heads x (head_dim_vo + 1) floats)
+                rows = ceil_div(_invariant.scratch_floats(wave, module.rows_per_cta, dim_vo),
+                                num_qo_heads * (dim_vo + 1))
+            base, rows_fit = self._invariant_partials(rows, rows_fit, num_qo_heads, dim_vo)
         else:
             work = plan_work(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta,
                              num_kv_heads=num_kv_heads, resident_ctas=wave, split_align=module.split_align,
                              causal=spec.causal, fixed_chunk=fixed_chunk, allow_split=allow_split,
                              max_items=max_items, max_partial_rows=rows_fit)
             base = self._workspace.data_ptr()
-        partials = (base, base + 4 * rows_fit * num_qo_heads * head_dim)
+        partials = (base, base + 4 * rows_fit * num_qo_heads * dim_vo)
 
         merge = work.merge_indptr
         items = work.items
@@ -191,20 +196,20 @@ class BatchAttention:
         pointers = (addr + 4 * offsets[0], addr + 4 * offsets[1], pages_ptr,
                     addr + 4 * offsets[2] if last_page_len is not None else 0, addr + 4 * offsets[4],
                     addr + 4 * offsets[3] if merge is not None else 0)
-        self._plan = BatchPlan(module, num_qo_heads, num_kv_heads, head_dim, q_dtype, tokens, page_size, max_page,
-                               kv_indptr[-1] if page_indices is None else 0, scalars, pointers, partials, len(items),
+        self._plan = BatchPlan(module, num_qo_heads, num_kv_heads, head_dim, dim_vo, q_dtype, tokens, page_size,
+                               max_page, kv_indptr[-1] if page_indices is None else 0, scalars, pointers, partials, len(items),
                                merge_tokens, work, graph_tokens=self._capacity[1] if self._use_cuda_graph else 0,
                                invariant_chunk=chunk)
         self._launches = Signatures()
 
-    def _invariant_partials(self, rows: int, rows_fit: int, num_qo_heads: int, head_dim: int) -> tuple[int, int]:
+    def _invariant_partials(self, rows: int, rows_fit: int, num_qo_heads: int, head_dim_vo: int) -> tuple[int, int]:
         """(address, rows) of the partial state of a batch-invariant plan: the
         workspace where it holds them, else (chunks cannot grow in this mode) a
         buffer of this wrapper's own, or, with CUDA graphs (whose captured
         addresses must stay), a ValueError naming the workspace needed."""
         if rows <= rows_fit:
             return self._workspace.data_ptr(), rows_fit
-        need = 4 * rows * num_qo_heads * (head_dim + 1)
+        need = 4 * rows * num_qo_heads * (head_dim_vo + 1)
         if self._use_cuda_graph:
             have = self._workspace.numel() * self._workspace.element_size()
             raise ValueError(f"float_workspace_buffer: batch_invariant=True needs {need} bytes of partial state for "
@@ -242,11 +247,12 @@ class BatchAttention:
 
     def _outputs(self, q, plan: BatchPlan, out, lse, return_lse: bool):
         tokens = q.shape[0]
-        shape = (tokens, plan.num_qo_heads, plan.head_dim)
-        if out is None:  # q has the output's shape (the checks saw to it); empty_like is the cheaper call
-            out = torch.empty_like(q) if q.is_contiguous() else torch.empty(shape, dtype=q.dtype, device=q.device)
+        shape = (tokens, plan.num_qo_heads, plan.head_dim_vo)
+        if out is None:  # q has the output's shape where V is as wide (the checks saw to it): empty_like is cheaper
+            same = q.is_contiguous() and plan.head_dim_vo == plan.head_dim
+            out = torch.empty_like(q) if same else torch.empty(shape, dtype=q.dtype, device=q.device)
         else:
-            check_out_buffer("out", out, shape, q.dtype, q.device, "q's rows x num_qo_heads x head_dim, q's dtype")
+            check_out_buffer("out", out, shape, q.dtype, q.device, out_shape_words(plan))
         if return_lse:
             if lse is None:
                 lse = torch.empty(tokens, plan.num_qo_heads, dtype=torch.float32, device=q.device)
@@ -273,16 +279,22 @@ class BatchAttention:
         if spec.use_tensor_cores:  # its kernels write O in 16-byte vectors too
             _checks.check_vector_aligned("out", out)
         params = fill_params(q, plan.num_kv_heads, k_strides, v_strides, plan.page_size,
-                             (plan.num_qo_heads * plan.head_dim, plan.head_dim), plan.num_qo_heads, *plan.scalars,
+                             (plan.num_qo_heads * plan.head_dim_vo, plan.head_dim_vo), plan.num_qo_heads, *plan.scalars,
                              kv_element_size=k.element_size(), scales=scales, sinks=sinks)
         # Negative: no CTA spans two chunks, the plain kernel runs (attention_params.cuh).
         params.invariant_chunk = plan.invariant_chunk if plan.work.folds else -plan.invariant_chunk
         head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1,
                              0, plan.work.band_items)
         call = batch_call(plan.module, head + bytes(params)[PER_CALL.size:], self._device.index, v_offset, q,
-                          plan.num_qo_heads, plan.head_dim, lse is not None)
+                          plan.num_qo_heads, plan.head_dim_vo, lse is not None)
         call(q, k, v, out, lse)
         return call
+
+
+def out_shape_words(plan: BatchPlan) -> str:
+    """Where the output's expected shape comes from, for check_out_buffer."""
+    dim = "head_dim_vo" if plan.head_dim_vo != plan.head_dim else "head_dim"
+    return f"q's rows x num_qo_heads x {dim}, q's dtype"
 
 
 def check_out_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device, what: str = "") -> None:

@@ -239,7 +239,7 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
     CTAs (flash-decoding) when the grid would not fill one wave of the GPU (as
     ops._plan does for batches), or, with invariant_chunk (batch-invariant
     mode), into chunks of that many keys whatever the grid; the output is
-    contiguous."""
+    contiguous, as wide as v (head_dim_vo), as are the partial states."""
     launcher, launch_error = module.launcher, module.launch_error
     # invariant_chunk: negative where no CTA spans two chunks (the plain kernel
     # runs), positive for a launch whose CTAs fold their chunks (attention_params.cuh).
@@ -250,9 +250,10 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
     device = q.device
     token_dim = 0 if kv_layout == "NHD" else 1
     device_index, split_ctas = device.index, resident_ctas(module, device)
-    heads, dim, rows_per_cta = q.shape[-2], q.shape[-1], module.rows_per_cta
+    heads, dim, dim_vo, rows_per_cta = q.shape[-2], q.shape[-1], v.shape[-1], module.rows_per_cta
     num_kv_heads, causal = heads // group, module.spec.causal
-    dense_out, align_qo = dense(q), -1 if module.spec.use_tensor_cores else 0
+    dense_out, align_qo = dense(q) and dim_vo == dim, -1 if module.spec.use_tensor_cores else 0
+    out_shape = (heads, dim_vo)  # a token's output (single prefill: qo_len of them)
     pack = block_packer("13Q6i", tail)
     # An unsplit call's head: its five addresses, eight null pointers (pad bytes
     # pack as zeros), num_work, qo_len, kv_len; the rest of its counts are fixed.
@@ -260,7 +261,7 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
     pack_unsplit = block_packer("5Q64x3i", unsplit_tail)
     # Token counts by numel(): the signature fixes every other dimension, and a
     # numel() costs less than indexing shape (which builds a torch.Size).
-    q_row, kv_row = heads * dim, num_kv_heads * dim
+    q_row, kv_row, v_row = heads * dim, num_kv_heads * dim, num_kv_heads * dim_vo
     empty, empty_like, f32 = torch.empty, torch.empty_like, torch.float32
     band_memo: dict = {}
     one_token_work = -(-group // rows_per_cta)  # decode's num_work
@@ -274,16 +275,16 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
         partial, partial_o, partial_lse, splits, chunk, bands, tail_of = None, 0, 0, 1, 0, 0, tail
         splits, chunk = single_request_split(kv_len, ctas, split_ctas, invariant_chunk, fold)
         if fold and splits == 1 and kv_len > invariant_chunk:  # the CTAs fold their chunks: their scratch
-            partial = empty(_invariant.scratch_floats(min(ctas, split_ctas), rows_per_cta, dim), dtype=f32,
+            partial = empty(_invariant.scratch_floats(min(ctas, split_ctas), rows_per_cta, dim_vo), dtype=f32,
                             device=device)
             partial_o, tail_of = partial.data_ptr(), fold_tail
         elif splits > 1:
             # Freed when the call returns: the caching allocator hands the block out
             # again only to work queued after this kernel on the same stream.
             rows = qo_len * heads
-            partial = empty(rows * splits * (dim + 1), dtype=f32, device=device)
+            partial = empty(rows * splits * (dim_vo + 1), dtype=f32, device=device)
             partial_o = partial.data_ptr()
-            partial_lse = partial_o + 4 * rows * splits * dim
+            partial_lse = partial_o + 4 * rows * splits * dim_vo
         if num_work > 1:  # one row tile (every decode) launches in the same order whatever the bands
             bands = band_memo.get((qo_len, kv_len))
             if bands is None:
@@ -295,13 +296,13 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
         return partial, partial_o, partial_lse, splits, chunk, bands, tail_of
 
     def call(q, k, v):
-        kv_elements = k.numel()
-        if v.numel() != kv_elements:
+        kv_len = k.numel() // kv_row
+        if v.numel() != kv_len * v_row:
             raise ValueError(f"v: expected {k.shape[token_dim]} tokens (as k) in layout {kv_layout}, got shape "
                              f"{tuple(v.shape)}")
-        kv_len = kv_elements // kv_row
         qo_len = q.numel() // q_row if q_tokens else 1
-        out = empty_like(q) if dense_out else empty(q.shape, dtype=q.dtype, device=device)
+        out = empty_like(q) if dense_out else empty((qo_len, *out_shape) if q_tokens else out_shape, dtype=q.dtype,
+                                                    device=device)
         lse = None
         if return_lse:
             lse = empty(qo_len, heads, dtype=f32, device=device) if q_tokens else empty(heads, dtype=f32,
@@ -334,11 +335,11 @@ def batch_call(module: KernelModule, params: bytes, device_index: int, v_offset:
                heads: int, dim: int, return_lse: bool):
     """The prepared run() of a batch wrapper for one plan and one argument signature:
     call(q, k, v, out, lse) -> out, or (out, lse) with return_lse; out / lse None
-    are allocated. params: the whole struct, its first five pointers unread;
-    v_offset: bytes from v's address to V's first element (one 5-D paged cache is
-    both k and v)."""
+    are allocated (out [rows, heads, dim], dim: head_dim_vo). params: the whole
+    struct, its first five pointers unread; v_offset: bytes from v's address to
+    V's first element (one 5-D paged cache is both k and v)."""
     launcher, launch_error, suffix = module.launcher, module.launch_error, params[ADDRESSES.size:]
-    dense_out, align_qo, device = dense(q), -1 if module.spec.use_tensor_cores else 0, q.device
+    dense_out, align_qo, device = dense(q) and q.shape[-1] == dim, -1 if module.spec.use_tensor_cores else 0, q.device
     pack, empty, empty_like, f32 = block_packer("5Q", suffix), torch.empty, torch.empty_like, torch.float32
 
     def call(q, k, v, out, lse):

@@ -127,14 +127,15 @@ def run_mla(wrapper, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse: b
 def _run_traced(wrapper, inputs: tuple, extra: tuple, out, lse, return_lse: bool):
     """out / lse given: the in-place operator, with what is missing allocated in the
     graph, shaped as the eager outputs: o like inputs[0] (q, or MLA's q_nope, whose
-    width is V's), LSE without its head_dim."""
+    width is V's) but as wide as the planned V (head_dim_vo), LSE without its head_dim."""
     ops, q = RUN_OPS[wrapper._op], inputs[0]
     return_lse = bool(return_lse)
     if out is None and lse is None:
         res = ops[0](wrapper._handle, *inputs, return_lse, *extra)
         return (res[0], res[1]) if return_lse else res[0]
     if out is None:
-        out = q.new_empty(q.shape)
+        plan = wrapper._plan  # None: the operator raises run()'s error
+        out = q.new_empty(q.shape if plan is None else (*q.shape[:-1], plan.head_dim_vo))
     if not return_lse:
         lse = None
     elif lse is None:

@@ -110,7 +110,8 @@ def prewarm_specs(specs, arches) -> list:
         backend_op, tc, causal = kernel_choice(spec.op, spec.dtype_q, spec.causal)
         for target in arches:
             backend = arch.choose_backend(backend_op, spec.dtype_q, tc, "auto", targets=(target,),
-                                          kv_dtype=spec.dtype_kv, head_dim=spec.head_dim_qk)[0]
+                                          kv_dtype=spec.dtype_kv, head_dim=spec.head_dim_qk,
+                                          head_dim_vo=spec.head_dim_vo)[0]
             out.append(spec.replace(use_tensor_cores=tc, causal=causal, backend=backend).validate())
     return list(dict.fromkeys(out))
 

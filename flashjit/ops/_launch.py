@@ -10,7 +10,7 @@ import torch
 
 from .. import arch, jit
 from ..loader import AttentionParams
-from ..spec import KernelSpec, canonical_dtype
+from ..spec import MLA_OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, KernelSpec, canonical_dtype, or_list
 from . import _calls, _checks, _invariant, _scales, _sinks
 from ._calls import Signatures, check_placement, remember, single_request_call
 
@@ -26,7 +26,8 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
                 head_dim_vo: int | None = None, batch_invariant: bool = False, dtype_kv=None) -> KernelSpec:
     """Resolves backend/tensor cores (logging the choice once per configuration) and validates.
     strict: an explicit backend this GPU or op cannot run raises instead of running fa2
-    (None: FLASHJIT_STRICT_BACKEND). head_dim_vo: V's width where it differs from head_dim (MLA).
+    (None: FLASHJIT_STRICT_BACKEND). head_dim_vo: V's width where it differs from head_dim (MLA,
+    spec.QK_VO_HEAD_DIMS), which fa3 does not take (the choice falls back to fa2).
     batch_invariant: ops._invariant.kernel_choice (decode on its prefill op's backend and tiling).
     dtype_kv: the KV cache's dtype where it differs from q's (FP8)."""
     name = canonical_dtype(dtype)
@@ -35,7 +36,8 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
         backend_op, use_tensor_cores, causal = _invariant.kernel_choice(op, name, causal)
     kv_name = canonical_dtype(dtype_kv) if dtype_kv is not None else None
     chosen_backend, tc, reason = arch.choose_backend(backend_op, name, use_tensor_cores, backend, strict=strict,
-                                                     kv_dtype=kv_name, head_dim=head_dim)
+                                                     kv_dtype=kv_name, head_dim=head_dim,
+                                                     head_dim_vo=head_dim_vo if op not in MLA_OPS else None)
     if batch_invariant:
         reason += f"; batch-invariant mode: {backend_op}'s backend and tiling" if backend_op != op \
             else "; batch-invariant mode"
@@ -111,13 +113,14 @@ def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_
     scales = _scales.checked(k.dtype, (k_scale, v_scale), q.device, scale_names)
     sm_scale, window_left, cap, has_window, has_cap = _checks.variant_values(sm_scale, head_dim, window_left,
                                                                              logits_soft_cap)
+    head_dim_vo = v.shape[-1]  # V's width (check_qkv: head_dim, or a QK_VO_HEAD_DIMS pair's)
     spec = select_spec(op, q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,
                        window=has_window, soft_cap=has_cap, return_lse=return_lse, strict=strict,
-                       batch_invariant=batch_invariant, dtype_kv=k.dtype)
+                       head_dim_vo=head_dim_vo, batch_invariant=batch_invariant, dtype_kv=k.dtype)
     check_placement(q, k, v, spec)
     sinks_address = _sinks.checked_address(sinks, num_qo_heads, q.device)
     module = jit.get_module(spec)
-    params = make_params(q, k, v, (num_qo_heads * head_dim, head_dim), num_qo_heads, kv_layout, sm_scale,
+    params = make_params(q, k, v, (num_qo_heads * head_dim_vo, head_dim_vo), num_qo_heads, kv_layout, sm_scale,
                          window_left, cap)
     _scales.apply(params, *scales)
     params.sinks = sinks_address or None
@@ -162,9 +165,11 @@ def kv_tokens(k: torch.Tensor, v: torch.Tensor, kv_layout: str) -> int:
     return n
 
 
-def check_qkv(q, k, v, kv_layout: str, q_ndim: int = 3) -> tuple[int, int, int, int]:
+def check_qkv(q, k, v, kv_layout: str, q_ndim: int = 3, op: str = "") -> tuple[int, int, int, int]:
     """Structure of q [tokens, qo_heads, dim] (or [qo_heads, dim]) against k/v;
-    returns (kv_tokens, num_qo_heads, num_kv_heads, head_dim). Devices are
+    returns (kv_tokens, num_qo_heads, num_kv_heads, head_dim). V is as wide as
+    q and k, or for an op of spec.QK_VO_OPS the narrower width of a
+    QK_VO_HEAD_DIMS pair (v.shape[-1]: head_dim_vo). Devices are
     check_placement's job, so that shape mistakes read the same on any machine."""
     _checks.check_layout(kv_layout)
     _checks.check_tensor("q", q, q_ndim)
@@ -180,11 +185,24 @@ def check_qkv(q, k, v, kv_layout: str, q_ndim: int = 3) -> tuple[int, int, int, 
     if head_dim_k != head_dim_q:
         raise ValueError(f"k: expected head_dim {head_dim_q} (as q), got {head_dim_k}")
     if head_dim_v != head_dim_q:
-        raise ValueError(f"v: expected head_dim {head_dim_q} (as q; head_dim_qk != head_dim_vo is not "
-                         f"supported for this op), got {head_dim_v}")
+        check_head_dim_vo(head_dim_q, head_dim_v, op)
     if (v_tokens, v_heads) != (kv_tokens, num_kv_heads):
         raise ValueError(f"v: expected {kv_tokens} tokens x {num_kv_heads} heads in layout {kv_layout} (as k), "
                          f"got shape {tuple(v.shape)}")
     _checks.check_heads(num_qo_heads, num_kv_heads)
     return kv_tokens, num_qo_heads, num_kv_heads, head_dim_q
 
+
+
+def check_head_dim_vo(head_dim_q: int, head_dim_v: int, op: str) -> None:
+    """A V narrower than q and k: a QK_VO_HEAD_DIMS pair, for the ops that take one."""
+    pairs = or_list(f"{qk}/{vo}" for qk, vo in QK_VO_HEAD_DIMS)
+    if op not in QK_VO_OPS:
+        raise ValueError(f"v: expected head_dim {head_dim_q} (as q), got {head_dim_v}; a V narrower than q and k "
+                         f"(head_dim_qk/head_dim_vo {pairs}) is taken by single_prefill_with_kv_cache and "
+                         f"BatchPrefillWithRaggedKVCacheWrapper only")
+    if (head_dim_q, head_dim_v) not in QK_VO_HEAD_DIMS:
+        narrower = [vo for qk, vo in QK_VO_HEAD_DIMS if qk == head_dim_q]
+        also = f" or {or_list(narrower)} (head_dim_vo)" if narrower else ""
+        raise ValueError(f"v: expected head_dim {head_dim_q} (as q){also}, got {head_dim_v}; head_dim_qk/head_dim_vo "
+                         f"pairs generated: {pairs}")

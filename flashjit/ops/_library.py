@@ -29,16 +29,17 @@ from types import SimpleNamespace
 import torch
 
 from . import _checks, _dispatch, _scales, _sinks, append, decode, merge, prefill
-from ._batch import check_out_buffer
+from ._batch import check_out_buffer, out_shape_words
 from ._dispatch import cache_of as _cache_of, wrapper_of
 from ._launch import check_qkv
 
 # ---------------------------------------------------------------------------
 # Real and fake kernels
 
-def _outputs(q, return_lse: bool, lse_dims: int) -> list:
-    """Dense outputs shaped as the eager ones: o like q, LSE q's shape without head_dim."""
-    out = q.new_empty(q.shape)
+def _outputs(q, return_lse: bool, lse_dims: int, head_dim_vo: int | None = None) -> list:
+    """Dense outputs shaped as the eager ones: o like q but head_dim_vo wide (None:
+    q's head_dim), LSE q's shape without head_dim."""
+    out = q.new_empty(q.shape if head_dim_vo is None else (*q.shape[:-1], head_dim_vo))
     return [out, q.new_empty(q.shape[:lse_dims], dtype=torch.float32)] if return_lse else [out]
 
 
@@ -93,11 +94,11 @@ def _single_prefill(q, k, v, kv_layout, causal, sm_scale, window_left, logits_so
 def _single_prefill_fake(q, k, v, kv_layout, causal, sm_scale, window_left, logits_soft_cap, backend, return_lse,
                          use_tensor_cores, strict, *operands):
     scales, sinks = _sinks_of(operands)
-    check_qkv(q, k, v, kv_layout)
+    check_qkv(q, k, v, kv_layout, op="single_prefill")
     _checks.variant_values(sm_scale, q.shape[-1], window_left, logits_soft_cap)
     _check_scales(k, q.device, *scales)
     _sinks.check_fake(sinks, q.shape[-2], q.device)
-    return _outputs(q, return_lse, 2)
+    return _outputs(q, return_lse, 2, v.shape[-1])
 
 
 def _single_decode(q, k, v, kv_layout, use_tensor_cores, sm_scale, window_left, logits_soft_cap, backend,
@@ -163,28 +164,29 @@ def _planned(handle):
     return wrapper, wrapper._plan
 
 
-def _check_run(handle, q, k, v, out=None, lse=None, window_left=None) -> None:
+def _check_run(handle, q, k, v, out=None, lse=None, window_left=None):
     """What run() checks against the plan without reading token counts (which
-    are symbolic while tracing) or page ids (device data)."""
+    are symbolic while tracing) or page ids (device data); returns the plan."""
     wrapper, plan = _planned(handle)
     wrapper._check_planned(q, k, v, plan, window_left)
     _check_out_lse(q, plan, out, lse)
+    return plan
 
 
 def _check_out_lse(q, plan, out, lse) -> None:
-    shape = (q.shape[0], plan.num_qo_heads, plan.head_dim)
+    shape = (q.shape[0], plan.num_qo_heads, plan.head_dim_vo)
     if out is not None:
-        check_out_buffer("out", out, shape, q.dtype, q.device, "q's rows x num_qo_heads x head_dim, q's dtype")
+        check_out_buffer("out", out, shape, q.dtype, q.device, out_shape_words(plan))
     if lse is not None:
         check_out_buffer("lse", lse, shape[:2], torch.float32, q.device, "q's rows x num_qo_heads")
 
 
 def _run_fake(handle, q, k, v, return_lse, window_left=None, *operands):
     scales, sinks = _sinks_of(operands)
-    _check_run(handle, q, k, v, window_left=window_left)
+    plan = _check_run(handle, q, k, v, window_left=window_left)
     _check_scales(k, q.device, *scales)
     _sinks.check_fake(sinks, q.shape[-2], q.device)
-    return _outputs(q, return_lse, 2)
+    return _outputs(q, return_lse, 2, plan.head_dim_vo)
 
 
 def _run_out_fake(handle, q, k, v, out, lse, window_left=None, *operands):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..spec import QK_VO_HEAD_DIMS, QK_VO_OPS, or_list
 from . import _checks, _dispatch, _invariant, _scales, _sinks
 from ._aliases import RaggedPrefillAliases, remembers_plan
 from ._dispatch import dispatch_modes, is_compiling
@@ -24,9 +25,12 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
                                  rope_theta=None, backend: str = "auto", return_lse: bool = False, *,
                                  use_tensor_cores: bool | None = None, strict: bool | None = None,
                                  batch_invariant: bool | None = None, sinks: torch.Tensor | None = None):
-    """Attention of one request: q [qo_len, num_qo_heads, head_dim], k/v [kv_len,
-    num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND).
-    Returns o like q, and with return_lse the base-2 log-sum-exp [qo_len, num_qo_heads].
+    """Attention of one request: q [qo_len, num_qo_heads, head_dim_qk], k [kv_len,
+    num_kv_heads, head_dim_qk] and v [kv_len, num_kv_heads, head_dim_vo] (NHD) or
+    [num_kv_heads, kv_len, head_dim] (HND); head_dim_vo is head_dim_qk, or the V
+    width of a spec.QK_VO_HEAD_DIMS pair (192/128: DeepSeek-V2/V3's prefill).
+    Returns o [qo_len, num_qo_heads, head_dim_vo], and with return_lse the base-2
+    log-sum-exp [qo_len, num_qo_heads].
     sinks (flashjit's keyword; FlashInfer's single prefill has none): attention
     sinks, a contiguous float32 tensor [num_qo_heads] on q's device, natural-log
     units (ops._sinks): each row's softmax runs over its logits and sinks[h];
@@ -85,7 +89,7 @@ def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, cust
                     return_lse, use_tensor_cores, strict, batch_invariant: bool = False, sinks=None):
     _checks.check_unsupported(scale_q=scale_q, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
                               pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction)
-    _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout)
+    _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout, op="single_prefill")
     _check_o_dtype(q, o_dtype)
     return prepare_single_request("single_prefill", q, k, v, kv_layout, head_dim, num_qo_heads, num_kv_heads,
                                   causal=causal, sm_scale=sm_scale, window_left=window_left,
@@ -109,9 +113,11 @@ def _check_o_dtype(q, o_dtype) -> None:
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(RaggedPrefillAliases, BatchAttention):
-    """Prefill over a ragged batch: q packed as [qo_indptr[-1], heads, dim], k/v
-    packed as [kv_indptr[-1], kv_heads, dim] (NHD) or [kv_heads, kv_indptr[-1], dim]
-    (HND). plan() once per batch shape on the host, run() many times."""
+    """Prefill over a ragged batch: q packed as [qo_indptr[-1], heads, head_dim_qk],
+    k/v packed as [kv_indptr[-1], kv_heads, dim] (NHD) or [kv_heads, kv_indptr[-1],
+    dim] (HND), dim head_dim_qk for k and head_dim_vo for v; the output is
+    [qo_indptr[-1], heads, head_dim_vo]. plan() once per batch shape on the host,
+    run() many times."""
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
@@ -129,7 +135,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedPrefillAliases, BatchAttention)
              kv_data_type=None, o_data_type=None, non_blocking: bool = True, *, fixed_split_size: int | None = None,
              disable_split_kv: bool = False, use_tensor_cores: bool | None = None,
              batch_invariant: bool | None = None) -> None:
-        """fixed_split_size: keys per split-KV chunk (rounded up to the kernel's
+        """head_dim_vo: V's and the output's width (None: head_dim_qk), narrower
+        than head_dim_qk for the pairs of spec.QK_VO_HEAD_DIMS (192/128, DeepSeek's
+        prefill: CUDA cores or fa2, K/V of q's dtype; `auto` picks fa2).
+        fixed_split_size: keys per split-KV chunk (rounded up to the kernel's
         tile); disable_split_kv: every request in one CTA per row tile.
         batch_invariant=True: each request's output does not depend on the rest
         of the batch, nor on the op that computes it (docs/numerics.md); None:
@@ -144,7 +153,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedPrefillAliases, BatchAttention)
             batch_invariant=invariant)
         kv_lens = [kv[i + 1] - kv[i] for i in range(len(kv) - 1)]
         self._plan_batch(spec, qo, kv, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim_qk, q_dtype=q_dtype, scalars=scalars, fixed_chunk=fixed_split_size,
+                         head_dim=head_dim_qk, head_dim_vo=spec.head_dim_vo, q_dtype=q_dtype, scalars=scalars,
+                         fixed_chunk=fixed_split_size,
                          allow_split=not disable_split_kv, non_blocking=non_blocking, batch_invariant=invariant)
 
     _op = "batch_prefill_ragged"
@@ -229,17 +239,19 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedPrefillAliases, BatchAttention)
         self._check_q(q, plan)
         self._check_kv("k", k, plan)
         self._check_kv("v", v, plan)
-        check_qkv(q, k, v, self._kv_layout)
+        check_qkv(q, k, v, self._kv_layout, op=self._op)
 
     def _check_kv(self, name: str, t, plan) -> None:
-        """k or v against the plan: rank, dtype, kv heads, head_dim in the wrapper's layout."""
+        """k or v against the plan: rank, dtype, kv heads, head_dim (v: head_dim_vo) in the wrapper's layout."""
         _checks.check_tensor(name, t, 3, kv=True)
         _scales.check_planned_dtype(name, t.dtype, getattr(torch, plan.module.spec.dtype_kv))
         _, heads, dim, _, _ = _checks.kv_dims(name, t, self._kv_layout)
-        if (heads, dim) != (plan.num_kv_heads, plan.head_dim):
+        planned, dim_name = (plan.head_dim_vo, "head_dim_vo") if name == "v" and plan.head_dim_vo != plan.head_dim \
+            else (plan.head_dim, "head_dim")
+        if (heads, dim) != (plan.num_kv_heads, planned):
             other_heads = t.shape[0] if self._kv_layout == "NHD" else t.shape[1]
-            hint = _checks.other_layout_hint(self._kv_layout, dim == plan.head_dim and other_heads == plan.num_kv_heads)
-            raise ValueError(f"{name}: expected {plan.num_kv_heads} kv heads of head_dim {plan.head_dim} as planned "
+            hint = _checks.other_layout_hint(self._kv_layout, dim == planned and other_heads == plan.num_kv_heads)
+            raise ValueError(f"{name}: expected {plan.num_kv_heads} kv heads of {dim_name} {planned} as planned "
                              f"(layout {self._kv_layout}), got {heads} of {dim} (shape {tuple(t.shape)}){hint}")
 
 
@@ -254,8 +266,7 @@ def plan_spec(op: str, backend: str, num_qo_heads: int, num_kv_heads: int, head_
                               pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction)
     _checks.check_heads(num_qo_heads, num_kv_heads)
     _checks.check_head_dim("head_dim_qk" if op != "batch_decode_paged" else "head_dim", head_dim_qk)
-    if head_dim_vo is not None and head_dim_vo != head_dim_qk:
-        raise ValueError(f"head_dim_vo: expected {head_dim_qk} (as head_dim_qk), got {head_dim_vo}")
+    head_dim_vo = check_plan_head_dim_vo(op, head_dim_qk, head_dim_vo)
     q_dtype = dtype_arg("q_data_type", q_data_type)
     kv_dtype = q_dtype if kv_data_type is None else dtype_arg("kv_data_type", kv_data_type, kv=True)
     if kv_dtype != q_dtype and not _scales.is_fp8(kv_dtype):
@@ -270,5 +281,29 @@ def plan_spec(op: str, backend: str, num_qo_heads: int, num_kv_heads: int, head_
                                                                              logits_soft_cap)
     spec = select_spec(op, q_dtype, head_dim_qk, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,
                        window=has_window, soft_cap=has_cap, return_lse=True, strict=strict,
-                       batch_invariant=batch_invariant, dtype_kv=kv_dtype)
+                       head_dim_vo=head_dim_vo, batch_invariant=batch_invariant, dtype_kv=kv_dtype)
     return spec, (sm_scale, window_left, cap), q_dtype
+
+
+def check_plan_head_dim_vo(op: str, head_dim_qk: int, head_dim_vo) -> int:
+    """plan()'s head_dim_vo (None: head_dim_qk): head_dim_qk, or for the ragged
+    op the V width of a spec.QK_VO_HEAD_DIMS pair (the spec names the pairs)."""
+    if head_dim_vo is None or head_dim_vo == head_dim_qk:
+        return head_dim_qk
+    if op not in QK_VO_OPS:
+        raise ValueError(f"head_dim_vo: expected {head_dim_qk} (as head_dim_qk) for {op}, got {head_dim_vo}; a V "
+                         f"narrower than Q and K (head_dim_qk/head_dim_vo {qk_vo_pairs()}) is taken by "
+                         f"BatchPrefillWithRaggedKVCacheWrapper and single_prefill_with_kv_cache")
+    _checks.check_head_dim("head_dim_vo", head_dim_vo)
+    if head_dim_vo > head_dim_qk:
+        raise ValueError(f"head_dim_vo: {head_dim_vo} above head_dim_qk {head_dim_qk} is not generated; expected "
+                         f"{head_dim_qk} (as head_dim_qk), or the V width of a pair ({qk_vo_pairs()})")
+    if (head_dim_qk, head_dim_vo) not in QK_VO_HEAD_DIMS:
+        raise ValueError(f"head_dim_vo: expected {head_dim_qk} (as head_dim_qk), or the V width of a generated "
+                         f"head_dim_qk/head_dim_vo pair ({qk_vo_pairs()}), got {head_dim_vo} with head_dim_qk "
+                         f"{head_dim_qk}")
+    return head_dim_vo
+
+
+def qk_vo_pairs() -> str:
+    return or_list(f"{qk}/{vo}" for qk, vo in QK_VO_HEAD_DIMS)

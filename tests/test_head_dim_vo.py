@@ -1,0 +1,432 @@
+"""head_dim_vo below head_dim_qk (DeepSeek-V2/V3's 192/128 prefill) without a
+GPU: the configurations that validate and what the others say, the backend
+choice (fa2: fa3 needs equal dims), the prewarm and numerics selectors, the
+rendered fa2 and CUDA-core sources, the ops' checks and plan() errors, the
+output, strides and split-KV partial states as the launch receives them (the
+stand-in GPU of test_prepared_calls), the torch.compile operators' shapes and
+the float64 reference. On a GPU: tests/test_gpu_head_dims.py."""
+
+from __future__ import annotations
+
+import logging
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.library import opcheck
+
+import flashjit
+import test_prepared_calls
+from flashjit import arch, cli, jit, kernels, loader, render
+from flashjit.numerics import runner
+from flashjit.ops import _batch, _invariant
+from flashjit.reference import attention_reference
+from flashjit.selection import SelectionError, summary_lines
+from flashjit.spec import QK_VO_HEAD_DIMS, QK_VO_OPS, KernelSpec, mla_spec
+from test_bad_input_wrappers import _i32, _workspace
+from test_prepared_calls import BF16, bf16, cuda
+from test_torch_ops import OPCHECK, _compiled_graphs, _op, _targets
+
+# Fixtures: pytest looks them up by name in the test module.
+no_compile, gpu = test_prepared_calls.no_compile, test_prepared_calls.gpu
+
+QK, VO = 192, 128
+# (dtype, use_tensor_cores) of every path: tensor cores take fp16 and bf16.
+PATHS = [("float16", False), ("bfloat16", False), ("float32", False), ("float16", True), ("bfloat16", True)]
+SUPPORTED = "head_dim_qk/head_dim_vo 192/128 for single_prefill and batch_prefill_ragged"
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(arch, "_warned_fallbacks", set())
+    monkeypatch.delenv("FLASHJIT_STRICT_BACKEND", raising=False)
+
+
+def spec(op="batch_prefill_ragged", dtype="bfloat16", qk=QK, vo=VO, tc=True, **flags) -> KernelSpec:
+    return KernelSpec.make(op, dtype, qk, head_dim_vo=vo, use_tensor_cores=tc, **flags)
+
+
+def _error(s: KernelSpec) -> str:
+    with pytest.raises(ValueError) as info:
+        s.validate()
+    return str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# KernelSpec.validate
+
+
+def test_the_pair_validates_for_both_prefill_ops_on_every_path():
+    assert QK_VO_HEAD_DIMS == ((QK, VO),) and QK_VO_OPS == ("single_prefill", "batch_prefill_ragged")
+    for op in QK_VO_OPS:
+        for dtype, tc in PATHS:
+            for flags in ({}, {"causal": True, "return_lse": True}, {"sliding_window": True, "soft_cap": True}):
+                s = spec(op, dtype, tc=tc, **flags).validate()
+                assert f"_qk{QK}_vo{VO}_fa2_{'tc' if tc else 'cc'}" in s.name
+
+
+@pytest.mark.parametrize("op,nearest", [
+    ("batch_prefill_paged", "batch_prefill_ragged_bf16_qk192_vo128_fa2_tc"),
+    ("batch_decode_paged", "batch_decode_paged_bf16_d192_fa2_tc"),
+    ("single_decode", "single_decode_bf16_d192_fa2_tc")])
+def test_other_ops_name_the_ops_that_take_it(op, nearest):
+    message = _error(spec(op))
+    assert f"head_dim_qk=192 != head_dim_vo=128 for {op}. Supported: {SUPPORTED}" in message
+    assert message.endswith(f"Nearest working choice: {nearest}")
+    assert "Nearest working choice: append_paged_bf16_d192" in _error(spec("append_paged", tc=False))
+
+
+def test_fa3_names_fa2():
+    for op in QK_VO_OPS:
+        message = _error(spec(op, "float16", backend="fa3", causal=True))
+        assert "backend fa3 with head_dim_qk=192 != head_dim_vo=128" in message
+        assert "fa3 generates equal head dims only" in message
+        assert message.endswith(f"Nearest working choice: {op}_f16_qk192_vo128_fa2_tc_causal")
+
+
+@pytest.mark.parametrize("qk,vo,what", [(128, 192, "head_dim_vo=192 > head_dim_qk=128 is not generated"),
+                                        (128, 64, "head_dim_qk=128, head_dim_vo=64 is not generated"),
+                                        (256, 128, "head_dim_qk=256, head_dim_vo=128 is not generated")])
+def test_other_pairs_are_not_generated(qk, vo, what):
+    message = _error(spec(qk=qk, vo=vo))
+    assert f"{what}. Supported: {SUPPORTED}" in message
+    assert message.endswith(f"Nearest working choice: batch_prefill_ragged_bf16_d{qk}_fa2_tc")
+
+
+def test_an_fp8_cache_and_fp32_tensor_cores_name_what_works():
+    message = _error(spec(dtype_kv="float8_e4m3fn"))
+    assert "an FP8 KV cache with head_dim_qk=192 != head_dim_vo=128 is not generated" in message
+    assert message.endswith("Nearest working choice: batch_prefill_ragged_bf16_qk192_vo128_fa2_tc")
+    assert _error(spec(dtype="float32")).endswith("Nearest working choice: batch_prefill_ragged_f32_qk192_vo128_fa2_cc")
+
+
+def test_mla_keeps_its_own_geometry():
+    for backend in ("fa2", "fa3"):
+        assert mla_spec("bfloat16", backend=backend).validate().name.startswith("mla_paged_bf16_qk576_vo512")
+    assert "mla_paged: head_dim_qk=576" in _error(spec("mla_paged"))
+
+
+# ---------------------------------------------------------------------------
+# Backend choice
+
+
+def test_auto_picks_fa2_and_says_why():
+    for op in QK_VO_OPS:
+        backend, tc, reason = arch.choose_backend(op, "bfloat16", None, "auto", targets=("sm_90a",), head_dim=QK,
+                                                  head_dim_vo=VO)
+        assert (backend, tc) == ("fa2", True)
+        assert reason.endswith("; fa2 (mma.sync), as fa3 does not generate head_dim_qk=192 with head_dim_vo=128 (it "
+                               "needs them equal)")
+    assert arch.choose_backend("single_prefill", "bfloat16", None, "auto", targets=("sm_90a",), head_dim=128,
+                               head_dim_vo=128)[0] == "fa3"
+    assert "fa3 needs wgmma" in arch.choose_backend("single_prefill", "bfloat16", None, "auto", targets=("sm_80",),
+                                                    head_dim=QK, head_dim_vo=VO)[2]
+
+
+def test_explicit_fa3_warns_and_runs_fa2_or_raises_when_strict():
+    with pytest.warns(UserWarning, match=r"backend='fa3' requested for batch_prefill_ragged, but fa3 does not "
+                                         r"generate head_dim_qk=192 with head_dim_vo=128 .*: running fa2"):
+        assert arch.choose_backend("batch_prefill_ragged", "float16", True, "fa3", targets=("sm_90a",),
+                                   head_dim=QK, head_dim_vo=VO)[0] == "fa2"
+    with pytest.raises(ValueError, match=r"^backend='fa3' cannot run here: fa3 does not generate head_dim_qk=192 "
+                                         r"with head_dim_vo=128"):
+        arch.choose_backend("single_prefill", "float16", True, "fa3", targets=("sm_90a",), head_dim=QK,
+                            head_dim_vo=VO, strict=True)
+
+
+def test_the_ops_pick_fa2_and_log_why(monkeypatch, caplog):
+    monkeypatch.setenv("FLASHJIT_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.setattr(arch, "device_arch", lambda: None)
+    from flashjit.ops.prefill import plan_spec
+
+    with caplog.at_level(logging.INFO, logger="flashjit"):
+        s, _, _ = plan_spec("batch_prefill_ragged", "auto", 8, 2, QK, VO, causal=True, q_data_type=torch.float16)
+    assert s.name == "batch_prefill_ragged_f16_qk192_vo128_fa2_tc_causal_lse"
+    assert any("as fa3 does not generate head_dim_qk=192 with head_dim_vo=128" in r.getMessage()
+               for r in caplog.records)
+    invariant = _invariant.prewarm_specs([s.replace(backend="fa2")], ("sm_80", "sm_90a"))
+    assert [x.name for x in invariant] == [s.name]
+
+
+# ---------------------------------------------------------------------------
+# Prewarm and numerics selectors
+
+
+def _selected(*flags, command="prewarm", arches=("sm_80", "sm_90a")):
+    args = cli.build_parser().parse_args([command, *flags] + (["--arch", *arches] if command == "prewarm" else []))
+    cli.check_selectors(args)
+    return cli.specs_from_args(args, arches)
+
+
+def test_head_dim_vo_selects_the_pair():
+    names = {s.name for s in _selected("--op", "single_prefill", "batch_prefill_ragged", "--dtype", "bf16", "fp32",
+                                       "--head-dim", "192", "--head-dim-vo", "128", "--causal", "on")}
+    assert names == {"single_prefill_bf16_qk192_vo128_fa2_tc_causal", "single_prefill_f32_qk192_vo128_fa2_cc_causal",
+                     "batch_prefill_ragged_bf16_qk192_vo128_fa2_tc_causal_lse",
+                     "batch_prefill_ragged_f32_qk192_vo128_fa2_cc_causal_lse"}
+    specs = _selected("--op", "batch_prefill_ragged", "--dtype", "bf16", "--head-dim", "128", "192", "--head-dim-vo",
+                      "128", "--causal", "on")
+    assert {s.name for s in specs} == {f"batch_prefill_ragged_bf16_{d}_tc_causal_lse"
+                                       for d in ("d128_fa2", "d128_fa3", "qk192_vo128_fa2")}
+    assert "  head_dims  128, 192/128" in summary_lines(specs, ("sm_80", "sm_90a"), "--arch")
+    numerics = _selected("--op", "batch_prefill_ragged", "--dtype", "bf16", "--head-dim", "192", "--head-dim-vo",
+                         "128", command="numerics", arches=("sm_90a",))
+    assert {s.name for s in numerics} == {"batch_prefill_ragged_bf16_qk192_vo128_fa2_tc_causal_lse",
+                                          "batch_prefill_ragged_bf16_qk192_vo128_fa2_tc_lse"}
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--head-dim", "64", "--head-dim-vo", "128"], r"^--head-dim-vo: 128 with --head-dim 64 is not generated; choose "
+                                                   r"64 \(pairs: 192/128"),
+    (["--head-dim-vo", "128"], r"^--head-dim-vo: give --head-dim too"),
+    (["--head-dim", "192", "--head-dim-vo", "x"], r"^--head-dim-vo: x is not a number"),
+    (["--head-dim", "96", "192", "--head-dim-vo", "128"], r"^--head-dim 96: no --head-dim-vo value is generated"),
+    (["--op", "batch_prefill_paged", "--head-dim", "192", "--head-dim-vo", "128"],
+     r"^the selection is empty: --head-dim-vo 128: batch_prefill_paged takes V as wide as Q and K \(--head-dim 192\); "
+     r"single_prefill and batch_prefill_ragged take 192/128$"),
+    (["--kv-dtype", "e4m3", "--head-dim", "192", "--head-dim-vo", "128"],
+     r"^the selection is empty: --head-dim-vo 128: an FP8 KV cache \(--kv-dtype\) takes V as wide as Q and K$"),
+], ids=["no-pair", "no-head-dim", "not-a-number", "unpaired-head-dim", "paged", "fp8"])
+def test_bad_combinations_name_the_flag(flags, match):
+    op = [] if "--op" in flags else ["--op", "batch_prefill_ragged"]
+    with pytest.raises(SelectionError, match=match):
+        _selected(*op, "--dtype", "bf16", *flags)
+
+
+def test_strict_fa3_names_the_backend_flag(monkeypatch):
+    monkeypatch.setenv("FLASHJIT_STRICT_BACKEND", "1")
+    with pytest.raises(SelectionError, match=r"^--backend fa3: fa3 does not generate head_dim_qk=192 with "
+                                             r"head_dim_vo=128 \(it needs them equal\); choose --backend fa2 or auto"):
+        _selected("--op", "batch_prefill_ragged", "--dtype", "bf16", "--head-dim", "192", "--head-dim-vo", "128",
+                  "--backend", "fa3", arches=("sm_90a",))
+
+
+def test_the_prewarm_command_of_a_miss_selects_the_pair():
+    import shlex
+
+    s = spec(causal=True, return_lse=True)
+    argv = shlex.split(jit.prewarm_command(s, ("sm_90a",)))[1:]
+    assert argv[argv.index("--head-dim-vo") + 1] == "128"
+    args = cli.build_parser().parse_args(argv)
+    cli.check_selectors(args)
+    assert cli.specs_from_args(args, ("sm_90a",)) == [s]
+    assert "--head-dim-vo" not in jit.prewarm_command(mla_spec("bfloat16"), ("sm_90a",))
+
+
+def test_numerics_problems_draw_v_of_its_width():
+    s = spec("single_prefill", causal=True, return_lse=True)
+    (p,) = runner.problems(s, "normal", torch.Generator().manual_seed(0), device="cpu")
+    assert (p.q.shape[-1], p.k.shape[-1], p.v.shape[-1]) == (QK, QK, VO)
+    (p,) = runner.problems(spec(), "normal", torch.Generator().manual_seed(0), device="cpu")
+    assert p.v.shape[1:] == (2, VO) and p.k.shape[1:] == (2, QK)
+
+
+# ---------------------------------------------------------------------------
+# Rendered sources
+
+
+@pytest.mark.parametrize("op", QK_VO_OPS)
+def test_fa2_and_cuda_core_sources_take_both_widths(op):
+    for dtype, tc in (("bfloat16", True), ("float16", True), ("float32", False), ("bfloat16", False)):
+        s = spec(op, dtype, tc=tc, causal=True, return_lse=True).validate()
+        for arches in (None, ("sm_90a",)):
+            text = render.render(s, arches).text
+            family, tiling = kernels.tiling_for(s, arches)
+            if tc:
+                assert (re.findall(r"/\*kHeadDim=\*/\s*(\d+)", text), re.findall(r"/\*kHeadDimVo=\*/\s*(\d+)", text)) \
+                    == (["192"], ["128"]), s.name
+                assert not tiling.tma_kv and not tiling.split_keys  # the kernels that keep the widths equal
+            else:
+                assert (re.findall(r"/\*kHeadDimQK=\*/\s*(\d+)", text),
+                        re.findall(r"/\*kHeadDimVO=\*/\s*(\d+)", text)) == (["192"], ["128"]), s.name
+            assert tiling.smem_bytes(s) <= kernels.common.SMEM_BUDGET, (s.name, family)
+
+
+# ---------------------------------------------------------------------------
+# The ops' checks (no kernel is built for a bad input)
+
+
+def _qkv(vo=VO, device="meta", qo=7, kv=40):
+    return (torch.empty(qo, 8, QK, dtype=BF16, device=device), torch.empty(kv, 2, QK, dtype=BF16, device=device),
+            torch.empty(kv, 2, vo, dtype=BF16, device=device))
+
+
+def test_v_of_another_width_names_the_pairs_and_the_ops(no_compile):
+    with FakeTensorMode():
+        q, k, v = _qkv(64, "cuda")
+        with pytest.raises(ValueError, match=r"^v: expected head_dim 192 \(as q\) or 128 \(head_dim_vo\), got 64; "
+                                             r"head_dim_qk/head_dim_vo pairs generated: 192/128$"):
+            flashjit.single_prefill_with_kv_cache(q, k, v)
+        q1, k, v = torch.empty(8, QK, dtype=BF16, device="cuda"), *_qkv(VO, "cuda")[1:]
+        with pytest.raises(ValueError, match=r"^v: expected head_dim 192 \(as q\), got 128; a V narrower than q and k "
+                                             r"\(head_dim_qk/head_dim_vo 192/128\) is taken by "
+                                             r"single_prefill_with_kv_cache and BatchPrefillWithRaggedKVCacheWrapper "
+                                             r"only$"):
+            flashjit.single_decode_with_kv_cache(q1, k, v)
+
+
+PAGED_PLAN = dict(qo_indptr=_i32(0, 3, 8), paged_kv_indptr=_i32(0, 2, 5), paged_kv_indices=_i32(4, 0, 1, 2, 3),
+                  paged_kv_last_page_len=_i32(7, 16), num_qo_heads=8, num_kv_heads=2, head_dim_qk=QK, page_size=16,
+                  head_dim_vo=VO, q_data_type=BF16)
+RAGGED_PLAN = dict(qo_indptr=[0, 3, 8], kv_indptr=[0, 10, 30], num_qo_heads=8, num_kv_heads=2, head_dim_qk=QK,
+                   head_dim_vo=VO, q_data_type=BF16)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"head_dim_qk": 128, "head_dim_vo": 192}, r"^head_dim_vo: 192 above head_dim_qk 128 is not generated; expected "
+                                               r"128 \(as head_dim_qk\), or the V width of a pair \(192/128\)$"),
+    ({"head_dim_vo": 64}, r"^head_dim_vo: expected 192 \(as head_dim_qk\), or the V width of a generated "
+                          r"head_dim_qk/head_dim_vo pair \(192/128\), got 64 with head_dim_qk 192$"),
+    ({"head_dim_vo": 100}, r"^head_dim_vo: expected a head_dim that is a multiple of 16"),
+    ({"kv_data_type": torch.float8_e4m3fn}, r"an FP8 KV cache with head_dim_qk=192 != head_dim_vo=128 is not "
+                                            r"generated"),
+    ({"q_data_type": torch.float32, "use_tensor_cores": True}, r"Nearest working choice: "
+                                                               r"batch_prefill_ragged_f32_qk192_vo128_fa2_cc_lse$"),
+], ids=["above", "no-pair", "not-a-head-dim", "fp8", "fp32-tensor-cores"])
+def test_ragged_plan_errors(no_compile, change, match):
+    with pytest.raises(ValueError, match=match):
+        flashjit.BatchPrefillWithRaggedKVCacheWrapper(_workspace()).plan(**{**RAGGED_PLAN, **change})
+
+
+def test_ragged_plan_with_strict_fa3_and_paged_plan_refuse(no_compile):
+    with pytest.raises(ValueError, match=r"^backend='fa3' cannot run here: "):
+        flashjit.BatchPrefillWithRaggedKVCacheWrapper(_workspace(), backend="fa3", strict=True).plan(**RAGGED_PLAN)
+    with pytest.raises(ValueError, match=r"^head_dim_vo: expected 192 \(as head_dim_qk\) for batch_prefill_paged, got "
+                                         r"128; a V narrower than Q and K \(head_dim_qk/head_dim_vo 192/128\) is taken "
+                                         r"by BatchPrefillWithRaggedKVCacheWrapper and single_prefill_with_kv_cache$"):
+        flashjit.BatchPrefillWithPagedKVCacheWrapper(_workspace()).plan(**PAGED_PLAN)
+
+
+# ---------------------------------------------------------------------------
+# What the launch receives (the stand-in GPU): output, strides, partial states
+
+
+def _params(launch) -> loader.AttentionParams:
+    return loader.AttentionParams.from_buffer_copy(launch[0][:loader.ctypes.sizeof(loader.AttentionParams)])
+
+
+def test_single_prefill_writes_o_of_v_width(gpu):
+    q, k, v = bf16(4, 8, QK), bf16(16, 2, QK), bf16(16, 2, VO)
+    for _ in range(2):  # the first call and the prepared one
+        out, lse = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True)
+        assert out.shape == (4, 8, VO) and out.is_contiguous() and lse.shape == (4, 8)
+    p = _params(gpu.launches[-1])
+    assert (p.o_stride_n, p.o_stride_h, p.k_stride_n, p.v_stride_n, p.v_stride_h) == (8 * VO, VO, 2 * QK, 2 * VO, VO)
+    assert gpu.launches[-1][0] and p.o == out.data_ptr()
+
+
+def test_single_prefill_split_keys_size_the_partial_states_by_v(gpu):
+    q, k, v = bf16(16, 8, QK), bf16(4096, 2, QK), bf16(4096, 2, VO)
+    flashjit.single_prefill_with_kv_cache(q, k, v)
+    p = _params(gpu.launches[-1])
+    assert p.num_splits > 1 and p.partial_lse == p.partial_o + 4 * 16 * 8 * p.num_splits * VO
+
+
+def _ragged(workspace_bytes=1 << 20, **plan_kwargs):
+    w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(cuda(torch.empty(workspace_bytes, dtype=torch.uint8)))
+    w._device = torch.device("cpu")  # the plan's metadata stays on the host
+    w.plan(**{**RAGGED_PLAN, **plan_kwargs})
+    w._device = torch.device("cuda", 0)
+    return w
+
+
+def test_ragged_run_writes_o_of_v_width_and_checks_v_and_out(gpu):
+    w = _ragged()
+    assert w._plan.module.spec.name == "batch_prefill_ragged_bf16_qk192_vo128_fa2_tc_lse"
+    q, k, v = bf16(8, 8, QK), bf16(30, 2, QK), bf16(30, 2, VO)
+    out, lse = w.run(q, k, v, return_lse=True)
+    assert out.shape == (8, 8, VO) and lse.shape == (8, 8)
+    p = _params(gpu.launches[-1])
+    assert (p.o_stride_n, p.o_stride_h, p.v_stride_n, p.k_stride_n) == (8 * VO, VO, 2 * VO, 2 * QK)
+    given = cuda(torch.empty(8, 8, VO, dtype=BF16))
+    assert w.run(q, k, v, out=given) is given
+    with pytest.raises(ValueError, match=r"^out: expected a contiguous torch.bfloat16 tensor of shape \(8, 8, 128\) "
+                                         r"\(q's rows x num_qo_heads x head_dim_vo, q's dtype\)"):
+        w.run(q, k, v, out=cuda(torch.empty(8, 8, QK, dtype=BF16)))
+    with pytest.raises(ValueError, match=r"^v: expected 2 kv heads of head_dim_vo 128 as planned \(layout NHD\), got "
+                                         r"2 of 192"):
+        w.run(q, k, bf16(30, 2, QK))
+
+
+def test_ragged_split_keys_size_the_partial_states_by_v(gpu):
+    w = _ragged(qo_indptr=[0, 4], kv_indptr=[0, 4096], fixed_split_size=512)
+    assert w._plan.work.kv_chunk == 512
+    w.run(bf16(4, 8, QK), bf16(4096, 2, QK), bf16(4096, 2, VO))
+    p = _params(gpu.launches[-1])
+    rows_fit = (1 << 20) // (4 * 8 * (VO + 1))
+    assert p.partial_lse - p.partial_o == 4 * rows_fit * 8 * VO
+
+
+# ---------------------------------------------------------------------------
+# torch.compile operators
+
+
+def test_single_prefill_operator_gives_o_of_v_width():
+    (o, lse), graphs = _compiled_graphs(lambda q, k, v: flashjit.single_prefill_with_kv_cache(
+        q, k, v, causal=True, return_lse=True), *_qkv(), backend="aot_eager")
+    assert "flashjit.single_prefill.default" in _targets(graphs)
+    assert (o.shape, lse.shape) == ((7, 8, VO), (7, 8)) and o.is_contiguous()
+    for return_lse in (False, True):
+        opcheck(_op("single_prefill"), (*_qkv(), "NHD", True, None, -1, None, "auto", return_lse, None, None),
+                test_utils=OPCHECK)
+
+
+@pytest.fixture
+def host_ragged(no_compile, monkeypatch):
+    """A ragged 192/128 wrapper planned on the host with a stand-in launch that
+    writes V's first key into every output row."""
+    monkeypatch.setattr(jit, "get_module", lambda spec: SimpleNamespace(spec=spec, rows_per_cta=64, split_align=64))
+    monkeypatch.setattr(_batch, "resident_ctas", lambda module, device: 132)
+
+    def launch(self, q, k, v, k_strides, v_strides, out, lse, v_offset=0, scales=None, sinks=0):
+        out.copy_(v[:1].repeat_interleave(4, dim=1).expand_as(out))
+        if lse is not None:
+            lse.copy_(q.float().sum(-1))
+    monkeypatch.setattr(_batch.BatchAttention, "_launch", launch)
+    w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(_workspace())
+    w._device = torch.device("cpu")
+    w.plan(**RAGGED_PLAN, causal=True)
+    return w
+
+
+def test_ragged_run_operators_give_o_of_v_width(host_ragged):
+    w = host_ragged
+    q, k, v = torch.randn(8, 8, QK).to(BF16), torch.randn(30, 2, QK).to(BF16), torch.randn(30, 2, VO).to(BF16)
+
+    def runs(q, k, v):
+        o, lse = w.run(q, k, v, return_lse=True)
+        out = torch.empty(8, 8, VO, dtype=BF16)
+        w.run(q, k, v, out=out)
+        o2, lse2 = w.run(q, k, v, lse=torch.empty(8, 8), return_lse=True)  # out allocated in the graph
+        return o, lse, out, o2
+
+    eager = runs(q, k, v)
+    compiled, graphs = _compiled_graphs(runs, q, k, v, backend="aot_eager")
+    assert {"flashjit.batch_prefill_ragged_run.default", "flashjit.batch_prefill_ragged_run_out.default"} \
+        <= set(_targets(graphs))
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+    assert compiled[0].shape == compiled[3].shape == (8, 8, VO)
+    for return_lse in (False, True):
+        opcheck(_op("batch_prefill_ragged_run"), (w._handle, q, k, v, return_lse), test_utils=OPCHECK)
+    opcheck(_op("batch_prefill_ragged_run_out"), (w._handle, q, k, v, torch.empty(8, 8, VO, dtype=BF16),
+                                                  torch.empty(8, 8)), test_utils=OPCHECK)
+    with FakeTensorMode():
+        o = w.run(*(torch.empty(t.shape, dtype=BF16, device="cuda") for t in (q, k, v)))
+    assert o.shape == (8, 8, VO)
+
+
+# ---------------------------------------------------------------------------
+# The float64 reference
+
+
+def test_reference_output_takes_v_width():
+    """Each output column is its own weighted sum: V's first 128 columns give
+    the first 128 of a 192-wide V's output (to float64 rounding)."""
+    q, k, v = torch.randn(9, 4, QK), torch.randn(30, 2, QK), torch.randn(30, 2, QK)
+    full, lse = attention_reference(q, k, v, causal=True)
+    narrow, narrow_lse = attention_reference(q, k, v[..., :VO].contiguous(), causal=True)
+    assert narrow.shape == (9, 4, VO) and torch.equal(narrow_lse, lse)
+    torch.testing.assert_close(narrow, full[..., :VO], rtol=1e-12, atol=1e-12)
