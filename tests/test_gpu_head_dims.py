@@ -4,8 +4,12 @@ tensor cores (fp16, bf16), causal and not, GQA 8/2, each against the float64
 reference within its own tolerance profile (LSE too), on fresh random inputs
 with poisoned outputs; per head dim one sinks case, one soft-cap + sliding
 window case, the `auto` choice (fa2: fa3 generates 64, 128 and 256 only) and
-the KV append. tests/sweep.py keeps the main sweep at 64/128/256; these
-configurations are built by their own prewarm, in one parallel build."""
+the KV append. V narrower than Q and K (head_dim_qk 192, head_dim_vo 128,
+DeepSeek-V2/V3's prefill): single and ragged prefill on the fa2 tensor cores
+(fp16, bf16) and CUDA cores (bf16, fp32), causal and not, GQA 8/2, with LSE,
+a split-KV batch whose merge combines 128-wide states, and sinks.
+tests/sweep.py keeps the main sweep at 64/128/256; these configurations are
+built by their own prewarm, in one parallel build."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from sweep import path_kwargs, spec_for, spec_path
 from test_gpu_attention import RAGGED_BATCHES, check, poison_allocator, randn
 from test_gpu_paged import DECODE_LENS, PREFILL_KV, PREFILL_QO, decode_case, prefill_case
 from test_gpu_sinks import Case, make_sinks, run_and_check
+from test_gpu_sinks import Problem as SinkProblem, check as sink_check
 
 pytestmark = pytest.mark.gpu
 
@@ -33,6 +38,9 @@ DECODE_PATHS = [(F16, False), (BF16, False), (F32, False), (F16, True), (BF16, T
 CAUSAL = [False, True]
 # Both caps together (the flag pair that presses hardest on registers).
 CAP_WINDOW = {"window_left": 70, "logits_soft_cap": 30.0}
+# head_dim_qk / head_dim_vo (spec.QK_VO_HEAD_DIMS) and the paths that take them.
+QK, VO = 192, 128
+VO_PATHS = [(F16, "fa2"), (BF16, "fa2"), (BF16, "cc"), (F32, "cc")]
 
 
 def prefill_id(pair) -> str:
@@ -48,6 +56,11 @@ def cap_window_spec(head_dim: int) -> KernelSpec:
                            soft_cap=True, return_lse=True)
 
 
+def vo_spec(op: str, dtype, path: str, causal: bool) -> KernelSpec:
+    """The configuration the ops pick for V 128 wide beside Q and K 192 wide."""
+    return spec_for(op, dtype, QK, causal, "lse", **spec_path(path)).replace(head_dim_vo=VO)
+
+
 def used_specs() -> list[KernelSpec]:
     """Every configuration these tests run (the sinks case and `auto` reuse the ragged and single-prefill ones)."""
     specs = []
@@ -58,6 +71,8 @@ def used_specs() -> list[KernelSpec]:
         specs += [spec_for(op, dtype, d, False, "lse" if op == "single_decode" else "plain", tensor_cores=tc)
                   for dtype, tc in DECODE_PATHS for op in ("single_decode", "batch_decode_paged")]
         specs += [cap_window_spec(d), KernelSpec.make("append_paged", BF16, d)]
+    specs += [vo_spec(op, dtype, path, causal) for op in ("single_prefill", "batch_prefill_ragged")
+              for dtype, path in VO_PATHS for causal in CAUSAL]
     return list(dict.fromkeys(specs))
 
 
@@ -222,3 +237,96 @@ def test_append_writes_every_head_dim(built, head_dim):
     written = torch.zeros(cache.shape[:3], dtype=torch.bool, device="cuda")
     written[page, :, slot] = True
     assert torch.equal(cache[~written], before[~written])
+
+
+# ---------------------------------------------------------------------------
+# V narrower than Q and K: head_dim_qk 192, head_dim_vo 128
+
+
+def planned_vo(dtype, path: str, causal: bool, qo_lens, kv_lens, **plan_kw):
+    """(wrapper planned with head_dim_vo, q, k, v, qo_indptr, kv_indptr) of a ragged batch."""
+    num_qo, num_kv = HEADS
+    qo_indptr = torch.tensor([0] + list(qo_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    kv_indptr = torch.tensor([0] + list(kv_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = randn(int(qo_indptr[-1]), num_qo, QK, dtype=dtype)
+    k, v = randn(int(kv_indptr[-1]), num_kv, QK, dtype=dtype), randn(int(kv_indptr[-1]), num_kv, VO, dtype=dtype)
+    wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"),
+                                                            backend=path_kwargs(path)["backend"])
+    wrapper.plan(qo_indptr, kv_indptr, num_qo, num_kv, QK, head_dim_vo=VO, causal=causal, q_data_type=dtype,
+                 use_tensor_cores=path != "cc", **plan_kw)
+    assert wrapper._plan.module.spec == vo_spec("batch_prefill_ragged", dtype, path, causal)
+    return wrapper, q, k, v, qo_indptr.tolist(), kv_indptr.tolist()
+
+
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
+@pytest.mark.parametrize("dtype,path", VO_PATHS, ids=[prefill_id(p) for p in VO_PATHS])
+def test_single_prefill_v_narrower(built, error_report, dtype, path, causal):
+    """o [qo_len, heads, 128]; (513, 77) causal: rows without keys; (16, 5000): split keys, 128-wide states merged."""
+    num_qo, num_kv = HEADS
+    spec = vo_spec("single_prefill", dtype, path, causal)
+    for qo_len, kv_len in [(1, 1), (37, 300), (513, 77), (16, 5000)]:
+        q, k = randn(qo_len, num_qo, QK, dtype=dtype), randn(kv_len, num_kv, QK, dtype=dtype)
+        v = randn(kv_len, num_kv, VO, dtype=dtype)
+        poison_allocator()
+        out, lse = flashjit.single_prefill_with_kv_cache(q, k, v, causal=causal, return_lse=True,
+                                                         **path_kwargs(path))
+        torch.cuda.synchronize()
+        assert out.shape == (qo_len, num_qo, VO) and lse.shape == (qo_len, num_qo)
+        ref, ref_lse = attention_reference(q, k, v, causal=causal)
+        check(spec, out, ref, q, k, v, kv_len, 1 / math.sqrt(QK), error_report, "single_prefill_vo", lse=lse,
+              ref_lse=ref_lse, shape=f"{qo_len}x{kv_len}", heads=HEADS)
+
+
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
+@pytest.mark.parametrize("dtype,path", VO_PATHS, ids=[prefill_id(p) for p in VO_PATHS])
+def test_batch_prefill_ragged_v_narrower(built, error_report, dtype, path, causal):
+    num_qo = HEADS[0]
+    spec = vo_spec("batch_prefill_ragged", dtype, path, causal)
+    for batch, (qo_lens, kv_lens) in sorted(RAGGED_BATCHES.items()):
+        wrapper, q, k, v, qo_indptr, kv_indptr = planned_vo(dtype, path, causal, qo_lens, kv_lens)
+        out = torch.full((q.shape[0], num_qo, VO), float("nan"), dtype=dtype, device="cuda")
+        lse = torch.full((q.shape[0], num_qo), float("nan"), device="cuda")
+        wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
+        torch.cuda.synchronize()
+        ref, ref_lse = ragged_reference(q, k, v, qo_indptr, kv_indptr, causal=causal)
+        check(spec, out, ref, q, k, v, max(kv_lens), 1 / math.sqrt(QK), error_report, "batch_prefill_ragged_vo",
+              lse=lse, ref_lse=ref_lse, shape=batch, heads=HEADS)
+
+
+@pytest.mark.parametrize("dtype,path", [(BF16, "fa2"), (F32, "cc")], ids=["bfloat16-fa2", "float32-cc"])
+def test_ragged_split_kv_merges_v_narrower_states(built, error_report, dtype, path):
+    """Long keys, few rows, chunks of 512 keys: the merge pass combines 128-wide partial states."""
+    qo_lens, kv_lens = [4, 1, 16], [9000, 300, 3000]
+    wrapper, q, k, v, qo_indptr, kv_indptr = planned_vo(dtype, path, True, qo_lens, kv_lens, fixed_split_size=512)
+    assert wrapper._plan.work.kv_chunk > 0 and wrapper._plan.work.merge_indptr is not None, "meant to split"
+    poison_allocator()
+    out, lse = wrapper.run(q, k, v, return_lse=True)
+    torch.cuda.synchronize()
+    assert out.shape == (sum(qo_lens), HEADS[0], VO)
+    ref, ref_lse = ragged_reference(q, k, v, qo_indptr, kv_indptr, causal=True)
+    check(vo_spec("batch_prefill_ragged", dtype, path, True), out, ref, q, k, v, max(kv_lens), 1 / math.sqrt(QK),
+          error_report, "ragged_split_vo", lse=lse, ref_lse=ref_lse, shape="split512", heads=HEADS)
+
+
+def test_sinks_v_narrower(built, error_report):
+    """Ragged causal prefill on fa2, bf16: random sinks and sinks that dominate
+    every row within the profile; sinks of -inf bit for bit no sinks."""
+    qo_lens, kv_lens = RAGGED_BATCHES["mixed"]
+    wrapper, q, k, v, _, _ = planned_vo(BF16, "fa2", True, qo_lens, kv_lens)
+    problem = SinkProblem(vo_spec("batch_prefill_ragged", BF16, "fa2", True), q, k, v, list(qo_lens), list(kv_lens),
+                          causal=True)
+
+    def run(sinks):
+        poison_allocator()
+        res = wrapper.run(q, k, v, return_lse=True, sinks=sinks)
+        torch.cuda.synchronize()
+        return res
+
+    for kind in ("randn", "dominant"):
+        sinks = make_sinks(kind)
+        out, lse = run(sinks)
+        sink_check(problem, sinks, out, lse, error_report, "ragged_sinks_vo", dominant=kind == "dominant", kind=kind,
+                   shape="mixed")
+    out, lse = run(None)
+    out_inf, lse_inf = run(make_sinks("none"))
+    assert torch.equal(out_inf, out) and torch.equal(lse_inf, lse)
