@@ -272,7 +272,7 @@ class KernelSpec:
             fail(f"an FP8 KV cache on backend fa3 is not yet generated", supported + " (backend fa2)",
                  self.replace(backend="fa2"))
         if self.head_dim_qk != self.head_dim_vo:
-            fail(f"an FP8 KV cache with head_dim_qk={self.head_dim_qk} != head_dim_vo={self.head_dim_vo} is not "
+            fail(f"an FP8 KV cache with head_dim_qk={self.head_dim_qk} != head_dim_vo={self.head_dim_vo} is not yet "
                  f"generated", f"{supported}, with equal head dims; {qk_vo_text()}", plain)
         return self
 
