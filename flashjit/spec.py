@@ -58,6 +58,10 @@ DECODE_OPS = ("single_decode", "batch_decode_paged")
 PLANNED_OPS: dict[str, str] = {}
 # Every multiple of 16 from 32 to 256 (Phi's 80 and 96, 112, 160, 192, ...).
 HEAD_DIMS = tuple(range(32, 257, 16))
+# Ops that take a custom mask (FlashInfer's custom_mask / packed_custom_mask),
+# and whether the CUDA-core kernels read it yet.
+MASK_OPS = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")
+MASK_ON_CUDA_CORES = False
 # The head dims the fa3 backend generates; others run on fa2 (arch.choose_backend).
 FA3_HEAD_DIMS = (64, 128, 256)
 # (head_dim_qk, head_dim_vo) pairs with V and O narrower than Q and K (DeepSeek-V2/V3's
@@ -143,6 +147,9 @@ class KernelSpec:
     sliding_window: bool = False
     soft_cap: bool = False
     return_lse: bool = False
+    # A per-request bit mask of which keys each query sees (speculative
+    # decoding's token trees): params.custom_mask, work.cuh CustomMask.
+    custom_mask: bool = False
 
     @classmethod
     def make(cls, op: str, dtype, head_dim: int, *, head_dim_vo: int | None = None, dtype_kv=None,
@@ -169,8 +176,8 @@ class KernelSpec:
         if self.op not in UTILITY_OPS:  # a copy has no backend or cores to name
             parts.append(self.backend)
             parts.append("tc" if self.use_tensor_cores else "cc")
-        for flag, label in (("causal", "causal"), ("sliding_window", "swa"), ("soft_cap", "softcap"),
-                            ("return_lse", "lse")):
+        for flag, label in (("causal", "causal"), ("custom_mask", "mask"), ("sliding_window", "swa"),
+                            ("soft_cap", "softcap"), ("return_lse", "lse")):
             if getattr(self, flag):
                 parts.append(label)
         return "_".join(parts)
@@ -204,6 +211,8 @@ class KernelSpec:
                 raise ValueError(f"{field}: expected one of {sorted(DTYPES)}, got {getattr(self, field)!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS} (or 'auto' in the ops), got {self.backend!r}")
+        if self.custom_mask:
+            self._validate_mask(fail)
         if self.dtype_kv in KV_ONLY_DTYPES or self.dtype_q in KV_ONLY_DTYPES or self.dtype_o in KV_ONLY_DTYPES:
             return self._validate_fp8(fail)
         if self.dtype_kv != self.dtype_q or self.dtype_o != self.dtype_q:
@@ -245,6 +254,22 @@ class KernelSpec:
                  f"fa3 for head dims {', '.join(map(str, FA3_HEAD_DIMS))}; every head dim ({head_dims_text()}) on fa2",
                  self.replace(backend="fa2"))
         return self
+
+    def _validate_mask(self, fail) -> None:
+        """A custom mask: prefill ops, without causal (the mask says it), on the
+        backends of MASK_PATHS."""
+        plain = self.replace(custom_mask=False)
+        if self.op not in MASK_OPS:
+            fail(f"custom_mask on {self.op}", f"custom masks on {', '.join(MASK_OPS)}", plain)
+        if self.causal:
+            fail("custom_mask with causal=True", "a custom mask with causal=False (the mask holds the causal part, "
+                 "as FlashInfer's)", self.replace(causal=False))
+        if self.use_tensor_cores and self.backend == "fa3":
+            fail("custom_mask on fa3", "custom masks on fa2 tensor cores (the fa3 backend has none yet)",
+                 self.replace(backend="fa2"))
+        if not self.use_tensor_cores and not MASK_ON_CUDA_CORES:
+            fail("custom_mask on CUDA cores", "custom masks on fa2 tensor cores (fp16, bf16)",
+                 self.replace(use_tensor_cores=True, backend="fa2"))
 
     def _validate_fp8(self, fail) -> "KernelSpec":
         """An FP8 KV cache: q and o fp16 or bf16 (one dtype), on the families of FP8_KV_FAMILIES."""

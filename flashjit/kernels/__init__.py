@@ -69,6 +69,7 @@ def template_for(spec: KernelSpec, arches=None) -> tuple[str, dict]:
         "sliding_window": spec.sliding_window,
         "soft_cap": spec.soft_cap,
         "return_lse": spec.return_lse,
+        "custom_mask": spec.custom_mask,
         "paged": spec.op in PAGED_OPS,
     }
     if spec.op == "append_paged":

@@ -184,8 +184,10 @@ def tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
     wide = FA2_WIDE_TILINGS.get(spec.head_dim_qk)
     # An FP8 cache keeps FA2_TILINGS: the wide tilings load K/V by TMA into the
     # tiles the MMAs read, and FP8 tiles need the widening pass (fa2_fp8.cuh).
+    # So does a custom mask: the wide tilings sit at the register cap, and a
+    # mask's bit reads on every step are not what they were tuned for.
     if (wide is not None and arches and spec.op not in DECODE_OPS and spec.op not in PAGED_OPS
-            and not _wide_spills(spec) and spec.dtype_kv == spec.dtype_q
+            and not _wide_spills(spec) and spec.dtype_kv == spec.dtype_q and not spec.custom_mask
             and all(wide.min_blocks_per_sm * (wide.smem_bytes(spec) + common.SMEM_RESERVED_PER_CTA) <= common.SMEM_PER_SM.get(a, 0)
                     and a in WIDE_TILING_ARCHES for a in arches)):
         chosen = wide

@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FLASHJIT_ABI_VERSION 9
+#define FLASHJIT_ABI_VERSION 10
 
 extern "C" {
 
@@ -85,6 +85,11 @@ struct FlashjitAttentionParams {
   // rows apply it (sink_fold.cuh): partial split-KV states leave it to the
   // merge, so it is counted once.
   const float* sinks;
+  // Custom masks (configurations with one): bits packed per request, little-
+  // endian, bit q * kv_len + key of a request's segment set where query q sees
+  // the key; its segment starts at byte mask_indptr[request] (work.cuh CustomMask).
+  const void* custom_mask;
+  const int32_t* mask_indptr;       // [batch + 1] byte offsets, or null: one request at byte 0
 
   // MLA only (mla_paged): the rotary part of the query, [tokens, num_qo_heads,
   // 64]; q then holds the 512-wide latent part, k the ckv cache and v the kpe

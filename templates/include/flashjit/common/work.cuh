@@ -33,6 +33,7 @@ struct CtaWork {
   int row_begin;         // first packed row of this CTA
   int kv_head;
   int group;             // query heads per KV head
+  int request;           // the request's index in the batch (0 for a single request)
 
   // Packed rows -> query token and query head, dividing by the group with a
   // multiply-high. Built once before a loop over rows and dropped after it (not
@@ -125,6 +126,7 @@ __device__ __forceinline__ CtaWork decode_work_at(const FlashjitAttentionParams&
   }
   w.valid = request >= 0;
   if (!w.valid) request = 0;
+  w.request = request;
   if (p.qo_indptr != nullptr) {
     w.qo_start = p.qo_indptr[request];
     w.qo_len = p.qo_indptr[request + 1] - w.qo_start;
@@ -225,6 +227,26 @@ __device__ __forceinline__ KvRows<T, kPaged> kv_rows(const FlashjitAttentionPara
 __device__ __forceinline__ float kv_scale_value(const float* device_value, float value) {
   return device_value != nullptr ? *device_value : value;
 }
+
+// A custom mask (speculative decoding's token trees): bit q * kv_len + key of
+// the request's packed segment (little-endian within each byte, as
+// flashinfer.packbits(..., bitorder="little") packs) says whether query q sees
+// the key. The segment starts at byte mask_indptr[request] (byte 0 for a
+// single request without one).
+struct CustomMask {
+  const uint8_t* bits;
+  int kv_len;
+
+  __device__ __forceinline__ static CustomMask of(const FlashjitAttentionParams& p, const CtaWork& w) {
+    const uint8_t* base = static_cast<const uint8_t*>(p.custom_mask);
+    return {base + (p.mask_indptr != nullptr ? p.mask_indptr[w.request] : 0), w.kv_len};
+  }
+  // For key < kv_len.
+  __device__ __forceinline__ bool visible(int q, int key) const {
+    const int64_t bit = int64_t(q) * kv_len + key;
+    return (__ldg(bits + (bit >> 3)) >> (bit & 7)) & 1;
+  }
+};
 
 // Bottom-right aligned masks: query i of a request sees keys j with
 // j <= i + kv_len - qo_len (causal) and j >= that bound - window_left (window).

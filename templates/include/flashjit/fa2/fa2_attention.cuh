@@ -125,6 +125,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // of 2^30 keys or more already covers every key.
   const int window_left = Traits::kWindow ? min(p.window_left, 1 << 30) : 0;
   const Mask<Traits::kCausal, Traits::kWindow> mask{offset, window_left};
+  struct NoCustomMask {};
+  const std::conditional_t<Traits::kCustomMask, CustomMask, NoCustomMask> custom = [&] {
+    if constexpr (Traits::kCustomMask) {
+      return CustomMask::of(p, w);
+    } else {
+      return NoCustomMask{};
+    }
+  }();
 
   // Key range any row of the CTA can see, from a KEYS-aligned start, within
   // its split-KV chunk (whose bounds are multiples of KEYS).
@@ -318,7 +326,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       StepFlags f;
       f.skip = !warp_active || (Traits::kCausal && k0 > wq_last + offset) ||
                (Traits::kWindow && k0 + SKEYS - 1 < wq_first + offset - window_left);
-      f.mask = k0 + SKEYS > w.kv_len || (Traits::kCausal && k0 + SKEYS - 1 > wq_first + offset) ||
+      f.mask = Traits::kCustomMask || k0 + SKEYS > w.kv_len || (Traits::kCausal && k0 + SKEYS - 1 > wq_first + offset) ||
                (Traits::kWindow && k0 < wq_last + offset - window_left);
       return f;
     };
@@ -404,8 +412,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         for (int e = 0; e < 4; ++e) {
           const int key = k0 + 8 * j + 2 * tq + (e & 1);
           const int qo = q_off[e >> 1];
-          if (key >= w.kv_len || (Traits::kCausal && key > qo) || (Traits::kWindow && key < qo - window_left))
-            sf[j][e] = kNegInf;
+          bool hidden = key >= w.kv_len || (Traits::kCausal && key > qo) || (Traits::kWindow && key < qo - window_left);
+          if constexpr (Traits::kCustomMask) hidden = hidden || !custom.visible(qo - offset, key);
+          if (hidden) sf[j][e] = kNegInf;
         }
     };
 

@@ -12,7 +12,8 @@ namespace flashjit {
 
 template <class DType_, class KvType_, int kHeadDim_, int kHeadDimVo_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
           bool kOneWait_, bool kFencePv_, bool kTmaKv_, bool kSlotRelease_, bool kQInRegs_, int kMinBlocksPerSm_,
-          bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_>
+          bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_,
+          bool kCustomMask_>
 struct Fa2Traits {
   using DType = DType_;
   // The K/V cache's element type: DType, or an FP8 format whose tiles land in
@@ -65,7 +66,7 @@ struct Fa2Traits {
   template <int kOtherMinBlocksPerSm>
   using WithMinBlocks = Fa2Traits<DType_, KvType_, kHeadDim_, kHeadDimVo_, kWarps_, kFragsM_, kKeysPerTile_, kSubTiles_, kStages_, kOneWait_,
                                   kFencePv_, kTmaKv_, kSlotRelease_, kQInRegs_, kOtherMinBlocksPerSm, kSplitKeys_, kPaged_, kCausal_, kWindow_, kSoftCap_,
-                                  kLse_>;
+                                  kLse_, kCustomMask_>;
   // Warps split each tile's keys instead of the rows (decode: the rows are
   // only one KV head's query heads, so one warp would do all the math while
   // the others wait at the barriers); their states merge at the end.
@@ -73,6 +74,9 @@ struct Fa2Traits {
   static constexpr bool kPaged = kPaged_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kWindow = kWindow_;
+  // A custom mask (work.cuh CustomMask): every step applies the element mask,
+  // whose bits the rows' queries read from global memory (L1-cached).
+  static constexpr bool kCustomMask = kCustomMask_;
   static constexpr bool kSoftCap = kSoftCap_;
   static constexpr bool kLse = kLse_;
 
