@@ -44,22 +44,23 @@ __device__ __forceinline__ void widen_fp8x16(const uint4& codes, uint4& lo, uint
 
 // Widens rows 0 .. kRows - 1 of the code tile at `src` (kDim bytes a row) into
 // the 16-bit tile of layout L at `dst`, kThreads threads (index `tid`) taking a
-// 16-byte chunk of codes each per pass. A chunk of codes is two chunks of the
-// 16-bit row: a quarter warp (one code row at kDim = 128) stores the first of
-// its pair into alternating halves of the row's 128-byte blocks, so that the
-// eight 16-byte stores of a phase meet eight different bank groups.
+// 16-byte chunk of codes each per pass: a row's chunks go to the next power of
+// two of threads (the threads past them idle at head dims 48, 80, 240, ...),
+// rows to the rest. A chunk of codes is two chunks of the 16-bit row: a
+// quarter warp (one code row at kDim = 128) stores the first of its pair into
+// alternating halves of the row's 128-byte blocks, so that the eight 16-byte
+// stores of a phase meet eight different bank groups.
 template <class KvT, class T, class L, int kRows, int kDim, int kThreads>
 __device__ __forceinline__ void widen_fp8_tile(uint32_t src, uint32_t dst, int tid) {
   constexpr int kChunks = kDim / 16;  // chunks of codes per row
-  // The last pass is partial where the tile's chunks are not a multiple of
-  // the threads (head dims 48, 80, 112, ...).
-  constexpr int kPasses = (kRows * kChunks + kThreads - 1) / kThreads;
-  constexpr bool kWhole = kRows * kChunks % kThreads == 0;
+  constexpr int kLanes = kChunks <= 1 ? 1 : 1 << (32 - __builtin_clz(kChunks - 1));
+  constexpr int kRowsPerPass = kThreads / kLanes;
+  static_assert(kThreads % kLanes == 0 && kRows % kRowsPerPass == 0, "whole passes over the tile");
+  const int c = tid % kLanes, row0 = tid / kLanes;
+  if (kLanes != kChunks && c >= kChunks) return;
 #pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int idx = tid + i * kThreads;
-    if (!kWhole && idx >= kRows * kChunks) break;
-    const int row = idx / kChunks, c = idx % kChunks;
+  for (int i = 0; i < kRows / kRowsPerPass; ++i) {
+    const int row = row0 + i * kRowsPerPass;
     uint4 lo, hi;
     widen_fp8x16<KvT, T>(ld_shared_16(src + row * kDim + c * 16), lo, hi);
     const int first = (c / 4) % 2;
