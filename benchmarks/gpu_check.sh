@@ -27,6 +27,7 @@
 # decode.py (with $BASELINE_TEMPLATES: dev/decode_tilings.py, the shipped decode
 # tiling from each folder and from this tree in one run), each step under a time
 # limit.
+# TEST_FILES="tests/a.py tests/b.py" runs those GPU test files instead of the whole suite.
 # SKIP_TESTS=1 leaves out the GPU tests, SKIP_DECODE=1 decode.py, SKIP_BENCH=1 the
 # invariant mode's benchmark. FlashInfer comes
 # from .whl/site.txz (benchmarks/dev/pack_flashinfer.sh) or wheels in .whl/.
@@ -46,7 +47,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee
 
 start=$(date +%s)
 test_rc=skipped
-targets=(tests)  # fp8: the FP8 KV-cache GPU test files alone
+targets=(${TEST_FILES:-tests})  # $TEST_FILES: these test files alone; fp8: the FP8 KV-cache GPU test files
 [ "$MODE" = fp8 ] && targets=($(ls tests/test_gpu_fp8.py tests/test_gpu_*fp8*.py 2>/dev/null | sort -u)) &&
   export FLASHJIT_PREWARM_FP8=1  # the prewarm fixture builds the FP8 configurations alone
 if [ "$MODE" != bench ] && [ -z "${SKIP_TESTS:-}" ]; then
