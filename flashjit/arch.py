@@ -238,7 +238,7 @@ _warned_fallbacks: set = set()
 def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: str,
                    targets: tuple[str, ...] | None = None, strict: bool | None = None,
                    kv_dtype: str | None = None, head_dim: int | None = None,
-                   head_dim_vo: int | None = None) -> tuple[str, bool, str]:
+                   head_dim_vo: int | None = None, custom_mask: bool = False) -> tuple[str, bool, str]:
     """Resolves backend='auto' / use_tensor_cores=None for arches `targets`
     (None: backend_targets()): returns (backend, use_tensor_cores, reason).
     Tensor cores for fp16/bf16 prefill; CUDA cores for fp32 and for decode,
@@ -252,7 +252,9 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
     KV cache's dtype (None: q's), which fa3 reads for FA3_FP8_OPS only.
     head_dim: Q's and K's (None: not known yet), which fa3 generates for
     FA3_HEAD_DIMS only (MLA has its own geometry); head_dim_vo: V's and O's
-    (None: head_dim's), which fa3 generates equal to head_dim only."""
+    (None: head_dim's), which fa3 generates equal to head_dim only.
+    custom_mask: the call has one, which fa3 does not read (spec.MASK_OPS);
+    CUDA cores are the ops' error (ops._masks.check_cores), not a choice here."""
     from .kernels import fa3
     from .spec import DECODE_OPS, FA3_FP8_OPS, FA3_HEAD_DIMS, FA3_OPS, KV_ONLY_DTYPES, MLA_OPS, \
         TENSOR_CORE_DTYPES, TENSOR_CORE_OPS
@@ -281,6 +283,8 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
                    + (f" ({device_name()})" if on_this_gpu else ""))
     elif op not in FA3_OPS:
         why_not = f"fa3 does not generate {op} (it does {', '.join(FA3_OPS)})"
+    elif custom_mask:
+        why_not = "fa3 has no custom masks"
     elif head_dim_vo is not None and head_dim is not None and head_dim_vo != head_dim and op not in MLA_OPS:
         why_not = f"fa3 does not generate head_dim_qk={head_dim} with head_dim_vo={head_dim_vo} (it needs them equal)"
     elif head_dim is not None and op not in MLA_OPS and head_dim not in FA3_HEAD_DIMS:

@@ -153,7 +153,7 @@ def prewarm_command(spec: KernelSpec, arches) -> str:
 
     # Batch-invariant decode is what --batch-invariant makes of the plain decode op (its backend: auto's).
     mode = ("--causal off --batch-invariant", "") if spec.invariant_decode else \
-        (f"--causal {switch(spec.causal)}", f"--backend {spec.backend} ")
+        (f"--causal {switch(spec.causal)}" + (" --mask custom" if spec.custom_mask else ""), f"--backend {spec.backend} ")
     kv = f"--kv-dtype {spec.dtype_kv} " if spec.dtype_kv != spec.dtype_q else ""
     vo = f"--head-dim-vo {spec.head_dim_vo} " if spec.head_dim_vo != spec.head_dim_qk and spec.op not in MLA_OPS else ""
     return (f"flashjit prewarm --op {spec.op} --dtype {spec.dtype_q} {kv}--head-dim {spec.head_dim_qk} {vo}"

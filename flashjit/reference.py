@@ -1,7 +1,7 @@
 """Exact attention in float64: the reference every tolerance profile is measured
 against. Same semantics as the kernels: bottom-right causal alignment, sliding
-window, soft-cap, GQA; a query that sees no key outputs 0 with LSE -inf; LSE is
-base 2."""
+window, soft-cap, custom masks, GQA; a query that sees no key outputs 0 with
+LSE -inf; LSE is base 2."""
 
 from __future__ import annotations
 
@@ -13,14 +13,17 @@ import torch
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
                         kv_layout: str = "NHD", k_scale=None, v_scale=None,
-                        sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        sinks: torch.Tensor | None = None,
+                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [qo_len, H, D], k [kv_len, Hkv, D], v [kv_len, Hkv, Dv] (NHD; Dv: head_dim_vo, D's or
     narrower) -> (o [qo_len, H, Dv] float64, lse [qo_len, H] float64); sm_scale defaults to 1/sqrt(D).
     k_scale / v_scale (an FP8 cache's; floats or one-element tensors): the keys and
     values are k * k_scale and v * v_scale, dequantised in float64 (exact for FP8
     codes times an fp32 scale), so the cache's quantisation is not in the error.
     sinks ([H], natural units): one more logit per row, after the scale and the
-    soft-cap, whose probability joins the denominator (and the LSE) but not the output."""
+    soft-cap, whose probability joins the denominator (and the LSE) but not the output.
+    mask ([qo_len, kv_len] bool, True: the query sees the key): a custom mask,
+    applied with the causal and window masks."""
     if kv_layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     qo_len, num_heads, head_dim = q.shape
@@ -41,6 +44,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         visible &= j <= i + (kv_len - qo_len)
     if window_left is not None and window_left >= 0:
         visible &= j >= i + (kv_len - qo_len) - window_left
+    if mask is not None:
+        visible &= mask.to(device=q.device, dtype=torch.bool).reshape(qo_len, kv_len)
     logits = logits.masked_fill(~visible, -math.inf)
     lse = torch.logsumexp(logits, dim=-1)                      # [H, qo_len], natural log
     if sinks is not None:
@@ -60,15 +65,30 @@ def _scale(scale) -> float:
     return float(scale.float().double().item())
 
 
-def ragged_reference(q, k, v, qo_indptr, kv_indptr, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention_reference per request of a packed NHD batch."""
+def ragged_reference(q, k, v, qo_indptr, kv_indptr, masks=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_reference per request of a packed NHD batch; masks: one
+    [qo_len, kv_len] bool mask per request (request_masks splits a flat one), or None."""
     outs, lses = [], []
     for b in range(len(qo_indptr) - 1):
         qs, qe, ks, ke = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_indptr[b]), int(kv_indptr[b + 1])
-        o, lse = attention_reference(q[qs:qe], k[ks:ke], v[ks:ke], **kwargs)
+        mask = {"mask": masks[b]} if masks is not None else {}
+        o, lse = attention_reference(q[qs:qe], k[ks:ke], v[ks:ke], **kwargs, **mask)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
+
+
+def request_masks(mask: torch.Tensor, qo_lens, kv_lens) -> list[torch.Tensor]:
+    """A batch's flat custom mask (each request's [qo_len, kv_len] pairs row-major,
+    request after request, as the prefill wrappers' plan() takes it) as one bool
+    [qo_len, kv_len] tensor per request."""
+    flat, out, start = mask.reshape(-1).to(torch.bool), [], 0
+    for qo_len, kv_len in zip(qo_lens, kv_lens):
+        out.append(flat[start:start + qo_len * kv_len].view(qo_len, kv_len))
+        start += qo_len * kv_len
+    if start != flat.numel():
+        raise ValueError(f"mask: expected {start} elements (sum of qo_len * kv_len), got {flat.numel()}")
+    return out
 
 
 def mla_reference(q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_indices, kv_len_arr, *,

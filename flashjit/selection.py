@@ -1,6 +1,6 @@
 """Which configurations a selection names: prewarm's and `flashjit numerics`'
 selectors (--preset, --op, --dtype, --kv-dtype, --head-dim, --head-dim-vo, --backend,
---tensor-cores and the variant switches) resolved for the target arches into validated KernelSpecs, and
+--tensor-cores, --mask and the variant switches) resolved for the target arches into validated KernelSpecs, and
 the few lines prewarm prints about them. A selection that names nothing, or a
 combination the spec rejects, is a SelectionError in the flags' words (the
 flags themselves are defined and checked one by one in selectors.py)."""
@@ -11,8 +11,9 @@ import itertools
 
 from .arch import choose_backend
 from .spec import _DTYPE_ALIASES as DTYPE_ALIASES
-from .spec import DECODE_OPS, DTYPES, FP8_KV_FAMILIES, HEAD_DIMS, KV_ONLY_DTYPES, MLA_OPS, OPS, QK_VO_HEAD_DIMS, \
-    QK_VO_OPS, TENSOR_CORE_DTYPES, UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec, or_list
+from .spec import DECODE_OPS, DTYPES, FP8_KV_FAMILIES, HEAD_DIMS, KV_ONLY_DTYPES, MASK_ON_CUDA_CORES, MASK_OPS, \
+    MLA_OPS, OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, TENSOR_CORE_DTYPES, UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec, \
+    or_list
 
 # Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
 ALWAYS_LSE = {"batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged"}
@@ -81,12 +82,13 @@ def short_dtype(dtype: str) -> str:
 
 
 def _switch(value: str) -> list:
-    """on / off / both; auto (--tensor-cores only) is None: what the ops' auto choice takes."""
-    return {"on": [True], "off": [False], "both": [False, True], "auto": [None]}[value]
+    """on / off / both; auto (--tensor-cores only) is None: what the ops' auto choice takes;
+    --mask's custom is on."""
+    return {"on": [True], "custom": [True], "off": [False], "both": [False, True], "auto": [None]}[value]
 
 
 def _backends(op: str, dtype: str, tc: bool, backend: str, arches, kv_dtype: str | None = None,
-              head_dim: int | None = None, head_dim_vo: int | None = None) -> list[str]:
+              head_dim: int | None = None, head_dim_vo: int | None = None, mask: bool = False) -> list[str]:
     """The backends the ops would run for `backend` on each of the target arches
     (an explicit fa3 where it cannot run: fa2, with the ops' warning; under
     FLASHJIT_STRICT_BACKEND a SelectionError naming --backend)."""
@@ -94,7 +96,8 @@ def _backends(op: str, dtype: str, tc: bool, backend: str, arches, kv_dtype: str
         return ["fa2"]
     try:
         return list(dict.fromkeys(choose_backend(op, dtype, tc, backend, targets=(a,), kv_dtype=kv_dtype,
-                                                 head_dim=head_dim, head_dim_vo=head_dim_vo)[0] for a in arches))
+                                                 head_dim=head_dim, head_dim_vo=head_dim_vo,
+                                                 custom_mask=mask)[0] for a in arches))
     except ValueError as exc:  # "backend='fa3' cannot run here: <why>; use ..."
         why = str(exc).split("cannot run here: ", 1)[-1].split("; use ", 1)[0]
         raise SelectionError(f"--backend {backend}: {why}; choose --backend fa2 or auto, or unset "
@@ -109,8 +112,9 @@ def flag_words(spec: KernelSpec) -> str:
     kv = f" --kv-dtype {short_dtype(spec.dtype_kv)}" if spec.dtype_kv in KV_ONLY_DTYPES else ""
     vo = f" --head-dim-vo {spec.head_dim_vo}" if spec.head_dim_vo != spec.head_dim_qk and spec.op not in MLA_OPS else ""
     return (f"--op {spec.op} --dtype {short_dtype(spec.dtype_q)}{kv} --head-dim {spec.head_dim_qk}{vo} --backend "
-            f"{spec.backend} --tensor-cores {switch(spec.use_tensor_cores)} --causal {switch(spec.causal)} --window "
-            f"{switch(spec.sliding_window)} --soft-cap {switch(spec.soft_cap)} --lse {switch(spec.return_lse)}")
+            f"{spec.backend} --tensor-cores {switch(spec.use_tensor_cores)} --causal {switch(spec.causal)}"
+            f"{' --mask custom' if spec.custom_mask else ''} --window {switch(spec.sliding_window)} --soft-cap "
+            f"{switch(spec.soft_cap)} --lse {switch(spec.return_lse)}")
 
 
 def _validated(spec: KernelSpec) -> KernelSpec:
@@ -122,9 +126,17 @@ def _validated(spec: KernelSpec) -> KernelSpec:
 
 
 def _left_out(op: str, dtype: str, tc: bool, causal: bool, window: bool, cap: bool, lse: bool,
-              kv_dtype: str | None = None, dims: tuple[int, int] | None = None) -> str | None:
+              kv_dtype: str | None = None, dims: tuple[int, int] | None = None, mask: bool = False) -> str | None:
     """Why a combination of the selectors' values names no configuration (None: it names one).
-    dims: (head_dim_qk, head_dim_vo) (None: equal)."""
+    dims: (head_dim_qk, head_dim_vo) (None: equal); mask: --mask custom's."""
+    if mask:
+        if op not in MASK_OPS:
+            return f"--mask custom: {op} takes no custom mask ({', '.join(MASK_OPS)} do)"
+        if causal:
+            return "--mask custom with --causal on: a custom mask holds the causal part; choose --causal off"
+        if not tc and not MASK_ON_CUDA_CORES:
+            return (f"--mask custom runs on the fa2 tensor cores with fp16 or bf16 (not {short_dtype(dtype)} on CUDA "
+                    f"cores); choose --tensor-cores on or auto")
     if dims is not None and dims[0] != dims[1] and op not in MLA_OPS:
         if op not in QK_VO_OPS:
             return (f"--head-dim-vo {dims[1]}: {op} takes V as wide as Q and K (--head-dim {dims[0]}); "
@@ -184,12 +196,15 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
     specs, reasons = [], []
     combos = itertools.chain.from_iterable(itertools.product(
         part["ops"], dtypes, kv_dtypes, dim_pairs, args.backend, _switch(part["tensor_cores"]),
-        _switch(part["causal"]), _switch(args.window), _switch(args.soft_cap), _switch(args.lse))
+        _switch(part["causal"]), _switch(getattr(args, "mask", None) or "off"), _switch(args.window),
+        _switch(args.soft_cap), _switch(args.lse))
         for part in preset_parts(args))
-    for op, dtype, kv_dtype, (head_dim, head_dim_vo), backend, tc, causal, window, cap, lse in combos:
+    for op, dtype, kv_dtype, (head_dim, head_dim_vo), backend, tc, causal, mask, window, cap, lse in combos:
         if tc is None:
             tc = op in MLA_OPS or (False if op in UTILITY_OPS else choose_backend(op, dtype, None, "fa2")[1])
-        reason = _left_out(op, dtype, tc, causal, window, cap, lse, kv_dtype, (head_dim, head_dim_vo))
+        if mask and causal and getattr(args, "causal", None) is None:  # the preset's causal: a mask holds its own
+            causal = False
+        reason = _left_out(op, dtype, tc, causal, window, cap, lse, kv_dtype, (head_dim, head_dim_vo), mask)
         if reason is not None:
             reasons.append(reason)
             continue
@@ -200,10 +215,11 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
                 specs += [_validated(mla_spec(dtype, causal=causal, backend=chosen))
                           for chosen in _backends(op, dtype, True, backend, arches)]
             continue
-        for chosen in _backends(op, dtype, tc, backend, arches, kv_dtype, head_dim, head_dim_vo):
+        for chosen in _backends(op, dtype, tc, backend, arches, kv_dtype, head_dim, head_dim_vo, mask):
             specs.append(_validated(KernelSpec.make(
                 op, dtype, head_dim, head_dim_vo=head_dim_vo, dtype_kv=kv_dtype, backend=chosen, use_tensor_cores=tc,
-                causal=causal, sliding_window=window, soft_cap=cap, return_lse=lse or op in ALWAYS_LSE)))
+                causal=causal, sliding_window=window, soft_cap=cap, return_lse=lse or op in ALWAYS_LSE,
+                custom_mask=mask)))
     if not specs and reasons:
         raise SelectionError("the selection is empty: " + "; ".join(dict.fromkeys(reasons)))
     if getattr(args, "batch_invariant", False):

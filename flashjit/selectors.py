@@ -1,6 +1,6 @@
 """The selector flags `flashjit prewarm` and `flashjit numerics` share (--op,
---dtype, --kv-dtype, --head-dim, --head-dim-vo, --backend, --tensor-cores, --causal, --window, --soft-cap,
---lse, --preset, and prewarm's --arch): their help, and their values checked in
+--dtype, --kv-dtype, --head-dim, --head-dim-vo, --backend, --tensor-cores, --causal, --mask, --window,
+--soft-cap, --lse, --preset, and prewarm's --arch): their help, and their values checked in
 the flags' own words before torch is imported or a GPU probed.
 
 Every accepted set comes from flashjit.spec, flashjit.arch and
@@ -18,10 +18,11 @@ import textwrap
 from .arch import ARCHES, DEFAULT_ARCHES, normalize_arch
 from .errors import ToolchainError
 from .selection import PRESETS, SelectionError, choices_text, dtype_names, head_dim_pairs, short_dtype
-from .spec import BACKENDS, FA3_HEAD_DIMS, HEAD_DIMS, KV_ONLY_DTYPES, MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_OPS, \
-    OPS, PLANNED_OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, canonical_dtype, head_dims_text, nearest_head_dims
+from .spec import BACKENDS, FA3_HEAD_DIMS, HEAD_DIMS, KV_ONLY_DTYPES, MASK_OPS, MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, \
+    MLA_OPS, OPS, PLANNED_OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, canonical_dtype, head_dims_text, nearest_head_dims
 
 SWITCHES = ("on", "off", "both")
+MASK_CHOICES = ("off", "custom", "both")
 TENSOR_CORE_CHOICES = ("auto", *SWITCHES)
 BACKEND_CHOICES = ("auto", *BACKENDS)
 MLA_HEAD_DIM = MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE
@@ -95,6 +96,10 @@ def add_selectors(parser) -> None:
                              "configuration with and without (default: the preset's, else auto)")
     parser.add_argument("--causal", metavar=_switch_metavar(SWITCHES),
                         help="the causal-mask variant (default: the preset's, else both; decode ops have none)")
+    parser.add_argument("--mask", default="off", metavar=_switch_metavar(MASK_CHOICES),
+                        help=f"custom masks (FlashInfer's custom_mask; configurations named _mask): off (default), "
+                             f"custom, or both; on {', '.join(MASK_OPS)}, fp16/bf16 on fa2 tensor cores, without "
+                             f"causal (a mask holds the causal part: --causal on is dropped for them unless given)")
     parser.add_argument("--window", default="off", metavar=_switch_metavar(SWITCHES),
                         help="the sliding-window variant (default: off)")
     parser.add_argument("--soft-cap", default="off", metavar=_switch_metavar(SWITCHES),
@@ -240,5 +245,7 @@ def check_selectors(args) -> None:
     for flag in ("causal", "window", "soft_cap", "lse"):
         if getattr(args, flag) is not None:
             _one_of("--" + flag.replace("_", "-"), getattr(args, flag), SWITCHES)
+    if getattr(args, "mask", None) is not None:
+        _one_of("--mask", args.mask, MASK_CHOICES)
     if getattr(args, "arch", None):
         args.arch = _check_arches(args.arch)

@@ -145,7 +145,7 @@ def test_strict_reaches_choose_backend_from_every_entry_point(monkeypatch):
     seen = []
 
     def record(op, dtype, use_tensor_cores, backend, targets=None, strict=None, kv_dtype=None, head_dim=None,
-               head_dim_vo=None):
+               head_dim_vo=None, custom_mask=False):
         seen.append((op, backend, strict))
         raise ValueError("stop here")  # no launch: this test has no GPU
 

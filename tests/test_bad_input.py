@@ -155,8 +155,6 @@ def test_hnd_tensors_are_read_as_hnd(op):
 
 
 @pytest.mark.parametrize("option,value", [
-    ("custom_mask", torch.ones(5, 33, dtype=torch.bool)),
-    ("packed_custom_mask", torch.ones(21, dtype=torch.uint8)),
     ("pos_encoding_mode", "ROPE_LLAMA"),
     ("pos_encoding_mode", "ALIBI"),
     ("use_fp16_qk_reduction", True),

@@ -53,7 +53,8 @@ def test_wrapper_needs_a_cuda_workspace():
 
 @pytest.mark.parametrize("kwargs,exc,match", [
     ({"kv_layout": "NDH"}, ValueError, r"^kv_layout"),
-    ({"custom_mask_buf": torch.ones(4, dtype=torch.uint8)}, NotImplementedError, r"^custom_mask="),
+    ({"custom_mask_buf": torch.ones(4, dtype=torch.uint8)}, ValueError, r"^custom_mask_buf: expected a tensor on cuda:0"),
+    ({"mask_indptr_buf": torch.ones(4, dtype=torch.uint8)}, ValueError, r"^mask_indptr_buf: expected a 1-D torch.int32"),
     ({"jit_args": ["x"]}, NotImplementedError, r"^jit_args"),
 ])
 def test_wrapper_constructor_options(kwargs, exc, match):
@@ -82,7 +83,8 @@ PLAN = dict(qo_indptr=[0, 3, 8], kv_indptr=[0, 10, 30], num_qo_heads=8, num_kv_h
     ({"window_left": -2}, ValueError, r"^window_left: expected -1"),
     ({"logits_soft_cap": -5.0}, ValueError, r"^logits_soft_cap"),
     ({"sm_scale": math.nan}, ValueError, r"^sm_scale"),
-    ({"custom_mask": torch.ones(3, dtype=torch.bool)}, NotImplementedError, r"^custom_mask="),
+    ({"custom_mask": torch.ones(3, dtype=torch.bool)}, ValueError, r"^custom_mask: expected 130 elements"),
+    ({"custom_mask": torch.ones(130, dtype=torch.bool), "causal": True}, ValueError, r"^causal: expected False"),
     ({"pos_encoding_mode": "ROPE_LLAMA"}, NotImplementedError, r"^pos_encoding_mode='ROPE_LLAMA'"),
     ({"use_fp16_qk_reduction": True}, NotImplementedError, r"^use_fp16_qk_reduction=True"),
     ({"q_data_type": torch.float32, "use_tensor_cores": True}, ValueError, r"Nearest working choice"),

@@ -169,7 +169,7 @@ def test_mode_reaches_the_single_request_ops(monkeypatch):
     seen = []
 
     def record(op, dtype, use_tensor_cores, backend, targets=None, strict=None, kv_dtype=None, head_dim=None,
-               head_dim_vo=None):
+               head_dim_vo=None, custom_mask=False):
         seen.append((op, use_tensor_cores))
         raise ValueError("stop here")  # no launch: this test has no GPU
     monkeypatch.setattr(arch, "choose_backend", record)

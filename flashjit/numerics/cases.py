@@ -47,6 +47,9 @@ class Problem:
     v_scale: float = 1.0
     k_full: torch.Tensor | None = None
     v_full: torch.Tensor | None = None
+    # A custom-mask configuration's mask: each request's [qo_len, kv_len] bool
+    # pairs, row-major, request after request (add_mask()).
+    mask: torch.Tensor | None = None
 
     @property
     def fp8(self) -> bool:
@@ -154,6 +157,13 @@ def make_problems(case: str, op: str, head_dim: int, dtype: torch.dtype, *, gene
             (p.k, p.k_scale), (p.v, p.v_scale) = quantise(p.k_full, kv_dtype), quantise(p.v_full, kv_dtype)
         problems.append(p)
     return problems
+
+
+def add_mask(p: Problem, generator, visible: float = 0.5) -> None:
+    """A custom mask for p: each (query, key) pair visible with probability
+    `visible`, so that short rows also see no key at all."""
+    pairs = sum(q * k for q, k in zip(p.qo_lens, p.kv_lens))
+    p.mask = torch.rand(pairs, generator=generator, device=p.q.device) < visible
 
 
 def indptr(lengths) -> list[int]:

@@ -21,11 +21,11 @@ import torch
 import flashjit
 from ..error_model import evaluate_lse, measure as magnitudes, profile
 from ..ops._launch import select_spec
-from ..reference import attention_reference, ragged_reference
+from ..reference import attention_reference, ragged_reference, request_masks
 from ..spec import KV_ONLY_DTYPES, MLA_OPS, KernelSpec
 from . import mla
 from .catalog import describe
-from .cases import HEADS, Problem, applies, indptr, make_problems, paged
+from .cases import HEADS, Problem, add_mask, applies, indptr, make_problems, paged
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                 "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -49,7 +49,8 @@ def not_runnable(spec: KernelSpec) -> str | None:
         chosen = select_spec(spec.op, TORCH_DTYPES[spec.dtype_q], spec.head_dim_qk, backend=spec.backend,
                              use_tensor_cores=spec.use_tensor_cores, causal=spec.causal, window=spec.sliding_window,
                              soft_cap=spec.soft_cap, return_lse=spec.return_lse, strict=True,
-                             head_dim_vo=spec.head_dim_vo, **_kv_dtype(spec))
+                             head_dim_vo=spec.head_dim_vo, **_kv_dtype(spec),
+                             custom_mask="custom_mask" if spec.custom_mask else None)
     except ValueError as exc:
         return str(exc)
     if chosen != spec:
@@ -99,9 +100,12 @@ def problems(spec: KernelSpec, case: str, generator, device="cuda") -> list:
     dtype = TORCH_DTYPES[spec.dtype_q]
     if spec.op in MLA_OPS:
         return mla.make_problems(case, spec.causal, dtype, generator=generator, device=device)
-    return make_problems(case, spec.op, spec.head_dim_qk, dtype, generator=generator, device=device, heads=HEADS,
+    made = make_problems(case, spec.op, spec.head_dim_qk, dtype, generator=generator, device=device, heads=HEADS,
                          kv_dtype=TORCH_DTYPES[spec.dtype_kv] if is_fp8(spec) else None,
                          head_dim_vo=spec.head_dim_vo)
+    for p in made if spec.custom_mask else ():
+        add_mask(p, generator)
+    return made
 
 
 def single_kv_chunk(spec: KernelSpec, p: Problem) -> int | None:
@@ -132,13 +136,14 @@ def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> 
         return (*mla.run(wrapper, p), None)
     var, dtype, scales = _variant(spec), TORCH_DTYPES[spec.dtype_q], _scales(p)
     num_qo, num_kv, head_dim = p.q.shape[1], p.k.shape[1], spec.head_dim_qk
+    mask = {} if p.mask is None else {"custom_mask": p.mask}
     picks = {"backend": spec.backend, "strict": True}
     kv_type = {"kv_data_type": p.k.dtype} if p.fp8 else {}  # plan(): the cache's dtype where it is not q's
     if spec.op == "single_prefill":
         poison_allocator()
         res = flashjit.single_prefill_with_kv_cache(p.q, p.k, p.v, causal=spec.causal, return_lse=spec.return_lse,
                                                     use_tensor_cores=spec.use_tensor_cores, **picks, **var,
-                                                    **_scales(p, _single_prefill_scale_names()))
+                                                    **_scales(p, _single_prefill_scale_names()), **mask)
         return (*(res if spec.return_lse else (res, None)), single_kv_chunk(spec, p))
     if spec.op == "single_decode":
         poison_allocator()
@@ -151,7 +156,7 @@ def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> 
         wrapper.plan(torch.tensor(indptr(p.qo_lens), dtype=torch.int32),
                      torch.tensor(indptr(p.kv_lens), dtype=torch.int32), num_qo, num_kv, head_dim,
                      head_dim_vo=spec.head_dim_vo, causal=spec.causal, q_data_type=dtype,
-                     use_tensor_cores=spec.use_tensor_cores, **kv_type, **var)
+                     use_tensor_cores=spec.use_tensor_cores, **kv_type, **var, **mask)
         _check_planned(wrapper, spec)
         poison_allocator()
         return (*wrapper.run(p.q, p.k, p.v, return_lse=True, **scales), wrapper._plan.work.kv_chunk)
@@ -160,7 +165,7 @@ def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> 
         wrapper = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", **picks)
         wrapper.plan(torch.tensor(indptr(p.qo_lens), dtype=torch.int32), pages.indptr, pages.indices,
                      pages.last_page_len, num_qo, num_kv, head_dim, pages.cache.shape[2], causal=spec.causal,
-                     q_data_type=dtype, use_tensor_cores=spec.use_tensor_cores, **kv_type, **var)
+                     q_data_type=dtype, use_tensor_cores=spec.use_tensor_cores, **kv_type, **var, **mask)
     elif spec.op == "batch_decode_paged":
         wrapper = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=spec.use_tensor_cores,
                                                               **picks)
@@ -183,9 +188,10 @@ def reference(spec: KernelSpec, p: Problem, unquantised: bool = False) -> tuple[
     k, v = (p.k_full, p.v_full) if unquantised else (p.k, p.v)
     if p.fp8 and not unquantised:
         var.update(k_scale=p.k_scale, v_scale=p.v_scale)
+    masks = None if p.mask is None else request_masks(p.mask, p.qo_lens, p.kv_lens)
     if len(p.qo_lens) == 1:
-        return attention_reference(p.q, k, v, causal=causal, **var)
-    return ragged_reference(p.q, k, v, indptr(p.qo_lens), indptr(p.kv_lens), causal=causal, **var)
+        return attention_reference(p.q, k, v, causal=causal, mask=masks[0] if masks else None, **var)
+    return ragged_reference(p.q, k, v, indptr(p.qo_lens), indptr(p.kv_lens), masks=masks, causal=causal, **var)
 
 
 def bounds(spec: KernelSpec, p: Problem) -> tuple:

@@ -12,7 +12,9 @@ then sizes its metadata array, the grid and the merge pass once, at the first
 plan(), for that batch size (and that many query tokens), and later plans
 rewrite the same device memory in place: empty work slots carry request -1,
 tokens past the batch have no partial rows. Page ids go to the
-paged_kv_indices buffer given at construction.
+paged_kv_indices buffer given at construction, a custom mask's bits to the
+custom_mask_buf given there; its byte offsets are a section of the metadata
+array (ops._masks).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from .. import jit
 from ..loader import KernelModule
-from . import _checks, _dispatch, _invariant, _scales
+from . import _checks, _dispatch, _invariant, _masks, _scales
 from ._calls import PER_CALL, Signatures, batch_call, check_placement, resident_ctas
 from ._launch import fill_params
 from ._plan import WorkPlan, ceil_div, plan_work
@@ -52,6 +54,7 @@ class BatchPlan:
     # reads); 0 otherwise, where q and k/v hold exactly what the plan reads.
     graph_tokens: int = 0
     invariant_chunk: int = 0        # batch-invariant mode's chunk of keys (params.invariant_chunk), 0: normal mode
+    mask: tuple = (0, 0)            # a custom mask's packed bits and byte offsets per request (0, 0: none)
 
 
 _EMPTY_ITEM = (-1, 0, -1, 0)
@@ -62,7 +65,8 @@ class BatchAttention:
     _plan_batch() from plan() and _launch() from run()."""
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, backend: str,
-                 page_indices_buffer=None, strict: bool | None = None):
+                 page_indices_buffer=None, strict: bool | None = None, mask_buffers: tuple = (None, None)):
+        """mask_buffers: the prefill wrappers' custom_mask_buf and mask_indptr_buf (checked, see _plan_mask)."""
         _checks.check_layout(kv_layout)
         if not isinstance(float_workspace_buffer, torch.Tensor) or float_workspace_buffer.device.type != "cuda" \
                 or not float_workspace_buffer.is_contiguous():
@@ -83,6 +87,10 @@ class BatchAttention:
                 raise ValueError(f"paged_kv_indices_buffer: expected a tensor on {self._device} (the workspace's "
                                  f"device), got {page_indices_buffer.device}")
         self._page_buffer = page_indices_buffer
+        for name, buffer in zip(("custom_mask_buf", "mask_indptr_buf"), mask_buffers):
+            _masks.check_buffer(name, buffer, self._device)
+        self._mask_buffer = mask_buffers[0]
+        self._mask_bits: torch.Tensor | None = None  # the current plan's packed mask, on the device
         self._plan: BatchPlan | None = None
         self._ints: torch.Tensor | None = None
         self._pages: torch.Tensor | None = None
@@ -101,9 +109,10 @@ class BatchAttention:
                     head_dim_vo: int | None = None,
                     page_size: int = 0, last_page_len: list[int] | None = None, page_indices=None, max_page: int = -1,
                     fixed_chunk: int | None = None, allow_split: bool = True, non_blocking: bool = True,
-                    batch_invariant: bool | None = None) -> None:
+                    batch_invariant: bool | None = None, mask: tuple | None = None) -> None:
         """head_dim_vo: V's and O's width (None: head_dim), which sizes the output
-        and the fp32 partial states of split requests.
+        and the fp32 partial states of split requests. mask: _plan_mask's
+        (packed bits, byte offsets) of a custom mask, None: none.
         batch_invariant: split-KV in fixed chunks of keys from key 0 (ops._invariant),
         never resized for the batch, the GPU or the workspace (None: FLASHJIT_BATCH_INVARIANT)."""
         batch_invariant = _invariant.resolve(batch_invariant)
@@ -165,7 +174,8 @@ class BatchAttention:
             merge = (merge or [0] * (tokens + 1)) + [merge[-1] if merge else 0] * (cap_tokens - tokens)
             items = items + [_EMPTY_ITEM] * (cap_items - len(items))
             merge_tokens = cap_tokens
-        sections = [qo_indptr, kv_indptr, last_page_len or [], merge or [], [x for item in items for x in item]]
+        sections = [qo_indptr, kv_indptr, last_page_len or [], merge or [], [x for item in items for x in item],
+                    mask[1] if mask is not None else []]
         host, offsets = [], []
         for values in sections:
             offsets.append(len(host))
@@ -193,14 +203,50 @@ class BatchAttention:
             else:
                 self._pages = page_indices if page_indices.is_contiguous() else page_indices.contiguous()
             pages_ptr = self._pages.data_ptr()
+        mask_pointers = (0, 0)
+        if mask is not None:
+            mask_pointers = (self._place_mask(mask[0], non_blocking), addr + 4 * offsets[5])
+        elif not self._use_cuda_graph:
+            self._mask_bits = None
         pointers = (addr + 4 * offsets[0], addr + 4 * offsets[1], pages_ptr,
                     addr + 4 * offsets[2] if last_page_len is not None else 0, addr + 4 * offsets[4],
                     addr + 4 * offsets[3] if merge is not None else 0)
         self._plan = BatchPlan(module, num_qo_heads, num_kv_heads, head_dim, dim_vo, q_dtype, tokens, page_size,
                                max_page, kv_indptr[-1] if page_indices is None else 0, scalars, pointers, partials, len(items),
                                merge_tokens, work, graph_tokens=self._capacity[1] if self._use_cuda_graph else 0,
-                               invariant_chunk=chunk)
+                               invariant_chunk=chunk, mask=mask_pointers)
         self._launches = Signatures()
+
+    def _plan_mask(self, custom_mask, packed_custom_mask, qo_indptr: list[int], kv_lens: list[int],
+                   lengths: str) -> tuple | None:
+        """A plan's custom mask checked against its (query, key) pairs and packed
+        (ops._masks.batch_bits: `lengths` says where kv_lens come from), before
+        anything is compiled: (packed bits, byte offsets per request), None: no mask."""
+        mask = _masks.given(custom_mask, packed_custom_mask)
+        if mask is None:
+            return None
+        qo_lens = [qo_indptr[i + 1] - qo_indptr[i] for i in range(len(qo_indptr) - 1)]
+        bits, offsets = _masks.batch_bits(mask, qo_lens, kv_lens, self._device, lengths)
+        if self._use_cuda_graph:
+            if self._mask_buffer is None:
+                raise ValueError(f"custom_mask_buf: use_cuda_graph=True with {mask.name} needs a uint8 buffer given "
+                                 f"at construction (its address is captured), got none")
+            if self._mask_buffer.shape[0] < offsets[-1]:
+                raise ValueError(f"custom_mask_buf: expected room for the {offsets[-1]} bytes of this plan's packed "
+                                 f"mask, it holds {self._mask_buffer.shape[0]}")
+        return bits, offsets
+
+    def _place_mask(self, bits: torch.Tensor, non_blocking: bool) -> int:
+        """The address the kernels read a plan's packed mask at: custom_mask_buf
+        under CUDA graphs (written in place), else the bits on the device, kept
+        by the wrapper until the next plan (a packed mask given on the device is
+        the caller's tensor: in-place changes reach later runs)."""
+        if self._use_cuda_graph:
+            self._mask_buffer[:bits.shape[0]].copy_(bits, non_blocking=non_blocking)
+            self._mask_bits = self._mask_buffer
+        else:
+            self._mask_bits = bits.to(self._device, non_blocking=non_blocking)
+        return self._mask_bits.data_ptr() if self._mask_bits.numel() else 0
 
     def _invariant_partials(self, rows: int, rows_fit: int, num_qo_heads: int, head_dim_vo: int) -> tuple[int, int]:
         """(address, rows) of the partial state of a batch-invariant plan: the
@@ -280,7 +326,7 @@ class BatchAttention:
             _checks.check_vector_aligned("out", out)
         params = fill_params(q, plan.num_kv_heads, k_strides, v_strides, plan.page_size,
                              (plan.num_qo_heads * plan.head_dim_vo, plan.head_dim_vo), plan.num_qo_heads, *plan.scalars,
-                             kv_element_size=k.element_size(), scales=scales, sinks=sinks)
+                             kv_element_size=k.element_size(), scales=scales, sinks=sinks, mask=plan.mask)
         # Negative: no CTA spans two chunks, the plain kernel runs (attention_params.cuh).
         params.invariant_chunk = plan.invariant_chunk if plan.work.folds else -plan.invariant_chunk
         head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1,

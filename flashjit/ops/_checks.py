@@ -111,8 +111,6 @@ def check_head_dim(name: str, head_dim: int) -> None:
 def check_unsupported(**options) -> None:
     """Raises NotImplementedError for FlashInfer options we do not support (value not at its default)."""
     reasons = {
-        "custom_mask": "custom masks are not supported; use causal / window_left",
-        "packed_custom_mask": "custom masks are not supported; use causal / window_left",
         "pos_encoding_mode": "fused RoPE is not supported; apply rotary embeddings before attention",
         "use_fp16_qk_reduction": "fp16 Q.K reduction is not supported; flashjit accumulates Q.K in fp32",
         "scale_q": "FP8 queries are not supported (q is float16 or bfloat16); fold a query scale into sm_scale",

@@ -111,7 +111,7 @@ def prewarm_specs(specs, arches) -> list:
         for target in arches:
             backend = arch.choose_backend(backend_op, spec.dtype_q, tc, "auto", targets=(target,),
                                           kv_dtype=spec.dtype_kv, head_dim=spec.head_dim_qk,
-                                          head_dim_vo=spec.head_dim_vo)[0]
+                                          head_dim_vo=spec.head_dim_vo, custom_mask=spec.custom_mask)[0]
             out.append(spec.replace(use_tensor_cores=tc, causal=causal, backend=backend).validate())
     return list(dict.fromkeys(out))
 

@@ -11,7 +11,7 @@ import torch
 from .. import arch, jit
 from ..loader import AttentionParams
 from ..spec import MLA_OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, KernelSpec, canonical_dtype, or_list
-from . import _calls, _checks, _invariant, _scales, _sinks
+from . import _calls, _checks, _invariant, _masks, _scales, _sinks
 from ._calls import Signatures, check_placement, remember, single_request_call
 
 # For the ops that pack their own params (mla, append), which import them from here.
@@ -23,13 +23,17 @@ _announced: set = set()
 
 def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use_tensor_cores: bool | None,
                 causal: bool, window: bool, soft_cap: bool, return_lse: bool, strict: bool | None = None,
-                head_dim_vo: int | None = None, batch_invariant: bool = False, dtype_kv=None) -> KernelSpec:
+                head_dim_vo: int | None = None, batch_invariant: bool = False, dtype_kv=None,
+                custom_mask: str | None = None) -> KernelSpec:
     """Resolves backend/tensor cores (logging the choice once per configuration) and validates.
     strict: an explicit backend this GPU or op cannot run raises instead of running fa2
     (None: FLASHJIT_STRICT_BACKEND). head_dim_vo: V's width where it differs from head_dim (MLA,
     spec.QK_VO_HEAD_DIMS), which fa3 does not take (the choice falls back to fa2).
     batch_invariant: ops._invariant.kernel_choice (decode on its prefill op's backend and tiling).
-    dtype_kv: the KV cache's dtype where it differs from q's (FP8)."""
+    dtype_kv: the KV cache's dtype where it differs from q's (FP8).
+    custom_mask: the name of the mask argument given (custom_mask or
+    packed_custom_mask; None: no mask): the _mask configuration, on fa2 tensor
+    cores (a ValueError naming the argument where the call chose CUDA cores)."""
     name = canonical_dtype(dtype)
     backend_op = op
     if batch_invariant:
@@ -37,14 +41,16 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
     kv_name = canonical_dtype(dtype_kv) if dtype_kv is not None else None
     chosen_backend, tc, reason = arch.choose_backend(backend_op, name, use_tensor_cores, backend, strict=strict,
                                                      kv_dtype=kv_name, head_dim=head_dim,
-                                                     head_dim_vo=head_dim_vo if op not in MLA_OPS else None)
+                                                     head_dim_vo=head_dim_vo if op not in MLA_OPS else None,
+                                                     custom_mask=custom_mask is not None)
+    _masks.check_cores(custom_mask, name, tc, batch_invariant)
     if batch_invariant:
         reason += f"; batch-invariant mode: {backend_op}'s backend and tiling" if backend_op != op \
             else "; batch-invariant mode"
     spec = KernelSpec.make(op, name, head_dim, head_dim_vo=head_dim_vo, dtype_kv=dtype_kv, backend=chosen_backend,
                            use_tensor_cores=tc,
                            causal=bool(causal), sliding_window=window, soft_cap=soft_cap,
-                           return_lse=return_lse).validate()
+                           return_lse=return_lse, custom_mask=custom_mask is not None).validate()
     if (backend == "auto" or use_tensor_cores is None or batch_invariant) and spec not in _announced:
         _announced.add(spec)
         log.info("flashjit: %s -> %s (%s)", op, spec.name, reason)
@@ -76,11 +82,13 @@ def check_kv_strides(name: str, strides: tuple, page_size: int, element_size: in
 def fill_params(q: torch.Tensor, num_kv_heads: int, k_strides: tuple, v_strides: tuple, page_size: int,
                 out_strides: tuple[int, int], lse_stride: int, sm_scale: float, window_left: int, soft_cap: float,
                 kv_element_size: int | None = None, scales: tuple = (_scales.UNIT, _scales.UNIT),
-                sinks: int = 0) -> AttentionParams:
+                sinks: int = 0, mask: tuple[int, int] = (0, 0)) -> AttentionParams:
     """The non-pointer fields; k/v strides are (token, head, page) in elements of
     kv_element_size bytes (None: q's). scales: the checked (k_scale, v_scale)
     (ops._scales), which only FP8 configurations read. sinks: the checked
-    address of the attention sinks (ops._sinks; 0: none).
+    address of the attention sinks (ops._sinks; 0: none). mask: the addresses
+    of a custom mask's packed bits and of its byte offsets per request (ops._masks;
+    0: none, and 0 offsets for a single request).
     Raises ValueError for K/V strides the kernels cannot address (see check_kv_strides)."""
     for name, strides in (("k", k_strides), ("v", v_strides)):
         check_kv_strides(name, strides, page_size, kv_element_size or q.element_size())
@@ -94,6 +102,7 @@ def fill_params(q: torch.Tensor, num_kv_heads: int, k_strides: tuple, v_strides:
     p.sm_scale, p.logits_soft_cap, p.window_left = sm_scale, soft_cap, window_left
     _scales.apply(p, *scales)
     p.sinks = sinks or None
+    p.custom_mask, p.mask_indptr = mask[0] or None, mask[1] or None
     return p
 
 
@@ -101,13 +110,17 @@ def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_
                            *, causal: bool, sm_scale, window_left, logits_soft_cap, backend: str,
                            use_tensor_cores, return_lse: bool, strict: bool | None = None,
                            batch_invariant: bool = False, k_scale=None, v_scale=None,
-                           scale_names: tuple[str, str] = ("k_scale", "v_scale"), sinks=None):
+                           scale_names: tuple[str, str] = ("k_scale", "v_scale"), sinks=None,
+                           mask: _masks.Mask | None = None):
     """The shared end of single_prefill / single_decode preparation, after their
     own structural checks: scalars, configuration, placement, kernel, params.
     k_scale / v_scale: as ops._scales.scale_key gave them (an FP8 cache's only),
     named scale_names in errors (single prefill takes FlashInfer's scale_k / scale_v).
     sinks: the call's attention sinks as given (ops._sinks: structure checked
     first, device and values after q's placement).
+    mask: single prefill's custom mask (ops._masks), its structure checked: its
+    device is checked and its bits packed after q's placement; the prepared call
+    then holds them (call.mask_bits) and is for this call only.
     Returns the prepared call (ops._calls.single_request_call)."""
     _sinks.check_structure(_sinks.key(sinks), num_qo_heads)
     scales = _scales.checked(k.dtype, (k_scale, v_scale), q.device, scale_names)
@@ -116,17 +129,27 @@ def prepare_single_request(op: str, q, k, v, kv_layout: str, head_dim: int, num_
     head_dim_vo = v.shape[-1]  # V's width (check_qkv: head_dim, or a QK_VO_HEAD_DIMS pair's)
     spec = select_spec(op, q.dtype, head_dim, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,
                        window=has_window, soft_cap=has_cap, return_lse=return_lse, strict=strict,
-                       head_dim_vo=head_dim_vo, batch_invariant=batch_invariant, dtype_kv=k.dtype)
+                       head_dim_vo=head_dim_vo, batch_invariant=batch_invariant, dtype_kv=k.dtype,
+                       custom_mask=mask.name if mask is not None else None)
     check_placement(q, k, v, spec)
     sinks_address = _sinks.checked_address(sinks, num_qo_heads, q.device)
+    mask_bits = None
+    if mask is not None:
+        _masks.check_device(mask, q.device, "where q is: the kernel reads it there")
+        mask_bits = _masks.single_bits(mask)
     module = jit.get_module(spec)
     params = make_params(q, k, v, (num_qo_heads * head_dim_vo, head_dim_vo), num_qo_heads, kv_layout, sm_scale,
                          window_left, cap)
     _scales.apply(params, *scales)
     params.sinks = sinks_address or None
+    params.custom_mask = mask_bits.data_ptr() if mask_bits is not None and mask_bits.numel() else None
     chunk = _invariant.chunk_keys(None, True, module.split_align) if batch_invariant else 0
-    return single_request_call(module, params, q, k, v, kv_layout, num_qo_heads // num_kv_heads, q.dim() == 3,
+    call = single_request_call(module, params, q, k, v, kv_layout, num_qo_heads // num_kv_heads, q.dim() == 3,
                                bool(return_lse), invariant_chunk=chunk)
+    if mask_bits is not None and call is not None:
+        # Held until the launch is queued; freed then, its block goes only to work queued after the kernel.
+        call.mask_bits = mask_bits
+    return call
 
 
 def run_single_request(cache: Signatures, prepare, q, k, v, options: tuple, sinks=None):

@@ -26,7 +26,9 @@ class _PagedAttention(BatchAttention):
                     spec, scalars, q_dtype, num_qo_heads, num_kv_heads, head_dim, fixed_split_size,
                     disable_split_kv: bool, non_blocking: bool,
                     names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"),
-                    batch_invariant: bool = False) -> None:
+                    batch_invariant: bool = False, masks: tuple = (None, None)) -> None:
+        """masks: plan()'s (custom_mask, packed_custom_mask), checked against each
+        request's qo_len x kv_len, kv_len = (pages - 1) * page_size + last page length."""
         kv = _checks.check_indptr(names[0], paged_kv_indptr, batch_size=len(qo) - 1)
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
@@ -40,12 +42,14 @@ class _PagedAttention(BatchAttention):
         max_page = _checks.page_ids(names[1], indices, kv[-1], self._device)
         self._indices_name = names[1]
         kv_lens = [(n - 1) * page_size + l if n > 0 else 0 for n, l in zip(pages, last)]
+        mask = self._plan_mask(*masks, qo, kv_lens, f"kv lengths from {names[0]}, {names[2]} and page_size")
         # Split-KV chunk sizes come in pages, as FlashInfer's fixed_split_size does.
         fixed = fixed_split_size * page_size if fixed_split_size is not None and fixed_split_size > 0 else None
         self._plan_batch(spec, qo, kv, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                          head_dim=head_dim, q_dtype=q_dtype, scalars=scalars, page_size=page_size,
                          last_page_len=last, page_indices=indices, max_page=max_page, fixed_chunk=fixed,
-                         allow_split=not disable_split_kv, non_blocking=non_blocking, batch_invariant=batch_invariant)
+                         allow_split=not disable_split_kv, non_blocking=non_blocking, batch_invariant=batch_invariant,
+                         mask=mask)
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse: bool = False, enable_pdl=None, window_left=None, sinks: torch.Tensor | None = None,
@@ -179,10 +183,14 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedPrefillAliases, _PagedAttention):
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
                  paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto",
                  jit_args=None, *, strict: bool | None = None):
-        _checks.check_unsupported(custom_mask=custom_mask_buf)
+        """custom_mask_buf: with use_cuda_graph=True, where plan() writes a custom
+        mask's packed bits (its address is captured; sized for the largest mask).
+        mask_indptr_buf: accepted, not written: the byte offsets live in the
+        wrapper's metadata array, which stays in place under CUDA graphs."""
         if jit_args is not None:
             raise NotImplementedError("jit_args: custom JIT modules are not supported; flashjit generates its own")
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, paged_kv_indices_buf, strict)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, paged_kv_indices_buf, strict,
+                         mask_buffers=(custom_mask_buf, mask_indptr_buf))
 
     @remembers_plan
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
@@ -195,7 +203,10 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedPrefillAliases, _PagedAttention):
         """fixed_split_size: pages per split-KV chunk; disable_split_kv: none.
         batch_invariant=True: each request's output does not depend on the rest
         of the batch, the page size or the op (docs/numerics.md); None:
-        FLASHJIT_BATCH_INVARIANT."""
+        FLASHJIT_BATCH_INVARIANT.
+        custom_mask / packed_custom_mask: as the ragged wrapper's plan() takes
+        them, request i's kv_len being (pages_i - 1) * page_size +
+        paged_kv_last_page_len[i] (docs/masks.md)."""
         invariant = _invariant.resolve(batch_invariant)
         qo = _checks.check_indptr("qo_indptr", qo_indptr)
         spec, scalars, q_dtype = plan_spec(
@@ -205,7 +216,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedPrefillAliases, _PagedAttention):
             batch_invariant=invariant)
         self._plan_paged(qo, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size, spec, scalars,
                          q_dtype, num_qo_heads, num_kv_heads, head_dim_qk, fixed_split_size, disable_split_kv,
-                         non_blocking, batch_invariant=invariant)
+                         non_blocking, batch_invariant=invariant, masks=(custom_mask, packed_custom_mask))
 
 
 class BatchDecodeWithPagedKVCacheWrapper(DecodeAliases, _PagedAttention):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import QK_VO_HEAD_DIMS, QK_VO_OPS, or_list
-from . import _checks, _dispatch, _invariant, _scales, _sinks
+from . import _checks, _dispatch, _invariant, _masks, _scales, _sinks
 from ._aliases import RaggedPrefillAliases, remembers_plan
 from ._dispatch import dispatch_modes, is_compiling
 from ._invariant import ENV_KEY as _ENV_KEY, MODES as _MODES, environ_get as _environ_get
@@ -43,7 +43,13 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     batch-invariant mode (docs/numerics.md); None: FLASHJIT_BATCH_INVARIANT.
     k/v may be an FP8 cache (float8_e4m3fn, float8_e5m2) with q fp16 or bf16:
     keys are k * scale_k, values v * scale_v (FlashInfer's names here; Python
-    floats or one-element float32 tensors, ops._scales; default 1)."""
+    floats or one-element float32 tensors, ops._scales; default 1).
+    custom_mask: which keys each query sees, a bool tensor [qo_len, kv_len] (or
+    flat; integer 0/1 too) on q's device, True: visible; packed_custom_mask:
+    those bits packed little-endian (packbits(mask.flatten(), "little"), uint8
+    of ceil(qo_len * kv_len / 8) bytes), used where both are given. With
+    causal=False only, on fa2 tensor cores (fp16/bf16; `auto` picks fa2);
+    packed and prepared at every call, not under torch.compile (docs/masks.md)."""
     if is_compiling() or dispatch_modes():  # _dispatch.tracing()
         _check_traced_mode(batch_invariant)
         _check_options(q, scale_q, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
@@ -64,6 +70,8 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     known, check, call = _prepared.fast  # the last call, if these options (the sinks' address too) and tensors
     if options == known and check(q, k, v):  # are its signature
         return call(q, k, v)
+    if custom_mask is not None or packed_custom_mask is not None:  # its bits are this call's: prepared for it alone
+        return _prepare_single(q, k, v, *options[:-1], sinks)(q, k, v)
     return run_single_request(_prepared, _prepare_single, q, k, v, options, sinks)
 
 
@@ -87,23 +95,36 @@ def run_single(q, k, v, kv_layout: str, options: tuple, batch_invariant=None, si
 def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal,
                     pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, backend,
                     return_lse, use_tensor_cores, strict, batch_invariant: bool = False, sinks=None):
-    _checks.check_unsupported(scale_q=scale_q, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
-                              pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction)
-    _, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout, op="single_prefill")
+    _checks.check_unsupported(scale_q=scale_q, pos_encoding_mode=pos_encoding_mode,
+                              use_fp16_qk_reduction=use_fp16_qk_reduction)
+    kv_len, num_qo_heads, num_kv_heads, head_dim = check_qkv(q, k, v, kv_layout, op="single_prefill")
     _check_o_dtype(q, o_dtype)
+    mask = _masks.given(custom_mask, packed_custom_mask)
+    if mask is not None:
+        _masks.check_causal(mask, causal)
+        qo_len = q.shape[0]
+        _masks.check_tensor(mask, qo_len * kv_len, (qo_len * kv_len + 7) // 8,
+                            f"q's {qo_len} tokens x k's {kv_len}", shape=(qo_len, kv_len))
     return prepare_single_request("single_prefill", q, k, v, kv_layout, head_dim, num_qo_heads, num_kv_heads,
                                   causal=causal, sm_scale=sm_scale, window_left=window_left,
                                   logits_soft_cap=logits_soft_cap, backend=backend,
                                   use_tensor_cores=use_tensor_cores, return_lse=return_lse, strict=strict,
                                   batch_invariant=batch_invariant, k_scale=scale_k, v_scale=scale_v,
-                                  scale_names=("scale_k", "scale_v"), sinks=sinks)
+                                  scale_names=("scale_k", "scale_v"), sinks=sinks, mask=mask)
 
 
 def _check_options(q, scale_q, o_dtype, custom_mask, packed_custom_mask, pos_encoding_mode,
                    use_fp16_qk_reduction) -> None:
-    """The options the operator does not take: at their defaults, or an error as in eager calls."""
-    _checks.check_unsupported(scale_q=scale_q, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
-                              pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction)
+    """The options the operator does not take: at their defaults, or an error as in eager calls.
+    A custom mask is not an operand: the wrappers, planned outside the compiled
+    region, hold theirs (docs/torch_compile.md)."""
+    _checks.check_unsupported(scale_q=scale_q, pos_encoding_mode=pos_encoding_mode,
+                              use_fp16_qk_reduction=use_fp16_qk_reduction)
+    mask = _masks.given(custom_mask, packed_custom_mask)
+    if mask is not None:
+        raise NotImplementedError(f"{mask.name}: single_prefill_with_kv_cache takes no custom mask under "
+                                  f"torch.compile or a dispatch mode; plan a BatchPrefillWithRaggedKVCacheWrapper "
+                                  f"with it outside the compiled region and call its run() inside")
     _check_o_dtype(q, o_dtype)
 
 
@@ -122,10 +143,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedPrefillAliases, BatchAttention)
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
                  backend: str = "auto", jit_args=None, *, strict: bool | None = None):
-        _checks.check_unsupported(custom_mask=custom_mask_buf)
+        """custom_mask_buf: with use_cuda_graph=True, where plan() writes a custom
+        mask's packed bits (its address is captured; sized for the largest mask).
+        mask_indptr_buf: accepted, not written: the byte offsets live in the
+        wrapper's metadata array, which stays in place under CUDA graphs."""
         if jit_args is not None:
             raise NotImplementedError("jit_args: custom JIT modules are not supported; flashjit generates its own")
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, strict=strict)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, strict=strict,
+                         mask_buffers=(custom_mask_buf, mask_indptr_buf))
 
     @remembers_plan
     def plan(self, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
@@ -142,7 +167,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedPrefillAliases, BatchAttention)
         tile); disable_split_kv: every request in one CTA per row tile.
         batch_invariant=True: each request's output does not depend on the rest
         of the batch, nor on the op that computes it (docs/numerics.md); None:
-        FLASHJIT_BATCH_INVARIANT."""
+        FLASHJIT_BATCH_INVARIANT.
+        custom_mask: each request's [qo_len, kv_len] bool mask (True: the query
+        sees the key), flattened row-major and concatenated request after request
+        (sum of qo_len * kv_len elements; integer 0/1 too), on the workspace's
+        device or the CPU; packed_custom_mask: the same bits as
+        segment_packbits(custom_mask, bit_indptr, "little") returns them (uint8,
+        each request's segment from a byte boundary), used where both are given.
+        Either with causal=False only, on fa2 tensor cores (docs/masks.md)."""
         invariant = _invariant.resolve(batch_invariant)
         qo = _checks.check_indptr("qo_indptr", qo_indptr)
         kv = _checks.check_indptr("kv_indptr", kv_indptr, batch_size=len(qo) - 1)
@@ -152,9 +184,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedPrefillAliases, BatchAttention)
             sm_scale, q_data_type, kv_data_type, o_data_type, use_tensor_cores, strict=self._strict,
             batch_invariant=invariant)
         kv_lens = [kv[i + 1] - kv[i] for i in range(len(kv) - 1)]
+        mask = self._plan_mask(custom_mask, packed_custom_mask, qo, kv_lens, "kv lengths from kv_indptr")
         self._plan_batch(spec, qo, kv, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                          head_dim=head_dim_qk, head_dim_vo=spec.head_dim_vo, q_dtype=q_dtype, scalars=scalars,
-                         fixed_chunk=fixed_split_size,
+                         fixed_chunk=fixed_split_size, mask=mask,
                          allow_split=not disable_split_kv, non_blocking=non_blocking, batch_invariant=invariant)
 
     _op = "batch_prefill_ragged"
@@ -261,9 +294,12 @@ def plan_spec(op: str, backend: str, num_qo_heads: int, num_kv_heads: int, head_
               q_data_type="float16", kv_data_type=None, o_data_type=None, use_tensor_cores=None, strict=None,
               batch_invariant: bool = False):
     """The checks every batch plan() shares; returns (spec, scalars, q dtype).
-    The LSE variant writes LSE only when run() passes a buffer, so one plan serves both."""
-    _checks.check_unsupported(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
-                              pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction)
+    The LSE variant writes LSE only when run() passes a buffer, so one plan serves both.
+    A custom mask selects the _mask configuration; its tensor is checked at
+    packing (BatchAttention._plan_mask), once the kv lengths are known."""
+    _checks.check_unsupported(pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction)
+    mask = _masks.given(custom_mask, packed_custom_mask)
+    _masks.check_causal(mask, causal)
     _checks.check_heads(num_qo_heads, num_kv_heads)
     _checks.check_head_dim("head_dim_qk" if op != "batch_decode_paged" else "head_dim", head_dim_qk)
     head_dim_vo = check_plan_head_dim_vo(op, head_dim_qk, head_dim_vo)
@@ -281,7 +317,8 @@ def plan_spec(op: str, backend: str, num_qo_heads: int, num_kv_heads: int, head_
                                                                              logits_soft_cap)
     spec = select_spec(op, q_dtype, head_dim_qk, backend=backend, use_tensor_cores=use_tensor_cores, causal=causal,
                        window=has_window, soft_cap=has_cap, return_lse=True, strict=strict,
-                       head_dim_vo=head_dim_vo, batch_invariant=batch_invariant, dtype_kv=kv_dtype)
+                       head_dim_vo=head_dim_vo, batch_invariant=batch_invariant, dtype_kv=kv_dtype,
+                       custom_mask=mask.name if mask is not None else None)
     return spec, (sm_scale, window_left, cap), q_dtype
 
 
