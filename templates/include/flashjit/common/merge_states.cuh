@@ -3,6 +3,10 @@
 //   M = max_s lse_s,  w_s = 2^(lse_s - M),  o = sum_s w_s o_s / sum_s w_s,
 //   lse = M + log2(sum_s w_s).
 // A row whose every state is empty (lse -inf) gets output 0 and LSE -inf.
+// Lanes own dims lane, lane + 32, ... of a row (or of a warp's slice of it);
+// where the dims are not a multiple of 32 per warp (head dims 48, 80, ...),
+// some lanes have no dim in their last slot (MergeDims). Each dim's sums run
+// in the same order whichever lane holds it.
 #pragma once
 #include "flashjit/common/attention_params.cuh"
 #include "flashjit/common/chunk_fold.cuh"
@@ -11,6 +15,31 @@
 #include "flashjit/common/sink_fold.cuh"
 
 namespace flashjit {
+
+// The dims of a row split into kSlices slices of kPerLane 32-dim columns
+// (lane-strided within a slice); MergeDims<D, 1> is one warp's whole row.
+template <int kHeadDim, int kSlices = 1>
+struct MergeDims {
+  static constexpr int kPerLane = (kHeadDim + 32 * kSlices - 1) / (32 * kSlices);
+  static constexpr int kSliceDims = 32 * kPerLane;
+  // Every lane has a dim in every slot of every slice.
+  static constexpr bool kFull = kHeadDim % (32 * kSlices) == 0;
+  // Whether dim, a slice's dim0 + 32 i, is one of the row's (with one slice,
+  // only the last i can fall past them).
+  static __device__ __forceinline__ bool has(int i, int dim) {
+    return kFull || (kSlices == 1 && i + 1 < kPerLane) || dim < kHeadDim;
+  }
+};
+
+// The most warps (4, 2 or 1) that can share a row's dims with none left
+// without any (MergeDims slices): 4 from 112 dims on, 2 from 48.
+constexpr int merge_split_warps(int head_dim) {
+  for (int warps = 4; warps > 1; warps /= 2) {
+    const int per_lane = (head_dim + 32 * warps - 1) / (32 * warps);
+    if ((warps - 1) * 32 * per_lane < head_dim) return warps;
+  }
+  return 1;
+}
 
 // The partial rows [first, first + count) of (token, head) `row` (see
 // partial_row in work.cuh); count 0: the attention CTA wrote the row directly.
@@ -28,9 +57,10 @@ __device__ __forceinline__ void partial_rows_of(const FlashjitAttentionParams& p
 // Writes the merged output row (sum of weighted partials `acc`, weights summing
 // to `sum`, maximum LSE m) and its LSE, with the head's sink where the call has
 // sinks (sink_fold.cuh); lane-strided dims.
-template <class DTypeO, int kDimsPerLane>
+template <class DTypeO, int kHeadDim, int kDimsPerLane>
 __device__ __forceinline__ void store_merged(const FlashjitAttentionParams& p, int token, int head, int lane,
                                              const float (&acc)[kDimsPerLane], float sum, float m) {
+  using Dims = MergeDims<kHeadDim>;
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   float lse = sum > 0.f ? m + log2f(sum) : -CUDART_INF_F;
   const float factor = fold_sink(p.sinks, head, lse);
@@ -38,7 +68,7 @@ __device__ __forceinline__ void store_merged(const FlashjitAttentionParams& p, i
 #pragma unroll
   for (int i = 0; i < kDimsPerLane; ++i) {
     const float y = acc[i] * inv;
-    out[lane + 32 * i] = from_float<DTypeO>(p.sinks != nullptr ? __fmul_rn(y, factor) : y);
+    if (Dims::has(i, lane + 32 * i)) out[lane + 32 * i] = from_float<DTypeO>(p.sinks != nullptr ? __fmul_rn(y, factor) : y);
   }
   if (p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_n + head] = lse;
 }
@@ -57,9 +87,9 @@ constexpr int kMergeWays = 4;
 template <class DTypeO, int kHeadDim>
 __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_constant__ FlashjitAttentionParams p) {
   allow_dependent_grids();  // the next call's grid launches while this one merges (grid_dependency.cuh)
-  static_assert(kHeadDim % 32 == 0, "one lane per 32 dims");
-  constexpr int kWarps = kMergeWays, kDimsPerLane = kHeadDim / 32;
-  __shared__ float s_max[kWarps], s_sum[kWarps], s_acc[kWarps][kHeadDim];
+  using Dims = MergeDims<kHeadDim>;
+  constexpr int kWarps = kMergeWays, kDimsPerLane = Dims::kPerLane;
+  __shared__ float s_max[kWarps], s_sum[kWarps], s_acc[kWarps][Dims::kSliceDims];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row = blockIdx.x;  // token * heads + head
   const int token = row / p.num_qo_heads, head = row % p.num_qo_heads;
@@ -86,7 +116,8 @@ __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_co
     sum += w;
     const float* src = p.partial_o + ((first + s) * p.num_qo_heads + head) * kHeadDim;
 #pragma unroll
-    for (int i = 0; i < kDimsPerLane; ++i) acc[i] = fmaf(w, src[lane + 32 * i], acc[i]);
+    for (int i = 0; i < kDimsPerLane; ++i)
+      if (Dims::has(i, lane + 32 * i)) acc[i] = fmaf(w, src[lane + 32 * i], acc[i]);
   }
   if (lane == 0) s_sum[warp] = sum;
 #pragma unroll
@@ -103,7 +134,7 @@ __global__ void __launch_bounds__(128) merge_split_states_kernel(const __grid_co
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) acc[i] += s_acc[w][lane + 32 * i];
   }
-  store_merged<DTypeO>(p, token, head, lane, acc, sum, m);
+  store_merged<DTypeO, kHeadDim>(p, token, head, lane, acc, sum, m);
 }
 
 // One warp per (token, head), four per CTA: many rows with a few partial rows
@@ -113,7 +144,8 @@ template <class DTypeO, int kHeadDim>
 __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __grid_constant__ FlashjitAttentionParams p,
                                                                      int rows) {
   allow_dependent_grids();  // the next call's grid launches while this one merges (grid_dependency.cuh)
-  constexpr int kDimsPerLane = kHeadDim / 32;
+  using Dims = MergeDims<kHeadDim>;
+  constexpr int kDimsPerLane = Dims::kPerLane;
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * 4 + threadIdx.x / 32;
   if (row >= rows) return;
@@ -139,7 +171,8 @@ __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __gr
         way_sum[j] += w;
         const float* src = p.partial_o + ((first + s) * p.num_qo_heads + head) * kHeadDim;
 #pragma unroll
-        for (int i = 0; i < kDimsPerLane; ++i) way_acc[j][i] = fmaf(w, src[lane + 32 * i], way_acc[j][i]);
+        for (int i = 0; i < kDimsPerLane; ++i)
+          if (Dims::has(i, lane + 32 * i)) way_acc[j][i] = fmaf(w, src[lane + 32 * i], way_acc[j][i]);
       }
     }
   }
@@ -152,7 +185,7 @@ __global__ void __launch_bounds__(128) merge_split_states_warp_kernel(const __gr
 #pragma unroll
     for (int j = 0; j < kMergeWays; ++j) acc[i] += way_acc[j][i];
   }
-  store_merged<DTypeO>(p, token, head, lane, acc, sum, m);
+  store_merged<DTypeO, kHeadDim>(p, token, head, lane, acc, sum, m);
 }
 
 // A global load issued where the code places it: the compiler sinks a plain
@@ -181,9 +214,10 @@ template <class DTypeO, int kHeadDim, int kWarpsPerRow>
 __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_constant__ FlashjitAttentionParams p,
                                                                 int rows) {
   allow_dependent_grids();  // the next call's grid launches while this one folds (grid_dependency.cuh)
-  static_assert(kHeadDim % (32 * kWarpsPerRow) == 0 && 4 % kWarpsPerRow == 0, "whole dims per lane, rows per CTA");
-  constexpr int kDimsPerLane = kHeadDim / (32 * kWarpsPerRow);
-  constexpr int kAhead = kDimsPerLane >= 4 ? 8 : 32 / kDimsPerLane;  // states whose outputs load together
+  static_assert(4 % kWarpsPerRow == 0, "whole rows per CTA");
+  using Dims = MergeDims<kHeadDim, kWarpsPerRow>;
+  constexpr int kDimsPerLane = Dims::kPerLane;
+  constexpr int kAhead = kDimsPerLane >= 3 ? 8 : 32 / kDimsPerLane;  // states whose outputs load together
   // Few rows (several warps a row): a block's first outputs load before its
   // prefix maximum, the call's tail being a chain of round trips. Many rows: at
   // their use, as registers live across the maximum would halve the CTAs an SM
@@ -193,7 +227,7 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row = blockIdx.x * (4 / kWarpsPerRow) + warp / kWarpsPerRow;
   if (row >= rows) return;
-  const int dim0 = (warp % kWarpsPerRow) * (kHeadDim / kWarpsPerRow) + lane;
+  const int dim0 = (warp % kWarpsPerRow) * Dims::kSliceDims + lane;
   const int token = row / p.num_qo_heads, head = row % p.num_qo_heads;
   int64_t first;
   int count;
@@ -212,10 +246,12 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
     for (int j = 0; j < kAhead; ++j)
 #pragma unroll
       for (int i = 0; i < kDimsPerLane; ++i) {
+        const bool dim = Dims::has(i, dim0 + 32 * i);
         if constexpr (kLoadsFirst) {  // only the row's states
-          o[j][i] = s + j < count ? load_issued_here(p.partial_o + row_of(s + j) * kHeadDim + dim0 + 32 * i) : 0.f;
+          o[j][i] = s + j < count && dim ? load_issued_here(p.partial_o + row_of(s + j) * kHeadDim + dim0 + 32 * i)
+                                         : 0.f;
         } else {  // past the row: its last state again, an L1 hit (fewer registers than a predicate)
-          o[j][i] = p.partial_o[row_of(min(s + j, count - 1)) * kHeadDim + dim0 + 32 * i];
+          o[j][i] = dim ? p.partial_o[row_of(min(s + j, count - 1)) * kHeadDim + dim0 + 32 * i] : 0.f;
         }
       }
   };
@@ -257,7 +293,8 @@ __global__ void __launch_bounds__(128) merge_fold_states_kernel(const __grid_con
   const float factor = fold_sink(p.sinks, head, lse);  // 1 without sinks: the product below is exact
   DTypeO* out = static_cast<DTypeO*>(p.o) + token * p.o_stride_n + head * p.o_stride_h;
 #pragma unroll
-  for (int i = 0; i < kDimsPerLane; ++i) out[dim0 + 32 * i] = from_float<DTypeO>(__fmul_rn(__fmul_rn(acc[i], inv), factor));
+  for (int i = 0; i < kDimsPerLane; ++i)
+    if (Dims::has(i, dim0 + 32 * i)) out[dim0 + 32 * i] = from_float<DTypeO>(__fmul_rn(__fmul_rn(acc[i], inv), factor));
   if (p.lse != nullptr && dim0 == 0) p.lse[token * p.lse_stride_n + head] = lse;
 }
 
@@ -272,8 +309,8 @@ int launch_merge_split_states(const FlashjitAttentionParams& p, bool write_lse, 
   FlashjitAttentionParams merged = p;
   if (!write_lse) merged.lse = nullptr;
   if (p.invariant_chunk != 0) {
-    // Few rows (long contexts in small batches): four warps per row.
-    constexpr int kSplitWarps = kHeadDim >= 128 ? 4 : kHeadDim / 32;
+    // Few rows (long contexts in small batches): up to four warps per row.
+    constexpr int kSplitWarps = merge_split_warps(kHeadDim);
     if (rows >= kWarpMergeRows) {
       return launch_dependent(merge_fold_states_kernel<DTypeO, kHeadDim, 1>, dim3((rows + 3) / 4), dim3(128), 0,
                               stream, merged, rows);
