@@ -5,7 +5,10 @@
 // handful of rows per KV head, has its own kernel (cuda_core_decode.cuh).
 //
 // Per 32-key tile each lane owns one key for Q.K (reading a 16-byte-padded K row,
-// conflict-free) and owns head dims lane, lane+32, ... for P.V.
+// conflict-free) and owns head dims lane, lane+32, ... for P.V. A head_dim_vo
+// that is an odd multiple of 16 (48, 80, ...) leaves lanes 16..31 without a
+// dim in the last slot: they skip its reads and stores (kVoLanesFull false),
+// and every dim keeps its own chain over the keys, as at the other head dims.
 #pragma once
 #include "flashjit/common/async_copy.cuh"
 #include "flashjit/common/kernel_config.cuh"
@@ -43,10 +46,23 @@ struct CudaCoreTraits {
   // K rows padded by 16 bytes so that lanes reading different rows at the same
   // column fall in different banks.
   static constexpr int kKRowStride = kHeadDimQK + kKvVec;
-  static constexpr int kDimsPerLane = kHeadDimVO / 32;
+  // Q.K steps (16-byte K vectors) unrolled together: 4 where they divide the
+  // row, else 2 (16-bit head dims 48, 80, ...), as a remainder loop costs the
+  // registers that the heaviest variants at 208 and 240 dims do not have.
+  static constexpr int kQkSteps = kHeadDimQK / kKvVec;
+  static constexpr int kQkUnroll = kQkSteps % 4 == 0 ? 4 : kQkSteps % 2 == 0 ? 2 : 1;
+  static constexpr int kDimsPerLane = (kHeadDimVO + 31) / 32;
+  // Every lane has a dim in every slot (head_dim_vo a multiple of 32).
+  static constexpr bool kVoLanesFull = kHeadDimVO % 32 == 0;
 
   static_assert(kHeadDimQK % kKvVec == 0 && kHeadDimQK % 4 == 0, "head_dim_qk tiling");
-  static_assert(kHeadDimVO % 32 == 0 && kHeadDimVO % kKvVec == 0, "head_dim_vo tiling");
+  static_assert(kHeadDimVO % 16 == 0 && kHeadDimVO % kKvVec == 0, "head_dim_vo tiling");
+
+  // Whether lane's slot i holds a dim (i + 1 < kDimsPerLane is known where the
+  // loops are unrolled, so only the last slot tests the lane).
+  static __device__ __forceinline__ bool vo_dim(int lane, int i) {
+    return kVoLanesFull || i + 1 < kDimsPerLane || lane < kHeadDimVO % 32;
+  }
 
   // Shared memory layout, in bytes; all offsets are 16-byte aligned.
   static constexpr size_t kQBytes = sizeof(float) * kRowsPerCta * kHeadDimQK;
@@ -64,13 +80,31 @@ template <class T, int kCols, int kSmemStride, int kRows, int kThreads, class Ro
 __device__ __forceinline__ void copy_rows_async(T* smem, const Rows& src, int first, int valid, int thread) {
   constexpr int kVec = Vec16<T>::kElems;
   constexpr int kVecsPerRow = kCols / kVec;
-  static_assert((kRows * kVecsPerRow) % kThreads == 0, "whole vectors per thread");
+  static_assert(kCols % kVec == 0 && kVecsPerRow <= kThreads, "whole vectors per row, a row per round at least");
+  if constexpr (kThreads % kVecsPerRow == 0) {
+    static_assert((kRows * kVecsPerRow) % kThreads == 0, "whole vectors per thread");
 #pragma unroll 8
-  for (int i = 0; i < kRows * kVecsPerRow / kThreads; ++i) {
-    const int idx = thread + i * kThreads;
-    const int r = idx / kVecsPerRow, c = (idx % kVecsPerRow) * kVec;
-    const bool ok = r < valid;
-    cp_async_16(smem_addr(smem + r * kSmemStride + c), ok ? src.row(first + r) + c : src.base, ok);
+    for (int i = 0; i < kRows * kVecsPerRow / kThreads; ++i) {
+      const int idx = thread + i * kThreads;
+      const int r = idx / kVecsPerRow, c = (idx % kVecsPerRow) * kVec;
+      const bool ok = r < valid;
+      cp_async_16(smem_addr(smem + r * kSmemStride + c), ok ? src.row(first + r) + c : src.base, ok);
+    }
+  } else {
+    // Rows of a vector count that does not divide the threads (16-bit head
+    // dims 48, 80, ...): whole rows a round, the threads past them idle, so
+    // that a thread's column and first row are divided out once.
+    constexpr int kRowsPerRound = kThreads / kVecsPerRow;
+    const int r0 = thread / kVecsPerRow, c = (thread % kVecsPerRow) * kVec;
+    if (r0 >= kRowsPerRound) return;
+#pragma unroll 8
+    for (int i = 0; i < (kRows + kRowsPerRound - 1) / kRowsPerRound; ++i) {
+      const int r = r0 + i * kRowsPerRound;
+      if (kRows % kRowsPerRound == 0 || r < kRows) {
+        const bool ok = r < valid;
+        cp_async_16(smem_addr(smem + r * kSmemStride + c), ok ? src.row(first + r) + c : src.base, ok);
+      }
+    }
   }
 }
 
@@ -160,7 +194,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
     for (int r = 0; r < R; ++r) s[r] = 0.f;
     const DTypeKV* k_row = k_s + lane * Traits::kKRowStride;
-#pragma unroll 4
+#pragma unroll Traits::kQkUnroll
     for (int d = 0; d < D_QK; d += Traits::kKvVec) {
       float kf[Traits::kKvVec];
       unpack16<DTypeKV>(*reinterpret_cast<const uint4*>(k_row + d), kf);
@@ -202,7 +236,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) vf[jj][i] = to_float(v_s[(j + jj) * D_VO + lane + 32 * i]);
+        for (int i = 0; i < DPL; ++i)
+          vf[jj][i] = Traits::vo_dim(lane, i) ? to_float(v_s[(j + jj) * D_VO + lane + 32 * i]) : 0.f;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float4 pv = *reinterpret_cast<const float4*>(my_p + r * KEYS + j);
@@ -234,7 +269,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     if (w.split >= 0) {  // fp32 partial state; the merge pass rounds once to DTypeO
       const int64_t idx = partial_row(p, token, w.split) * p.num_qo_heads + head;
 #pragma unroll
-      for (int i = 0; i < DPL; ++i) p.partial_o[idx * D_VO + lane + 32 * i] = acc[r][i] * inv_l;
+      for (int i = 0; i < DPL; ++i)
+        if (Traits::vo_dim(lane, i)) p.partial_o[idx * D_VO + lane + 32 * i] = acc[r][i] * inv_l;
       if (lane == 0) p.partial_lse[idx] = lse;
       continue;
     }
@@ -244,7 +280,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
     for (int i = 0; i < DPL; ++i) {
       const float y = acc[r][i] * inv_l;
-      out[lane + 32 * i] = from_float<DTypeO>(p.sinks != nullptr ? __fmul_rn(y, factor) : y);
+      if (Traits::vo_dim(lane, i)) out[lane + 32 * i] = from_float<DTypeO>(p.sinks != nullptr ? __fmul_rn(y, factor) : y);
     }
     if (Traits::kLse && p.lse != nullptr && lane == 0) p.lse[token * p.lse_stride_n + head] = lse_out;
   }
