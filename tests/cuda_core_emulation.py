@@ -181,21 +181,25 @@ def prefill(q, k, v, *, causal=False, sm_scale=None, window_left=-1, soft_cap=No
 
 
 def decode_geometry(dim: int) -> dict:
-    """cuda_core_decode.cuh: 8 dims per lane, key groups side by side in a warp,
+    """cuda_core_decode.cuh: 8 dims per lane on dim / 8 lanes of a group the
+    next power of two wide (the rest idle), key groups side by side in a warp,
     4 keys per group and chunk, 4 warps taking chunks in turn."""
-    lanes = dim // 8
+    lanes = 1 << (dim // 8 - 1).bit_length()
     groups = 32 // lanes
     return {"lanes": lanes, "groups": groups, "keys_per_group": 4, "warps": 4, "chunk": groups * 4}
 
 
 def decode_logits(qs, kk):
     """Per lane an fma chain over its 8 dims, then the lanes' partials summed by
-    halving (reduce_scatter): qs [H, D], kk [H, n, D] -> [H, n]."""
+    halving (reduce_scatter), lane i with lane i + half; a group's idle lanes
+    (past dim / 8) add zeros: qs [H, D], kk [H, n, D] -> [H, n]."""
     heads, dim = qs.shape
     part = torch.zeros(heads, kk.shape[1], dim // 8, dtype=F64)
     qv, kv = qs.view(heads, 1, dim // 8, 8), kk.view(heads, kk.shape[1], dim // 8, 8)
     for e in range(8):
         part = fma(qv[..., e], kv[..., e], part)
+    lanes = decode_geometry(dim)["lanes"]
+    part = torch.cat([part, part.new_zeros(*part.shape[:-1], lanes - part.shape[-1])], -1)
     while part.shape[-1] > 1:
         half = part.shape[-1] // 2
         part = f32(part[..., :half] + part[..., half:])

@@ -64,19 +64,31 @@ class CudaDecodeTiling:
     # (its four rows need 255 registers: docs/fp8.md, "Speed").
     dims_per_lane: int = 8
 
+    def lanes_per_key(self, spec: KernelSpec) -> int:
+        """Mirror of CudaCoreDecodeTraits::kLanesPerKey: head_dim / dims_per_lane
+        lanes hold a key's dims, and the group is the next power of two wide (its
+        last lanes hold zeros where that count is not one: head dims 48, 80, ...)."""
+        active = spec.head_dim_qk // self.dims_per_lane
+        return 1 << (active - 1).bit_length()
+
+    def key_groups(self, spec: KernelSpec) -> int:
+        """Keys a warp works on side by side (CudaCoreDecodeTraits::kKeyGroups)."""
+        return 32 // self.lanes_per_key(spec)
+
     def rescales(self, spec: KernelSpec) -> tuple[int, int]:
         """(keys per rescale, merge rescales): one rescale per chunk of the key's
         lane group, which takes every (groups * warps)-th chunk; then the merges,
         lane groups by halves and the warps."""
-        groups = 32 // (spec.head_dim_qk // self.dims_per_lane)
+        groups = self.key_groups(spec)
         return self.keys_per_group * groups * self.warps, groups.bit_length() - 1 + 1
 
     def chains(self, spec: KernelSpec) -> dict:
         """How the fp32 sums run (for the worst-case bound, error_model): Q.K an
-        fma chain over a lane's dims, then the lanes halved; P.V and the row
-        sum one chain per (warp, key group), merged in log2(groups) halvings and
-        then a sum over the warps (each merge two roundings)."""
-        lanes = spec.head_dim_qk // self.dims_per_lane
+        fma chain over a lane's dims, then the lanes halved (a group's idle lanes
+        add exact zeros, but count as levels); P.V and the row sum one chain per
+        (warp, key group), merged in log2(groups) halvings and then a sum over the
+        warps (each merge two roundings)."""
+        lanes = self.lanes_per_key(spec)
         groups = 32 // lanes
         levels = groups.bit_length() - 1
         return {"dot_chain": self.dims_per_lane + lanes.bit_length() - 1, "pv_chains": groups * self.warps,

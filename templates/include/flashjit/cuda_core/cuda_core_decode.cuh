@@ -8,6 +8,12 @@
 //     on kKeyGroups keys side by side, and the rows' partial logits of a key
 //     are reduce-scattered over its lanes, so that each lane ends with the
 //     full logit of one row (reduce_scatter below);
+//   - lane groups are a power of two wide, as the shuffles that reduce and
+//     merge them halve: where head_dim / 8 is not (48, 80, 96, 112, 144, ...),
+//     the group's last lanes hold no dims (kLanesActive of kLanesPerKey). They
+//     copy nothing (their slots are zero-filled) and add zeros, which is
+//     exact, so they still end with their row's full logit and run its
+//     softmax as the other lanes do;
 //   - each warp streams its own chunks of keys (chunk c goes to warp c mod
 //     kWarps) through a private cp.async ring, and each thread copies exactly
 //     the 16-byte pieces it later reads, so the loop needs no barrier at all;
@@ -35,6 +41,9 @@
 
 namespace flashjit {
 
+// The smallest power of two that is at least n (n >= 1).
+constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
+
 template <class DType_, class DTypeKV_, int kHeadDim_, int kWarps_, int kKeysPerGroup_, int kStages_,
           int kDimsPerLane_, int kMinBlocksPerSm_, bool kPaged_, bool kWindow_, bool kSoftCap_, bool kLse_>
 struct CudaCoreDecodeTraits {
@@ -54,7 +63,9 @@ struct CudaCoreDecodeTraits {
   // copies and reads 16 bytes of codes a key, as a 16-bit cache's lane does:
   // half the lanes per key, twice the keys per warp instruction.
   static constexpr int kDimsPerLane = kDimsPerLane_;
-  static constexpr int kLanesPerKey = kHeadDim / kDimsPerLane;
+  static constexpr int kLanesActive = kHeadDim / kDimsPerLane;
+  static constexpr int kLanesPerKey = pow2_at_least(kLanesActive);
+  static constexpr bool kAllLanesActive = kLanesActive == kLanesPerKey;
   static constexpr int kKeyGroups = 32 / kLanesPerKey;
   static constexpr int kKeysPerChunk = kKeyGroups * kKeysPerGroup;  // one warp, one pipeline stage
   // Bytes of a lane's dims of one K (or V) row, and the copies that move
@@ -69,7 +80,7 @@ struct CudaCoreDecodeTraits {
   // per SM to hide the latency of the shuffles that every logit waits for.
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
 
-  static_assert(kLanesPerKey >= 1 && kLanesPerKey <= 32 && 32 % kLanesPerKey == 0, "head_dim 8..256");
+  static_assert(kHeadDim % kDimsPerLane == 0 && kLanesPerKey <= 32 && 32 % kLanesPerKey == 0, "head_dim 8..256");
   static_assert(kSlotBytes == 16 || (kKvFp8 && kSlotBytes == 8), "a lane's dims fill 16-byte slots, or one 8-byte FP8 slot");
   static_assert(kDimsPerLane == 8 || (kKvFp8 && kDimsPerLane == 16), "8 dims a lane, or 16 of an FP8 cache");
   static_assert(kKvFp8 || std::is_same<DType, DTypeKV>::value, "K/V of q's dtype, or FP8");
@@ -196,6 +207,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int key_group = lane / LANES, dim0 = (lane % LANES) * DPL;
+  const bool lane_active = Traits::kAllLanesActive || dim0 < D;  // a lane past the dims (see the top)
 
   // This lane's dims of each row's query, pre-scaled so that logits come out
   // in log2 units (natural units when the soft-cap needs them).
@@ -206,7 +218,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int row = w.row_begin + r;
-    const bool ok = row < rows_total;
+    const bool ok = row < rows_total && lane_active;
     const DType* src = static_cast<const DType*>(p.q) + int64_t(w.qo_start) * p.q_stride_n +
                        int64_t(w.kv_head * w.group + row) * p.q_stride_h + dim0;
 #pragma unroll
@@ -224,7 +236,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   const DecodeKvRows<DTypeKV, Traits::kPaged> rows(
       kv_rows<DTypeKV, Traits::kPaged>(p, w, p.k, p.k_stride_n, p.k_stride_h, p.k_stride_page),
-      kv_rows<DTypeKV, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page), dim0);
+      kv_rows<DTypeKV, Traits::kPaged>(p, w, p.v, p.v_stride_n, p.v_stride_h, p.v_stride_page),
+      lane_active ? dim0 : 0);  // an idle lane's zero-fills name a mapped address
   // This lane's slots: [stage][K, V][key][slot][lane].
   const uint32_t ring_begin = smem_addr(smem + warp * STAGES * kStageBytes) + lane * SLOT;
   const uint32_t ring_end = ring_begin + STAGES * kStageBytes;
@@ -237,7 +250,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
     for (int n = 0; n < NK; ++n) {
       const int key = first_key + i * kChunkStride + n * GROUPS;
-      page[n] = (i < my_chunks && key < key_end) ? rows.page_of(key) : 0;
+      page[n] = (i < my_chunks && key < key_end && lane_active) ? rows.page_of(key) : 0;
     }
   };
   auto issue_chunk = [&](int i, uint32_t stage) {
@@ -245,7 +258,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
       for (int n = 0; n < NK; ++n) {
         const int key = first_key + i * kChunkStride + n * GROUPS;
-        const bool ok = key < key_end;
+        const bool ok = key < key_end && lane_active;
         const char *k_src = rows.k, *v_src = rows.v;  // zero-filled past the keys, but mapped
         if (ok) rows.rows_of(page[n], key, k_src, v_src);
 #pragma unroll
@@ -381,7 +394,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   __syncthreads();
   float* merge = reinterpret_cast<float*>(smem);
   constexpr int kStride = D + 2;
-  if (key_group == 0) {
+  if (key_group == 0 && lane_active) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       float* dst = merge + (warp * Traits::kRowsPerCta + r) * kStride;
