@@ -110,6 +110,9 @@ def _dot_error(qs, k, decode: bool):
         prod = qs[:, None, :] * k[None, j0:j0 + step, :]
         if decode:
             prod = prod.unflatten(-1, (-1, 8))
+            lanes = 1 << (prod.shape[-2] - 1).bit_length()  # a key's lane group: idle lanes add exact zeros
+            if lanes != prod.shape[-2]:
+                prod = torch.nn.functional.pad(prod, (0, 0, 0, lanes - prod.shape[-2]))
         part = prod.cumsum(-1)
         slack = None
         for first_pass in (True, False):
@@ -159,8 +162,8 @@ def chains(spec: KernelSpec, n: int, kv_chunk: int, first: int, device) -> Chain
             rows.append(torch.arange(b, e))
             split_of.append(c)
     else:
-        dims_per_lane = cuda_decode_tiling(spec).dims_per_lane  # the shipped tiling's lane width
-        step, groups = DECODE_KEYS_PER_GROUP, 32 // (spec.head_dim_qk // dims_per_lane)
+        tiling = cuda_decode_tiling(spec)  # the shipped tiling: its lane groups, padded to a power of two
+        step, groups = DECODE_KEYS_PER_GROUP, tiling.key_groups(spec)
         chunk, warps = groups * DECODE_KEYS_PER_GROUP, DECODE_WARPS
         for c, (b, e) in enumerate(_splits(n, kv_chunk)):
             begin = max(first, b)

@@ -135,7 +135,7 @@ def test_emulated_error_within_the_error_model(head_dim, case, dtype):
     assert flashjit.tolerance(spec, q=q, k=k, v=v, kv_len=kv).ratio(out, ref) <= 1
     _, logit = measure(q, k, v, 1 / math.sqrt(head_dim))
     assert evaluate_lse(profile(spec), kv_len=kv, logit_absmax=logit).ratio(lse, ref_lse) <= 1
-    if op != "single_decode" and dtype == torch.float32:  # the per-call bound (prefill's chains have no lanes)
+    if dtype == torch.float32:  # the per-call bound, decode's chains over lane groups padded to a power of two
         bound = cuda_core_bound(spec, q, k, v, causal=causal, kv_chunk=chunk, window_left=kw["window_left"],
                                 logits_soft_cap=kw["soft_cap"])
         assert bound.ratio(out) <= 1 and bound.lse_ratio(lse) <= 1
