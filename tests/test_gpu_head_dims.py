@@ -9,11 +9,13 @@ DeepSeek-V2/V3's prefill): single and ragged prefill on the fa2 tensor cores
 (fp16, bf16) and CUDA cores (bf16, fp32), causal and not, GQA 8/2, with LSE,
 a split-KV batch whose merge combines 128-wide states, and sinks.
 tests/sweep.py keeps the main sweep at 64/128/256; these configurations are
-built by their own prewarm, in one parallel build."""
+built by their own prewarm, in one parallel build. FLASHJIT_TEST_HEAD_DIMS
+(e.g. "48,96") runs a subset of the head dims where a GPU's time is short."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -30,6 +32,8 @@ from test_gpu_sinks import Problem as SinkProblem, check as sink_check
 pytestmark = pytest.mark.gpu
 
 NEW_HEAD_DIMS = [32, 48, 80, 96, 112, 160, 192, 240]
+if os.environ.get("FLASHJIT_TEST_HEAD_DIMS"):
+    NEW_HEAD_DIMS = [int(d) for d in os.environ["FLASHJIT_TEST_HEAD_DIMS"].split(",")]
 HEADS = (8, 2)
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 # (dtype, path) of prefill: CUDA cores ("cc") and the fa2 tensor cores; of decode: (dtype, tensor cores).
