@@ -132,3 +132,18 @@ def fp8_tensor_core_specs() -> list[KernelSpec]:
     specs += [spec_for("batch_prefill_ragged", torch.bfloat16, 128, True, "softcap", True).replace(
         dtype_kv=canonical_dtype(kv)) for kv in FP8_KV_DTYPES]
     return specs
+
+
+def build_for_gpu(specs: list[KernelSpec]) -> list:
+    """Builds `specs` for this GPU in one parallel run (a GPU test module's
+    prewarm); skips without a GPU; fails naming each configuration that did not build."""
+    import pytest
+
+    import flashjit
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    results = flashjit.build_many(specs)
+    failed = [f"{r.spec.name}: {r.error}" for r in results if r.entry is None]
+    assert not failed, "\n".join(failed)
+    return results

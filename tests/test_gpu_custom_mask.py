@@ -25,6 +25,7 @@ from flashjit.kernels import fa2
 from flashjit.ops import _calls
 from flashjit.reference import attention_reference, ragged_reference, request_masks
 from flashjit.spec import KernelSpec
+from sweep import build_for_gpu
 from test_gpu_attention import check, poison_allocator, randn
 from test_gpu_paged import PagedBatch, indptr_of, workspace
 
@@ -65,11 +66,7 @@ def used_specs() -> list[KernelSpec]:
 @pytest.fixture(scope="module")
 def built():
     """This file's configurations, in one parallel build."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    results = flashjit.build_many(used_specs())
-    assert all(r.entry is not None for r in results)
-    return results
+    return build_for_gpu(used_specs())
 
 
 def tree_mask(cache_len: int, draft: int = DRAFT) -> torch.Tensor:

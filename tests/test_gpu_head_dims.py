@@ -23,7 +23,7 @@ import torch
 import flashjit
 from flashjit.reference import attention_reference, ragged_reference
 from flashjit.spec import KernelSpec
-from sweep import path_kwargs, spec_for, spec_path
+from sweep import build_for_gpu, path_kwargs, spec_for, spec_path
 from test_gpu_attention import RAGGED_BATCHES, check, poison_allocator, randn
 from test_gpu_paged import DECODE_LENS, PREFILL_KV, PREFILL_QO, decode_case, prefill_case
 from test_gpu_sinks import Case, make_sinks, run_and_check
@@ -83,11 +83,7 @@ def used_specs() -> list[KernelSpec]:
 @pytest.fixture(scope="module")
 def built():
     """This file's configurations, in one parallel build."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    results = flashjit.build_many(used_specs())
-    assert all(r.entry is not None for r in results)
-    return results
+    return build_for_gpu(used_specs())
 
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
