@@ -99,18 +99,18 @@ def half_ulp(x):
     return torch.where(x < 2.0**-126, torch.full_like(x, 2.0**-150), torch.ldexp(torch.ones_like(x), e - 25))
 
 
-def _dot_error(qs, k, decode: bool):
-    """Bound on the fp32 dot products' rounding, per (row, key): prefill chains
-    fma over all dims; decode chains 8 dims per lane, then halves the lanes.
+def _dot_error(qs, k, lanes: int):
+    """Bound on the fp32 dot products' rounding, per (row, key): prefill
+    (lanes 0) chains fma over all dims; decode chains 8 dims per lane, then
+    halves the `lanes` of a key's group (its idle lanes add exact zeros).
     A first pass with u|S| bounds how far any partial sum can be off; the second
     takes half an ulp of the partial sums moved by that much."""
     out = torch.empty(qs.shape[0], k.shape[0], dtype=F64, device=qs.device)
     step = max(1, (1 << 23) // max(1, qs.shape[0] * qs.shape[1]))
     for j0 in range(0, k.shape[0], step):
         prod = qs[:, None, :] * k[None, j0:j0 + step, :]
-        if decode:
+        if lanes:
             prod = prod.unflatten(-1, (-1, 8))
-            lanes = 1 << (prod.shape[-2] - 1).bit_length()  # a key's lane group: idle lanes add exact zeros
             if lanes != prod.shape[-2]:
                 prod = torch.nn.functional.pad(prod, (0, 0, 0, lanes - prod.shape[-2]))
         part = prod.cumsum(-1)
@@ -120,7 +120,7 @@ def _dot_error(qs, k, decode: bool):
                 return U * a if first_pass else half_ulp(a + slack.view(*slack.shape, *([1] * extra_dims)))
             # fl(a + x) errs by at most |x|: a itself is a candidate.
             err = torch.minimum(rounding(part.abs(), part.dim() - 2), prod.abs()).sum(-1)
-            if decode:
+            if lanes:
                 err = err.sum(-1)
                 sums = part[..., -1]
                 while sums.shape[-1] > 1:     # lane partials by halving: min(round(a+b), |a|, |b|)
@@ -205,7 +205,7 @@ class _Rows:
         self.decode = spec.op in DECODE_OPS
         self.dim = qs.shape[-1]
         z = qs @ k.T
-        e = _dot_error(qs, k, self.decode)
+        e = _dot_error(qs, k, cuda_decode_tiling(spec).lanes_per_key(spec) if self.decode else 0)
         if soft_cap:   # cap * tanh(z / cap) * fl32(log2 e); tanhf 2 ulp, three roundings
             log2e = float(_f32(torch.tensor(1.0 / LN2, dtype=F64)))
             t = torch.tanh(z / soft_cap)

@@ -8,6 +8,11 @@
 
 namespace flashjit {
 
+// The smallest power of two that is at least n (n >= 1): the lanes or threads
+// a row of n chunks (or a key of n dim groups) takes where the shuffles and
+// copy passes that serve it work in powers of two.
+__host__ __device__ constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
+
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }

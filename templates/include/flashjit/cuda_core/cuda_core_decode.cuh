@@ -41,9 +41,6 @@
 
 namespace flashjit {
 
-// The smallest power of two that is at least n (n >= 1).
-constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
-
 template <class DType_, class DTypeKV_, int kHeadDim_, int kWarps_, int kKeysPerGroup_, int kStages_,
           int kDimsPerLane_, int kMinBlocksPerSm_, bool kPaged_, bool kWindow_, bool kSoftCap_, bool kLse_>
 struct CudaCoreDecodeTraits {

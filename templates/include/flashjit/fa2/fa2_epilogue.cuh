@@ -168,7 +168,7 @@ __device__ __forceinline__ void write_rows(const FlashjitAttentionParams& p, con
     // Lane l stores chunk l % kLanes of rows l / kLanes + kRowStep * i: a
     // row's D / 8 chunks, rounded up to a power of two of lanes (the lanes
     // past them store nothing at head dims 48, 80, 96, ...).
-    constexpr int kChunks = D / 8, kLanes = kChunks <= 1 ? 1 : 1 << (32 - __builtin_clz(kChunks - 1));
+    constexpr int kChunks = D / 8, kLanes = pow2_at_least(kChunks);
     constexpr int kRowStep = 32 / kLanes;
     static_assert(kLanes <= 32 && WROWS % kRowStep == 0, "a warp covers whole rows of the output");
     T* o_base = static_cast<T*>(p.o);

@@ -53,7 +53,7 @@ __device__ __forceinline__ void widen_fp8x16(const uint4& codes, uint4& lo, uint
 template <class KvT, class T, class L, int kRows, int kDim, int kThreads>
 __device__ __forceinline__ void widen_fp8_tile(uint32_t src, uint32_t dst, int tid) {
   constexpr int kChunks = kDim / 16;  // chunks of codes per row
-  constexpr int kLanes = kChunks <= 1 ? 1 : 1 << (32 - __builtin_clz(kChunks - 1));
+  constexpr int kLanes = pow2_at_least(kChunks);
   constexpr int kRowsPerPass = kThreads / kLanes;
   static_assert(kThreads % kLanes == 0 && kRows % kRowsPerPass == 0, "whole passes over the tile");
   const int c = tid % kLanes, row0 = tid / kLanes;

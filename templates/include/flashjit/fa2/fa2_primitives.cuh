@@ -66,6 +66,7 @@
 #include <stdint.h>
 #include <type_traits>
 #include "flashjit/common/async_copy.cuh"
+#include "flashjit/common/numeric.cuh"
 #include "flashjit/common/work.cuh"
 
 namespace flashjit {
@@ -246,7 +247,7 @@ struct PlainTile {
 template <int kRows, int kDim, int kThreads, int kSpanBytes>
 struct TileRows {
   static constexpr int kDataChunks = kSpanBytes / 16;  // 16-byte chunks of a span
-  static constexpr int kChunks = kDataChunks <= 1 ? 1 : 1 << (32 - __builtin_clz(kDataChunks - 1));
+  static constexpr int kChunks = pow2_at_least(kDataChunks);
   static constexpr int kSpans = kDim * 2 / kSpanBytes;
   static constexpr int kRowsPerPass = kThreads / kChunks;
   // One pass may cover more rows than the tile has (16 decode rows of head
