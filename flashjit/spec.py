@@ -116,10 +116,14 @@ def nearest_head_dim(value: int, dims=HEAD_DIMS) -> int:
     return min(dims, key=lambda d: (abs(d - value), d))
 
 
+def qk_vo_pairs() -> str:
+    """The generated head_dim_qk/head_dim_vo pairs, in words ('192/128')."""
+    return or_list(f"{qk}/{vo}" for qk, vo in QK_VO_HEAD_DIMS)
+
+
 def qk_vo_text() -> str:
     """Where head_dim_qk != head_dim_vo is generated, in words (errors name it)."""
-    pairs = or_list(f"{qk}/{vo}" for qk, vo in QK_VO_HEAD_DIMS)
-    return (f"head_dim_qk/head_dim_vo {pairs} for {' and '.join(QK_VO_OPS)}, K/V of q's dtype, on CUDA cores "
+    return (f"head_dim_qk/head_dim_vo {qk_vo_pairs()} for {' and '.join(QK_VO_OPS)}, K/V of q's dtype, on CUDA cores "
             f"(fp16, bf16, fp32) or fa2 tensor cores (fp16, bf16)")
 
 
@@ -256,8 +260,8 @@ class KernelSpec:
         return self
 
     def _validate_mask(self, fail) -> None:
-        """A custom mask: prefill ops, without causal (the mask says it), on the
-        backends of MASK_PATHS."""
+        """A custom mask: MASK_OPS, without causal (the mask says it), on fa2
+        tensor cores (and CUDA cores once MASK_ON_CUDA_CORES)."""
         plain = self.replace(custom_mask=False)
         if self.op not in MASK_OPS:
             fail(f"custom_mask on {self.op}", f"custom masks on {', '.join(MASK_OPS)}", plain)

@@ -10,7 +10,7 @@ import torch
 
 from .. import arch, jit
 from ..loader import AttentionParams
-from ..spec import MLA_OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, KernelSpec, canonical_dtype, or_list
+from ..spec import MLA_OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, KernelSpec, canonical_dtype, or_list, qk_vo_pairs
 from . import _calls, _checks, _invariant, _masks, _scales, _sinks
 from ._calls import Signatures, check_placement, remember, single_request_call
 
@@ -216,10 +216,9 @@ def check_qkv(q, k, v, kv_layout: str, q_ndim: int = 3, op: str = "") -> tuple[i
     return kv_tokens, num_qo_heads, num_kv_heads, head_dim_q
 
 
-
 def check_head_dim_vo(head_dim_q: int, head_dim_v: int, op: str) -> None:
     """A V narrower than q and k: a QK_VO_HEAD_DIMS pair, for the ops that take one."""
-    pairs = or_list(f"{qk}/{vo}" for qk, vo in QK_VO_HEAD_DIMS)
+    pairs = qk_vo_pairs()
     if op not in QK_VO_OPS:
         raise ValueError(f"v: expected head_dim {head_dim_q} (as q), got {head_dim_v}; a V narrower than q and k "
                          f"(head_dim_qk/head_dim_vo {pairs}) is taken by single_prefill_with_kv_cache and "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import QK_VO_HEAD_DIMS, QK_VO_OPS, or_list
+from ..spec import QK_VO_HEAD_DIMS, QK_VO_OPS, qk_vo_pairs
 from . import _checks, _dispatch, _invariant, _masks, _scales, _sinks
 from ._aliases import RaggedPrefillAliases, remembers_plan
 from ._dispatch import dispatch_modes, is_compiling
@@ -103,7 +103,7 @@ def _prepare_single(q, k, v, kv_layout, scale_q, scale_k, scale_v, o_dtype, cust
     if mask is not None:
         _masks.check_causal(mask, causal)
         qo_len = q.shape[0]
-        _masks.check_tensor(mask, qo_len * kv_len, (qo_len * kv_len + 7) // 8,
+        _masks.check_tensor(mask, qo_len * kv_len, _masks.byte_indptr([qo_len], [kv_len])[-1],
                             f"q's {qo_len} tokens x k's {kv_len}", shape=(qo_len, kv_len))
     return prepare_single_request("single_prefill", q, k, v, kv_layout, head_dim, num_qo_heads, num_kv_heads,
                                   causal=causal, sm_scale=sm_scale, window_left=window_left,
@@ -340,7 +340,3 @@ def check_plan_head_dim_vo(op: str, head_dim_qk: int, head_dim_vo) -> int:
                          f"head_dim_qk/head_dim_vo pair ({qk_vo_pairs()}), got {head_dim_vo} with head_dim_qk "
                          f"{head_dim_qk}")
     return head_dim_vo
-
-
-def qk_vo_pairs() -> str:
-    return or_list(f"{qk}/{vo}" for qk, vo in QK_VO_HEAD_DIMS)
