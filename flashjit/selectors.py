@@ -19,7 +19,7 @@ from .arch import ARCHES, DEFAULT_ARCHES, normalize_arch
 from .errors import ToolchainError
 from .selection import PRESETS, SelectionError, choices_text, dtype_names, head_dim_pairs, short_dtype
 from .spec import BACKENDS, FA3_HEAD_DIMS, HEAD_DIMS, KV_ONLY_DTYPES, MASK_OPS, MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, \
-    MLA_OPS, OPS, PLANNED_OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, canonical_dtype, head_dims_text, nearest_head_dims
+    MLA_OPS, OPS, PLANNED_OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, canonical_dtype, head_dims_text, nearest_head_dims, qk_vo_pairs
 
 SWITCHES = ("on", "off", "both")
 MASK_CHOICES = ("off", "custom", "both")
@@ -158,8 +158,7 @@ def check_head_dims(values, ops) -> list[int]:
 
 def qk_vo_pairs_text() -> str:
     """'192/128 (head_dim_qk/head_dim_vo) for single_prefill and batch_prefill_ragged on CUDA cores and fa2'."""
-    pairs = choices_text(f"{qk}/{vo}" for qk, vo in QK_VO_HEAD_DIMS)
-    return f"{pairs} (--head-dim/--head-dim-vo) for {' and '.join(QK_VO_OPS)} on CUDA cores and fa2"
+    return f"{qk_vo_pairs()} (--head-dim/--head-dim-vo) for {' and '.join(QK_VO_OPS)} on CUDA cores and fa2"
 
 
 def check_head_dims_vo(values, head_dims) -> list[int]:
