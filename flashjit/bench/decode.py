@@ -82,28 +82,34 @@ def paged_cache(batch: int, kv_len: int, kv_heads: int, fill: str = "randn", hea
     return cache, indptr, indices, last
 
 
-def reference(q, cache, indices, kv_len, scale: float | None = None) -> torch.Tensor:
+def reference(q, cache, indices, kv_len, scale: float | None = None, sinks=None) -> torch.Tensor:
     """float32 decode attention, gathered page by page, a few requests at a time.
     scale: an FP8 cache's per-tensor scale; the keys and values are then the
-    dequantised codes * scale (decode_fp8.dequantise)."""
-    batch, qo_heads, _ = q.shape
+    dequantised codes * scale (decode_fp8.dequantise). sinks: one logit per query
+    head that joins each row's softmax and contributes no value."""
+    batch, qo_heads, d = q.shape
     kv_heads = cache.shape[3]
     group, ppr = qo_heads // kv_heads, indices.numel() // batch
     pages = indices.view(batch, ppr).long()
-    chunk = max(1, (2 << 30) // (kv_len * kv_heads * D * 2 * 4))
-    out = torch.empty(batch, qo_heads, D, dtype=torch.float32, device=q.device)
+    chunk = max(1, (2 << 30) // (kv_len * kv_heads * d * 2 * 4))
+    out = torch.empty(batch, qo_heads, d, dtype=torch.float32, device=q.device)
     fp8 = cache.element_size() == 1
     if fp8 and scale is None:
         raise ValueError("reference: an FP8 cache needs its scale")
     for s in range(0, batch, chunk):
-        # [c, ppr, 2, page, kv_heads, D]; FP8 codes gathered and laid out as bytes (no FP8 indexing kernel needed)
+        # [c, ppr, 2, page, kv_heads, d]; FP8 codes gathered and laid out as bytes (no FP8 indexing kernel needed)
         kv = (cache.view(torch.uint8) if fp8 else cache)[pages[s:s + chunk]]
         c = kv.shape[0]
-        kv = kv.transpose(1, 2).reshape(c, 2, ppr * PAGE, kv_heads, D)[:, :, :kv_len]
+        kv = kv.transpose(1, 2).reshape(c, 2, ppr * PAGE, kv_heads, d)[:, :, :kv_len]
         kv = decode_fp8.dequantise(kv.view(cache.dtype), scale) if fp8 else kv.float()
-        qq = q[s:s + chunk].float().view(c, kv_heads, group, D)
-        p = (torch.einsum("bhgd,bnhd->bhgn", qq, kv[:, 0]) / math.sqrt(D)).softmax(-1)
-        out[s:s + chunk] = torch.einsum("bhgn,bnhd->bhgd", p, kv[:, 1]).reshape(c, qo_heads, D)
+        qq = q[s:s + chunk].float().view(c, kv_heads, group, d)
+        logits = torch.einsum("bhgd,bnhd->bhgn", qq, kv[:, 0]) / math.sqrt(d)
+        if sinks is not None:  # one more logit per row, dropped after the softmax
+            sink = sinks.float().view(1, kv_heads, group, 1).expand(c, -1, -1, 1)
+            p = torch.cat([logits, sink], -1).softmax(-1)[..., :-1]
+        else:
+            p = logits.softmax(-1)
+        out[s:s + chunk] = torch.einsum("bhgn,bnhd->bhgd", p, kv[:, 1]).reshape(c, qo_heads, d)
         del kv, p
     return out
 

@@ -29,36 +29,40 @@ SKEWED_LABEL = "skewed 1x16k + 64x100"
 SINGLE_DECODE_KV = 32768
 
 
-def attention_flops(b: int, h: int, s: int, d: int, causal: bool) -> float:
-    """4·B·H·S²·D for b requests of s tokens (queries and keys), halved when causal."""
-    return 4 * b * h * s * s * d / (2 if causal else 1)
+def attention_flops(b: int, h: int, s: int, d: int, causal: bool, head_dim_vo: int | None = None) -> float:
+    """2·B·H·S²·(D_qk + D_vo) for b requests of s tokens (queries and keys), halved when causal."""
+    return 2 * b * h * s * s * (d + (head_dim_vo or d)) / (2 if causal else 1)
 
 
 def indptr(lengths) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
-def flashjit_ragged(backend="auto"):
+def flashjit_ragged(backend="auto", sinks: bool = False):
+    """sinks: each call passes a sink logit per head (random, drawn at plan time)."""
     # An fa3 column times fa3 or nothing: strict, a head dim fa3 does not generate
     # is an n/a cell naming why, not fa2's time under fa3's name.
     strict = True if backend == "fa3" else None
 
-    def make(qo_lens, kv_lens, h, d, causal, dtype, use_tensor_cores=None):
+    def make(qo_lens, kv_lens, h, d, causal, dtype, use_tensor_cores=None, head_dim_vo=None):
         w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
                                                           backend=backend, strict=strict)
-        w.plan(indptr(qo_lens), indptr(kv_lens), h, h, d, causal=causal, q_data_type=dtype,
+        w.plan(indptr(qo_lens), indptr(kv_lens), h, h, d, head_dim_vo, causal=causal, q_data_type=dtype,
                use_tensor_cores=use_tensor_cores)
-        return w.run
+        if not sinks:
+            return w.run
+        sink = torch.randn(h, device="cuda", dtype=torch.float32)
+        return lambda q, k, v: w.run(q, k, v, sinks=sink)
     return make
 
 
 def flashinfer_ragged(backend):
     import flashinfer
 
-    def make(qo_lens, kv_lens, h, d, causal, dtype):
+    def make(qo_lens, kv_lens, h, d, causal, dtype, head_dim_vo=None):
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
-        w.plan(indptr(qo_lens).cuda(), indptr(kv_lens).cuda(), h, h, d, causal=causal, q_data_type=dtype)
+        w.plan(indptr(qo_lens).cuda(), indptr(kv_lens).cuda(), h, h, d, head_dim_vo, causal=causal, q_data_type=dtype)
         return w.run
     return make
 
@@ -66,7 +70,7 @@ def flashinfer_ragged(backend):
 def sdpa(backend):
     from torch.nn.attention import sdpa_kernel
 
-    def make(qo_lens, kv_lens, h, d, causal, dtype):
+    def make(qo_lens, kv_lens, h, d, causal, dtype, head_dim_vo=None):
         if len(set(qo_lens)) != 1 or qo_lens != kv_lens:
             raise NotImplementedError("SDPA takes equal-length batches only")
         b, s = len(qo_lens), qo_lens[0]
@@ -74,7 +78,7 @@ def sdpa(backend):
         def run(q, k, v):
             with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(
-                    *(t.view(b, s, h, d).transpose(1, 2) for t in (q, k, v)), is_causal=causal)
+                    *(t.view(b, s, h, t.shape[-1]).transpose(1, 2) for t in (q, k, v)), is_causal=causal)
         return run
     return make
 
@@ -126,12 +130,15 @@ def rows(quick: bool = False, head_dims=None, seqlens=None, skewed: bool = True)
     return plan
 
 
-def run_row(impls, qo_lens, kv_lens, h, d, causal, flops, reps, rounds) -> dict:
+def run_row(impls, qo_lens, kv_lens, h, d, causal, flops, reps, rounds, head_dim_vo=None) -> dict:
     """{'values': {impl: median TFLOP/s or None}, 'samples': {impl: [TFLOP/s per
-    sample]}, 'errors': {impl: why its cell is empty}}."""
+    sample]}, 'errors': {impl: why its cell is empty}}. head_dim_vo: V narrower
+    than Q and K (d); each maker then gets it as a keyword."""
     dtype = torch.bfloat16
     q = torch.randn(sum(qo_lens), h, d, device="cuda", dtype=dtype)
-    k, v = (torch.randn(sum(kv_lens), h, d, device="cuda", dtype=dtype) for _ in range(2))
+    k = torch.randn(sum(kv_lens), h, d, device="cuda", dtype=dtype)
+    v = torch.randn(sum(kv_lens), h, head_dim_vo or d, device="cuda", dtype=dtype)
+    vo = {"head_dim_vo": head_dim_vo} if head_dim_vo else {}
     fns, rates, errors = {}, {}, {}
 
     def failed(name, exc):  # the cell reads n/a; the reason goes to stderr and the JSON
@@ -141,7 +148,7 @@ def run_row(impls, qo_lens, kv_lens, h, d, causal, flops, reps, rounds) -> dict:
 
     for name, make in impls.items():
         try:
-            fns[name] = make(qo_lens, kv_lens, h, d, causal, dtype)
+            fns[name] = make(qo_lens, kv_lens, h, d, causal, dtype, **vo)
             fns[name](q, k, v)  # fails here, not in the middle of the timing
             torch.cuda.synchronize()
         except Exception as exc:
