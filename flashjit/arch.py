@@ -252,11 +252,12 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
     KV cache's dtype (None: q's), which fa3 reads for FA3_FP8_OPS only.
     head_dim: Q's and K's (None: not known yet), which fa3 generates for
     FA3_HEAD_DIMS only (MLA has its own geometry); head_dim_vo: V's and O's
-    (None: head_dim's), which fa3 generates equal to head_dim only.
+    (None: head_dim's), which fa3 generates equal to head_dim or as a pair of
+    QK_VO_HEAD_DIMS.
     custom_mask: the call has one, which fa3 does not read (spec.MASK_OPS);
     CUDA cores are the ops' error (ops._masks.check_cores), not a choice here."""
     from .kernels import fa3
-    from .spec import DECODE_OPS, FA3_FP8_OPS, FA3_HEAD_DIMS, FA3_OPS, KV_ONLY_DTYPES, MLA_OPS, \
+    from .spec import DECODE_OPS, FA3_FP8_OPS, FA3_HEAD_DIMS, FA3_OPS, KV_ONLY_DTYPES, MLA_OPS, QK_VO_HEAD_DIMS, \
         TENSOR_CORE_DTYPES, TENSOR_CORE_OPS
 
     if backend not in ("auto", "fa2", "fa3"):
@@ -285,8 +286,9 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
         why_not = f"fa3 does not generate {op} (it does {', '.join(FA3_OPS)})"
     elif custom_mask:
         why_not = "fa3 has no custom masks"
-    elif head_dim_vo is not None and head_dim is not None and head_dim_vo != head_dim and op not in MLA_OPS:
-        why_not = f"fa3 does not generate head_dim_qk={head_dim} with head_dim_vo={head_dim_vo} (it needs them equal)"
+    elif head_dim_vo not in (None, head_dim) and head_dim is not None and op not in MLA_OPS and \
+            (head_dim, head_dim_vo) not in QK_VO_HEAD_DIMS:
+        why_not = f"fa3 does not generate head_dim_qk={head_dim} with head_dim_vo={head_dim_vo}"
     elif head_dim is not None and op not in MLA_OPS and head_dim not in FA3_HEAD_DIMS:
         why_not = f"fa3 does not generate head_dim {head_dim} (it does {', '.join(map(str, FA3_HEAD_DIMS))})"
     elif kv_dtype in KV_ONLY_DTYPES and op not in FA3_FP8_OPS:

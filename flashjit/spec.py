@@ -63,10 +63,10 @@ HEAD_DIMS = tuple(range(32, 257, 16))
 MASK_OPS = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")
 MASK_ON_CUDA_CORES = False
 # The head dims the fa3 backend generates; others run on fa2 (arch.choose_backend).
-FA3_HEAD_DIMS = (64, 128, 256)
+FA3_HEAD_DIMS = (64, 128, 192, 256)
 # (head_dim_qk, head_dim_vo) pairs with V and O narrower than Q and K (DeepSeek-V2/V3's
 # prefill), for QK_VO_OPS with K/V of q's dtype: CUDA cores, and fa2's tensor cores
-# (its paged, FP8, TMA and split-keys kernels keep the two equal; fa3 does too).
+# (its paged, FP8, TMA and split-keys kernels keep the two equal), and fa3's tensor cores.
 QK_VO_HEAD_DIMS = ((192, 128),)
 QK_VO_OPS = ("single_prefill", "batch_prefill_ragged")
 BACKENDS = ("fa2", "fa3")
@@ -124,7 +124,7 @@ def qk_vo_pairs() -> str:
 def qk_vo_text() -> str:
     """Where head_dim_qk != head_dim_vo is generated, in words (errors name it)."""
     return (f"head_dim_qk/head_dim_vo {qk_vo_pairs()} for {' and '.join(QK_VO_OPS)}, K/V of q's dtype, on CUDA cores "
-            f"(fp16, bf16, fp32) or fa2 tensor cores (fp16, bf16)")
+            f"(fp16, bf16, fp32) or tensor cores (fp16, bf16; fa2, or fa3 on sm_90a)")
 
 
 def head_dims_text(dims=HEAD_DIMS) -> str:
@@ -307,7 +307,7 @@ class KernelSpec:
 
     def _validate_qk_vo(self, fail) -> None:
         """head_dim_qk != head_dim_vo (both generated head dims): a pair of
-        QK_VO_HEAD_DIMS, for QK_VO_OPS, on CUDA cores or fa2."""
+        QK_VO_HEAD_DIMS, for QK_VO_OPS, on CUDA cores, fa2 or fa3."""
         qk, vo = self.head_dim_qk, self.head_dim_vo
         supported = qk_vo_text()
         equal = self.replace(head_dim_vo=qk)
@@ -320,9 +320,6 @@ class KernelSpec:
             nearest = self.replace(op="batch_prefill_ragged", backend="fa2") if self.op == "batch_prefill_paged" \
                 else equal
             fail(f"head_dim_qk={qk} != head_dim_vo={vo} for {self.op}", supported, nearest)
-        if self.backend == "fa3":
-            fail(f"backend fa3 with head_dim_qk={qk} != head_dim_vo={vo}",
-                 f"{supported}; fa3 generates equal head dims only", self.replace(backend="fa2"))
 
     def _validate_mla(self, fail) -> "KernelSpec":
         qk, vo = MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE, MLA_HEAD_DIM_CKV

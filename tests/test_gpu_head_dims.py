@@ -1,13 +1,14 @@
 """Head dims beyond 64/128/256 on a GPU: single prefill and decode, ragged and
 paged prefill, paged decode on CUDA cores (fp16, bf16, fp32) and on the fa2
-tensor cores (fp16, bf16), causal and not, GQA 8/2, each against the float64
-reference within its own tolerance profile (LSE too), on fresh random inputs
-with poisoned outputs; per head dim one sinks case, one soft-cap + sliding
-window case, the `auto` choice (fa2: fa3 generates 64, 128 and 256 only) and
-the KV append. V narrower than Q and K (head_dim_qk 192, head_dim_vo 128,
-DeepSeek-V2/V3's prefill): single and ragged prefill on the fa2 tensor cores
-(fp16, bf16) and CUDA cores (bf16, fp32), causal and not, GQA 8/2, with LSE,
-a split-KV batch whose merge combines 128-wide states, and sinks.
+tensor cores (fp16, bf16), prefill on fa3 (sm_90a) at the head dims it
+generates (192), causal and not, GQA 8/2, each against the float64 reference
+within its own tolerance profile (LSE too), on fresh random inputs with
+poisoned outputs; per head dim one sinks case, one soft-cap + sliding window
+case, the `auto` choice and the KV append. V narrower than Q and K
+(head_dim_qk 192, head_dim_vo 128, DeepSeek-V2/V3's prefill): single and
+ragged prefill on the fa2 and fa3 tensor cores (fp16, bf16) and CUDA cores
+(bf16, fp32), causal and not, GQA 8/2, with LSE, a split-KV batch whose merge
+combines 128-wide states, and sinks.
 tests/sweep.py keeps the main sweep at 64/128/256; these configurations are
 built by their own prewarm, in one parallel build. FLASHJIT_TEST_HEAD_DIMS
 (e.g. "48,96") runs a subset of the head dims where a GPU's time is short."""
@@ -22,8 +23,8 @@ import torch
 
 import flashjit
 from flashjit.reference import attention_reference, ragged_reference
-from flashjit.spec import KernelSpec
-from sweep import build_for_gpu, path_kwargs, spec_for, spec_path
+from flashjit.spec import FA3_HEAD_DIMS, KernelSpec
+from sweep import build_for_gpu, fa3_runs_here, path_kwargs, spec_for, spec_path
 from test_gpu_attention import RAGGED_BATCHES, check, poison_allocator, randn
 from test_gpu_paged import DECODE_LENS, PREFILL_KV, PREFILL_QO, decode_case, prefill_case
 from test_gpu_sinks import Case, make_sinks, run_and_check
@@ -38,6 +39,8 @@ HEADS = (8, 2)
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 # (dtype, path) of prefill: CUDA cores ("cc") and the fa2 tensor cores; of decode: (dtype, tensor cores).
 PREFILL_PATHS = [(F16, "cc"), (BF16, "cc"), (F32, "cc"), (F16, "fa2"), (BF16, "fa2")]
+FA3_PATHS = [(F16, "fa3"), (BF16, "fa3")]
+ON_FA3 = pytest.mark.skipif(not fa3_runs_here(), reason="fa3 needs an sm_90a GPU")
 DECODE_PATHS = [(F16, False), (BF16, False), (F32, False), (F16, True), (BF16, True)]
 CAUSAL = [False, True]
 # Both caps together (the flag pair that presses hardest on registers).
@@ -45,6 +48,20 @@ CAP_WINDOW = {"window_left": 70, "logits_soft_cap": 30.0}
 # head_dim_qk / head_dim_vo (spec.QK_VO_HEAD_DIMS) and the paths that take them.
 QK, VO = 192, 128
 VO_PATHS = [(F16, "fa2"), (BF16, "fa2"), (BF16, "cc"), (F32, "cc")]
+
+
+def prefill_cases() -> list:
+    """(dtype, path, head_dim) of the prefill tests: every path at every new head
+    dim, and fa3 (on sm_90a) at those of them it generates."""
+    cases = [pytest.param(dtype, path, d, id=f"{prefill_id((dtype, path))}-{d}")
+             for dtype, path in PREFILL_PATHS for d in NEW_HEAD_DIMS]
+    return cases + [pytest.param(dtype, path, d, id=f"{prefill_id((dtype, path))}-{d}", marks=ON_FA3)
+                    for dtype, path in FA3_PATHS for d in NEW_HEAD_DIMS if d in FA3_HEAD_DIMS]
+
+
+def vo_cases() -> list:
+    return [pytest.param(*p, id=prefill_id(p)) for p in VO_PATHS] + \
+        [pytest.param(*p, id=prefill_id(p), marks=ON_FA3) for p in FA3_PATHS]
 
 
 def prefill_id(pair) -> str:
@@ -77,6 +94,12 @@ def used_specs() -> list[KernelSpec]:
         specs += [cap_window_spec(d), KernelSpec.make("append_paged", BF16, d)]
     specs += [vo_spec(op, dtype, path, causal) for op in ("single_prefill", "batch_prefill_ragged")
               for dtype, path in VO_PATHS for causal in CAUSAL]
+    if fa3_runs_here():
+        specs += [spec_for(op, dtype, d, causal, "lse" if op == "single_prefill" else "plain", **spec_path(path))
+                  for d in NEW_HEAD_DIMS if d in FA3_HEAD_DIMS for dtype, path in FA3_PATHS for causal in CAUSAL
+                  for op in ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")]
+        specs += [vo_spec(op, dtype, path, causal) for op in ("single_prefill", "batch_prefill_ragged")
+                  for dtype, path in FA3_PATHS for causal in CAUSAL]
     return list(dict.fromkeys(specs))
 
 
@@ -87,8 +110,7 @@ def built():
 
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
-@pytest.mark.parametrize("dtype,path", PREFILL_PATHS, ids=[prefill_id(p) for p in PREFILL_PATHS])
+@pytest.mark.parametrize("dtype,path,head_dim", prefill_cases())
 def test_single_prefill(built, error_report, dtype, path, head_dim, causal):
     """(513, 77) causal: rows that see no key (o = 0, LSE -inf); (16, 5000): split keys."""
     num_qo, num_kv = HEADS
@@ -125,8 +147,7 @@ def test_single_decode(built, error_report, dtype, tensor_cores, head_dim):
 
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
-@pytest.mark.parametrize("dtype,path", PREFILL_PATHS, ids=[prefill_id(p) for p in PREFILL_PATHS])
+@pytest.mark.parametrize("dtype,path,head_dim", prefill_cases())
 def test_batch_prefill_ragged(built, error_report, dtype, path, head_dim, causal):
     num_qo, num_kv = HEADS
     spec = spec_for("batch_prefill_ragged", dtype, head_dim, causal, **spec_path(path))
@@ -150,8 +171,7 @@ def test_batch_prefill_ragged(built, error_report, dtype, path, head_dim, causal
 
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
-@pytest.mark.parametrize("dtype,path", PREFILL_PATHS, ids=[prefill_id(p) for p in PREFILL_PATHS])
+@pytest.mark.parametrize("dtype,path,head_dim", prefill_cases())
 def test_batch_prefill_paged(built, error_report, dtype, path, head_dim, causal):
     spec = spec_for("batch_prefill_paged", dtype, head_dim, causal, **spec_path(path))
     for page_size, layout in [(16, "NHD"), (1, "HND")]:
@@ -205,12 +225,14 @@ def test_soft_cap_with_sliding_window(built, error_report, head_dim):
 
 
 @pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
-def test_auto_runs_fa2(built, head_dim):
-    """`auto` takes fa2 for these head dims on every GPU: bit for bit the explicit fa2 call."""
+def test_auto_runs_its_choice(built, head_dim):
+    """`auto` takes fa3 where it generates the head dim on an sm_90a GPU, fa2
+    elsewhere: bit for bit the explicit call of that backend."""
     q = randn(300, HEADS[0], head_dim, dtype=BF16)
     k, v = (randn(700, HEADS[1], head_dim, dtype=BF16) for _ in range(2))
     auto = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True)
-    explicit = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True, backend="fa2",
+    backend = "fa3" if head_dim in FA3_HEAD_DIMS and fa3_runs_here() else "fa2"
+    explicit = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True, backend=backend,
                                                      use_tensor_cores=True)
     assert torch.equal(auto[0], explicit[0]) and torch.equal(auto[1], explicit[1])
 
@@ -259,7 +281,7 @@ def planned_vo(dtype, path: str, causal: bool, qo_lens, kv_lens, **plan_kw):
 
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
-@pytest.mark.parametrize("dtype,path", VO_PATHS, ids=[prefill_id(p) for p in VO_PATHS])
+@pytest.mark.parametrize("dtype,path", vo_cases())
 def test_single_prefill_v_narrower(built, error_report, dtype, path, causal):
     """o [qo_len, heads, 128]; (513, 77) causal: rows without keys; (16, 5000): split keys, 128-wide states merged."""
     num_qo, num_kv = HEADS
@@ -278,7 +300,7 @@ def test_single_prefill_v_narrower(built, error_report, dtype, path, causal):
 
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
-@pytest.mark.parametrize("dtype,path", VO_PATHS, ids=[prefill_id(p) for p in VO_PATHS])
+@pytest.mark.parametrize("dtype,path", vo_cases())
 def test_batch_prefill_ragged_v_narrower(built, error_report, dtype, path, causal):
     num_qo = HEADS[0]
     spec = vo_spec("batch_prefill_ragged", dtype, path, causal)
@@ -293,7 +315,9 @@ def test_batch_prefill_ragged_v_narrower(built, error_report, dtype, path, causa
               lse=lse, ref_lse=ref_lse, shape=batch, heads=HEADS)
 
 
-@pytest.mark.parametrize("dtype,path", [(BF16, "fa2"), (F32, "cc")], ids=["bfloat16-fa2", "float32-cc"])
+@pytest.mark.parametrize("dtype,path", [pytest.param(BF16, "fa2", id="bfloat16-fa2"),
+                                        pytest.param(F32, "cc", id="float32-cc"),
+                                        pytest.param(BF16, "fa3", id="bfloat16-fa3", marks=ON_FA3)])
 def test_ragged_split_kv_merges_v_narrower_states(built, error_report, dtype, path):
     """Long keys, few rows, chunks of 512 keys: the merge pass combines 128-wide partial states."""
     qo_lens, kv_lens = [4, 1, 16], [9000, 300, 3000]
@@ -308,12 +332,13 @@ def test_ragged_split_kv_merges_v_narrower_states(built, error_report, dtype, pa
           error_report, "ragged_split_vo", lse=lse, ref_lse=ref_lse, shape="split512", heads=HEADS)
 
 
-def test_sinks_v_narrower(built, error_report):
-    """Ragged causal prefill on fa2, bf16: random sinks and sinks that dominate
-    every row within the profile; sinks of -inf bit for bit no sinks."""
+@pytest.mark.parametrize("path", ["fa2", pytest.param("fa3", marks=ON_FA3)])
+def test_sinks_v_narrower(built, error_report, path):
+    """Ragged causal prefill, bf16: random sinks and sinks that dominate every
+    row within the profile; sinks of -inf bit for bit no sinks."""
     qo_lens, kv_lens = RAGGED_BATCHES["mixed"]
-    wrapper, q, k, v, _, _ = planned_vo(BF16, "fa2", True, qo_lens, kv_lens)
-    problem = SinkProblem(vo_spec("batch_prefill_ragged", BF16, "fa2", True), q, k, v, list(qo_lens), list(kv_lens),
+    wrapper, q, k, v, _, _ = planned_vo(BF16, path, True, qo_lens, kv_lens)
+    problem = SinkProblem(vo_spec("batch_prefill_ragged", BF16, path, True), q, k, v, list(qo_lens), list(kv_lens),
                           causal=True)
 
     def run(sinks):

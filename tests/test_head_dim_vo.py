@@ -65,12 +65,9 @@ def test_other_ops_name_the_ops_that_take_it(op, nearest):
     assert "Nearest working choice: append_paged_bf16_d192" in _error(spec("append_paged", tc=False))
 
 
-def test_fa3_names_fa2():
+def test_fa3_generates_the_pair():
     for op in QK_VO_OPS:
-        message = _error(spec(op, "float16", backend="fa3", causal=True))
-        assert "backend fa3 with head_dim_qk=192 != head_dim_vo=128" in message
-        assert "fa3 generates equal head dims only" in message
-        assert message.endswith(f"Nearest working choice: {op}_f16_qk192_vo128_fa2_tc_causal")
+        assert spec(op, "float16", backend="fa3", causal=True).validate().name == f"{op}_f16_qk192_vo128_fa3_tc_causal"
 
 
 @pytest.mark.parametrize("qk,vo,what", [(128, 192, "head_dim_vo=192 > head_dim_qk=128 is not generated"),
@@ -99,42 +96,39 @@ def test_mla_keeps_its_own_geometry():
 # Backend choice
 
 
-def test_auto_picks_fa2_and_says_why():
+def test_auto_picks_fa3_on_sm90a_and_fa2_elsewhere():
     for op in QK_VO_OPS:
-        backend, tc, reason = arch.choose_backend(op, "bfloat16", None, "auto", targets=("sm_90a",), head_dim=QK,
-                                                  head_dim_vo=VO)
-        assert (backend, tc) == ("fa2", True)
-        assert reason.endswith("; fa2 (mma.sync), as fa3 does not generate head_dim_qk=192 with head_dim_vo=128 (it "
-                               "needs them equal)")
-    assert arch.choose_backend("single_prefill", "bfloat16", None, "auto", targets=("sm_90a",), head_dim=128,
-                               head_dim_vo=128)[0] == "fa3"
+        assert arch.choose_backend(op, "bfloat16", None, "auto", targets=("sm_90a",), head_dim=QK,
+                                   head_dim_vo=VO)[:2] == ("fa3", True)
     assert "fa3 needs wgmma" in arch.choose_backend("single_prefill", "bfloat16", None, "auto", targets=("sm_80",),
                                                     head_dim=QK, head_dim_vo=VO)[2]
 
 
-def test_explicit_fa3_warns_and_runs_fa2_or_raises_when_strict():
+def test_explicit_fa3_on_another_pair_warns_and_runs_fa2_or_raises_when_strict():
     with pytest.warns(UserWarning, match=r"backend='fa3' requested for batch_prefill_ragged, but fa3 does not "
-                                         r"generate head_dim_qk=192 with head_dim_vo=128 .*: running fa2"):
+                                         r"generate head_dim_qk=256 with head_dim_vo=128: running fa2"):
         assert arch.choose_backend("batch_prefill_ragged", "float16", True, "fa3", targets=("sm_90a",),
-                                   head_dim=QK, head_dim_vo=VO)[0] == "fa2"
-    with pytest.raises(ValueError, match=r"^backend='fa3' cannot run here: fa3 does not generate head_dim_qk=192 "
+                                   head_dim=256, head_dim_vo=VO)[0] == "fa2"
+    with pytest.raises(ValueError, match=r"^backend='fa3' cannot run here: fa3 does not generate head_dim_qk=256 "
                                          r"with head_dim_vo=128"):
-        arch.choose_backend("single_prefill", "float16", True, "fa3", targets=("sm_90a",), head_dim=QK,
+        arch.choose_backend("single_prefill", "float16", True, "fa3", targets=("sm_90a",), head_dim=256,
                             head_dim_vo=VO, strict=True)
+    assert arch.choose_backend("single_prefill", "float16", True, "fa3", targets=("sm_90a",), head_dim=QK,
+                               head_dim_vo=VO, strict=True)[0] == "fa3"
 
 
-def test_the_ops_pick_fa2_and_log_why(monkeypatch, caplog):
+def test_the_ops_pick_fa3_on_sm90a(monkeypatch, caplog):
     monkeypatch.setenv("FLASHJIT_CUDA_ARCH_LIST", "9.0a")
     monkeypatch.setattr(arch, "device_arch", lambda: None)
     from flashjit.ops.prefill import plan_spec
 
     with caplog.at_level(logging.INFO, logger="flashjit"):
         s, _, _ = plan_spec("batch_prefill_ragged", "auto", 8, 2, QK, VO, causal=True, q_data_type=torch.float16)
-    assert s.name == "batch_prefill_ragged_f16_qk192_vo128_fa2_tc_causal_lse"
-    assert any("as fa3 does not generate head_dim_qk=192 with head_dim_vo=128" in r.getMessage()
-               for r in caplog.records)
+    assert s.name == "batch_prefill_ragged_f16_qk192_vo128_fa3_tc_causal_lse"
+    assert any("; fa3 (sm_90a" in r.getMessage() for r in caplog.records)
+    # Batch-invariant mode's kernels for a library that also targets sm_80: fa2's and fa3's.
     invariant = _invariant.prewarm_specs([s.replace(backend="fa2")], ("sm_80", "sm_90a"))
-    assert [x.name for x in invariant] == [s.name]
+    assert {x.name for x in invariant} == {s.replace(backend="fa2").name, s.name}
 
 
 # ---------------------------------------------------------------------------
@@ -150,18 +144,20 @@ def _selected(*flags, command="prewarm", arches=("sm_80", "sm_90a")):
 def test_head_dim_vo_selects_the_pair():
     names = {s.name for s in _selected("--op", "single_prefill", "batch_prefill_ragged", "--dtype", "bf16", "fp32",
                                        "--head-dim", "192", "--head-dim-vo", "128", "--causal", "on")}
-    assert names == {"single_prefill_bf16_qk192_vo128_fa2_tc_causal", "single_prefill_f32_qk192_vo128_fa2_cc_causal",
+    assert names == {"single_prefill_bf16_qk192_vo128_fa2_tc_causal", "single_prefill_bf16_qk192_vo128_fa3_tc_causal",
+                     "single_prefill_f32_qk192_vo128_fa2_cc_causal",
                      "batch_prefill_ragged_bf16_qk192_vo128_fa2_tc_causal_lse",
+                     "batch_prefill_ragged_bf16_qk192_vo128_fa3_tc_causal_lse",
                      "batch_prefill_ragged_f32_qk192_vo128_fa2_cc_causal_lse"}
     specs = _selected("--op", "batch_prefill_ragged", "--dtype", "bf16", "--head-dim", "128", "192", "--head-dim-vo",
                       "128", "--causal", "on")
     assert {s.name for s in specs} == {f"batch_prefill_ragged_bf16_{d}_tc_causal_lse"
-                                       for d in ("d128_fa2", "d128_fa3", "qk192_vo128_fa2")}
+                                       for d in ("d128_fa2", "d128_fa3", "qk192_vo128_fa2", "qk192_vo128_fa3")}
     assert "  head_dims  128, 192/128" in summary_lines(specs, ("sm_80", "sm_90a"), "--arch")
     numerics = _selected("--op", "batch_prefill_ragged", "--dtype", "bf16", "--head-dim", "192", "--head-dim-vo",
                          "128", command="numerics", arches=("sm_90a",))
-    assert {s.name for s in numerics} == {"batch_prefill_ragged_bf16_qk192_vo128_fa2_tc_causal_lse",
-                                          "batch_prefill_ragged_bf16_qk192_vo128_fa2_tc_lse"}
+    assert {s.name for s in numerics} == {"batch_prefill_ragged_bf16_qk192_vo128_fa3_tc_causal_lse",
+                                          "batch_prefill_ragged_bf16_qk192_vo128_fa3_tc_lse"}
 
 
 @pytest.mark.parametrize("flags,match", [
@@ -182,12 +178,12 @@ def test_bad_combinations_name_the_flag(flags, match):
         _selected(*op, "--dtype", "bf16", *flags)
 
 
-def test_strict_fa3_names_the_backend_flag(monkeypatch):
+def test_strict_fa3_selects_the_pair(monkeypatch):
     monkeypatch.setenv("FLASHJIT_STRICT_BACKEND", "1")
-    with pytest.raises(SelectionError, match=r"^--backend fa3: fa3 does not generate head_dim_qk=192 with "
-                                             r"head_dim_vo=128 \(it needs them equal\); choose --backend fa2 or auto"):
-        _selected("--op", "batch_prefill_ragged", "--dtype", "bf16", "--head-dim", "192", "--head-dim-vo", "128",
-                  "--backend", "fa3", arches=("sm_90a",))
+    specs = _selected("--op", "batch_prefill_ragged", "--dtype", "bf16", "--head-dim", "192", "--head-dim-vo", "128",
+                      "--backend", "fa3", arches=("sm_90a",))
+    assert {s.name for s in specs} == {"batch_prefill_ragged_bf16_qk192_vo128_fa3_tc_causal_lse",
+                                       "batch_prefill_ragged_bf16_qk192_vo128_fa3_tc_lse"}
 
 
 def test_the_prewarm_command_of_a_miss_selects_the_pair():

@@ -1,5 +1,5 @@
 """Head dims 32 to 256 in steps of 16 without a GPU: the nearest generated
-dims named for one that is not, fa3's own head dims (64, 128, 256) with
+dims named for one that is not, fa3's own head dims (64, 128, 192, 256) with
 every other one falling back to fa2, the prewarm selection, the op-level
 checks, rendered fa2 sources, and the error model at head dims 32 and 512.
 The GPU sweep of the new dims is tests/test_gpu_head_dims.py; head_dim_vo below
@@ -26,6 +26,7 @@ from flashjit.spec import (ATTENTION_OPS, FA3_HEAD_DIMS, FA3_OPS, HEAD_DIMS, Ker
                            nearest_head_dim, nearest_head_dims)
 from test_tolerance_reference import emulate_kernel, make_inputs, one_thread  # noqa: F401 (fixture)
 
+FA3_TEXT = ", ".join(map(str, FA3_HEAD_DIMS))  # as the messages list them
 NEW_HEAD_DIMS = [d for d in HEAD_DIMS if d not in FA3_HEAD_DIMS]
 PREFILL_OPS = [op for op in FA3_OPS if op in ATTENTION_OPS]
 # (dtype, use_tensor_cores) of every path: tensor cores take fp16 and bf16.
@@ -86,7 +87,7 @@ def test_fa3_takes_its_own_head_dims_and_names_fa2_for_the_others(head_dim):
         with pytest.raises(ValueError) as info:
             spec.validate()
         message = str(info.value)
-        assert f"backend fa3 with head_dim {head_dim}. Supported: fa3 for head dims 64, 128, 256; every head dim " \
+        assert f"backend fa3 with head_dim {head_dim}. Supported: fa3 for head dims {FA3_TEXT}; every head dim " \
                f"(a multiple of 16 from 32 to 256) on fa2" in message
         assert message.endswith(f"Nearest working choice: {spec.replace(backend='fa2').validate().name}")
     for d in FA3_HEAD_DIMS:
@@ -102,7 +103,7 @@ def test_fa3_takes_its_own_head_dims_and_names_fa2_for_the_others(head_dim):
 def test_auto_falls_back_to_fa2_for_head_dims_fa3_lacks(op, head_dim):
     backend, tc, reason = arch.choose_backend(op, "bfloat16", None, "auto", targets=("sm_90a",), head_dim=head_dim)
     assert (backend, tc) == ("fa2", True)
-    assert reason.endswith(f"; fa2 (mma.sync), as fa3 does not generate head_dim {head_dim} (it does 64, 128, 256)")
+    assert reason.endswith(f"; fa2 (mma.sync), as fa3 does not generate head_dim {head_dim} (it does {FA3_TEXT})")
 
 
 def test_fa3_head_dims_and_mla_keep_fa3():
@@ -117,7 +118,7 @@ def test_fa3_head_dims_and_mla_keep_fa3():
 
 def test_explicit_fa3_for_another_head_dim_warns_and_runs_fa2_or_raises_when_strict():
     with pytest.warns(UserWarning, match=r"backend='fa3' requested for single_prefill, but fa3 does not generate "
-                                         r"head_dim 80 \(it does 64, 128, 256\): running fa2"):
+                                         rf"head_dim 80 \(it does {FA3_TEXT}\): running fa2"):
         backend, _, reason = arch.choose_backend("single_prefill", "float16", True, "fa3", targets=("sm_90a",),
                                                  head_dim=80)
     assert backend == "fa2" and "fa3 was requested but fa3 does not generate head_dim 80" in reason
@@ -137,7 +138,7 @@ def test_the_ops_log_the_fallback_reason_once(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if "d112" in r.getMessage()]
     assert lines == ["flashjit: batch_prefill_ragged -> batch_prefill_ragged_bf16_d112_fa2_tc_causal_lse (bfloat16 "
                      "batch_prefill_ragged runs on tensor cores; fa2 (mma.sync), as fa3 does not generate head_dim "
-                     "112 (it does 64, 128, 256))"]
+                     f"112 (it does {FA3_TEXT}))"]
     assert _launch.select_spec("batch_prefill_ragged", torch.bfloat16, 128, **kw).backend == "fa3"
     spec, _, _ = plan_spec("batch_prefill_paged", "auto", 8, 2, 160, None, causal=True, q_data_type=torch.float16)
     assert (spec.head_dim_qk, spec.backend, spec.use_tensor_cores) == (160, "fa2", True)
@@ -161,9 +162,9 @@ def test_prewarm_builds_fa3_only_for_its_head_dims():
 
 def test_prewarm_strict_fa3_for_another_head_dim_names_the_flag(monkeypatch):
     monkeypatch.setenv("FLASHJIT_STRICT_BACKEND", "1")
-    with pytest.raises(SelectionError, match=r"^--backend fa3: fa3 does not generate head_dim 192 \(it does 64, 128, "
-                                             r"256\); choose --backend fa2 or auto"):
-        _prewarm_names("--op", "single_prefill", "--dtype", "fp16", "--head-dim", "192", "--backend", "fa3",
+    with pytest.raises(SelectionError, match=rf"^--backend fa3: fa3 does not generate head_dim 160 \(it does "
+                                             rf"{FA3_TEXT}\); choose --backend fa2 or auto"):
+        _prewarm_names("--op", "single_prefill", "--dtype", "fp16", "--head-dim", "160", "--backend", "fa3",
                        arches=("sm_90a",))
 
 

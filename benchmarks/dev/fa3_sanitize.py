@@ -1,6 +1,6 @@
 """A few small fa3 launches for compute-sanitizer (memcheck, racecheck,
-synccheck): each head dim once on a single request with a partial last tile
-and GQA, and a ragged batch that leaves a consumer warpgroup without rows,
+synccheck): each head dim (and 192/128) once on a single request with a
+partial last tile and GQA, and a ragged batch that leaves a consumer warpgroup without rows,
 walks a persistent grid and splits its long request, from ragged K/V and from
 paged caches (pages loaded by TMA, and gathered). Checks each output against
 float64 within its profile, so that a clean sanitizer run is also a correct one.
@@ -18,7 +18,7 @@ import torch
 
 import flashjit
 from flashjit.reference import attention_reference, ragged_reference
-from flashjit.spec import KernelSpec
+from flashjit.spec import FA3_HEAD_DIMS, QK_VO_HEAD_DIMS, KernelSpec
 from paged_vs_ragged import paged_cache  # benchmarks/dev/, this script's folder
 
 
@@ -30,13 +30,14 @@ def check(spec, out, ref, q, k, v, kv_len, d):
 def main() -> int:
     torch.manual_seed(0)
     dtype, worst = torch.bfloat16, 0.0
-    for d in (64, 128, 256):
+    for d, d_vo in [(d, d) for d in FA3_HEAD_DIMS] + list(QK_VO_HEAD_DIMS):
         q = torch.randn(150, 8, d, device="cuda").to(dtype)
-        k, v = (torch.randn(300, 2, d, device="cuda").to(dtype) for _ in range(2))
+        k, v = torch.randn(300, 2, d, device="cuda").to(dtype), torch.randn(300, 2, d_vo, device="cuda").to(dtype)
         out = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, backend="fa3", use_tensor_cores=True,
                                                     strict=True)
         ref, _ = attention_reference(q, k, v, causal=True)
-        spec = KernelSpec.make("single_prefill", dtype, d, backend="fa3", use_tensor_cores=True, causal=True)
+        spec = KernelSpec.make("single_prefill", dtype, d, head_dim_vo=d_vo, backend="fa3", use_tensor_cores=True,
+                               causal=True)
         worst = max(worst, check(spec, out, ref, q, k, v, 300, d))
     qo_lens, kv_lens, d = [3, 40, 1], [2000, 40, 7], 128
     qo = torch.tensor([0, *qo_lens]).cumsum(0).to(torch.int32)

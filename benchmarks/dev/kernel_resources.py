@@ -88,8 +88,9 @@ def smem_bytes(spec: KernelSpec, arches) -> int:
 
 def kernel_kind(name: str) -> str:
     """The table's name of a kernel, from its mangled one."""
-    if "fa3_attention_kernel" in name:  # Fa3Traits' last argument: kChunkFold
-        return "attention (warp-specialized, chunk fold)" if "Lb1EEEEEv" in name else "attention (warp-specialized)"
+    if "fa3_attention_kernel" in name:  # Fa3Traits' last two arguments: kChunkFold, kHeadDimVo
+        return "attention (warp-specialized, chunk fold)" if re.search(r"Lb1ELi\d+EEEEv", name) \
+            else "attention (warp-specialized)"
     fold = re.search(r"merge_fold_states_kernel.*ELi(\d+)EEEv", name)
     if fold:
         return f"batch-invariant fold merge, {fold.group(1)} warp(s) per row"

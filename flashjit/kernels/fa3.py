@@ -38,8 +38,8 @@ class Fa3Tiling:
 
     def smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of Fa3Traits::kSmemBytes: alignment slack, K/V ring, Q, mbarriers."""
-        row = 2 * spec.head_dim_qk
-        return 1024 + self.stages * 2 * self.keys_per_tile * row + self.rows_per_cta * row + 32 * self.stages
+        row, v_row = 2 * spec.head_dim_qk, 2 * spec.head_dim_vo
+        return 1024 + self.stages * self.keys_per_tile * (row + v_row) + self.rows_per_cta * row + 32 * self.stages
 
 
 # Per head_dim: every head_dim overlaps tile t's Q.K^T with tile t - 1's P.V
@@ -48,11 +48,13 @@ class Fa3Tiling:
 # head_dim / 2: d256 keeps 64-key tiles within the 232 registers a consumer
 # gets. d64 takes a third stage; d128's third would leave no gain for 230 KB.
 # d64 and d128 run a persistent grid; d256, one CTA per position, lets the
-# hardware assign its longer positions. Measurements: docs/fa3.md, "Tilings and
-# why".
+# hardware assign its longer positions. d192 (and 192/128) takes d256's tiling
+# with the third stage its smaller rows leave room for. Measurements:
+# docs/fa3.md, "Tilings and why".
 FA3_TILINGS = {
     64: Fa3Tiling(keys_per_tile=128, stages=3, overlap=True, persistent=True),
     128: Fa3Tiling(keys_per_tile=128, stages=2, overlap=True, persistent=True),
+    192: Fa3Tiling(keys_per_tile=64, stages=3, overlap=True),
     256: Fa3Tiling(keys_per_tile=64, stages=2, overlap=True),
 }
 
@@ -65,6 +67,7 @@ FA3_TILINGS = {
 FA3_DECODE_TILINGS = {
     64: Fa3Tiling(keys_per_tile=128, stages=4, overlap=True, persistent=True, consumers=1),
     128: Fa3Tiling(keys_per_tile=128, stages=3, overlap=True, persistent=True, consumers=1),
+    192: Fa3Tiling(keys_per_tile=64, stages=3, overlap=True, persistent=True, consumers=1),
     256: Fa3Tiling(keys_per_tile=64, stages=3, overlap=True, persistent=True, consumers=1),
 }
 

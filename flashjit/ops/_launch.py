@@ -28,7 +28,7 @@ def select_spec(op: str, dtype: torch.dtype, head_dim: int, *, backend: str, use
     """Resolves backend/tensor cores (logging the choice once per configuration) and validates.
     strict: an explicit backend this GPU or op cannot run raises instead of running fa2
     (None: FLASHJIT_STRICT_BACKEND). head_dim_vo: V's width where it differs from head_dim (MLA,
-    spec.QK_VO_HEAD_DIMS), which fa3 does not take (the choice falls back to fa2).
+    spec.QK_VO_HEAD_DIMS, which fa2 and fa3 take for QK_VO_OPS).
     batch_invariant: ops._invariant.kernel_choice (decode on its prefill op's backend and tiling).
     dtype_kv: the KV cache's dtype where it differs from q's (FP8).
     custom_mask: the name of the mask argument given (custom_mask or

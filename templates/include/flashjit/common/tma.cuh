@@ -216,19 +216,20 @@ inline int encode_paged_kv_map(CUtensorMap* map, int32_t* heads_outer, const voi
 }
 
 // Both tensor maps of a launch's K and V (16-bit DType, boxes of kBoxRows
-// tokens), from its parameters. Returns a cudaError_t value.
+// tokens, K head_dim_k and V head_dim_v wide), from its parameters. Returns a
+// cudaError_t value.
 template <class DType, int kBoxRows>
-int encode_kv_maps(KvTensorMaps* maps, const FlashjitAttentionParams& p, int head_dim) {
+int encode_kv_maps(KvTensorMaps* maps, const FlashjitAttentionParams& p, int head_dim_k, int head_dim_v) {
   constexpr CUtensorMapDataType kType =
       std::is_same<DType, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   // A single request's keys are the whole tensor: the map ends there, and a
   // box past the end reads zeros (single_request_maps). A batch's run on into
   // the next request's, so its maps are left unbounded and partial tiles copied.
   const cuuint64_t tokens = single_request_maps(p) ? cuuint64_t(p.kv_len > 0 ? p.kv_len : 1) : 0x7fffffff;
-  const int err = encode_kv_map<kBoxRows>(&maps->k, &maps->heads_outer_k, p.k, kType, head_dim, p.num_kv_heads,
+  const int err = encode_kv_map<kBoxRows>(&maps->k, &maps->heads_outer_k, p.k, kType, head_dim_k, p.num_kv_heads,
                                           p.k_stride_n, p.k_stride_h, tokens);
   if (err != cudaSuccess) return err;
-  return encode_kv_map<kBoxRows>(&maps->v, &maps->heads_outer_v, p.v, kType, head_dim, p.num_kv_heads,
+  return encode_kv_map<kBoxRows>(&maps->v, &maps->heads_outer_v, p.v, kType, head_dim_v, p.num_kv_heads,
                                  p.v_stride_n, p.v_stride_h, tokens);
 }
 

@@ -14,7 +14,8 @@ int launch_fa2_attention(const FlashjitAttentionParams& p, cudaStream_t stream) 
   if constexpr (Traits::kTmaKv) {
     if (p.num_work > 0 && p.num_kv_heads > 0) {
       const int err =
-          tma::encode_kv_maps<typename Traits::DType, Traits::kKeysPerTile>(&tma_arg.maps, p, Traits::kHeadDim);
+          tma::encode_kv_maps<typename Traits::DType, Traits::kKeysPerTile>(&tma_arg.maps, p, Traits::kHeadDim,
+                                                                           Traits::kHeadDim);
       if (err != cudaSuccess) return err;
     }
   }

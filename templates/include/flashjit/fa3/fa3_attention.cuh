@@ -51,7 +51,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using QTile = typename Traits::QTile;
   constexpr int D = Traits::kHeadDim, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
   constexpr int ROWS = Traits::kRowsPerCta, WG_ROWS = Traits::kRowsPerWarpgroup;
-  constexpr int NT_S = KEYS / 8, NT_O = D / 8, KSTEPS_QK = D / 16, KSTEPS_PV = KEYS / 16;
+  constexpr int DV = Traits::kHeadDimVo;
+  constexpr int NT_S = KEYS / 8, NT_O = DV / 8, KSTEPS_QK = D / 16, KSTEPS_PV = KEYS / 16;
   constexpr float kLog2e = 1.4426950408889634f;
   const float kNegInf = -CUDART_INF_F;
 
@@ -231,9 +232,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
     // O += P.V of tile t (issued and committed).
     auto issue_pv = [&](const uint32_t (&pa)[1][KSTEPS_PV][4], int t) {
-      const uint64_t v_desc = fa3::smem_desc(k_slot(seq + t) + Traits::kKvTileBytes, KEYS * 128, 1024);
+      const uint64_t v_desc = fa3::smem_desc(k_slot(seq + t) + Traits::kKTileBytes, KEYS * 128, 1024);
 #pragma unroll
-      for (int kk = 0; kk < KSTEPS_PV; ++kk) fa3::mma_rs<T, D>(o[0], pa[0][kk], fa3::advance(v_desc, kk * 16 * 128), 1);
+      for (int kk = 0; kk < KSTEPS_PV; ++kk) fa3::mma_rs<T, DV>(o[0], pa[0][kk], fa3::advance(v_desc, kk * 16 * 128), 1);
       fa3::commit();
     };
     // The softmax of tile t's S up to its exponentials: the row maxima, and

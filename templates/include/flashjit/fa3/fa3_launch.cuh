@@ -31,7 +31,8 @@ int launch_fa3_attention(const FlashjitAttentionParams& p, cudaStream_t stream) 
           tma::encode_paged_kv_maps<DType>(&tma_arg.maps, p, Traits::kHeadDim, Traits::kHeadDim, rows) == cudaSuccess)
         tma_arg.page_box_rows = rows;
     } else {
-      const int err = tma::encode_kv_maps<DType, Traits::kKeysPerTile>(&tma_arg.maps, p, Traits::kHeadDim);
+      const int err =
+          tma::encode_kv_maps<DType, Traits::kKeysPerTile>(&tma_arg.maps, p, Traits::kHeadDim, Traits::kHeadDimVo);
       if (err != cudaSuccess) return err;
     }
   }
@@ -44,10 +45,10 @@ int launch_fa3_attention(const FlashjitAttentionParams& p, cudaStream_t stream) 
   if (max_ctas < 0) return cudaErrorUnknown;
   using Fold = typename Traits::WithChunkFold;
   if (fold) {
-    return launch_attention_ctas<fa3_attention_kernel<Fold>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
+    return launch_attention_ctas<fa3_attention_kernel<Fold>, typename Traits::DType, Traits::kHeadDimVo, Traits::kLse>(
         p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), max_ctas, stream, tma_arg);
   }
-  return launch_attention_ctas<fa3_attention_kernel<Traits>, typename Traits::DType, Traits::kHeadDim, Traits::kLse>(
+  return launch_attention_ctas<fa3_attention_kernel<Traits>, typename Traits::DType, Traits::kHeadDimVo, Traits::kLse>(
       p, Traits::kThreads, static_cast<int>(Traits::kSmemBytes), max_ctas, stream, tma_arg);
 }
 

@@ -5,6 +5,7 @@
 // last tile).
 #pragma once
 #include <stdint.h>
+#include <type_traits>
 #include "flashjit/common/async_copy.cuh"
 #include "flashjit/common/attention_params.cuh"
 #include "flashjit/common/tma.cuh"
@@ -26,7 +27,7 @@ __device__ __forceinline__ void load_kv_tiles(const FlashjitAttentionParams& p, 
                                               const EmptyV& empty_v, const KSlot& k_slot) {
   using T = typename Traits::DType;
   using KvLayout = typename Traits::KvLayout;
-  constexpr int D = Traits::kHeadDim, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
+  constexpr int D = Traits::kHeadDim, DV = Traits::kHeadDimVo, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
   const int lane = tid % 32;
   fa3::set_max_registers_dec<Traits::kLoaderRegs>();
   // Before tile gt reuses its slot: the slot's previous tile (gt - STAGES)
@@ -62,7 +63,7 @@ __device__ __forceinline__ void load_kv_tiles(const FlashjitAttentionParams& p, 
             slot = copy.page_div.mod(key, page_at);
             page = p.kv_page_indices[w.kv_start + page_at];
           }
-          if (lane == 0) tma::mbar_arrive_expect_tx(full, Traits::kKvTileBytes);
+          if (lane == 0) tma::mbar_arrive_expect_tx(full, Traits::kKTileBytes);  // K's and V's: D == DV
           for (int j = 0; j < boxes; ++j) {
             const int box_page = __shfl_sync(0xffffffffu, page, j), box_slot = __shfl_sync(0xffffffffu, slot, j);
             if (lane == 0) {
@@ -93,7 +94,7 @@ __device__ __forceinline__ void load_kv_tiles(const FlashjitAttentionParams& p, 
         wait_empty_all(empty_k(gt), gt);
         load(k_copy, pages, &tma_arg.maps.k, tma_arg.maps.heads_outer_k, k_slot(gt), full_k(gt), w, k0, valid);
         wait_empty_all(empty_v(gt), gt);
-        load(v_copy, pages, &tma_arg.maps.v, tma_arg.maps.heads_outer_v, k_slot(gt) + Traits::kKvTileBytes,
+        load(v_copy, pages, &tma_arg.maps.v, tma_arg.maps.heads_outer_v, k_slot(gt) + Traits::kKTileBytes,
              full_v(gt), w, k0, valid);
       }
     });
@@ -103,11 +104,13 @@ __device__ __forceinline__ void load_kv_tiles(const FlashjitAttentionParams& p, 
     return;
   }
   if (tid >= 32) return;
-  // One whole K or V tile by TMA into `dst`, its bytes counted on `bar`.
-  auto load = [&](uint32_t dst, const CUtensorMap* map, int heads_outer, uint32_t bar, int head, int token) {
-    tma::mbar_arrive_expect_tx(bar, Traits::kKvTileBytes);
+  // One whole K (width D) or V (DV) tile by TMA into `dst`, its bytes counted on `bar`.
+  auto load = [&](auto width, uint32_t dst, const CUtensorMap* map, int heads_outer, uint32_t bar, int head,
+                  int token) {
+    constexpr int W = decltype(width)::value;
+    tma::mbar_arrive_expect_tx(bar, KEYS * W * 2);
 #pragma unroll
-    for (int i = 0; i < D / 64; ++i)
+    for (int i = 0; i < W / 64; ++i)
       tma::load_kv_block(dst + KvLayout::block(i), map, heads_outer, i, head, token, bar);
   };
   for_each_position([&](const auto& it, int seq) {
@@ -117,12 +120,13 @@ __device__ __forceinline__ void load_kv_tiles(const FlashjitAttentionParams& p, 
       const bool whole = w.kv_len - k0 >= KEYS || tma::single_request_maps(p);  // else a partial tile, copied
       wait_empty(empty_k(gt), gt);
       if (whole && lane == 0)
-        load(k_slot(gt), &tma_arg.maps.k, tma_arg.maps.heads_outer_k, full_k(gt), w.kv_head, token);
+        load(std::integral_constant<int, D>{}, k_slot(gt), &tma_arg.maps.k, tma_arg.maps.heads_outer_k, full_k(gt),
+             w.kv_head, token);
       wait_empty(empty_v(gt), gt);
       if (whole) {
         if (lane == 0)
-          load(k_slot(gt) + Traits::kKvTileBytes, &tma_arg.maps.v, tma_arg.maps.heads_outer_v, full_v(gt),
-               w.kv_head, token);
+          load(std::integral_constant<int, DV>{}, k_slot(gt) + Traits::kKTileBytes, &tma_arg.maps.v,
+               tma_arg.maps.heads_outer_v, full_v(gt), w.kv_head, token);
       } else {
         fa3::copy_partial_tile<Traits>(p, w, smem + (gt % STAGES) * Traits::kStageBytes, k0, lane);
         if (lane == 0) {

@@ -32,7 +32,7 @@ __device__ __forceinline__ void warpgroup_barrier(int id) {
 __device__ __forceinline__ void loader_barrier() { warpgroup_barrier(3); }
 
 // The loader's first warp: a partial tile of keys k0 .. kv_len - 1 of K and V
-// into ring slot `dst` (K, then V kKvTileBytes on). Every copy is in flight at
+// into ring slot `dst` (K, then V kKTileBytes on). Every copy is in flight at
 // once (cp.async): a load and store at a time cost one memory round trip per
 // row pair and lane, a request's whole time where it has one tile, hidden
 // behind the consumers where it has many (docs/fa3.md, "One CTA", partial last
@@ -47,22 +47,32 @@ __device__ __forceinline__ void copy_partial_tile(const FlashjitAttentionParams&
                                                   unsigned char* dst, int k0, int lane) {
   using T = typename Traits::DType;
   using KvLayout = typename Traits::KvLayout;
-  constexpr int KEYS = Traits::kKeysPerTile, CHUNKS = Traits::kHeadDim / 8;
+  constexpr int KEYS = Traits::kKeysPerTile, CHUNKS = Traits::kHeadDim / 8, V_CHUNKS = Traits::kHeadDimVo / 8;
   const auto k_rows = kv_rows<T, false>(p, w, p.k, p.k_stride_n, p.k_stride_h, 0);
   const auto v_rows = kv_rows<T, false>(p, w, p.v, p.v_stride_n, p.v_stride_h, 0);
-  const int copied = (w.kv_len - k0) * CHUNKS;
-  const uint32_t k_dst = smem_addr(dst), v_dst = k_dst + Traits::kKvTileBytes;
+  const int rows = w.kv_len - k0;
+  const uint32_t k_dst = smem_addr(dst), v_dst = k_dst + Traits::kKTileBytes;
+  if constexpr (CHUNKS == V_CHUNKS) {
 #pragma unroll 1
-  for (int i = lane; i < copied; i += 32) {
-    const int r = i / CHUNKS, c = i % CHUNKS;
-    const uint32_t at = KvLayout::at(r, c);
-    cp_async_16(k_dst + at, k_rows.row(k0 + r) + 8 * c, true);
-    cp_async_16(v_dst + at, v_rows.row(k0 + r) + 8 * c, true);
+    for (int i = lane; i < rows * CHUNKS; i += 32) {
+      const int r = i / CHUNKS, c = i % CHUNKS;
+      const uint32_t at = KvLayout::at(r, c);
+      cp_async_16(k_dst + at, k_rows.row(k0 + r) + 8 * c, true);
+      cp_async_16(v_dst + at, v_rows.row(k0 + r) + 8 * c, true);
+    }
+  } else {  // V narrower than K: each in its own pass
+#pragma unroll 1
+    for (int i = lane; i < rows * CHUNKS; i += 32)
+      cp_async_16(k_dst + KvLayout::at(i / CHUNKS, i % CHUNKS), k_rows.row(k0 + i / CHUNKS) + 8 * (i % CHUNKS), true);
+#pragma unroll 1
+    for (int i = lane; i < rows * V_CHUNKS; i += 32)
+      cp_async_16(v_dst + KvLayout::at(i / V_CHUNKS, i % V_CHUNKS), v_rows.row(k0 + i / V_CHUNKS) + 8 * (i % V_CHUNKS),
+                  true);
   }
   cp_async_commit();
 #pragma unroll 4
-  for (int i = copied + lane; i < KEYS * CHUNKS; i += 32)
-    st_shared_zero_16(v_dst + KvLayout::at(i / CHUNKS, i % CHUNKS));
+  for (int i = rows * V_CHUNKS + lane; i < KEYS * V_CHUNKS; i += 32)
+    st_shared_zero_16(v_dst + KvLayout::at(i / V_CHUNKS, i % V_CHUNKS));
   cp_async_wait<0>();
   fence_async_shared();
   __syncwarp();

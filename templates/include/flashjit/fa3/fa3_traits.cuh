@@ -12,10 +12,13 @@ namespace flashjit {
 
 template <class DType_, int kHeadDim_, int kKeysPerTile_, int kStages_, bool kOverlap_, bool kPersistent_,
           bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_, int kConsumerWarpgroups_ = 2,
-          bool kChunkFold_ = false>
+          bool kChunkFold_ = false, int kHeadDimVo_ = kHeadDim_>
 struct Fa3Traits {
   using DType = DType_;
   static constexpr int kHeadDim = kHeadDim_;
+  // V's and O's width: kHeadDim, or narrower (192/128, DeepSeek's prefill;
+  // ragged and single prefill only, whose K/V come by whole-tensor TMA maps).
+  static constexpr int kHeadDimVo = kHeadDimVo_;
   static constexpr int kKeysPerTile = kKeysPerTile_;
   static constexpr int kStages = kStages_;
   // A consumer issues tile t's Q.K^T together with tile t - 1's P.V and runs
@@ -39,7 +42,7 @@ struct Fa3Traits {
   // kernel of its own, so that normal mode's carries none of that code.
   static constexpr bool kChunkFold = kChunkFold_;
   using WithChunkFold = Fa3Traits<DType_, kHeadDim_, kKeysPerTile_, kStages_, kOverlap_, kPersistent_, kPaged_,
-                                  kCausal_, kWindow_, kSoftCap_, kLse_, kConsumerWarpgroups_, true>;
+                                  kCausal_, kWindow_, kSoftCap_, kLse_, kConsumerWarpgroups_, true, kHeadDimVo_>;
 
   // Warpgroup 0 loads K/V (one thread issues the TMA copies); warpgroups 1 and
   // 2 each own 64 rows of the CTA's 128 and run their matrix products and
@@ -70,8 +73,8 @@ struct Fa3Traits {
   static constexpr int kRowsPerWarp = 16;
   static constexpr int kKeysPerStep = kKeysPerTile;
   static constexpr bool kSplitKeys = false;
-  static constexpr int kHeadDimVo = kHeadDim;
   static constexpr int kRowBytes = kHeadDim * 2;
+  static constexpr int kVoRowBytes = kHeadDimVo * 2;
   using QLayout = fa2::RowMajorTile<kRowBytes>;  // the output staging of fa2::store_rows
   // Q, K and V as TMA's 128-byte swizzle writes them: 64-column blocks of
   // 128-byte rows, the layout the wgmma descriptors (fa3_wgmma.cuh) describe.
@@ -80,14 +83,19 @@ struct Fa3Traits {
 
   static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
                 "fa3 attention takes __half or __nv_bfloat16");
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "fa3 head_dim: 64, 128 or 256");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
+                "fa3 head_dim: 64, 128, 192 or 256 (whole 64-column blocks)");
+  static_assert(kHeadDimVo == kHeadDim || (kHeadDim == 192 && kHeadDimVo == 128 && !kPaged),
+                "fa3 head_dim_vo: head_dim, or 128 beside 192 (not paged)");
   static_assert(kKeysPerTile == 64 || kKeysPerTile == 128, "fa3 keys per tile: 64 or 128 (S's wgmma N)");
   static_assert(kStages >= 2, "at least a 2-stage K/V pipeline");
 
   // Shared memory, in bytes, from a 1024-byte boundary (the swizzle's period):
   // [stage 0: K, V | stage 1: K, V | ... | Q of warpgroup 1, 2 | mbarriers].
-  static constexpr int kKvTileBytes = kKeysPerTile * kRowBytes;
-  static constexpr int kStageBytes = 2 * kKvTileBytes;
+  // A slot's V starts kKTileBytes after its K.
+  static constexpr int kKTileBytes = kKeysPerTile * kRowBytes;
+  static constexpr int kVTileBytes = kKeysPerTile * kVoRowBytes;
+  static constexpr int kStageBytes = kKTileBytes + kVTileBytes;
   static constexpr int kQOffset = kStages * kStageBytes;
   static constexpr int kQWarpgroupBytes = kRowsPerWarpgroup * kRowBytes;
   static constexpr int kBarOffset = kQOffset + kConsumerWarpgroups * kQWarpgroupBytes;

@@ -82,6 +82,9 @@ __device__ __forceinline__ void fence_operands(float (&d)[NT][4]) {
 #define FLASHJIT_WGMMA_R64                                                                          \
   FLASHJIT_WGMMA_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47" \
                      ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define FLASHJIT_WGMMA_R96                                                                    \
+  FLASHJIT_WGMMA_R64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79" \
+                     ", %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
 #define FLASHJIT_WGMMA_R128                                                                                     \
   FLASHJIT_WGMMA_R64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"         \
                      ", %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"         \
@@ -95,6 +98,9 @@ __device__ __forceinline__ void fence_operands(float (&d)[NT][4]) {
 #define FLASHJIT_WGMMA_D64                                                                                 \
   FLASHJIT_WGMMA_D32, FLASHJIT_WGMMA_D4(8), FLASHJIT_WGMMA_D4(9), FLASHJIT_WGMMA_D4(10), FLASHJIT_WGMMA_D4(11), \
       FLASHJIT_WGMMA_D4(12), FLASHJIT_WGMMA_D4(13), FLASHJIT_WGMMA_D4(14), FLASHJIT_WGMMA_D4(15)
+#define FLASHJIT_WGMMA_D96                                                                                     \
+  FLASHJIT_WGMMA_D64, FLASHJIT_WGMMA_D4(16), FLASHJIT_WGMMA_D4(17), FLASHJIT_WGMMA_D4(18), FLASHJIT_WGMMA_D4(19), \
+      FLASHJIT_WGMMA_D4(20), FLASHJIT_WGMMA_D4(21), FLASHJIT_WGMMA_D4(22), FLASHJIT_WGMMA_D4(23)
 #define FLASHJIT_WGMMA_D128                                                                                    \
   FLASHJIT_WGMMA_D64, FLASHJIT_WGMMA_D4(16), FLASHJIT_WGMMA_D4(17), FLASHJIT_WGMMA_D4(18), FLASHJIT_WGMMA_D4(19), \
       FLASHJIT_WGMMA_D4(20), FLASHJIT_WGMMA_D4(21), FLASHJIT_WGMMA_D4(22), FLASHJIT_WGMMA_D4(23),                 \
@@ -161,7 +167,7 @@ __device__ __forceinline__ void mma_ss_vt(float (&d)[N / 8][4], uint64_t a, uint
 // (V) MN-major in shared memory (descriptor b); N columns.
 template <class T, int N>
 __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  static_assert(N == 64 || N == 128 || N == 256, "O += P.V forms: N 64, 128 or 256");
+  static_assert(N == 64 || N == 128 || N == 192 || N == 256, "O += P.V forms: N 64, 128, 192 or 256");
   constexpr bool kHalf = std::is_same<T, __half>::value;
   if constexpr (N == 64 && kHalf) {
     FLASHJIT_WGMMA_RS(64, f16, 32, 32, 33, 34, 35, 36, 37);
@@ -173,6 +179,11 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
   } else if constexpr (N == 128) {
     FLASHJIT_WGMMA_RS(128, bf16, 64, 64, 65, 66, 67, 68, 69);
   }
+  if constexpr (N == 192 && kHalf) {
+    FLASHJIT_WGMMA_RS(192, f16, 96, 96, 97, 98, 99, 100, 101);
+  } else if constexpr (N == 192) {
+    FLASHJIT_WGMMA_RS(192, bf16, 96, 96, 97, 98, 99, 100, 101);
+  }
   if constexpr (N == 256 && kHalf) {
     FLASHJIT_WGMMA_RS(256, f16, 128, 128, 129, 130, 131, 132, 133);
   } else if constexpr (N == 256) {
@@ -183,11 +194,13 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
 #undef FLASHJIT_WGMMA_RS
 #undef FLASHJIT_WGMMA_SS
 #undef FLASHJIT_WGMMA_D128
+#undef FLASHJIT_WGMMA_D96
 #undef FLASHJIT_WGMMA_D64
 #undef FLASHJIT_WGMMA_D32
 #undef FLASHJIT_WGMMA_D16
 #undef FLASHJIT_WGMMA_D4
 #undef FLASHJIT_WGMMA_R128
+#undef FLASHJIT_WGMMA_R96
 #undef FLASHJIT_WGMMA_R64
 #undef FLASHJIT_WGMMA_R32
 #undef FLASHJIT_WGMMA_R16
