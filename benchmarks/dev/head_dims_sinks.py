@@ -39,6 +39,7 @@ from flashjit import jit  # noqa: E402
 from flashjit.bench import decode as dec  # noqa: E402
 from flashjit.bench import prefill as pre  # noqa: E402
 from flashjit.bench.timing import time_us  # noqa: E402
+from flashjit.kernels import fa3  # noqa: E402
 from flashjit.spec import KernelSpec  # noqa: E402
 
 DECODE_ROW = dec.ROWS[0]  # ("GQA 64x4k 32/8", 64, 4096, 32, 8)
@@ -156,11 +157,16 @@ def main() -> int:
     parser.add_argument("--prefill-head-dims", nargs="+", default=["96", "192/128"])
     parser.add_argument("--decode-head-dims", type=int, nargs="+", default=[96, 192])
     parser.add_argument("--sink-head-dims", type=int, nargs="+", default=None)
+    parser.add_argument("--fa3-tiling", action="append", default=[], metavar="D=Fa3Tiling(...)",
+                        help="replaces kernels.fa3.FA3_TILINGS[D] for this run (an A/B of a tiling, one process each)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out")
     parser.add_argument("--json")
     args = parser.parse_args()
+    for text in args.fa3_tiling:
+        d, _, expr = text.partition("=")
+        fa3.FA3_TILINGS[int(d)] = eval(expr, {"Fa3Tiling": fa3.Fa3Tiling})
     prefill_dims = [dims(d) for d in args.prefill_head_dims]
     sink_rows = [r for r in pre.rows(head_dims=args.sink_head_dims, skewed=False)]
     specs = []
