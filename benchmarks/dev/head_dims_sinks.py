@@ -159,6 +159,7 @@ def main() -> int:
     parser.add_argument("--sink-head-dims", type=int, nargs="+", default=None)
     parser.add_argument("--fa3-tiling", action="append", default=[], metavar="D=Fa3Tiling(...)",
                         help="replaces kernels.fa3.FA3_TILINGS[D] for this run (an A/B of a tiling, one process each)")
+    parser.add_argument("--impls", nargs="+", help="the prefill table's implementations (default: all available)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out")
@@ -198,7 +199,7 @@ def main() -> int:
         lines += [f"| {d} | " + " | ".join(decode_cell(c[n]) for n in names) + " |" for d, c in cells.items()]
         records["decode"] = {str(d): c for d, c in cells.items()}
     if "prefill" in args.only:
-        impls = pre.implementations()
+        impls = pre.implementations(only=args.impls)
         part, records["prefill"] = prefill_section(
             prefill_rows(prefill_dims), impls, args.rounds,
             "## Prefill at other head dims (TFLOP/s, median of rounds x reps samples, shuffled passes)")
