@@ -30,8 +30,8 @@ OPS = ["batch_prefill_ragged", "batch_prefill_paged"]
 HEAD_DIMS = [64, 128, 192, 256]
 CAUSAL = [False, True]
 # Fa3Traits' last two arguments, kChunkFold and kHeadDimVo: normal mode's kernel and batch-invariant mode's.
-KERNELS = {"normal": re.compile(r"ELb0ELi\d+EEEEv23FlashjitAttentionParamsNS_14KvMapsPagedArgE$"),
-           "fold": re.compile(r"ELb1ELi\d+EEEEv23FlashjitAttentionParamsNS_14KvMapsPagedArgE$")}
+KERNELS = {"normal": re.compile(r"ELb0ELi\d+EEEEEv23FlashjitAttentionParamsNS_14KvMapsPagedArgE$"),
+           "fold": re.compile(r"ELb1ELi\d+EEEEEv23FlashjitAttentionParamsNS_14KvMapsPagedArgE$")}
 
 
 def spec(op: str, head_dim: int, causal: bool) -> KernelSpec:

@@ -89,7 +89,7 @@ def smem_bytes(spec: KernelSpec, arches) -> int:
 def kernel_kind(name: str) -> str:
     """The table's name of a kernel, from its mangled one."""
     if "fa3_attention_kernel" in name:  # Fa3Traits' last two arguments: kChunkFold, kHeadDimVo
-        return "attention (warp-specialized, chunk fold)" if re.search(r"Lb1ELi\d+EEEEv", name) \
+        return "attention (warp-specialized, chunk fold)" if re.search(r"Lb1ELi\d+EEEEEv", name) \
             else "attention (warp-specialized)"
     fold = re.search(r"merge_fold_states_kernel.*ELi(\d+)EEEv", name)
     if fold:
