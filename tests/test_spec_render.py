@@ -284,7 +284,7 @@ def _diff(a: KernelSpec, b: KernelSpec) -> set[str]:
     pytest.param(KernelSpec.make("batch_prefill_ragged", "float16", 512, return_lse=True),
                  ["nearest: 256", "from 32 to 256"], {"head_dim_qk", "head_dim_vo"}, id="head_dim-512"),
     pytest.param(KernelSpec.make("batch_prefill_paged", "bfloat16", 96, backend="fa3", use_tensor_cores=True,
-                                 causal=True), ["64, 128, 256", "on fa2"], {"backend"}, id="fa3-head_dim-96"),
+                                 causal=True), ["64, 128, 192, 256", "on fa2"], {"backend"}, id="fa3-head_dim-96"),
     pytest.param(KernelSpec.make("single_prefill", "float16", 128, head_dim_vo=64), ["not generated", "192/128"],
                  {"head_dim_qk", "head_dim_vo"}, id="qk-ne-vo"),
     pytest.param(KernelSpec.make("single_prefill", "float16", 128, dtype_kv="bfloat16"), ["one dtype"],
