@@ -54,6 +54,19 @@ def _params(launch) -> AttentionParams:
     return AttentionParams.from_buffer_copy(launch[0][:ctypes.sizeof(AttentionParams)])
 
 
+def _mask_fields(p: AttentionParams) -> tuple:
+    return p.custom_mask, p.mask_indptr, p.mask_full_keys
+
+
+def _full_keys(mask: torch.Tensor, qo_lens, kv_lens) -> list[int]:
+    """Per request, the keys before the first hidden pair of any of its queries (all of them if none)."""
+    out = []
+    for qo, kv, part in zip(qo_lens, kv_lens, request_masks(mask, qo_lens, kv_lens)):
+        hidden = [int((~part[q]).nonzero()[0]) for q in range(qo) if not part[q].all()]
+        out.append(min(hidden, default=kv))
+    return out
+
+
 def _offsets(w, batch: int) -> list[int]:
     first = (w._plan.mask[1] - w._ints.data_ptr()) // 4
     return w._ints[first:first + batch + 1].tolist()
@@ -117,6 +130,53 @@ def test_an_integer_mask_of_zeros_and_ones_packs_as_bool(gpu):
     assert torch.equal(_ragged(mask.to(torch.int32))._mask_bits, _ragged(mask)._mask_bits)
 
 
+def _tree_mask(qo_lens, kv_lens, hidden: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Every pair visible but (request, query, key) of `hidden`."""
+    parts = [torch.ones(qo, kv, dtype=torch.bool) for qo, kv in zip(qo_lens, kv_lens)]
+    for r, q, key in hidden:
+        parts[r][q, key] = False
+    return torch.cat([p.flatten() for p in parts])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_full_keys_count_the_keys_every_query_sees(seed):
+    """From the packed bits, per request: random masks, masks with a few hidden
+    pairs (a tree behind its cache), requests without queries or keys."""
+    g = torch.Generator().manual_seed(seed)
+    batch = int(torch.randint(1, 7, (1,), generator=g))
+    qo = [int(x) for x in torch.randint(0, 9, (batch,), generator=g)]
+    kv = [int(x) for x in torch.randint(0, 70, (batch,), generator=g)]
+    if seed % 2:
+        mask = _random_mask(qo, kv, seed) | (torch.rand(sum(q * k for q, k in zip(qo, kv)), generator=g) < 0.9)
+    else:
+        hidden = [(r, int(torch.randint(0, qo[r], (1,), generator=g)), int(torch.randint(0, kv[r], (1,), generator=g)))
+                  for r in range(batch) if qo[r] and kv[r] and seed % 4 == 0]
+        mask = _tree_mask(qo, kv, hidden)
+    offsets = _masks.byte_indptr(qo, kv)
+    bits, _ = flashjit.segment_packbits(mask, torch.tensor(_indptr([q * k for q, k in zip(qo, kv)])), "little")
+    counts = _masks.full_keys(bits, qo, kv, offsets)
+    if sum(q * k for q, k in zip(qo, kv)) == 0:
+        assert counts is None
+    else:
+        assert counts.dtype == torch.int32 and counts.tolist() == _full_keys(mask, qo, kv)
+
+
+def test_full_keys_are_left_out_past_their_size_limit(monkeypatch):
+    bits, _ = flashjit.segment_packbits(torch.ones(24, dtype=torch.bool), torch.tensor([0, 24]), "little")
+    assert _masks.full_keys(bits, [3], [8], [0, 3]).tolist() == [8]
+    monkeypatch.setattr(_masks, "FULL_KEYS_MAX_PAIRS", 23)
+    assert _masks.full_keys(bits, [3], [8], [0, 3]) is None
+
+
+def test_a_plan_places_the_full_key_counts(gpu):
+    """A draft tree of 3 tokens behind each request's cache: the keys before the
+    tree's first hidden pair; the params carry their address."""
+    hidden = [(0, 0, 8), (1, 2, 15), (4, 1, 30), (4, 7, 25)]
+    w = _ragged(_tree_mask(QO, KV, hidden))
+    assert w._plan.mask[2] == w._mask_full.data_ptr()
+    assert w._mask_full.tolist() == [8, 15, 7, 0, 25]
+
+
 # ---------------------------------------------------------------------------
 # The addresses in the launched params
 
@@ -127,15 +187,13 @@ def test_batch_params_carry_the_mask_and_its_offsets(gpu):
     w.run(q, k, v)
     w.run(q, k, v)  # the fast slot: the same fixed bytes
     for launch in gpu.launches:
-        p = _params(launch)
-        assert (p.custom_mask, p.mask_indptr) == w._plan.mask
+        assert _mask_fields(_params(launch)) == w._plan.mask
     _plan(w, _indptr(QO), _indptr(KV), 8, 2, 128, q_data_type=BF16, custom_mask=_random_mask(QO, KV, seed=9))
     w.run(q, k, v)
-    assert (_params(gpu.launches[-1]).custom_mask, _params(gpu.launches[-1]).mask_indptr) == w._plan.mask
+    assert _mask_fields(_params(gpu.launches[-1])) == w._plan.mask
     _plan(w, _indptr(QO), _indptr(KV), 8, 2, 128, q_data_type=BF16)
     w.run(q, k, v)
-    p = _params(gpu.launches[-1])
-    assert p.custom_mask is None and p.mask_indptr is None and w._mask_bits is None
+    assert _mask_fields(_params(gpu.launches[-1])) == (None, None, None) and w._mask_bits is None
 
 
 def test_the_operator_run_of_a_masked_plan_carries_it(gpu):
@@ -143,7 +201,7 @@ def test_the_operator_run_of_a_masked_plan_carries_it(gpu):
     w = _ragged(_random_mask(QO, KV))
     q, k, v = bf16(sum(QO), 8, 128), bf16(sum(KV), 2, 128), bf16(sum(KV), 2, 128)
     torch.ops.flashjit.batch_prefill_ragged_run.default(w._handle, q, k, v, False)
-    assert (_params(gpu.launches[-1]).custom_mask, _params(gpu.launches[-1]).mask_indptr) == w._plan.mask
+    assert _mask_fields(_params(gpu.launches[-1])) == w._plan.mask
 
 
 def test_single_prefill_params_carry_the_packed_mask_and_no_offsets(gpu):
@@ -151,7 +209,7 @@ def test_single_prefill_params_carry_the_packed_mask_and_no_offsets(gpu):
     packed = cuda(flashjit.packbits(_random_mask([5], [33]), "little"))
     flashjit.single_prefill_with_kv_cache(q, k, v, packed_custom_mask=packed)
     p = _params(gpu.launches[-1])
-    assert p.custom_mask == packed.data_ptr() and p.mask_indptr is None
+    assert p.custom_mask == packed.data_ptr() and p.mask_indptr is None and p.mask_full_keys is None
     assert len(prefill._prepared) == 0  # a masked call is prepared for itself, never kept
     flashjit.single_prefill_with_kv_cache(q, k, v)
     assert _params(gpu.launches[-1]).custom_mask is None
@@ -211,14 +269,22 @@ def test_cuda_graphs_need_a_mask_buffer_large_enough(gpu):
 
 
 def test_a_cuda_graph_plan_writes_the_mask_buffer_in_place(gpu):
-    buffer = cuda(torch.zeros(64, dtype=torch.uint8))
-    w = RAGGED(cuda(torch.empty(1 << 16, dtype=torch.uint8)), use_cuda_graph=True, custom_mask_buf=buffer)
-    for seed in (1, 2):
-        mask = _random_mask(QO, KV, seed)
-        w._device = torch.device("cpu")
-        w.plan(_indptr(QO), _indptr(KV), 8, 2, 128, q_data_type=BF16, custom_mask=mask)
-        assert w._plan.mask[0] == buffer.data_ptr()
-        _assert_bits(buffer, _offsets(w, len(QO)), mask, QO, KV)
+    """The bits at the buffer's start, the full-key counts after them (int32-aligned)
+    where the buffer has room, else none (every key tile tests the mask)."""
+    for size, counts_at in ((72, 52), (64, None)):  # 50 bytes of bits; 20 of counts
+        buffer = cuda(torch.zeros(size, dtype=torch.uint8))
+        w = RAGGED(cuda(torch.empty(1 << 16, dtype=torch.uint8)), use_cuda_graph=True, custom_mask_buf=buffer)
+        for seed in (1, 2):
+            mask = _random_mask(QO, KV, seed)
+            w._device = torch.device("cpu")
+            w.plan(_indptr(QO), _indptr(KV), 8, 2, 128, q_data_type=BF16, custom_mask=mask)
+            assert w._plan.mask[0] == buffer.data_ptr()
+            _assert_bits(buffer, _offsets(w, len(QO)), mask, QO, KV)
+            if counts_at is None:
+                assert w._plan.mask[2] == 0
+            else:
+                assert w._plan.mask[2] == buffer.data_ptr() + counts_at
+                assert buffer[counts_at:counts_at + 20].view(torch.int32).tolist() == _full_keys(mask, QO, KV)
 
 
 @pytest.mark.parametrize("kwargs,match", [

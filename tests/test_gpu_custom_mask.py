@@ -9,8 +9,10 @@ profiles); a mask of the causal pattern against causal=True within the sum of
 the profiles; packed_custom_mask gives custom_mask's output bit for bit;
 split-KV; rows whose mask hides every key (o = 0, LSE -inf); sliding window
 and soft-cap beside a mask; a CUDA graph replayed after plan() rewrote the
-mask buffer and after the buffer changed in place; batch-invariant mode. Its
-own prewarm builds just these configurations, in one parallel build."""
+mask buffer and after the buffer changed in place; batch-invariant mode; the
+key tiles before a request's full-key count (keys every query sees) skipping
+the mask's test, bit for bit the run that tests every tile. Its own prewarm
+builds just these configurations, in one parallel build."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 import flashjit
 from flashjit import jit
 from flashjit.kernels import fa2
-from flashjit.ops import _calls
+from flashjit.ops import _calls, _masks
 from flashjit.reference import attention_reference, ragged_reference, request_masks
 from flashjit.spec import KernelSpec
 from sweep import build_for_gpu
@@ -193,6 +195,25 @@ def test_mask_against_the_reference(built, error_report, variant, kind, dtype, h
     _hidden_rows(out, lse, ref_lse, f"{variant} {kind}")
 
 
+@pytest.mark.parametrize("kind", ["tree", "dense"])
+@pytest.mark.parametrize("variant", ["ragged", "paged1", "paged16"])
+def test_tiles_before_the_full_keys_skip_the_test(built, monkeypatch, variant, kind):
+    """The plan's full-key counts (ops._masks.full_keys: a tree's whole cache,
+    a dense mask's few keys) change no bit against a plan without them, where
+    every key tile tests the mask."""
+    p = Problem(variant, BF16, 128, (32, 8), *lengths(kind, variant))
+    mask = make_mask(kind, p.qo_lens, p.kv_lens)
+    with_counts = p.run(mask)
+    assert p.wrapper._plan.mask[2] != 0
+    counts = p.wrapper._mask_full.tolist()
+    if kind == "tree":  # at least the cache (a draft token every query sees counts too)
+        assert all(n >= kv - qo for n, qo, kv in zip(counts, p.qo_lens, p.kv_lens))
+    monkeypatch.setattr(_masks, "FULL_KEYS_MAX_PAIRS", 0)
+    without = p.run(mask)
+    assert p.wrapper._plan.mask[2] == 0
+    assert torch.equal(with_counts[0], without[0]) and torch.equal(with_counts[1], without[1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_full_mask_is_no_mask(built, error_report, variant, dtype):
@@ -293,8 +314,9 @@ def test_window_and_soft_cap_beside_a_mask(built, error_report):
 @pytest.mark.parametrize("variant", ["ragged", "paged16"])
 def test_cuda_graph_replays_a_new_mask(built, error_report, variant):
     """Captured once; a plan() with a new mask (same lengths) rewrites
-    custom_mask_buf in place, and so does a direct write of new bits: each
-    replay equals an eager run bit for bit and is within the profile."""
+    custom_mask_buf in place (bits and full-key counts), and so does a direct
+    write of new bits that keeps each request's cache visible (the planned
+    counts): each replay equals an eager run bit for bit and is within the profile."""
     p = Problem(variant, BF16, 128, (32, 8), *lengths("tree", variant))
     pages = torch.zeros(p.batch.indices.shape[0] + 8, dtype=torch.int32, device="cuda") if p.page_size else None
     ctor = {"use_cuda_graph": True, "custom_mask_buf": torch.zeros(1 << 16, dtype=torch.uint8, device="cuda"),

@@ -54,7 +54,8 @@ class BatchPlan:
     # reads); 0 otherwise, where q and k/v hold exactly what the plan reads.
     graph_tokens: int = 0
     invariant_chunk: int = 0        # batch-invariant mode's chunk of keys (params.invariant_chunk), 0: normal mode
-    mask: tuple = (0, 0)            # a custom mask's packed bits and byte offsets per request (0, 0: none)
+    # A custom mask's packed bits, byte offsets and full-key counts per request (0: none).
+    mask: tuple = (0, 0, 0)
 
 
 _EMPTY_ITEM = (-1, 0, -1, 0)
@@ -91,6 +92,7 @@ class BatchAttention:
             _masks.check_buffer(name, buffer, self._device)
         self._mask_buffer = mask_buffers[0]
         self._mask_bits: torch.Tensor | None = None  # the current plan's packed mask, on the device
+        self._mask_full: torch.Tensor | None = None  # and its full-key counts (_masks.full_keys), without CUDA graphs
         self._plan: BatchPlan | None = None
         self._ints: torch.Tensor | None = None
         self._pages: torch.Tensor | None = None
@@ -112,7 +114,7 @@ class BatchAttention:
                     batch_invariant: bool | None = None, mask: tuple | None = None) -> None:
         """head_dim_vo: V's and O's width (None: head_dim), which sizes the output
         and the fp32 partial states of split requests. mask: _plan_mask's
-        (packed bits, byte offsets) of a custom mask, None: none.
+        (packed bits, byte offsets, full-key counts) of a custom mask, None: none.
         batch_invariant: split-KV in fixed chunks of keys from key 0 (ops._invariant),
         never resized for the batch, the GPU or the workspace (None: FLASHJIT_BATCH_INVARIANT)."""
         batch_invariant = _invariant.resolve(batch_invariant)
@@ -203,11 +205,12 @@ class BatchAttention:
             else:
                 self._pages = page_indices if page_indices.is_contiguous() else page_indices.contiguous()
             pages_ptr = self._pages.data_ptr()
-        mask_pointers = (0, 0)
+        mask_pointers = (0, 0, 0)
         if mask is not None:
-            mask_pointers = (self._place_mask(mask[0], non_blocking), addr + 4 * offsets[5])
+            bits_ptr, full_ptr = self._place_mask(mask[0], mask[2], mask[1][-1], non_blocking)
+            mask_pointers = (bits_ptr, addr + 4 * offsets[5], full_ptr)
         elif not self._use_cuda_graph:
-            self._mask_bits = None
+            self._mask_bits = self._mask_full = None
         pointers = (addr + 4 * offsets[0], addr + 4 * offsets[1], pages_ptr,
                     addr + 4 * offsets[2] if last_page_len is not None else 0, addr + 4 * offsets[4],
                     addr + 4 * offsets[3] if merge is not None else 0)
@@ -221,7 +224,8 @@ class BatchAttention:
                    lengths: str) -> tuple | None:
         """A plan's custom mask checked against its (query, key) pairs and packed
         (ops._masks.batch_bits: `lengths` says where kv_lens come from), before
-        anything is compiled: (packed bits, byte offsets per request), None: no mask."""
+        anything is compiled: (packed bits, byte offsets per request, the
+        requests' full-key counts or None: _masks.full_keys), None: no mask."""
         mask = _masks.given(custom_mask, packed_custom_mask)
         if mask is None:
             return None
@@ -234,19 +238,32 @@ class BatchAttention:
             if self._mask_buffer.shape[0] < offsets[-1]:
                 raise ValueError(f"custom_mask_buf: expected room for the {offsets[-1]} bytes of this plan's packed "
                                  f"mask, it holds {self._mask_buffer.shape[0]}")
-        return bits, offsets
+        return bits, offsets, _masks.full_keys(bits, qo_lens, kv_lens, offsets)
 
-    def _place_mask(self, bits: torch.Tensor, non_blocking: bool) -> int:
-        """The address the kernels read a plan's packed mask at: custom_mask_buf
-        under CUDA graphs (written in place), else the bits on the device, kept
-        by the wrapper until the next plan (a packed mask given on the device is
-        the caller's tensor: in-place changes reach later runs)."""
+    def _place_mask(self, bits: torch.Tensor, full: torch.Tensor | None, nbytes: int,
+                    non_blocking: bool) -> tuple[int, int]:
+        """The addresses the kernels read a plan's packed mask (`nbytes` of
+        `bits`) and its full-key counts at (0: none): under CUDA graphs
+        custom_mask_buf, written in place, the counts after the bits where the
+        buffer has room for them (else none: every key tile tests the mask);
+        otherwise both on the device, kept by the wrapper until the next plan (a
+        packed mask given on the device is the caller's tensor: in-place changes
+        reach later runs, and the counts taken at plan() stay valid only while
+        they keep those keys visible)."""
         if self._use_cuda_graph:
             self._mask_buffer[:bits.shape[0]].copy_(bits, non_blocking=non_blocking)
             self._mask_bits = self._mask_buffer
-        else:
-            self._mask_bits = bits.to(self._device, non_blocking=non_blocking)
-        return self._mask_bits.data_ptr() if self._mask_bits.numel() else 0
+            at = -(-nbytes // 4) * 4  # the counts' first byte: int32-aligned after the bits
+            full_ptr = 0
+            if full is not None and self._mask_buffer.shape[0] >= at + 4 * full.numel():
+                counts = self._mask_buffer[at:at + 4 * full.numel()].view(torch.int32)
+                counts.copy_(full, non_blocking=non_blocking)
+                full_ptr = counts.data_ptr()
+            return self._mask_bits.data_ptr() if nbytes else 0, full_ptr
+        self._mask_bits = bits.to(self._device, non_blocking=non_blocking)
+        self._mask_full = full.to(self._device, non_blocking=non_blocking) if full is not None else None
+        return (self._mask_bits.data_ptr() if self._mask_bits.numel() else 0,
+                self._mask_full.data_ptr() if self._mask_full is not None else 0)
 
     def _invariant_partials(self, rows: int, rows_fit: int, num_qo_heads: int, head_dim_vo: int) -> tuple[int, int]:
         """(address, rows) of the partial state of a batch-invariant plan: the

@@ -82,13 +82,13 @@ def check_kv_strides(name: str, strides: tuple, page_size: int, element_size: in
 def fill_params(q: torch.Tensor, num_kv_heads: int, k_strides: tuple, v_strides: tuple, page_size: int,
                 out_strides: tuple[int, int], lse_stride: int, sm_scale: float, window_left: int, soft_cap: float,
                 kv_element_size: int | None = None, scales: tuple = (_scales.UNIT, _scales.UNIT),
-                sinks: int = 0, mask: tuple[int, int] = (0, 0)) -> AttentionParams:
+                sinks: int = 0, mask: tuple = (0, 0, 0)) -> AttentionParams:
     """The non-pointer fields; k/v strides are (token, head, page) in elements of
     kv_element_size bytes (None: q's). scales: the checked (k_scale, v_scale)
     (ops._scales), which only FP8 configurations read. sinks: the checked
     address of the attention sinks (ops._sinks; 0: none). mask: the addresses
-    of a custom mask's packed bits and of its byte offsets per request (ops._masks;
-    0: none, and 0 offsets for a single request).
+    of a custom mask's packed bits, of its byte offsets per request and of its
+    full-key counts per request (ops._masks; 0: none; a single request: bits alone).
     Raises ValueError for K/V strides the kernels cannot address (see check_kv_strides)."""
     for name, strides in (("k", k_strides), ("v", v_strides)):
         check_kv_strides(name, strides, page_size, kv_element_size or q.element_size())
@@ -103,6 +103,7 @@ def fill_params(q: torch.Tensor, num_kv_heads: int, k_strides: tuple, v_strides:
     _scales.apply(p, *scales)
     p.sinks = sinks or None
     p.custom_mask, p.mask_indptr = mask[0] or None, mask[1] or None
+    p.mask_full_keys = mask[2] or None
     return p
 
 

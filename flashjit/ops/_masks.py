@@ -160,6 +160,36 @@ def batch_bits(mask: Mask, qo_lens: list[int], kv_lens: list[int], device: torch
     return bits, offsets
 
 
+# Masks of up to this many (query, key) pairs get their full-key counts
+# (full_keys): the count reads every bit, with a few int32 temporaries per bit.
+FULL_KEYS_MAX_PAIRS = 1 << 23
+
+
+def full_keys(bits: torch.Tensor, qo_lens: list[int], kv_lens: list[int], offsets: list[int]) -> torch.Tensor | None:
+    """Per request, how many leading keys every query of it sees (int32, on
+    bits' device, without a host sync): the kernels test the mask only on key
+    tiles past that count (work.cuh CustomMask::full_keys), where a tree of draft
+    tokens behind a cache has its zeros. None past FULL_KEYS_MAX_PAIRS pairs
+    (every tile is tested)."""
+    pairs = sum(q * k for q, k in zip(qo_lens, kv_lens))
+    if pairs == 0 or pairs > FULL_KEYS_MAX_PAIRS:
+        return None
+    device = bits.device
+    nbits = 8 * offsets[-1]
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    bit = ((bits[:offsets[-1]].view(-1, 1) >> shifts) & 1).view(-1)  # little-endian: bit j of byte i is i * 8 + j
+    starts = torch.tensor([8 * o for o in offsets[:-1]], dtype=torch.int32, device=device)
+    kv = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    qo = torch.tensor(qo_lens, dtype=torch.int32, device=device)
+    at = torch.arange(nbits, dtype=torch.int32, device=device)
+    # Each bit's request: the last segment starting at or before it (an empty segment starts where the next does).
+    request = torch.searchsorted(starts, at, right=True, out_int32=True) - 1
+    rel, kv_of = at - starts[request], kv[request]
+    zero = (bit == 0) & (rel < qo[request] * kv_of)  # a hidden pair (the bits past a segment's pairs are padding)
+    key = torch.where(zero, rel % kv_of.clamp(min=1), kv_of)
+    return kv.scatter_reduce(0, request.long(), key, "amin")
+
+
 def check_buffer(name: str, buffer, device: torch.device) -> None:
     """A constructor's custom_mask_buf / mask_indptr_buf: a 1-D tensor (uint8 / int32) on the workspace's device."""
     if buffer is None:

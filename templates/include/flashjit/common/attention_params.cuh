@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FLASHJIT_ABI_VERSION 10
+#define FLASHJIT_ABI_VERSION 11
 
 extern "C" {
 
@@ -90,6 +90,9 @@ struct FlashjitAttentionParams {
   // the key; its segment starts at byte mask_indptr[request] (work.cuh CustomMask).
   const void* custom_mask;
   const int32_t* mask_indptr;       // [batch + 1] byte offsets, or null: one request at byte 0
+  // [batch]: keys [0, n) of a request are visible to each of its queries, so
+  // that key tiles below n skip the mask's test (plan() counts them); null: 0.
+  const int32_t* mask_full_keys;
 
   // MLA only (mla_paged): the rotary part of the query, [tokens, num_qo_heads,
   // 64]; q then holds the 512-wide latent part, k the ckv cache and v the kpe

@@ -236,10 +236,12 @@ __device__ __forceinline__ float kv_scale_value(const float* device_value, float
 struct CustomMask {
   const uint8_t* bits;
   int kv_len;
+  int full_keys;  // keys [0, full_keys) are visible to every query of the request
 
   __device__ __forceinline__ static CustomMask of(const FlashjitAttentionParams& p, const CtaWork& w) {
     const uint8_t* base = static_cast<const uint8_t*>(p.custom_mask);
-    return {base + (p.mask_indptr != nullptr ? p.mask_indptr[w.request] : 0), w.kv_len};
+    return {base + (p.mask_indptr != nullptr ? p.mask_indptr[w.request] : 0), w.kv_len,
+            p.mask_full_keys != nullptr ? p.mask_full_keys[w.request] : 0};
   }
   // For key < kv_len.
   __device__ __forceinline__ bool visible(int q, int key) const {

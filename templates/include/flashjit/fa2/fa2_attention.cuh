@@ -125,7 +125,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // of 2^30 keys or more already covers every key.
   const int window_left = Traits::kWindow ? min(p.window_left, 1 << 30) : 0;
   const Mask<Traits::kCausal, Traits::kWindow> mask{offset, window_left};
-  struct NoCustomMask {};
+  struct NoCustomMask {
+    int full_keys = 0;  // never read: the condition that reads it starts with kCustomMask
+  };
   const std::conditional_t<Traits::kCustomMask, CustomMask, NoCustomMask> custom = [&] {
     if constexpr (Traits::kCustomMask) {
       return CustomMask::of(p, w);
@@ -326,7 +328,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       StepFlags f;
       f.skip = !warp_active || (Traits::kCausal && k0 > wq_last + offset) ||
                (Traits::kWindow && k0 + SKEYS - 1 < wq_first + offset - window_left);
-      f.mask = Traits::kCustomMask || k0 + SKEYS > w.kv_len || (Traits::kCausal && k0 + SKEYS - 1 > wq_first + offset) ||
+      f.mask = (Traits::kCustomMask && k0 + SKEYS > custom.full_keys) || k0 + SKEYS > w.kv_len ||
+               (Traits::kCausal && k0 + SKEYS - 1 > wq_first + offset) ||
                (Traits::kWindow && k0 < wq_last + offset - window_left);
       return f;
     };

@@ -74,8 +74,9 @@ struct Fa2Traits {
   static constexpr bool kPaged = kPaged_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kWindow = kWindow_;
-  // A custom mask (work.cuh CustomMask): every step applies the element mask,
-  // whose bits the rows' queries read from global memory (L1-cached).
+  // A custom mask (work.cuh CustomMask): every step past the keys each query
+  // sees (CustomMask::full_keys) applies the element mask, whose bits the
+  // rows' queries read from global memory (L1-cached).
   static constexpr bool kCustomMask = kCustomMask_;
   static constexpr bool kSoftCap = kSoftCap_;
   static constexpr bool kLse = kLse_;
