@@ -2,7 +2,7 @@
 # GPU check in one call: info, GPU tests (prewarm + numerical sweep), JIT
 # benchmarks, prefill/decode benchmarks. Run from the repository root; logs and
 # reports go to $OUT (or ./gpu_out); a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla|invariant|fp8]
+#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla|invariant|fp8|spec]
 # tests: GPU tests only; prefill: GPU tests and prefill.py --rounds 3;
 # fp8: the FP8 KV-cache GPU tests (tests/test_gpu_*fp8*.py), then decode.py
 # --kv-dtype bf16 e4m3 (decode_fp8.md/.json; $FP8_KV_DTYPES replaces "bf16 e4m3"),
@@ -17,6 +17,8 @@
 # (--baseline-templates templates: the spread an A/B must beat; $MLA_BASELINE: other
 # sources' folder instead); MLA_SAME_BITS=1: the variants' mla_check also asks
 # for the shipped tiling's outputs bit for bit (mla_check.py --same-bits);
+# spec: speculative decoding and shared prefixes: the custom-mask and cascade GPU
+# tests, then dev/verification_speed.py and dev/cascade_speed.py beside FlashInfer;
 # invariant: the batch-invariant GPU tests, then dev/batch_invariant_cost.py
 # with $INVARIANT_ARGS (default: every prefill and decode row);
 # bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
@@ -50,6 +52,7 @@ test_rc=skipped
 targets=(${TEST_FILES:-tests})  # $TEST_FILES: these test files alone; fp8: the FP8 KV-cache GPU test files
 [ "$MODE" = fp8 ] && targets=($(ls tests/test_gpu_fp8.py tests/test_gpu_*fp8*.py 2>/dev/null | sort -u)) &&
   export FLASHJIT_PREWARM_FP8=1  # the prewarm fixture builds the FP8 configurations alone
+[ "$MODE" = spec ] && targets=(tests/test_gpu_custom_mask.py tests/test_gpu_cascade.py)
 if [ "$MODE" != bench ] && [ -z "${SKIP_TESTS:-}" ]; then
 selection=()
 [ "$MODE" = mla ] && selection=(-k mla) && export FLASHJIT_PREWARM_OPS=mla_paged
@@ -121,6 +124,13 @@ fi
 if [ "$MODE" = prefill ]; then
   python3 benchmarks/prefill.py --rounds 3 --out "$OUT/prefill.md" 2>"$OUT/prefill.err" | grep "|" || status=1
 fi
+if [ "$MODE" = spec ]; then
+  for script in verification_speed cascade_speed; do
+    timeout ${SPEC_LIMIT:-240} python3 benchmarks/dev/$script.py --out "$OUT/$script.md" >"$OUT/$script.log" 2>&1 ||
+      status=1
+    grep -E "^\||vs " "$OUT/$script.md" 2>/dev/null
+  done
+fi
 if [ "$MODE" = fp8 ]; then
   kv_dtypes=${FP8_KV_DTYPES:-bf16 e4m3}
   decode_start=$(date +%s)
@@ -148,7 +158,8 @@ if [ "$MODE" = fp8 ]; then
   echo "== summary: gpu tests rc=$test_rc, decode rc=$decode_rc, overall status=$status"
   exit $status
 fi
-if [ "$MODE" = tests ] || [ "$MODE" = compare ] || [ "$MODE" = prefill ] || [ "$MODE" = mla ] || [ "$MODE" = invariant ]; then
+if [ "$MODE" = tests ] || [ "$MODE" = compare ] || [ "$MODE" = prefill ] || [ "$MODE" = mla ] || [ "$MODE" = invariant ] ||
+   [ "$MODE" = spec ]; then
   summarize_errors || status=1
   echo "== summary: gpu tests rc=$test_rc, overall status=$status"
   exit $status
