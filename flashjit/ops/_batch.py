@@ -114,7 +114,7 @@ class BatchAttention:
                     batch_invariant: bool | None = None, mask: tuple | None = None) -> None:
         """head_dim_vo: V's and O's width (None: head_dim), which sizes the output
         and the fp32 partial states of split requests. mask: _plan_mask's
-        (packed bits, byte offsets, full-key counts) of a custom mask, None: none.
+        (packed bits, byte offsets, (qo_lens, kv_lens)) of a custom mask, None: none.
         batch_invariant: split-KV in fixed chunks of keys from key 0 (ops._invariant),
         never resized for the batch, the GPU or the workspace (None: FLASHJIT_BATCH_INVARIANT)."""
         batch_invariant = _invariant.resolve(batch_invariant)
@@ -207,7 +207,7 @@ class BatchAttention:
             pages_ptr = self._pages.data_ptr()
         mask_pointers = (0, 0, 0)
         if mask is not None:
-            bits_ptr, full_ptr = self._place_mask(mask[0], mask[2], mask[1][-1], non_blocking)
+            bits_ptr, full_ptr = self._place_mask(mask[0], mask[1], *mask[2], non_blocking)
             mask_pointers = (bits_ptr, addr + 4 * offsets[5], full_ptr)
         elif not self._use_cuda_graph:
             self._mask_bits = self._mask_full = None
@@ -225,7 +225,7 @@ class BatchAttention:
         """A plan's custom mask checked against its (query, key) pairs and packed
         (ops._masks.batch_bits: `lengths` says where kv_lens come from), before
         anything is compiled: (packed bits, byte offsets per request, the
-        requests' full-key counts or None: _masks.full_keys), None: no mask."""
+        requests' (qo_lens, kv_lens)), None: no mask."""
         mask = _masks.given(custom_mask, packed_custom_mask)
         if mask is None:
             return None
@@ -238,22 +238,23 @@ class BatchAttention:
             if self._mask_buffer.shape[0] < offsets[-1]:
                 raise ValueError(f"custom_mask_buf: expected room for the {offsets[-1]} bytes of this plan's packed "
                                  f"mask, it holds {self._mask_buffer.shape[0]}")
-        return bits, offsets, _masks.full_keys(bits, qo_lens, kv_lens, offsets)
+        return bits, offsets, (qo_lens, kv_lens)
 
-    def _place_mask(self, bits: torch.Tensor, full: torch.Tensor | None, nbytes: int,
+    def _place_mask(self, bits: torch.Tensor, offsets: list[int], qo_lens: list[int], kv_lens: list[int],
                     non_blocking: bool) -> tuple[int, int]:
-        """The addresses the kernels read a plan's packed mask (`nbytes` of
-        `bits`) and its full-key counts at (0: none): under CUDA graphs
-        custom_mask_buf, written in place, the counts after the bits where the
-        buffer has room for them (else none: every key tile tests the mask);
-        otherwise both on the device, kept by the wrapper until the next plan (a
-        packed mask given on the device is the caller's tensor: in-place changes
-        reach later runs, and the counts taken at plan() stay valid only while
-        they keep those keys visible)."""
+        """The addresses the kernels read a plan's packed mask and its full-key
+        counts at (_masks.full_keys, counted on the device; 0: none): under CUDA
+        graphs custom_mask_buf, written in place, the counts after the bits
+        where the buffer has room for them (else none: every key tile tests the
+        mask); otherwise both on the device, kept by the wrapper until the next
+        plan (a packed mask given on the device is the caller's tensor: in-place
+        changes reach later runs, and must keep the counted keys visible)."""
+        nbytes = offsets[-1]
         if self._use_cuda_graph:
             self._mask_buffer[:bits.shape[0]].copy_(bits, non_blocking=non_blocking)
             self._mask_bits = self._mask_buffer
             at = -(-nbytes // 4) * 4  # the counts' first byte: int32-aligned after the bits
+            full = _masks.full_keys(bits, qo_lens, kv_lens, offsets)  # where the bits are (the device, or the CPU)
             full_ptr = 0
             if full is not None and self._mask_buffer.shape[0] >= at + 4 * full.numel():
                 counts = self._mask_buffer[at:at + 4 * full.numel()].view(torch.int32)
@@ -261,7 +262,7 @@ class BatchAttention:
                 full_ptr = counts.data_ptr()
             return self._mask_bits.data_ptr() if nbytes else 0, full_ptr
         self._mask_bits = bits.to(self._device, non_blocking=non_blocking)
-        self._mask_full = full.to(self._device, non_blocking=non_blocking) if full is not None else None
+        self._mask_full = _masks.full_keys(self._mask_bits, qo_lens, kv_lens, offsets)
         return (self._mask_bits.data_ptr() if self._mask_bits.numel() else 0,
                 self._mask_full.data_ptr() if self._mask_full is not None else 0)
 
