@@ -268,23 +268,26 @@ def test_cuda_graphs_need_a_mask_buffer_large_enough(gpu):
         _wrapper(RAGGED, *plan, ctor=small, q_data_type=BF16, custom_mask=_random_mask(QO, KV))
 
 
-def test_a_cuda_graph_plan_writes_the_mask_buffer_in_place(gpu):
-    """The bits at the buffer's start, the full-key counts after them (int32-aligned)
-    where the buffer has room, else none (every key tile tests the mask)."""
-    for size, counts_at in ((72, 52), (64, None)):  # 50 bytes of bits; 20 of counts
-        buffer = cuda(torch.zeros(size, dtype=torch.uint8))
-        w = RAGGED(cuda(torch.empty(1 << 16, dtype=torch.uint8)), use_cuda_graph=True, custom_mask_buf=buffer)
-        for seed in (1, 2):
-            mask = _random_mask(QO, KV, seed)
-            w._device = torch.device("cpu")
-            w.plan(_indptr(QO), _indptr(KV), 8, 2, 128, q_data_type=BF16, custom_mask=mask)
-            assert w._plan.mask[0] == buffer.data_ptr()
-            _assert_bits(buffer, _offsets(w, len(QO)), mask, QO, KV)
-            if counts_at is None:
-                assert w._plan.mask[2] == 0
-            else:
-                assert w._plan.mask[2] == buffer.data_ptr() + counts_at
-                assert buffer[counts_at:counts_at + 20].view(torch.int32).tolist() == _full_keys(mask, QO, KV)
+def test_a_cuda_graph_plan_writes_the_mask_buffer_in_place(gpu, monkeypatch):
+    """The bits into custom_mask_buf, the full-key counts into one tensor of the
+    wrapper's own: both addresses stay what a captured launch keeps, new lengths
+    and masks too; zeros where the counts are left out (every tile tested)."""
+    buffer = cuda(torch.zeros(64, dtype=torch.uint8))
+    w = RAGGED(cuda(torch.empty(1 << 16, dtype=torch.uint8)), use_cuda_graph=True, custom_mask_buf=buffer)
+    kv_lens, first = KV, None
+    for seed in (1, 2, 3):
+        mask = _random_mask(QO, kv_lens, seed) | (torch.rand(sum(q * k for q, k in zip(QO, kv_lens))) < 0.8)
+        w._device = torch.device("cpu")
+        w.plan(_indptr(QO), _indptr(kv_lens), 8, 2, 128, q_data_type=BF16, custom_mask=mask)
+        assert w._plan.mask[0] == buffer.data_ptr() and w._plan.mask[2] == w._mask_full.data_ptr()
+        first = first or w._plan.mask[2]
+        assert w._plan.mask[2] == first
+        _assert_bits(buffer, _offsets(w, len(QO)), mask, QO, kv_lens)
+        assert w._mask_full.tolist() == _full_keys(mask, QO, kv_lens)
+        kv_lens = [n + 2 * (n > 0) for n in kv_lens]  # the next step's lengths
+    monkeypatch.setattr(_masks, "FULL_KEYS_MAX_PAIRS", 0)
+    w.plan(_indptr(QO), _indptr(KV), 8, 2, 128, q_data_type=BF16, custom_mask=_random_mask(QO, KV))
+    assert w._plan.mask[2] == first and w._mask_full.tolist() == [0] * len(QO)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -92,7 +92,7 @@ class BatchAttention:
             _masks.check_buffer(name, buffer, self._device)
         self._mask_buffer = mask_buffers[0]
         self._mask_bits: torch.Tensor | None = None  # the current plan's packed mask, on the device
-        self._mask_full: torch.Tensor | None = None  # and its full-key counts (_masks.full_keys), without CUDA graphs
+        self._mask_full: torch.Tensor | None = None  # and its full-key counts (_masks.full_keys)
         self._plan: BatchPlan | None = None
         self._ints: torch.Tensor | None = None
         self._pages: torch.Tensor | None = None
@@ -243,24 +243,25 @@ class BatchAttention:
     def _place_mask(self, bits: torch.Tensor, offsets: list[int], qo_lens: list[int], kv_lens: list[int],
                     non_blocking: bool) -> tuple[int, int]:
         """The addresses the kernels read a plan's packed mask and its full-key
-        counts at (_masks.full_keys, counted on the device; 0: none): under CUDA
-        graphs custom_mask_buf, written in place, the counts after the bits
-        where the buffer has room for them (else none: every key tile tests the
-        mask); otherwise both on the device, kept by the wrapper until the next
-        plan (a packed mask given on the device is the caller's tensor: in-place
-        changes reach later runs, and must keep the counted keys visible)."""
-        nbytes = offsets[-1]
+        counts at (_masks.full_keys, counted where the bits are; 0: none). Under
+        CUDA graphs, where a captured launch keeps both addresses: the bits in
+        custom_mask_buf, written in place, and the counts in a tensor of the
+        wrapper's own, one int32 a request (the batch is fixed), zeros where
+        none were counted (every key tile tests the mask). Otherwise both on
+        the device, kept by the wrapper until the next plan (a packed mask given
+        on the device is the caller's tensor: in-place changes reach later runs,
+        and must keep the counted keys visible)."""
         if self._use_cuda_graph:
             self._mask_buffer[:bits.shape[0]].copy_(bits, non_blocking=non_blocking)
             self._mask_bits = self._mask_buffer
-            at = -(-nbytes // 4) * 4  # the counts' first byte: int32-aligned after the bits
-            full = _masks.full_keys(bits, qo_lens, kv_lens, offsets)  # where the bits are (the device, or the CPU)
-            full_ptr = 0
-            if full is not None and self._mask_buffer.shape[0] >= at + 4 * full.numel():
-                counts = self._mask_buffer[at:at + 4 * full.numel()].view(torch.int32)
-                counts.copy_(full, non_blocking=non_blocking)
-                full_ptr = counts.data_ptr()
-            return self._mask_bits.data_ptr() if nbytes else 0, full_ptr
+            full = _masks.full_keys(bits, qo_lens, kv_lens, offsets)
+            if self._mask_full is None:
+                self._mask_full = torch.zeros(len(qo_lens), dtype=torch.int32, device=self._device)
+            if full is None:
+                self._mask_full.zero_()
+            else:
+                self._mask_full.copy_(full, non_blocking=non_blocking)
+            return self._mask_bits.data_ptr() if offsets[-1] else 0, self._mask_full.data_ptr()
         self._mask_bits = bits.to(self._device, non_blocking=non_blocking)
         self._mask_full = _masks.full_keys(self._mask_bits, qo_lens, kv_lens, offsets)
         return (self._mask_bits.data_ptr() if self._mask_bits.numel() else 0,
