@@ -242,6 +242,21 @@ def test_fa2_and_cuda_core_sources_take_both_widths(op):
             assert tiling.smem_bytes(s) <= kernels.common.SMEM_BUDGET, (s.name, family)
 
 
+@pytest.mark.parametrize("op", QK_VO_OPS)
+def test_fa3_sources_take_both_widths(op):
+    """Fa3Traits' kHeadDim 192 and kHeadDimVo 128, and the shared memory the
+    tiling counts: K rows 384 bytes, V rows 256 (Fa3Traits::kSmemBytes)."""
+    for dtype in ("bfloat16", "float16"):
+        s = spec(op, dtype, backend="fa3", causal=True, return_lse=True).validate()
+        text = render.render(s, ("sm_90a",)).text
+        assert (re.findall(r"/\*kHeadDim=\*/\s*(\d+)", text), re.findall(r"/\*kHeadDimVo=\*/\s*(\d+)", text)) \
+            == (["192"], ["128"]), s.name
+        template, tiling = kernels.tiling_for(s, ("sm_90a",))
+        assert template == kernels.fa3.TEMPLATE and tiling.smem_bytes(s) == \
+            1024 + tiling.stages * tiling.keys_per_tile * (384 + 256) + 128 * 384 + 32 * tiling.stages
+        assert tiling.smem_bytes(s) < tiling.smem_bytes(s.replace(head_dim_vo=192))
+
+
 # ---------------------------------------------------------------------------
 # The float64 reference
 
