@@ -8,7 +8,7 @@ case, the `auto` choice and the KV append. V narrower than Q and K
 (head_dim_qk 192, head_dim_vo 128, DeepSeek-V2/V3's prefill): single and
 ragged prefill on the fa2 and fa3 tensor cores (fp16, bf16) and CUDA cores
 (bf16, fp32), causal and not, GQA 8/2, with LSE, a split-KV batch whose merge
-combines 128-wide states, and sinks.
+combines 128-wide states, sinks, and fa3's batch-invariant fold at 192 and 192/128.
 tests/sweep.py keeps the main sweep at 64/128/256; these configurations are
 built by their own prewarm, in one parallel build. FLASHJIT_TEST_HEAD_DIMS
 (e.g. "48,96") runs a subset of the head dims where a GPU's time is short."""
@@ -23,6 +23,7 @@ import torch
 
 import flashjit
 from flashjit.reference import attention_reference, ragged_reference
+from flashjit.ops import _invariant
 from flashjit.spec import FA3_HEAD_DIMS, KernelSpec
 from sweep import build_for_gpu, fa3_runs_here, path_kwargs, spec_for, spec_path
 from test_gpu_attention import RAGGED_BATCHES, check, poison_allocator, randn
@@ -355,3 +356,40 @@ def test_sinks_v_narrower(built, error_report, path):
     out, lse = run(None)
     out_inf, lse_inf = run(make_sinks("none"))
     assert torch.equal(out_inf, out) and torch.equal(lse_inf, lse)
+
+
+@ON_FA3
+@pytest.mark.parametrize("vo", [QK, VO], ids=["192", "192-128"])
+def test_batch_invariant_fa3_folds_chunks(built, error_report, monkeypatch, vo):
+    """Batch-invariant ragged prefill on fa3 at 192 (and V 128 wide): the long
+    request's CTAs fold its chunks (the chunk-fold kernel, asked for with
+    fold_policy "always"), within the profile; the request alone gives the same
+    bits as beside the others."""
+    num_qo, num_kv = HEADS
+    monkeypatch.setattr(_invariant, "fold_policy", "always")
+
+    def run(qo_lens, kv_lens, q, k, v):
+        qo_indptr = torch.tensor([0, *qo_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        kv_indptr = torch.tensor([0, *kv_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 26, dtype=torch.uint8, device="cuda"),
+                                                          backend="fa3")
+        w.plan(qo_indptr, kv_indptr, num_qo, num_kv, QK, head_dim_vo=vo, causal=True, q_data_type=BF16,
+               batch_invariant=True)
+        assert w._plan.module.spec.backend == "fa3" and w._plan.work.folds
+        poison_allocator()
+        res = w.run(q, k, v, return_lse=True)
+        torch.cuda.synchronize()
+        return res
+
+    qo_lens, kv_lens = [40, 3, 1], [9000, 300, 20]
+    q = randn(sum(qo_lens), num_qo, QK, dtype=BF16)
+    k, v = randn(sum(kv_lens), num_kv, QK, dtype=BF16), randn(sum(kv_lens), num_kv, vo, dtype=BF16)
+    out, lse = run(qo_lens, kv_lens, q, k, v)
+    ref, ref_lse = ragged_reference(q, k, v, [0, 40, 43, 44], [0, 9000, 9300, 9320], causal=True)
+    spec = KernelSpec.make("batch_prefill_ragged", BF16, QK, head_dim_vo=vo, backend="fa3", use_tensor_cores=True,
+                           causal=True, return_lse=True)
+    check(spec, out, ref, q, k, v, max(kv_lens), 1 / math.sqrt(QK), error_report, "ragged_invariant_fa3", lse=lse,
+          ref_lse=ref_lse, shape="fold", heads=HEADS)
+    alone, alone_lse = run(qo_lens[:1], kv_lens[:1], q[:40], k[:9000], v[:9000])
+    assert torch.equal(alone, out[:40]) and torch.equal(alone_lse, lse[:40])
+
