@@ -336,6 +336,12 @@ def test_cuda_graph_replays_a_new_mask(built, error_report, variant):
         if how == "plan":
             p.plan(custom_mask=mask)
         else:
+            # The planned full-key counts stay: the new bits keep those keys visible (docs/masks.md).
+            counts = wrapper._mask_full.tolist()
+            parts = request_masks(mask, p.qo_lens, p.kv_lens)
+            for part, n in zip(parts, counts):
+                part[:, :n] = True
+            mask = torch.cat([part.flatten() for part in parts])
             packed, _ = flashjit.segment_packbits(mask, bit_indptr, bitorder="little")
             ctor["custom_mask_buf"][:packed.shape[0]].copy_(packed)
         out_buf.fill_(float("nan"))
