@@ -169,7 +169,7 @@ def main() -> int:
         d, _, expr = text.partition("=")
         fa3.FA3_TILINGS[int(d)] = eval(expr, {"Fa3Tiling": fa3.Fa3Tiling})
     prefill_dims = [dims(d) for d in args.prefill_head_dims]
-    sink_rows = [r for r in pre.rows(head_dims=args.sink_head_dims, skewed=False)]
+    sink_rows = pre.rows(head_dims=args.sink_head_dims, skewed=False)
     specs = []
     if "prefill" in args.only:
         for row in prefill_rows(prefill_dims):

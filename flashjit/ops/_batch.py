@@ -114,7 +114,7 @@ class BatchAttention:
                     batch_invariant: bool | None = None, mask: tuple | None = None) -> None:
         """head_dim_vo: V's and O's width (None: head_dim), which sizes the output
         and the fp32 partial states of split requests. mask: _plan_mask's
-        (packed bits, byte offsets, (qo_lens, kv_lens)) of a custom mask, None: none.
+        (packed bits, byte offsets per request) of a custom mask, None: none.
         batch_invariant: split-KV in fixed chunks of keys from key 0 (ops._invariant),
         never resized for the batch, the GPU or the workspace (None: FLASHJIT_BATCH_INVARIANT)."""
         batch_invariant = _invariant.resolve(batch_invariant)
@@ -207,7 +207,7 @@ class BatchAttention:
             pages_ptr = self._pages.data_ptr()
         mask_pointers = (0, 0, 0)
         if mask is not None:
-            bits_ptr, full_ptr = self._place_mask(mask[0], mask[1], *mask[2], non_blocking)
+            bits_ptr, full_ptr = self._place_mask(*mask, qo_lens, kv_lens, non_blocking)
             mask_pointers = (bits_ptr, addr + 4 * offsets[5], full_ptr)
         elif not self._use_cuda_graph:
             self._mask_bits = self._mask_full = None
@@ -224,8 +224,7 @@ class BatchAttention:
                    lengths: str) -> tuple | None:
         """A plan's custom mask checked against its (query, key) pairs and packed
         (ops._masks.batch_bits: `lengths` says where kv_lens come from), before
-        anything is compiled: (packed bits, byte offsets per request, the
-        requests' (qo_lens, kv_lens)), None: no mask."""
+        anything is compiled: (packed bits, byte offsets per request), None: no mask."""
         mask = _masks.given(custom_mask, packed_custom_mask)
         if mask is None:
             return None
@@ -238,7 +237,7 @@ class BatchAttention:
             if self._mask_buffer.shape[0] < offsets[-1]:
                 raise ValueError(f"custom_mask_buf: expected room for the {offsets[-1]} bytes of this plan's packed "
                                  f"mask, it holds {self._mask_buffer.shape[0]}")
-        return bits, offsets, (qo_lens, kv_lens)
+        return bits, offsets
 
     def _place_mask(self, bits: torch.Tensor, offsets: list[int], qo_lens: list[int], kv_lens: list[int],
                     non_blocking: bool) -> tuple[int, int]:
