@@ -162,7 +162,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedPrefillAliases, BatchAttention)
              batch_invariant: bool | None = None) -> None:
         """head_dim_vo: V's and the output's width (None: head_dim_qk), narrower
         than head_dim_qk for the pairs of spec.QK_VO_HEAD_DIMS (192/128, DeepSeek's
-        prefill: CUDA cores or fa2, K/V of q's dtype; `auto` picks fa2).
+        prefill: CUDA cores, fa2, or fa3 on sm_90a, which `auto` picks there; K/V of q's dtype).
         fixed_split_size: keys per split-KV chunk (rounded up to the kernel's
         tile); disable_split_kv: every request in one CTA per row tile.
         batch_invariant=True: each request's output does not depend on the rest
