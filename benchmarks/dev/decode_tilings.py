@@ -50,6 +50,8 @@ CUDA_CORE_VARIANTS = {
 # flight, and (CUDA cores) lanes of 16 dims, whose four rows need 255 registers.
 FP8_TENSOR_CORE_VARIANTS = {
     "keys split over 4 warps, 64 keys x 3 stages, 2 CTAs/SM": Fa2Tiling(4, 64, 3, False, 2, split_keys=True),
+    "keys split over 4 warps, 64 keys x 4 stages, 2 CTAs/SM": Fa2Tiling(4, 64, 4, False, 2, split_keys=True),
+    "keys split over 4 warps, 64 keys x 2 stages, 3 CTAs/SM": Fa2Tiling(4, 64, 2, False, 3, split_keys=True),
 }
 FP8_CUDA_CORE_VARIANTS = {
     "4 warps, 4 keys per lane group x 6 stages, 4 CTAs/SM": CudaDecodeTiling(4, 4, 6, 4),
