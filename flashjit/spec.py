@@ -56,8 +56,17 @@ PAGED_OPS = ("batch_prefill_paged", "batch_decode_paged")
 DECODE_OPS = ("single_decode", "batch_decode_paged")
 # Ops not generated yet, and the available op nearest to each.
 PLANNED_OPS: dict[str, str] = {}
-# Every multiple of 16 from 32 to 256 (Phi's 80 and 96, 112, 160, 192, ...).
+# Every multiple of 16 from 32 to 256 (Phi's 80 and 96, 112, 160, 192, ...): every attention op.
 HEAD_DIMS = tuple(range(32, 257, 16))
+# Head dims past that run, generated for some (op, tensor cores) families only:
+# 512 (models whose decode uses 512-wide heads) for decode on CUDA and tensor
+# cores and for paged prefill on tensor cores, on fa2 (fa3 keeps FA3_HEAD_DIMS).
+# Not for batch-invariant decode on CUDA cores, which runs the CUDA-core prefill
+# kernel (spec.KernelSpec.invariant_decode), nor for head_dim_qk != head_dim_vo.
+WIDE_HEAD_DIMS = (512,)
+WIDE_HEAD_DIM_FAMILIES = (("single_decode", False), ("batch_decode_paged", False), ("single_decode", True),
+                          ("batch_decode_paged", True), ("batch_prefill_paged", True))
+ALL_HEAD_DIMS = HEAD_DIMS + WIDE_HEAD_DIMS
 # Ops that take a custom mask (FlashInfer's custom_mask / packed_custom_mask),
 # and whether the CUDA-core kernels read it yet.
 MASK_OPS = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")
@@ -135,6 +144,35 @@ def head_dims_text(dims=HEAD_DIMS) -> str:
     if step and dims == list(range(dims[0], dims[-1] + 1, step)) and dims[0] % step == 0:
         return f"a multiple of {step} from {dims[0]} to {dims[-1]}"
     return or_list(dims)
+
+
+def takes_wide_head_dims(op: str, use_tensor_cores: bool) -> bool:
+    """Whether (op, cores) is a family of WIDE_HEAD_DIM_FAMILIES."""
+    return (op, bool(use_tensor_cores)) in WIDE_HEAD_DIM_FAMILIES
+
+
+def head_dims_for(op: str, use_tensor_cores: bool | None = None) -> tuple[int, ...]:
+    """The head dims generated for `op` on CUDA cores (False), tensor cores
+    (True) or either (None): HEAD_DIMS, and WIDE_HEAD_DIMS for its families."""
+    cores = (False, True) if use_tensor_cores is None else (use_tensor_cores,)
+    return ALL_HEAD_DIMS if any(takes_wide_head_dims(op, tc) for tc in cores) else HEAD_DIMS
+
+
+def wide_head_dims_text() -> str:
+    """Where WIDE_HEAD_DIMS are generated, in words: '512 for single_decode and
+    batch_decode_paged (CUDA or tensor cores) and batch_prefill_paged (tensor cores, fa2)'."""
+    both = [op for op, tc in WIDE_HEAD_DIM_FAMILIES if not tc and takes_wide_head_dims(op, True)]
+    tensor = [op for op, tc in WIDE_HEAD_DIM_FAMILIES if tc and op not in both]
+    cuda = [op for op, tc in WIDE_HEAD_DIM_FAMILIES if not tc and op not in both]
+    parts = ([f"{' and '.join(both)} (CUDA or tensor cores)"] if both else []) + \
+        ([f"{' and '.join(tensor)} (tensor cores, fa2)"] if tensor else []) + \
+        ([f"{' and '.join(cuda)} (CUDA cores)"] if cuda else [])
+    return f"{or_list(WIDE_HEAD_DIMS)} for {' and '.join(parts)}"
+
+
+def all_head_dims_text() -> str:
+    """Every generated head dim in words: HEAD_DIMS', then WIDE_HEAD_DIMS' with their ops."""
+    return f"{head_dims_text()}; {wide_head_dims_text()}"
 
 
 @dataclass(frozen=True)
@@ -227,9 +265,7 @@ class KernelSpec:
         for field in ("head_dim_qk", "head_dim_vo"):
             value = getattr(self, field)
             if value not in HEAD_DIMS:
-                nearest = nearest_head_dim(value)
-                fail(f"{field}={value} is not generated (nearest: {or_list(nearest_head_dims(value))})",
-                     f"head_dim {head_dims_text()}", self.replace(head_dim_qk=nearest, head_dim_vo=nearest))
+                self._validate_wide_head_dim(fail, field, value)
         if self.head_dim_qk != self.head_dim_vo:
             self._validate_qk_vo(fail)
         if self.op in UTILITY_OPS:
@@ -258,6 +294,27 @@ class KernelSpec:
                  f"fa3 for head dims {', '.join(map(str, FA3_HEAD_DIMS))}; every head dim ({head_dims_text()}) on fa2",
                  self.replace(backend="fa2"))
         return self
+
+    def _validate_wide_head_dim(self, fail, field: str, value: int) -> None:
+        """A head dim past HEAD_DIMS: one of WIDE_HEAD_DIMS on a family of
+        WIDE_HEAD_DIM_FAMILIES, outside batch-invariant decode on CUDA cores."""
+        cores = "tensor" if self.use_tensor_cores else "CUDA"
+        invariant_cc = self.invariant_decode and not self.use_tensor_cores
+        family = takes_wide_head_dims(self.op, self.use_tensor_cores) and not invariant_cc
+        if value in WIDE_HEAD_DIMS and family:
+            return
+        dims = ALL_HEAD_DIMS if family else HEAD_DIMS
+        nearest = nearest_head_dim(value, dims)
+        where = ""
+        if value in WIDE_HEAD_DIMS:
+            where = " in batch-invariant decode on CUDA cores" if invariant_cc else \
+                f" for {self.op}" + ("" if self.op in UTILITY_OPS else f" on {cores} cores")
+        choice = self.replace(head_dim_qk=nearest, head_dim_vo=nearest)
+        if value in WIDE_HEAD_DIMS and not self.use_tensor_cores and takes_wide_head_dims(self.op, True) \
+                and self.dtype_q in TENSOR_CORE_DTYPES:
+            choice = self.replace(use_tensor_cores=True)  # the same head dim, on tensor cores
+        fail(f"{field}={value} is not generated{where} (nearest: {or_list(nearest_head_dims(value, dims))})",
+             f"head_dim {all_head_dims_text()}", choice)
 
     def _validate_mask(self, fail) -> None:
         """A custom mask: MASK_OPS, without causal (the mask says it), on fa2
