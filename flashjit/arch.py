@@ -292,7 +292,7 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
     elif head_dim is not None and op not in MLA_OPS and head_dim not in FA3_HEAD_DIMS:
         why_not = f"fa3 does not generate head_dim {head_dim} (it does {', '.join(map(str, FA3_HEAD_DIMS))})"
     elif kv_dtype in KV_ONLY_DTYPES and op not in FA3_FP8_OPS:
-        why_not = "fa3 does not read an FP8 KV cache yet"
+        why_not = f"fa3 reads an FP8 KV cache for {', '.join(FA3_FP8_OPS)} only"
     if backend == "auto":
         if why_not is None:
             return "fa3", True, reason + "; fa3 (sm_90a: wgmma, TMA, warp specialization)"

@@ -38,7 +38,7 @@ FNUZ_DTYPES = ("float8_e4m3fnuz", "float8_e5m2fnuz")
 FP8_KV_FAMILIES = (("single_decode", False), ("batch_decode_paged", False), ("append_paged", False),
                    ("single_decode", True), ("batch_decode_paged", True), ("single_prefill", True),
                    ("batch_prefill_ragged", True), ("batch_prefill_paged", True))
-FA3_FP8_OPS: tuple[str, ...] = ()
+FA3_FP8_OPS: tuple[str, ...] = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")
 
 ATTENTION_OPS = ("single_prefill", "single_decode", "batch_prefill_ragged", "batch_prefill_paged",
                  "batch_decode_paged")
@@ -355,8 +355,8 @@ class KernelSpec:
                                     use_tensor_cores=False, backend="fa2", causal=False)
             fail(f"an FP8 KV cache for {what} is not yet generated", supported, nearest)
         if self.backend == "fa3" and self.op not in FA3_FP8_OPS:
-            fail(f"an FP8 KV cache on backend fa3 is not yet generated", supported + " (backend fa2)",
-                 self.replace(backend="fa2"))
+            fail(f"an FP8 KV cache for {self.op} on backend fa3 is not yet generated",
+                 f"{supported} (on fa3: {', '.join(FA3_FP8_OPS)})", self.replace(backend="fa2"))
         if self.head_dim_qk != self.head_dim_vo:
             fail(f"an FP8 KV cache with head_dim_qk={self.head_dim_qk} != head_dim_vo={self.head_dim_vo} is not yet "
                  f"generated", f"{supported}, with equal head dims; {qk_vo_text()}", plain)

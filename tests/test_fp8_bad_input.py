@@ -197,15 +197,15 @@ def test_plan_mistakes(plan_kw, exc, match, launches):
         _wrapper(kv, **plan_kw)
 
 
-def test_fp8_on_fa3_is_not_yet_generated_and_auto_runs_fa2():
-    with pytest.raises(ValueError, match=r"an FP8 KV cache on backend fa3 is not yet generated.*Nearest working "
-                                         r"choice: batch_prefill_paged_bf16_kve5m2_d128_fa2_tc_causal_lse$"):
-        flashjit.KernelSpec.make("batch_prefill_paged", "bfloat16", 128, dtype_kv="e5m2", use_tensor_cores=True,
-                                 backend="fa3", causal=True, return_lse=True).validate()
-    backend, tc, reason = arch.choose_backend("batch_prefill_paged", "bfloat16", None, "auto", targets=("sm_90a",),
-                                              kv_dtype="float8_e5m2")
-    assert (backend, tc) == ("fa2", True) and "fa3 does not read an FP8 KV cache yet" in reason
-    assert arch.choose_backend("batch_prefill_paged", "bfloat16", None, "auto", targets=("sm_90a",))[0] == "fa3"
+def test_fp8_prefill_runs_fa3_on_sm90a_and_fa2_elsewhere():
+    spec = flashjit.KernelSpec.make("batch_prefill_paged", "bfloat16", 128, dtype_kv="e5m2", use_tensor_cores=True,
+                                    backend="fa3", causal=True, return_lse=True).validate()
+    assert spec.name == "batch_prefill_paged_bf16_kve5m2_d128_fa3_tc_causal_lse"
+    for op in ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged"):
+        backend, tc, reason = arch.choose_backend(op, "bfloat16", None, "auto", targets=("sm_90a",),
+                                                  kv_dtype="float8_e5m2", head_dim=128)
+        assert (backend, tc) == ("fa3", True), reason
+        assert arch.choose_backend(op, "bfloat16", None, "auto", targets=("sm_89",), kv_dtype="float8_e5m2")[0] == "fa2"
 
 
 # ---------------------------------------------------------------------------

@@ -54,9 +54,6 @@ def test_fnuz_formats_are_named_as_another_platforms(fnuz):
     (dict(op="batch_prefill_paged"),
      r"FP8 KV cache for CUDA-core batch_prefill_paged is not yet generated.*Nearest working choice: "
      r"batch_decode_paged_bf16_kve4m3_d128_fa2_cc$"),
-    (dict(op="batch_prefill_ragged", use_tensor_cores=True, backend="fa3"),
-     r"FP8 KV cache on backend fa3 is not yet generated.*Nearest working choice: "
-     r"batch_prefill_ragged_bf16_kve4m3_d128_fa2_tc$"),
     (dict(op="single_prefill"), r"CUDA-core single_prefill is not yet generated.*single_decode_bf16_kve4m3"),
     (dict(dtype="float32"), r"an FP8 KV cache with dtype_q=float32.*Nearest working choice: "
                             r"batch_decode_paged_bf16_kve4m3_d128_fa2_cc$"),
@@ -122,11 +119,11 @@ def test_kv_dtype_selector_aliases(words, canonical):
 def test_kv_dtype_selection_on_the_default_preset():
     specs = selection.specs_from_args(_args("--kv-dtype", "e4m3", "e5m2", "--arch", "sm_90a"))
     names = {s.name for s in specs}
-    # On sm_90a the prefill parts run fa2 with an FP8 cache (fa3 reads none yet); MLA has no FP8 cache.
+    # On sm_90a the prefill parts run fa3 with an FP8 cache, decode fa2; MLA has no FP8 cache.
     assert names == {f"{op}_bf16_kv{kv}_d{d}{suffix}" for kv in ("e4m3", "e5m2") for d in (64, 128, 256)
                      for op, suffix in (("batch_decode_paged", "_fa2_cc_lse"), ("batch_decode_paged", "_fa2_tc_lse"),
-                                        ("batch_prefill_paged", "_fa2_tc_causal_lse"),
-                                        ("batch_prefill_ragged", "_fa2_tc_causal_lse"), ("append_paged", ""))}
+                                        ("batch_prefill_paged", "_fa3_tc_causal_lse"),
+                                        ("batch_prefill_ragged", "_fa3_tc_causal_lse"), ("append_paged", ""))}
     assert not any(s.dtype_kv.startswith("float8") for s in selection.specs_from_args(_args("--arch", "sm_90a"))), \
         "the default preset stays without FP8"
     specs = selection.specs_from_args(_args("--op", "single_decode", "--dtype", "fp16", "bf16", "--kv-dtype", "e5m2",
@@ -206,8 +203,8 @@ def test_tolerance_and_reference_dequantise_with_the_scales():
     assert tol.atol == pytest.approx(same.atol, rel=1e-6) and tol.rtol == same.rtol
 
 
-def test_batch_invariant_prewarm_of_an_fp8_cache_runs_fa2_on_sm90a():
-    """--batch-invariant picks each spec's backend again per arch: fa2 for an FP8 cache, as the ops do."""
+def test_batch_invariant_prewarm_of_an_fp8_cache_runs_fa3_on_sm90a():
+    """--batch-invariant picks each spec's backend again per arch: fa3 for FP8 prefill, as the ops do."""
     specs = selection.specs_from_args(_args("--batch-invariant", "--op", "batch_prefill_ragged", "--kv-dtype", "e4m3",
                                             "--head-dim", "128", "--arch", "sm_90a"))
-    assert specs and {(s.backend, s.dtype_kv) for s in specs} == {("fa2", "float8_e4m3fn")}
+    assert specs and {(s.backend, s.dtype_kv) for s in specs} == {("fa3", "float8_e4m3fn")}

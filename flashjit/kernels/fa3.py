@@ -27,6 +27,9 @@ class Fa3Tiling:
     # One CTA per SM walking the launch positions (fa3_traits.cuh kPersistent).
     persistent: bool = False
     consumers: int = 2
+    # An FP8 cache: (K, V) pairs of code slots the loader copies into and
+    # widens from (fa3_fp8.cuh Fa3Fp8Traits); 0 for K/V of q's dtype.
+    code_stages: int = 0
 
     @property
     def rows_per_cta(self) -> int:
@@ -37,9 +40,12 @@ class Fa3Tiling:
         return self.keys_per_tile, 0
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of Fa3Traits::kSmemBytes: alignment slack, K/V ring, Q, mbarriers."""
+        """Mirror of Fa3Traits::kSmemBytes (and Fa3Fp8Traits'): alignment slack,
+        K/V ring, Q, FP8 code slots, mbarriers."""
         row, v_row = 2 * spec.head_dim_qk, 2 * spec.head_dim_vo
-        return 1024 + self.stages * self.keys_per_tile * (row + v_row) + self.rows_per_cta * row + 32 * self.stages
+        codes = 2 * self.code_stages * (self.keys_per_tile * spec.head_dim_qk + 8)
+        return 1024 + self.stages * self.keys_per_tile * (row + v_row) + self.rows_per_cta * row + 32 * self.stages \
+            + codes
 
 
 # Per head_dim: every head_dim overlaps tile t's Q.K^T with tile t - 1's P.V
@@ -72,8 +78,25 @@ FA3_DECODE_TILINGS = {
 }
 
 
+# An FP8 cache (prefill): the 16-bit tilings' key tiles, consumers and grids.
+# The ring of widened tiles keeps its stages (d192 gives its third up to code
+# slots), and (K, V) pairs of code slots take the shared memory left (d64: four
+# of the nine that would fit), so that copies stay in flight while the loader
+# widens a tile. Not timed yet (docs/fp8.md, "fa3").
+FA3_FP8_TILINGS = {
+    64: Fa3Tiling(keys_per_tile=128, stages=3, overlap=True, persistent=True, code_stages=4),
+    128: Fa3Tiling(keys_per_tile=128, stages=2, overlap=True, persistent=True, code_stages=2),
+    192: Fa3Tiling(keys_per_tile=64, stages=2, overlap=True, code_stages=3),
+    256: Fa3Tiling(keys_per_tile=64, stages=2, overlap=True, code_stages=1),
+}
+
+
 def tiling(spec: KernelSpec, arches=None) -> Fa3Tiling:
-    chosen = (FA3_DECODE_TILINGS if spec.op in DECODE_OPS else FA3_TILINGS)[spec.head_dim_qk]
+    if common.DTYPE_BYTES[spec.dtype_kv] == 1:
+        tilings = FA3_FP8_TILINGS
+    else:
+        tilings = FA3_DECODE_TILINGS if spec.op in DECODE_OPS else FA3_TILINGS
+    chosen = tilings[spec.head_dim_qk]
     assert chosen.smem_bytes(spec) + common.SMEM_RESERVED_PER_CTA <= common.SMEM_PER_SM["sm_90a"], spec.name
     return chosen
 

@@ -35,6 +35,7 @@
 #include "flashjit/fa2/fa2_epilogue.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/fa2/fa2_softmax.cuh"
+#include "flashjit/fa3/fa3_fp8.cuh"
 #include "flashjit/fa3/fa3_loader.cuh"
 #include "flashjit/fa3/fa3_primitives.cuh"
 #include "flashjit/fa3/fa3_traits.cuh"
@@ -118,11 +119,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       // One arrival: the TMA issuer's (with the bytes) or the partial-tile
-      // copier's; paged, every loader thread's.
-      tma::mbar_init(full_k(s), Traits::kPaged ? Traits::kLoaderThreads : 1);
-      tma::mbar_init(full_v(s), Traits::kPaged ? Traits::kLoaderThreads : 1);
+      // copier's; paged, every loader thread's; an FP8 cache's, every loader
+      // warp's once it has widened its part of the tile (fa3_fp8.cuh).
+      constexpr int kFullArrivals = Traits::kKvFp8 ? Traits::kLoaderThreads / 32
+                                    : Traits::kPaged ? Traits::kLoaderThreads : 1;
+      tma::mbar_init(full_k(s), kFullArrivals);
+      tma::mbar_init(full_v(s), kFullArrivals);
       tma::mbar_init(empty_k(s), Traits::kConsumerWarps);
       tma::mbar_init(empty_v(s), Traits::kConsumerWarps);
+    }
+    if constexpr (Traits::kKvFp8) {  // code slots: every loader thread arrives (the TMA issuer with the bytes)
+#pragma unroll
+      for (int s = 0; s < Traits::kCodeSlots; ++s) tma::mbar_init(base + Traits::kCodeBarOffset + 8 * s, Traits::kLoaderThreads);
     }
     tma::fence_mbar_init();
   }
@@ -141,7 +149,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         seq += it.num_tiles;
       }
     };
-    fa3::load_kv_tiles<Traits>(p, tma_arg, smem, tid, for_each_position, full_k, full_v, empty_k, empty_v, k_slot);
+    if constexpr (Traits::kKvFp8) {
+      fa3::load_fp8_kv_tiles<Traits>(p, tma_arg, base, tid, for_each_position, full_k, full_v, empty_k, empty_v,
+                                     k_slot);
+    } else {
+      fa3::load_kv_tiles<Traits>(p, tma_arg, smem, tid, for_each_position, full_k, full_v, empty_k, empty_v, k_slot);
+    }
     return;
   }
 
@@ -180,10 +193,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 
     // Logits leave Q.K^T in natural units; the softmax applies sm_scale (or the
-    // soft-cap) in log2 units (fa2_softmax.cuh).
+    // soft-cap) in log2 units (fa2_softmax.cuh), and an FP8 cache's k_scale
+    // (keys are codes x k_scale).
     fa2::WarpSoftmax<Traits> softmax;
-    softmax.scale = Traits::kSoftCap ? 1.f : p.sm_scale * kLog2e;
-    softmax.cap_in = Traits::kSoftCap ? p.sm_scale / p.logits_soft_cap : 0.f;
+    const float sm_scale = Traits::kKvFp8 ? p.sm_scale * kv_scale_value(p.k_scale_ptr, p.k_scale) : p.sm_scale;
+    softmax.scale = Traits::kSoftCap ? 1.f : sm_scale * kLog2e;
+    softmax.cap_in = Traits::kSoftCap ? sm_scale / p.logits_soft_cap : 0.f;
     softmax.cap_out = Traits::kSoftCap ? p.logits_soft_cap * kLog2e : 0.f;
     float o[1][NT_O][4];
     // The state before a row's first key: the position's, and each chunk's
@@ -262,9 +277,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // Until tile t's K (or V) has landed in its slot. A gathered paged tile
     // (every tile without TMA boxes, and a partial last one) was written by
     // cp.async, the generic proxy: a proxy fence orders it before wgmma's reads.
+    // (An FP8 cache's tiles were fenced by the loader threads that widened them.)
     auto wait_full = [&](bool v, int t) {
       tma::mbar_wait(v ? full_v(seq + t) : full_k(seq + t), ((seq + t) / STAGES) & 1);
-      if constexpr (Traits::kPaged) {
+      if constexpr (Traits::kPaged && !Traits::kKvFp8) {
         if (tma_arg.page_box_rows == 0 || key_begin + (t + 1) * KEYS > w.kv_len) fa3::fence_async_shared();
       }
     };
@@ -375,6 +391,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     };
 
+    // An FP8 cache's v_scale (values are codes x v_scale) on the tiles' O, which is linear in V.
+    auto scale_values = [&] {
+      if constexpr (Traits::kKvFp8) {
+        const float v_scale = kv_scale_value(p.v_scale_ptr, p.v_scale);
+#pragma unroll
+        for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[0][n][e] *= v_scale;
+      }
+    };
+
     // The kChunkFold kernel (batch-invariant mode, a launch whose CTAs may span
     // several chunks: invariant_chunk in attention_params.cuh): the keys are
     // cut at multiples of the chunk from key 0. Each chunk's tiles run from a
@@ -418,14 +445,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (folded > 0) {  // uniform across the CTA: the output is the merge of its chunks
         float inv[1][2], lse[1][2];
         fold(true, false, inv, lse);
+        scale_values();  // the merge is linear in each chunk's O: once, after it
         fa2::write_rows<Traits>(p, w, o, inv, lse, smem + Traits::kStoreBase, warp_row0, rows_total);
       } else {
+        scale_values();
         fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0, rows_total,
                                 softmax.scale);
       }
       continue;  // seq is past the position's tiles already
     } else {
       run_tiles(num_tiles);
+      scale_values();
     }
     // Rows past rows_total (a whole warpgroup's, past the request) are not stored.
     fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0, rows_total,

@@ -26,13 +26,17 @@ int launch_fa3_attention(const FlashjitAttentionParams& p, cudaStream_t stream) 
   if (p.num_work > 0 && p.num_kv_heads > 0) {
     if constexpr (Traits::kPaged) {
       // Pages by TMA where the page size allows and the driver encodes the maps; else every tile is gathered.
+      // An FP8 cache's maps have rows of codes (fa3_fp8.cuh).
       const int rows = fa3_page_box_rows<Traits::kKeysPerTile>(p.page_size);
-      if (rows > 0 &&
-          tma::encode_paged_kv_maps<DType>(&tma_arg.maps, p, Traits::kHeadDim, Traits::kHeadDim, rows) == cudaSuccess)
+      if (rows > 0 && (Traits::kKvFp8 ? fa3::encode_fp8_kv_maps<Traits>(&tma_arg.maps, p, rows)
+                                      : tma::encode_paged_kv_maps<DType>(&tma_arg.maps, p, Traits::kHeadDim,
+                                                                         Traits::kHeadDim, rows)) == cudaSuccess)
         tma_arg.page_box_rows = rows;
     } else {
-      const int err =
-          tma::encode_kv_maps<DType, Traits::kKeysPerTile>(&tma_arg.maps, p, Traits::kHeadDim, Traits::kHeadDimVo);
+      const int err = Traits::kKvFp8 ? fa3::encode_fp8_kv_maps<Traits>(&tma_arg.maps, p, 0)
+                                     : tma::encode_kv_maps<DType, Traits::kKeysPerTile>(&tma_arg.maps, p,
+                                                                                        Traits::kHeadDim,
+                                                                                        Traits::kHeadDimVo);
       if (err != cudaSuccess) return err;
     }
   }

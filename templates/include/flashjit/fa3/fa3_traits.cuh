@@ -15,6 +15,9 @@ template <class DType_, int kHeadDim_, int kKeysPerTile_, int kStages_, bool kOv
           bool kChunkFold_ = false, int kHeadDimVo_ = kHeadDim_>
 struct Fa3Traits {
   using DType = DType_;
+  // K/V of DType; an FP8 cache derives Fa3Fp8Traits (fa3_fp8.cuh) from these.
+  using KvType = DType_;
+  static constexpr bool kKvFp8 = false;
   static constexpr int kHeadDim = kHeadDim_;
   // V's and O's width: kHeadDim, or narrower (192/128, DeepSeek's prefill;
   // ragged and single prefill only, whose K/V come by whole-tensor TMA maps).
