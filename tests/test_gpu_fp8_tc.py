@@ -3,7 +3,8 @@ of codes to q's dtype in shared memory): paged, ragged and single prefill
 against float64 attention over the dequantised cache within their profiles
 (paged decode: test_gpu_fp8.py, both cores); decode against paged prefill of the same requests within the sum of
 both profiles; the soft-cap; a captured decode that reads new scale tensors at
-each replay. On sm_90a the automatic backend choice runs fa2 for them."""
+each replay. The prefill calls name backend="fa2": on sm_90a `auto` runs fa3
+for them (test_gpu_fp8_fa3.py)."""
 
 from __future__ import annotations
 
@@ -47,11 +48,11 @@ def test_fp8_paged_prefill(prewarmed, error_report, q_dtype, kv_dtype, head_dim,
     batch = Fp8PagedBatch(kv_lens, page_size, num_kv, head_dim, kv_dtype)
     q = randn(sum(qo_lens), num_qo, head_dim, dtype=q_dtype)
     qo_indptr = torch.tensor(indptr_of(qo_lens), dtype=torch.int32, device="cuda")
-    wrapper = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+    wrapper = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD", backend="fa2")
     wrapper.plan(qo_indptr, batch.indptr, batch.indices, batch.last, num_qo, num_kv, head_dim, page_size,
                  causal=causal, q_data_type=q_dtype, kv_data_type=kv_dtype)
     spec = tc_spec("batch_prefill_paged", q_dtype, kv_dtype, head_dim, causal)
-    assert wrapper._plan.module.spec == spec  # fa2 also on sm_90a: fa3 reads no FP8 cache yet
+    assert wrapper._plan.module.spec == spec
     poison_allocator()
     out, lse = wrapper.run(q, batch.cache, k_scale=K_SCALE, v_scale=V_SCALE, return_lse=True)
     torch.cuda.synchronize()
@@ -75,7 +76,7 @@ def test_fp8_ragged_prefill_tensor_scales(prewarmed, error_report, kv_dtype, q_d
     v = codes(sum(kv_lens), num_kv, head_dim, kv_dtype=kv_dtype, scale=V_SCALE)
     q = randn(sum(qo_lens), num_qo, head_dim, dtype=q_dtype, scale=3.0 if variant == "softcap" else 1.0)
     kw = {"logits_soft_cap": 30.0} if variant == "softcap" else {}
-    wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(), "NHD")
+    wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(), "NHD", backend="fa2")
     wrapper.plan(torch.tensor(indptr_of(qo_lens), dtype=torch.int32, device="cuda"),
                  torch.tensor(indptr_of(kv_lens), dtype=torch.int32, device="cuda"), num_qo, num_kv, head_dim,
                  causal=True, q_data_type=q_dtype, kv_data_type=kv_dtype, **kw)
@@ -102,7 +103,8 @@ def test_fp8_single_prefill(prewarmed, error_report, q_dtype, kv_dtype, head_dim
     k = codes(kv_len, num_kv, head_dim, kv_dtype=kv_dtype, scale=K_SCALE)
     v = codes(kv_len, num_kv, head_dim, kv_dtype=kv_dtype, scale=V_SCALE)
     poison_allocator()
-    out = flashjit.single_prefill_with_kv_cache(q, k.to(kv_dtype), v.to(kv_dtype), scale_k=K_SCALE, scale_v=V_SCALE)
+    out = flashjit.single_prefill_with_kv_cache(q, k.to(kv_dtype), v.to(kv_dtype), scale_k=K_SCALE, scale_v=V_SCALE,
+                                                backend="fa2")
     torch.cuda.synchronize()
     ref, _ = ragged_reference(q, k, v, [0, qo_len], [0, kv_len], k_scale=f32(K_SCALE), v_scale=f32(V_SCALE))
     spec = tc_spec("single_prefill", q_dtype, kv_dtype, head_dim)
@@ -121,7 +123,7 @@ def test_fp8_decode_matches_paged_prefill(prewarmed, kv_dtype):
     decode = flashjit.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=True)
     decode.plan(batch.indptr, batch.indices, batch.last, num_qo, num_kv, head_dim, page_size, q_data_type=q_dtype,
                 kv_data_type=kv_dtype)
-    prefill = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+    prefill = flashjit.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD", backend="fa2")
     prefill.plan(torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda"), batch.indptr, batch.indices,
                  batch.last, num_qo, num_kv, head_dim, page_size, q_data_type=q_dtype, kv_data_type=kv_dtype)
     a = decode.run(q, batch.cache, k_scale=K_SCALE, v_scale=V_SCALE)
