@@ -35,7 +35,11 @@ so the cache's quantisation is input error, outside the bound; vmax and S are
 those of the dequantised values. Widening the codes is exact; the kernel adds
 one rounding where k_scale joins the query's scale (a logit term) and one where
 v_scale multiplies the output (rtol + u). Tensor-core paths round P to the MMA
-operand type, q's dtype, so u_in is q's unit roundoff, not the cache's.
+operand type, q's dtype, so u_in is q's unit roundoff, not the cache's. MLA's
+two scales (ckv_scale on K's first 512 dims and on V, kpe_scale on its last 64)
+add three logit roundings (S's ckv part times fl(ckv_scale / kpe_scale): the
+ratio's rounding and the product's, each at most u of that part; kpe_scale
+joining sm_scale) and ckv_scale's one on the output (rtol + u).
 
 The profile stored beside each kernel holds these coefficients; magnitudes (vmax,
 S, n) come from the call: given directly, or measured from q, k, v. A bound per
@@ -67,6 +71,8 @@ def profile(spec: KernelSpec) -> dict:
     u_in = DTYPES[spec.dtype_q][2]
     u_out = DTYPES[spec.dtype_o][2]
     fp8 = spec.dtype_kv in KV_ONLY_DTYPES and spec.op not in UTILITY_OPS
+    # Roundings an FP8 cache's scales add to every logit (the module docstring).
+    scale_roundings = (3 if spec.op in MLA_OPS else 1) if fp8 else 0
     coefficients = {
         "model": MODEL_VERSION,
         # FP8: v_scale multiplies the normalised output, one more rounding.
@@ -79,9 +85,10 @@ def profile(spec: KernelSpec) -> dict:
         # (l >= 1: the row's largest p is at least 1 against the softmax's reference).
         "p_subnormal_per_key": _HALF_SUBNORMAL[spec.dtype_q] if spec.use_tensor_cores else 0.0,
         "accumulation_per_sqrt_kv": 2 * LAMBDA * U32,
-        # FP8: k_scale joins the query's scale, one more rounding of every logit.
+        # FP8: k_scale joins the query's scale, one more rounding of every logit
+        # (MLA: three, with the ratio of its two scales on S's ckv part).
         "logit_per_s": 2 * _LN2 * (LAMBDA * math.sqrt(spec.head_dim_qk) + 3 + (4 if spec.soft_cap else 0)
-                                   + (1 if fp8 else 0)) * U32,
+                                   + scale_roundings) * U32,
         "exp2": 2 * 8 * U32,
         "rescale_per_sqrt_tiles": 2 * 4 * LAMBDA * U32,
         "head_dim_qk": spec.head_dim_qk,
@@ -259,7 +266,7 @@ def tolerance(spec: KernelSpec | None = None, *, op: str = "single_prefill", dty
     if spec is None and op in MLA_OPS:
         if dtype is None:
             raise ValueError("tolerance: pass a KernelSpec, or dtype=")
-        spec = mla_spec(canonical_dtype(dtype))
+        spec = mla_spec(canonical_dtype(dtype), dtype_kv=dtype_kv)
     if spec is None:
         if dtype is None or head_dim is None:
             raise ValueError("tolerance: pass a KernelSpec, or dtype= and head_dim=")
@@ -306,11 +313,15 @@ def measure_mla(q_nope, q_pe, ckv, kpe, sm_scale: float) -> tuple[float, float]:
 
 def mla_tolerance(dtype, *, kv_len: int, q_nope=None, q_pe=None, ckv=None, kpe=None, sm_scale: float | None = None,
                   v_absmax: float | None = None, logit_absmax: float | None = None,
-                  backend: str = "fa2") -> Tolerance:
+                  backend: str = "fa2", dtype_kv=None, ckv_scale=1.0, kpe_scale=1.0) -> Tolerance:
     """The bound of the mla_paged kernel of `backend`: the model above with D =
     576 (Q.K^T over [ckv | kpe]) and vmax = max|ckv|. Magnitudes measured from
-    the tensors (the whole caches: an upper bound) or given."""
-    spec = mla_spec(canonical_dtype(dtype), backend=backend)
+    the tensors (the whole caches: an upper bound) or given. An FP8 cache
+    (dtype_kv; ckv / kpe its codes): its values are codes x ckv_scale and codes
+    x kpe_scale, which the magnitudes are measured on."""
+    spec = mla_spec(canonical_dtype(dtype), backend=backend,
+                    dtype_kv=canonical_dtype(dtype_kv) if dtype_kv is not None else None)
+    ckv, kpe = _dequantised(ckv, ckv_scale), _dequantised(kpe, kpe_scale)
     if ckv is not None:
         if sm_scale is None:
             raise ValueError("mla_tolerance: pass the sm_scale the wrapper was planned with")

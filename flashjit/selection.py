@@ -212,8 +212,8 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
             # One geometry (ckv 512 + kpe 64) on tensor cores, fp16/bf16, with or
             # without causal: head_dim, cores, window, soft-cap and LSE do not apply.
             if args.op or "sm_90a" in arches:
-                specs += [_validated(mla_spec(dtype, causal=causal, backend=chosen))
-                          for chosen in _backends(op, dtype, True, backend, arches)]
+                specs += [_validated(mla_spec(dtype, causal=causal, backend=chosen, dtype_kv=kv_dtype))
+                          for chosen in _backends(op, dtype, True, backend, arches, kv_dtype)]
             continue
         for chosen in _backends(op, dtype, tc, backend, arches, kv_dtype, head_dim, head_dim_vo, mask):
             specs.append(_validated(KernelSpec.make(

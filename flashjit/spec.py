@@ -37,8 +37,8 @@ FNUZ_DTYPES = ("float8_e4m3fnuz", "float8_e5m2fnuz")
 # them (its tiles widened in shared memory); FA3_FP8_OPS: those fa3 reads too.
 FP8_KV_FAMILIES = (("single_decode", False), ("batch_decode_paged", False), ("append_paged", False),
                    ("single_decode", True), ("batch_decode_paged", True), ("single_prefill", True),
-                   ("batch_prefill_ragged", True), ("batch_prefill_paged", True))
-FA3_FP8_OPS: tuple[str, ...] = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")
+                   ("batch_prefill_ragged", True), ("batch_prefill_paged", True), ("mla_paged", True))
+FA3_FP8_OPS: tuple[str, ...] = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged", "mla_paged")
 
 ATTENTION_OPS = ("single_prefill", "single_decode", "batch_prefill_ragged", "batch_prefill_paged",
                  "batch_decode_paged")
@@ -255,13 +255,13 @@ class KernelSpec:
             raise ValueError(f"backend: expected one of {BACKENDS} (or 'auto' in the ops), got {self.backend!r}")
         if self.custom_mask:
             self._validate_mask(fail)
+        if self.op in MLA_OPS:  # its dtypes too: an FP8 cache on both backends
+            return self._validate_mla(fail)
         if self.dtype_kv in KV_ONLY_DTYPES or self.dtype_q in KV_ONLY_DTYPES or self.dtype_o in KV_ONLY_DTYPES:
             return self._validate_fp8(fail)
         if self.dtype_kv != self.dtype_q or self.dtype_o != self.dtype_q:
             fail(f"dtype_q={self.dtype_q}, dtype_kv={self.dtype_kv}, dtype_o={self.dtype_o}",
                  "q, kv and o of one dtype", self.replace(dtype_kv=self.dtype_q, dtype_o=self.dtype_q))
-        if self.op in MLA_OPS:
-            return self._validate_mla(fail)
         for field in ("head_dim_qk", "head_dim_vo"):
             value = getattr(self, field)
             if value not in HEAD_DIMS:
@@ -379,14 +379,23 @@ class KernelSpec:
             fail(f"head_dim_qk={qk} != head_dim_vo={vo} for {self.op}", supported, nearest)
 
     def _validate_mla(self, fail) -> "KernelSpec":
+        """MLA's one geometry on tensor cores; q and o fp16 or bf16 (one dtype),
+        the cache q's dtype or FP8 (KV_ONLY_DTYPES) on either backend."""
         qk, vo = MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE, MLA_HEAD_DIM_CKV
         supported = (f"{self.op}: head_dim_qk={qk} (ckv {MLA_HEAD_DIM_CKV} + kpe {MLA_HEAD_DIM_KPE}), "
-                     f"head_dim_vo={vo}, fp16 or bf16 on tensor cores, backend fa2 or fa3, causal and return_lse")
+                     f"head_dim_vo={vo}, fp16 or bf16 q and o on tensor cores with a cache of their dtype or "
+                     f"FP8 ({' or '.join(KV_ONLY_DTYPES)}), backend fa2 or fa3, causal and return_lse")
         nearest = self.replace(head_dim_qk=qk, head_dim_vo=vo, use_tensor_cores=True,
                                backend=self.backend if self.backend in BACKENDS else "fa2",
                                sliding_window=False, soft_cap=False,
                                dtype_q=self.dtype_q if self.dtype_q in TENSOR_CORE_DTYPES else "bfloat16")
-        nearest = nearest.replace(dtype_kv=nearest.dtype_q, dtype_o=nearest.dtype_q)
+        nearest = nearest.replace(dtype_kv=nearest.dtype_q if self.dtype_kv not in KV_ONLY_DTYPES else self.dtype_kv,
+                                  dtype_o=nearest.dtype_q)
+        if self.dtype_q in KV_ONLY_DTYPES or self.dtype_o in KV_ONLY_DTYPES:
+            fail(f"FP8 queries or outputs (dtype_q={self.dtype_q}, dtype_o={self.dtype_o}) are not supported",
+                 supported, nearest)
+        if self.dtype_o != self.dtype_q or self.dtype_kv not in (self.dtype_q, *KV_ONLY_DTYPES):
+            fail(f"dtype_q={self.dtype_q}, dtype_kv={self.dtype_kv}, dtype_o={self.dtype_o}", supported, nearest)
         if (self.head_dim_qk, self.head_dim_vo) != (qk, vo):
             fail(f"head_dim_qk={self.head_dim_qk}, head_dim_vo={self.head_dim_vo}", supported, nearest)
         if self.dtype_q not in TENSOR_CORE_DTYPES or not self.use_tensor_cores:
@@ -397,7 +406,10 @@ class KernelSpec:
         return self
 
 
-def mla_spec(dtype, *, causal: bool = False, backend: str = "fa2", return_lse: bool = True) -> KernelSpec:
-    """The mla_paged configuration of a dtype (its head dims are fixed: ckv 512 + kpe 64)."""
+def mla_spec(dtype, *, causal: bool = False, backend: str = "fa2", return_lse: bool = True,
+             dtype_kv=None) -> KernelSpec:
+    """The mla_paged configuration of a dtype (its head dims are fixed: ckv 512 + kpe 64);
+    dtype_kv: an FP8 cache's dtype (None: q's)."""
     return KernelSpec.make("mla_paged", dtype, MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE, head_dim_vo=MLA_HEAD_DIM_CKV,
-                           backend=backend, use_tensor_cores=True, causal=causal, return_lse=return_lse)
+                           dtype_kv=dtype_kv, backend=backend, use_tensor_cores=True, causal=causal,
+                           return_lse=return_lse)

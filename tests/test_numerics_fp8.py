@@ -190,10 +190,10 @@ def test_run_op_hands_each_wrapper_the_codes_their_dtype_and_the_scales(op, no_c
 
 
 def test_not_generated_configurations_are_skipped_rows():
-    mla = spec_module.mla_spec("bfloat16").replace(dtype_kv="float8_e5m2")
-    skipped = numerics.not_generated_row(mla)
+    prefill = KernelSpec.make("single_prefill", "bfloat16", 128, dtype_kv="float8_e5m2")
+    skipped = numerics.not_generated_row(prefill)
     assert skipped["status"] == "skipped" and skipped["kv_dtype"] == "float8_e5m2" and skipped["case"] == "-"
-    assert skipped["reason"] == "an FP8 KV cache for tensor-core mla_paged is not yet generated"
+    assert skipped["reason"] == "an FP8 KV cache for CUDA-core single_prefill is not yet generated"
     assert numerics.not_generated_row(fp8_spec()) is None
     with pytest.raises(ValueError, match="FP8 KV cache with dtype_q=float32"):
         numerics.not_generated_row(KernelSpec.make("single_decode", "float32", 64, dtype_kv="float8_e4m3fn"))

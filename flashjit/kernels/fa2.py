@@ -219,21 +219,36 @@ class MlaTiling:
         return self.keys_per_tile, 0
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of MlaTraits::kSmemBytes: Q (later the logit exchange) + stages."""
+        """Mirror of MlaTraits::kSmemBytes: Q (later the logit exchange), stages
+        (of codes for an FP8 cache) and an FP8 cache's widened 16-bit tile."""
         row = 2 * spec.head_dim_qk
         head = max(self.rows_per_cta * row, self.warps * self.rows_per_cta * self.keys_per_tile * 4)
-        return head + self.stages * self.keys_per_tile * row
+        return head + self.stages * self.keys_per_tile * _kv_row(spec) + _widened(spec, self.keys_per_tile)
 
     def wide_smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of MlaWideTraits::kSmemBytes: Q, stages, P, row maxima, factors, flags."""
+        """Mirror of MlaWideTraits::kSmemBytes: Q, stages, an FP8 cache's widened
+        tile, P, row maxima, factors, flags."""
         rows, row = 64, 2 * spec.head_dim_qk
-        return rows * row + self.wide_stages * self.wide_keys_per_tile * row + rows * self.wide_keys_per_tile * 2 \
-            + 2 * rows * 4 + rows * 4 + 16 * 4
+        return rows * row + self.wide_stages * self.wide_keys_per_tile * _kv_row(spec) \
+            + _widened(spec, self.wide_keys_per_tile) + rows * self.wide_keys_per_tile * 2 + 2 * rows * 4 + rows * 4 \
+            + 16 * 4
+
+
+def _kv_row(spec: KernelSpec) -> int:
+    """Bytes of a [ckv | kpe] row as the cache holds it (and the ring's stages)."""
+    return common.DTYPE_BYTES[spec.dtype_kv] * spec.head_dim_qk
+
+
+def _widened(spec: KernelSpec, keys: int) -> int:
+    """An FP8 cache's widened 16-bit tile beside the ring (0 for a 16-bit cache)."""
+    return keys * 2 * spec.head_dim_qk if common.DTYPE_BYTES[spec.dtype_kv] == 1 else 0
 
 
 # 32-key tiles in two stages: 18 KB of Q and 2 x 36 KB of [ckv | kpe] rows fit
 # SMEM_BUDGET (64-key tiles or 32 rows would not), two CTAs per SM on sm_90a,
-# one on sm_80 / sm_89. Correctness first; not yet tuned on a GPU.
+# one on sm_80 / sm_89. Correctness first; not yet tuned on a GPU. An FP8
+# cache keeps the tiling: its stages of codes take half the bytes, and the
+# widened tile beside them the other half (90 KB either way; docs/mla.md).
 MLA_TILING = MlaTiling(warps=4, keys_per_tile=32, stages=2, min_blocks_per_sm=2)
 
 # Large head counts (MLA_WIDE_MIN_HEADS and up) run the wide kernel where every

@@ -155,8 +155,15 @@ class Fa3MlaTiling:
 # come by TMA, with a producer warpgroup issuing their refills. Each choice and
 # its measurement: docs/mla.md, "Tilings and why".
 MLA_TILING = Fa3MlaTiling(stages=2, key_groups=3, early_release=True, tma=True, pairs=True)
+# An FP8 cache: the loader kernel at every head count. Its codes land in the
+# upper half of the slot they are widened into, so the shared memory stays the
+# 16-bit tiling's; the pairs kernel, whose slots are refilled block by block
+# and whose producer warpgroup holds 24 registers, has no room or hands for the
+# widening (docs/mla.md, "FP8 caches").
+MLA_FP8_TILING = Fa3MlaTiling(stages=2, key_groups=3, early_release=True, tma=True, pairs=False)
 
 
 def mla_tiling(spec: KernelSpec) -> Fa3MlaTiling:
-    assert MLA_TILING.smem_bytes(spec) + common.SMEM_RESERVED_PER_CTA <= common.SMEM_PER_SM["sm_90a"], spec.name
-    return MLA_TILING
+    chosen = MLA_FP8_TILING if common.DTYPE_BYTES[spec.dtype_kv] == 1 else MLA_TILING
+    assert chosen.smem_bytes(spec) + common.SMEM_RESERVED_PER_CTA <= common.SMEM_PER_SM["sm_90a"], spec.name
+    return chosen

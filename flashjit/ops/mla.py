@@ -6,6 +6,12 @@ Every token keeps ckv (512 wide: the keys' latent part and the values) and kpe
 logits = sm_scale * (q_nope . ckv + q_pe . kpe), out = softmax(logits) . ckv.
 The kernel sees MQA with one KV head: the planner's packed rows are (query
 token x head), num_heads of them per token (fa2/fa2_mla.cuh).
+
+An FP8 cache (kv_data_type float8_e4m3fn / float8_e5m2, q and out fp16 or
+bf16) holds codes with per-tensor scales, FlashInfer 0.7's run(ckv_scale=,
+kpe_scale=): a ckv value is code x ckv_scale, a kpe value code x kpe_scale
+(docs/mla.md, "FP8 caches"). The params carry them as k_scale / v_scale (k is
+the ckv cache, v the kpe cache).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 
 from ..loader import AttentionParams
 from ..spec import MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, TENSOR_CORE_DTYPES, canonical_dtype
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _scales
 from ._dispatch import dispatch_modes, is_compiling
 from ._batch import BatchAttention, dtype_arg
 from ._calls import fill_slot, keep_run, mla_call, tensor_signature
@@ -26,6 +32,9 @@ from ._launch import PER_CALL, check_kv_strides, fill_params, select_spec
 # q_pe is the struct's last field (attention_params.cuh): the host appends it per call.
 _Q_PE = struct.Struct("=Q")
 assert AttentionParams.q_pe.offset + _Q_PE.size == ctypes.sizeof(AttentionParams)
+# FlashInfer's names of an FP8 cache's scales, as _scales names them in errors.
+SCALE_NAMES = ("ckv_scale", "kpe_scale")
+_FLOAT32_MIN_NORMAL, _FLOAT32_MAX = 2.0**-126, 3.4028234663852886e38
 
 
 class BatchMLAPagedAttentionWrapper(BatchAttention):
@@ -59,11 +68,14 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
         q_dtype = dtype_arg("q_data_type", q_data_type)
-        if dtype_arg("kv_data_type", kv_data_type) != q_dtype:
-            raise ValueError(f"kv_data_type: expected {q_dtype} (as q_data_type), got {kv_data_type}")
+        kv_dtype = dtype_arg("kv_data_type", kv_data_type, kv=True)
+        if kv_dtype != q_dtype and not _scales.is_fp8(kv_dtype):
+            raise ValueError(f"kv_data_type: expected {q_dtype} (as q_data_type) or an FP8 format (float8_e4m3fn, "
+                             f"float8_e5m2), got {kv_data_type}")
         if canonical_dtype(q_dtype) not in TENSOR_CORE_DTYPES:
-            raise ValueError(f"q_data_type: MLA runs on tensor cores in float16 or bfloat16, got {q_dtype}; "
-                             f"cast q_nope, q_pe and the caches to bfloat16")
+            fp8 = f" with an FP8 cache (kv_data_type={kv_dtype})" if kv_dtype != q_dtype else ""
+            raise ValueError(f"q_data_type: MLA runs on tensor cores in float16 or bfloat16{fp8}, got {q_dtype}; "
+                             f"cast q_nope and q_pe{'' if fp8 else ' and the caches'} to bfloat16")
         sm_scale = float(sm_scale)
         if not (sm_scale > 0 and sm_scale < float("inf")):
             raise ValueError(f"sm_scale: expected a finite positive number, got {sm_scale}")
@@ -85,7 +97,8 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
         max_page = _checks.page_ids("kv_indices", indices, kv[-1], self._device)
         spec = select_spec("mla_paged", q_dtype, MLA_HEAD_DIM_CKV + MLA_HEAD_DIM_KPE, backend=self._backend,
                            use_tensor_cores=None, causal=bool(causal), window=False, soft_cap=False,
-                           return_lse=True, strict=self._strict, head_dim_vo=MLA_HEAD_DIM_CKV)
+                           return_lse=True, strict=self._strict, head_dim_vo=MLA_HEAD_DIM_CKV,
+                           dtype_kv=kv_dtype if kv_dtype != q_dtype else None)
         last = [length - (n - 1) * page_size if n else 0 for n, length in zip(pages, kv_lens)]
         fixed = fixed_split_size * page_size if fixed_split_size is not None and fixed_split_size > 0 else None
         self._plan_batch(spec, qo, kv, kv_lens, num_qo_heads=num_heads, num_kv_heads=1, head_dim=MLA_HEAD_DIM_CKV,
@@ -94,14 +107,30 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
                          allow_split=not disable_split_kv, non_blocking=non_blocking)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse: bool = False,
-            profiler_buffer=None, kv_len=None, page_table=None, return_lse_base_on_e: bool = False):
+            profiler_buffer=None, kv_len=None, page_table=None, return_lse_base_on_e: bool = False, *,
+            ckv_scale=None, ckv_scale_arr=None, kpe_scale=None):
+        """ckv_scale / kpe_scale (an FP8 cache's, FlashInfer's names; default 1):
+        a ckv value is code x ckv_scale, a kpe value code x kpe_scale. Python
+        floats (checked: finite, positive, a ratio within float32's range), or
+        one-element float32 tensors on q's device, which the kernel reads (a
+        CUDA graph replays with the values they hold then; ops._scales)."""
         if profiler_buffer is not None or kv_len is not None or page_table is not None:
             raise NotImplementedError("profiler_buffer / kv_len / page_table: flashjit's MLA run() reads the "
                                       "batch from plan() only")
         if return_lse_base_on_e:
             raise NotImplementedError("return_lse_base_on_e=True: flashjit returns base-2 LSE, as its other ops")
+        if ckv_scale_arr is not None:
+            raise NotImplementedError("ckv_scale_arr: per-token scales of each 128 ckv columns are not supported; "
+                                      "flashjit takes per-tensor scales (ckv_scale=, kpe_scale=)")
+        scaled = ckv_scale is not None or kpe_scale is not None
         if is_compiling() or dispatch_modes():  # _dispatch.tracing()
+            if scaled:
+                raise NotImplementedError("ckv_scale / kpe_scale under torch.compile or a dispatch mode: the MLA "
+                                          "operators take no scales yet; call run() eagerly")
             return _dispatch.run_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse)
+        if scaled:
+            scales = (_scales.scale_key(ckv_scale), _scales.scale_key(kpe_scale))
+            return self._run(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, scales)
         if lse is None:  # the last run, if these tensors are its signature (ops._calls.Signatures)
             if out is None:
                 known, check, call = self._launches.fast
@@ -113,12 +142,16 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
                     return call(q_nope, q_pe, ckv_cache, kpe_cache, out, None)
         return self._run(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse)
 
-    def _run(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse: bool):
-        """run()'s eager body, which the torch.ops.flashjit.mla_paged_run* operators call too."""
+    def _run(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse: bool, scales=(None, None)):
+        """run()'s eager body, which the torch.ops.flashjit.mla_paged_run* operators call too.
+        scales: (ckv_scale, kpe_scale) as ops._scales.scale_key gave them (the
+        fast slots hold only runs without them)."""
+        plain = scales == (None, None)
         try:  # the argument signature of a prepared run() (see ops._batch)
             key = (q_nope.shape, q_nope.stride(), q_nope.dtype, q_nope.device, tensor_signature(q_pe),
                    tensor_signature(ckv_cache), tensor_signature(kpe_cache), return_lse,
-                   out if out is None else tensor_signature(out), lse if lse is None else tensor_signature(lse))
+                   out if out is None else tensor_signature(out), lse if lse is None else tensor_signature(lse),
+                   scales)
             launches = self._launches
             last_key, launch = launches.last
             if key != last_key:
@@ -128,7 +161,7 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
         except (AttributeError, TypeError):  # something is no tensor: the checks say which
             key = launch = None
         if launch is not None:
-            if lse is None:
+            if lse is None and plain:
                 fill_slot(launches, return_lse, out, launch)
             return launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse)
         plan = self._plan
@@ -147,9 +180,11 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
             raise ValueError(f"kv_indices: page id {plan.max_page} is past the caches' {num_pages} pages "
                              f"(ckv_cache / kpe_cache: expected at least {plan.max_page + 1} pages, as planned, got "
                              f"shape {tuple(ckv_cache.shape)})")
+        checked = check_scales(ckv_cache.dtype, scales, q_nope.device)
         out, lse = self._outputs(q_nope, plan, out, lse, return_lse)
-        launch = self._launch_mla(q_nope, q_pe, ckv_cache, kpe_cache, out, lse)
-        keep_run(self._launches, key, launch, given, return_lse, given_out, given_lse is None)
+        launch = self._launch_mla(q_nope, q_pe, ckv_cache, kpe_cache, out, lse,
+                                  **({} if plain else {"scales": checked}))
+        keep_run(self._launches, key, launch, given, return_lse, given_out, given_lse is None and plain)
         return (out, lse) if return_lse else out
 
     def _check_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, plan) -> None:
@@ -165,19 +200,23 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
             raise ValueError(f"q_pe: expected a {plan.q_dtype} tensor of shape ({q_nope.shape[0]}, "
                              f"{plan.num_qo_heads}, {MLA_HEAD_DIM_KPE}) (q_nope's tokens and heads, head_dim_kpe), "
                              f"got {q_pe.dtype} {tuple(q_pe.shape)}")
+        kv_dtype = getattr(torch, plan.module.spec.dtype_kv)
         for name, cache, dim in (("ckv_cache", ckv_cache, MLA_HEAD_DIM_CKV), ("kpe_cache", kpe_cache, MLA_HEAD_DIM_KPE)):
-            _checks.check_tensor(name, cache, 3)
-            if cache.shape[1:] != (plan.page_size, dim) or cache.dtype != plan.q_dtype:
-                raise ValueError(f"{name}: expected a {plan.q_dtype} tensor of shape [num_pages, {plan.page_size}, "
-                                 f"{dim}] (page_size and head_dim as planned), got {cache.dtype} "
-                                 f"{tuple(cache.shape)}")
+            _checks.check_tensor(name, cache, 3, kv=True)
+            if cache.shape[1:] != (plan.page_size, dim) or cache.dtype != kv_dtype:
+                hint = f"; plan with kv_data_type={cache.dtype} for it" \
+                    if cache.dtype != kv_dtype and (_scales.is_fp8(cache.dtype) or _scales.is_fp8(kv_dtype)) else ""
+                raise ValueError(f"{name}: expected a {kv_dtype} tensor of shape [num_pages, {plan.page_size}, "
+                                 f"{dim}] (page_size, head_dim and kv_data_type as planned), got {cache.dtype} "
+                                 f"{tuple(cache.shape)}{hint}")
         if kpe_cache.shape[0] != ckv_cache.shape[0]:
             raise ValueError(f"kpe_cache: expected {ckv_cache.shape[0]} pages (as ckv_cache), got "
                              f"{kpe_cache.shape[0]}")
 
-    def _launch_mla(self, q_nope, q_pe, ckv, kpe, out, lse):
+    def _launch_mla(self, q_nope, q_pe, ckv, kpe, out, lse, scales: tuple = (_scales.UNIT, _scales.UNIT)):
         """The first run() of a signature, after its checks against the plan; returns
-        the prepared call that repeats it (ops._calls.mla_call)."""
+        the prepared call that repeats it (ops._calls.mla_call). scales: the
+        checked (ckv_scale, kpe_scale) (check_scales), as params k_scale / v_scale."""
         plan = self._plan
         self._check_placement(q_nope, q_pe, ckv, kpe, out)
         k_strides, v_strides = (ckv.stride(1), 0, ckv.stride(0)), (kpe.stride(1), 0, kpe.stride(0))
@@ -185,7 +224,7 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
             check_kv_strides(name, strides, plan.page_size, ckv.element_size())
         params = fill_params(q_nope, 1, k_strides, v_strides, plan.page_size,
                              (plan.num_qo_heads * MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_CKV), plan.num_qo_heads,
-                             *plan.scalars)
+                             *plan.scalars, kv_element_size=ckv.element_size(), scales=scales)
         params.q_pe_stride_n, params.q_pe_stride_h = q_pe.stride(0), q_pe.stride(1)
         params.invariant_chunk = -plan.invariant_chunk  # MLA kernels never fold: the merge pass does
         head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1, 0,
@@ -202,3 +241,19 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
         _checks.check_vector_aligned("out", out)
 
     forward = run
+
+
+def check_scales(kv_dtype, scales: tuple, device) -> tuple:
+    """(ckv_scale, kpe_scale) as scale_key gave them, checked for a launch on
+    `device` against a cache of kv_dtype (ops._scales.checked, under FlashInfer's
+    names): two ScaleArg. The kernels multiply S's ckv part by ckv_scale /
+    kpe_scale (fa2/fa2_mla_fp8.cuh), so two numbers must also have a ratio in
+    float32's normal range; a tensor's values are the caller's to keep so."""
+    checked = _scales.checked(kv_dtype, scales, device, SCALE_NAMES)
+    ckv, kpe = checked
+    if not ckv.address and not kpe.address:
+        ratio = ckv.value / kpe.value
+        if not _FLOAT32_MIN_NORMAL <= ratio <= _FLOAT32_MAX:
+            raise ValueError(f"ckv_scale: expected ckv_scale / kpe_scale within float32's normal range (the kernel "
+                             f"scales S's ckv part by it), got {ckv.value} / {kpe.value} = {ratio}")
+    return checked

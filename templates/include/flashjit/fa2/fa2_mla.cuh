@@ -20,7 +20,10 @@
 // pages in any order; a key's page looked up a tile ahead of its copy).
 // Barriers per tile: one after the tile lands (it also proves every warp done
 // with the previous tile, its slot and the exchange), one after the partial
-// logits are written.
+// logits are written. An FP8 cache (Traits::kKvFp8) lands as codes; after the
+// first barrier each thread widens the chunks it copied into the one 16-bit
+// tile that S and P.V read, and a third barrier publishes it; its scales are
+// applied as fa2_mla_fp8.cuh says.
 #pragma once
 #include "flashjit/common/async_copy.cuh"
 #include "flashjit/common/kernel_config.cuh"
@@ -28,6 +31,7 @@
 #include "flashjit/common/numeric.cuh"
 #include "flashjit/common/work.cuh"
 #include "flashjit/fa2/fa2_epilogue.cuh"
+#include "flashjit/fa2/fa2_mla_fp8.cuh"
 #include "flashjit/fa2/fa2_mla_traits.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/fa2/fa2_mla_primitives.cuh"
@@ -38,13 +42,14 @@ namespace fa2 {
 
 // One thread's copies of a tile of keys: kThreadsPerKey threads per key, thread
 // `sub` of a key copying chunks sub, sub + kThreadsPerKey, ... of its [ckv | kpe]
-// row (a warp's copy instruction reads 64 contiguous bytes of 8 keys).
+// row (a warp's copy instruction reads 64 contiguous bytes of 8 keys). An FP8
+// cache's rows land unswizzled, and widen() makes them the 16-bit tile's rows.
 template <class Traits>
-struct MlaTileCopy : MlaCacheRows<typename Traits::DType> {
-  using Rows = MlaCacheRows<typename Traits::DType>;
+struct MlaTileCopy : MlaCacheRows<typename Traits::KvType> {
+  using Rows = MlaCacheRows<typename Traits::KvType>;
   using Rows::ckv, Rows::pages, Rows::page_div;
-  static constexpr int kTpk = Traits::kThreadsPerKey, kPer = Traits::kChunksPerThread;
-  static constexpr int kCkvPer = Traits::kCkvChunks / kTpk;  // of a thread's chunks, those in ckv
+  static constexpr int kTpk = Traits::kThreadsPerKey, kPer = Traits::kKvChunksPerThread;
+  static constexpr int kCkvPer = Traits::kKvCkvChunks / kTpk;  // of a thread's chunks, those in ckv
   int key, sub;  // this thread's key within a tile, its chunk phase
 
   __device__ __forceinline__ MlaTileCopy(const FlashjitAttentionParams& p, const CtaWork& w, int tid)
@@ -62,14 +67,20 @@ struct MlaTileCopy : MlaCacheRows<typename Traits::DType> {
     const bool ok = key < valid;
     const char *c_src, *k_src;
     Rows::row(uint32_t(page), uint32_t(page_div.mod(k, page_div.div(k))), c_src, k_src);
-    const uint32_t row = dst + key * Traits::kRowBytes;
+    const uint32_t row = dst + key * Traits::kKvRowBytes;
     const int r7 = key & 7;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int c = sub + kTpk * i;  // the XOR meets only the low 3 bits: c stays in its 128-byte block
       const char* src = i < kCkvPer ? c_src + i * kTpk * 16 : k_src + (i - kCkvPer) * kTpk * 16;
-      cp_async_16(row + ((c ^ r7) << 4), ok ? src : ckv, ok);
+      cp_async_16(row + (Traits::kKvFp8 ? c << 4 : (c ^ r7) << 4), ok ? src : ckv, ok);
     }
+  }
+
+  // An FP8 cache: this thread's chunks of the code tile at `codes` (copied by
+  // issue(), landed) widened into its key's row of the 16-bit tile at `dst`.
+  __device__ __forceinline__ void widen(uint32_t codes, uint32_t dst) const {
+    widen_mla_chunks<Traits, kPer, kTpk>(codes + key * Traits::kKvRowBytes, dst, key, sub);
   }
 };
 
@@ -90,7 +101,7 @@ struct MlaTileRing {
       : copy(p, w, tid), kv_smem(kv_smem_), key_begin(key_begin_), num_tiles(num_tiles_), kv_len(w.kv_len) {}
 
   __device__ __forceinline__ uint32_t slot(int tile) const {
-    return kv_smem + (tile % Traits::kStages) * Traits::kTileBytes;
+    return kv_smem + (tile % Traits::kStages) * Traits::kStageBytes;
   }
   __device__ __forceinline__ void lookup(int tile) {
     if (tile < num_tiles) {
@@ -136,6 +147,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr int NT_O = Traits::kVoColsPerWarp / 8;     // n8 tiles of this warp's O columns
   constexpr int KSTEPS_PV = KEYS / 16;
   constexpr int QK_STEPS = Traits::kQkStepsPerWarp;
+  static_assert(!Traits::kKvFp8 || (QK_STEPS - 1) * WARPS == Traits::kCkvDim / 16,
+                "an FP8 cache's ratio goes between a warp's ckv k-steps and its one kpe k-step");
   constexpr float kLog2e = 1.4426950408889634f;
   const float kNegInf = -CUDART_INF_F;
 
@@ -154,7 +167,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   float o[1][NT_O][4];
   fa2::WarpSoftmax<SoftmaxTraits> softmax;
-  softmax.scale = p.sm_scale * kLog2e;
+  float ckv_ratio = 1.f, out_scale = 1.f;  // an FP8 cache's (fa2_mla_fp8.cuh)
+  if constexpr (Traits::kKvFp8) {
+    const fa2::MlaKvScales scales(p);
+    softmax.scale = scales.softmax_scale(p.sm_scale, kLog2e);
+    ckv_ratio = scales.ratio;
+    out_scale = scales.ckv;
+  } else {
+    softmax.scale = p.sm_scale * kLog2e;
+  }
   softmax.cap_in = 0.f;
   softmax.cap_out = 0.f;
 #pragma unroll
@@ -206,22 +227,33 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       // ring slot, refilled next) and with the exchange it read.
       __syncthreads();
       ring.refill_after(t);
+      uint32_t tile_k = tile_s;  // K and V: the ring slot, or an FP8 cache's widened tile
+      if constexpr (Traits::kKvFp8) {
+        tile_k = q_smem + Traits::kWidenedOffset;
+        ring.copy.widen(tile_s, tile_k);
+        __syncthreads();  // every row widened
+      }
 
-      // This warp's share of S: k-steps warp + 4 i of every key of the tile.
+      // This warp's share of S: k-steps warp + 4 i of every key of the tile
+      // (an FP8 cache: the ckv part x ckv_ratio before the last, kpe, step).
       float s[1][NT_S][4];
 #pragma unroll
       for (int j = 0; j < NT_S; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[0][j][e] = 0.f;
 #pragma unroll
-      for (int i = 0; i < QK_STEPS; ++i)
+      for (int i = 0; i < QK_STEPS; ++i) {
+        if constexpr (Traits::kKvFp8) {
+          if (i == QK_STEPS - 1) fa2::scale_ckv_part(s[0], ckv_ratio);
+        }
 #pragma unroll
         for (int jn = 0; jn < KEYS / 16; ++jn) {
           uint32_t b[4];
-          fa2::ldmatrix_x4(b, tile_s + jn * 16 * ROW_BYTES + b_warp + L::block(i));
+          fa2::ldmatrix_x4(b, tile_k + jn * 16 * ROW_BYTES + b_warp + L::block(i));
           fa2::mma_16816<T>(s[0][2 * jn], q_frag[i], b[0], b[1]);
           fa2::mma_16816<T>(s[0][2 * jn + 1], q_frag[i], b[2], b[3]);
         }
+      }
       float* mine = xchg + warp * Traits::kXchgFloatsPerWarp + lane;
 #pragma unroll
       for (int j = 0; j < NT_S; ++j)
@@ -254,7 +286,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
         for (int dn = 0; dn < NT_O / 2; ++dn) {
           uint32_t b[4];
-          fa2::ldmatrix_x4_trans(b, tile_s + kk * 16 * ROW_BYTES + L::pair(v_warp, dn));
+          fa2::ldmatrix_x4_trans(b, tile_k + kk * 16 * ROW_BYTES + L::pair(v_warp, dn));
           fa2::mma_16816<T>(o[0][2 * dn], pa[0][kk], b[0], b[1]);
           fa2::mma_16816<T>(o[0][2 * dn + 1], pa[0][kk], b[2], b[3]);
         }
@@ -270,6 +302,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     softmax.l[0][r] += __shfl_xor_sync(0xffffffffu, softmax.l[0][r], 2);
     // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
     inv_l[r] = softmax.l[0][r] > 0.f ? 1.f / softmax.l[0][r] : 0.f;
+    if constexpr (Traits::kKvFp8) inv_l[r] *= out_scale;  // V is ckv: codes x ckv_scale
   }
   auto lse_of = [&](int r) {
     return softmax.l[0][r] > 0.f ? __fadd_rn(__fmul_rn(softmax.m[0][r], softmax.scale), log2f(softmax.l[0][r]))

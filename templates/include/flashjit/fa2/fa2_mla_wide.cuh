@@ -17,7 +17,9 @@
 //     (four m16 fragments, 128 fp32 registers): each V fragment read by
 //     ldmatrix.trans feeds four mma's (one per 16 rows), each P fragment eight.
 // Barriers per tile: the tile landed (every warp is also done with the previous
-// tile's slot, P and factors), the row-group pair's maxima, P written.
+// tile's slot, P and factors), the row-group pair's maxima, P written; an FP8
+// cache (Traits::kKvFp8) one more, after each thread has widened the chunks it
+// copied into the 16-bit tile S and P.V read (fa2_mla_fp8.cuh).
 #pragma once
 #include "flashjit/fa2/fa2_mla.cuh"
 
@@ -60,7 +62,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
   const fa2::MlaCtaKeys<Traits::kCausal, ROWS, KEYS> keys(w, rows_total);
   const int key_begin = keys.key_begin, num_tiles = keys.num_tiles;
-  const float scale = p.sm_scale * kLog2e;
+  float scale = p.sm_scale * kLog2e, ckv_ratio = 1.f, out_scale = 1.f;  // with an FP8 cache's scales
+  if constexpr (Traits::kKvFp8) {
+    const fa2::MlaKvScales scales(p);
+    scale = scales.softmax_scale(p.sm_scale, kLog2e);
+    ckv_ratio = scales.ratio;
+    out_scale = scales.ckv;
+  }
 
   // Softmax state of this warp's rows 16 rg + g (+ 8): the max (shared by the
   // row group's two warps) and the sums over this warp's keys (lane partials).
@@ -100,15 +108,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // Tile t landed; every warp is done with tile t - 1, its P and factors.
       __syncthreads();
       ring.refill_after(t);
+      uint32_t tile_k = tile_s;  // K and V: the ring slot, or an FP8 cache's widened tile
+      if constexpr (Traits::kKvFp8) {
+        tile_k = q_smem + Traits::kWidenedOffset;
+        ring.copy.widen(tile_s, tile_k);
+        __syncthreads();  // every row widened
+      }
 
       float s[NT_S][4];
 #pragma unroll
       for (int j = 0; j < NT_S; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
-      const uint32_t k_warp = tile_s + part * WKEYS * ROW_BYTES;
+      const uint32_t k_warp = tile_k + part * WKEYS * ROW_BYTES;
 #pragma unroll
       for (int i = 0; i < Traits::kQkSteps; ++i) {
+        if constexpr (Traits::kKvFp8) {
+          if (i == Traits::kCkvDim / 16) fa2::scale_ckv_part(s, ckv_ratio);  // the ckv part, before kpe's steps
+        }
         uint32_t a[4];
         fa2::ldmatrix_x4(a, q_warp + L::pair(a_off0, i));
 #pragma unroll
@@ -195,7 +212,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
         for (int dn = 0; dn < NT_O / 2; ++dn) {
           uint32_t b[4];
-          fa2::ldmatrix_x4_trans(b, tile_s + kk * 16 * ROW_BYTES + L::pair(v_warp, dn));
+          fa2::ldmatrix_x4_trans(b, tile_k + kk * 16 * ROW_BYTES + L::pair(v_warp, dn));
 #pragma unroll
           for (int f = 0; f < FM; ++f) {
             fa2::mma_16816<T>(o[f][2 * dn], pa[f], b[0], b[1]);
@@ -235,7 +252,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int v = 1; v < PARTS; ++v) sum = __fadd_rn(sum, xmax[v * ROWS + cta_row]);
       // A row that sees no key (kv_len 0, or fully masked) outputs 0, LSE -inf.
-      const float inv_l = sum > 0.f ? 1.f / sum : 0.f;
+      float inv_l = sum > 0.f ? 1.f / sum : 0.f;
+      if constexpr (Traits::kKvFp8) inv_l *= out_scale;  // V is ckv: codes x ckv_scale
       const float lse =
           sum > 0.f ? __fadd_rn(__fmul_rn(xscale[cta_row], scale), log2f(sum)) : kNegInf;
       int token, head;

@@ -26,6 +26,10 @@
 //   the factors (the softmax consumer arrives, never waits for it).
 // Row sums meet once at the end; each consumer writes its output columns, or,
 // for a split-KV chunk, fp32 partial rows (and the softmax consumer the LSE).
+// An FP8 cache (Traits::kKvFp8): the loader copies codes and widens them into
+// the slot (fa3_mla_fp8.cuh); S takes the ckv part x ckv_scale / kpe_scale
+// between its ckv and kpe k-steps, the softmax scale sm_scale x kpe_scale, O
+// ckv_scale (fa2/fa2_mla_fp8.cuh). Its launches never take the pairs kernel.
 #pragma once
 #include <math_constants.h>
 #include <stdint.h>
@@ -39,6 +43,7 @@
 #include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/fa2/fa2_mla_primitives.cuh"
 #include "flashjit/fa3/fa3_mla_copy.cuh"
+#include "flashjit/fa3/fa3_mla_fp8.cuh"
 #include "flashjit/fa3/fa3_mla_pairs.cuh"
 #include "flashjit/fa3/fa3_mla_store.cuh"
 #include "flashjit/fa3/fa3_mla_traits.cuh"
@@ -93,6 +98,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warpgroup == 0) {
     // ---- Loader.
     fa3::set_max_registers_dec<Traits::kLoaderRegs>();
+    if constexpr (Traits::kKvFp8) {  // codes, widened in the slots; the 16-bit loader below is not reached
+      fa3::mla_fp8_loader<Traits>(p, w, tma_arg, key_begin, num_tiles, tid, slot_of, full, empty, group_bar);
+      return;
+    }
     using Gather = fa3::MlaGather<Traits>;
     const Gather gather(p, w, tid);
     typename Gather::Rows rows;
@@ -167,7 +176,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   float* factors = reinterpret_cast<float*>(smem + Traits::kFactorOffset);
   float* row_sums = reinterpret_cast<float*>(smem + Traits::kSumOffset);
   const int row_in_cta[2] = {16 * wq + g, 16 * wq + g + 8};
-  const float scale = p.sm_scale * kLog2e;
+  float scale = p.sm_scale * kLog2e, ckv_ratio = 1.f, out_scale = 1.f;  // with an FP8 cache's scales
+  if constexpr (Traits::kKvFp8) {
+    const fa2::MlaKvScales scales(p);
+    scale = scales.softmax_scale(p.sm_scale, kLog2e);
+    ckv_ratio = scales.ratio;
+    out_scale = scales.ckv;
+  }
   float m[2] = {kNegInf, kNegInf}, m_ref[2] = {0.f, 0.f}, l[2] = {0.f, 0.f};
   float o[NT_O][4];
 #pragma unroll
@@ -196,6 +211,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (kk % (4 * Traits::kBlocksPerGroup) == 0) {  // a k-step is a quarter of a 64-column block
           fa3::key_group_sync<Traits>(t, kk / (4 * Traits::kBlocksPerGroup));
           fa3::fence_async_shared();
+        }
+      }
+      if constexpr (Traits::kKvFp8) {
+        if (kk == Traits::kCkvDim / 16) {  // the ckv part landed: x ckv_ratio before the kpe k-steps
+          fa3::commit();
+          fa3::wait<0>();
+          fa3::fence_operands(s);
+          fa2::scale_ckv_part(s, ckv_ratio);
+          fa3::fence();
         }
       }
       const uint32_t at = Tile::block(kk / 4) + (kk % 4) * 32;
@@ -333,10 +357,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) l[r] = num_tiles > 0 ? row_sums[row_in_cta[r]] : 0.f;
   }
+  if constexpr (Traits::kKvFp8) {  // V is ckv: codes x ckv_scale
+#pragma unroll
+    for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[n][e] *= out_scale;
+  }
   // Both consumers stage their halves (the consumers' barrier, id 1).
   fa3::store_mla_rows_staged<T, Traits::kVoDim, Traits::kLse, ROWS>(
       p, w, o, l, m_ref, row_in_cta, rows_total, c * WG_COLS, tq, softmax_wg && tq == 0, smem + Traits::kQOffset,
       q_smem, 1, 256, ctid % 128);
+}
+
+// The launch's TMA maps: the 16-bit cache's (128-byte swizzled boxes the
+// wgmma reads), or an FP8 cache's codes (fa3::encode_mla_code_maps).
+template <class Traits>
+int encode_mla_maps(KvTensorMaps* maps, const FlashjitAttentionParams& p) {
+  if constexpr (Traits::kKvFp8)
+    return fa3::encode_mla_code_maps(maps, p, Traits::kCkvDim, Traits::kKpeDim, Traits::kKeysPerTile);
+  else
+    return tma::encode_paged_kv_maps<typename Traits::DType>(maps, p, Traits::kCkvDim, Traits::kKpeDim,
+                                                              Traits::kKeysPerTile);
 }
 
 template <class Traits>
@@ -348,8 +389,7 @@ int launch_fa3_mla(const FlashjitAttentionParams& p, cudaStream_t stream) {
   // count (docs/mla.md, "Tilings and why").
   if constexpr (Traits::kTma) {
     if (p.num_work > 0 && p.page_size >= Traits::kKeysPerTile && p.page_size % Traits::kKeysPerTile == 0 &&
-        tma::encode_paged_kv_maps<typename Traits::DType>(&tma_arg.maps, p, Traits::kCkvDim, Traits::kKpeDim,
-                                                           Traits::kKeysPerTile) == cudaSuccess)
+        encode_mla_maps<Traits>(&tma_arg.maps, p) == cudaSuccess)
       tma_arg.page_box_rows = Traits::kKeysPerTile;
   }
   // With Traits::kPairs, the pairs kernel (fa3_mla_pairs.cuh) where every

@@ -7,16 +7,21 @@
 #include <cuda_fp16.h>
 #include <stddef.h>
 #include <type_traits>
+#include "flashjit/common/numeric.cuh"
 #include "flashjit/common/tma.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
 #include "flashjit/fa3/fa3_mla_store.cuh"
 
 namespace flashjit {
 
-template <class DType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1, bool kEarlyRelease_ = false,
-          bool kTma_ = false, bool kPairs_ = false>
+template <class DType_, class KvType_, int kStages_, bool kCausal_, bool kLse_, int kKeyGroups_ = 1,
+          bool kEarlyRelease_ = false, bool kTma_ = false, bool kPairs_ = false>
 struct Fa3MlaTraits {
   using DType = DType_;
+  // The cache's element type: DType, or an FP8 format whose codes the loader
+  // widens into the 16-bit slots (fa3_mla_fp8.cuh; the loader kernel only).
+  using KvType = KvType_;
+  static constexpr bool kKvFp8 = kIsFp8<KvType>;
   static constexpr int kCkvDim = 512, kKpeDim = 64, kQkDim = kCkvDim + kKpeDim, kVoDim = kCkvDim;
   // 64-column blocks of a [ckv | kpe] row: 8 of ckv, then the one of kpe.
   static constexpr int kBlocks = kQkDim / 64;
@@ -70,6 +75,10 @@ struct Fa3MlaTraits {
   // 128-byte swizzle the wgmma descriptors describe: fa3_wgmma.cuh).
   using Tile = fa2::BlockedTile<64>;
   static constexpr int kTileBytes = kBlocks * Tile::kBlockBytes;
+  // An FP8 cache's codes land in the upper half of the slot they are widened
+  // into: block b's 64 rows x 64 codes (unswizzled) at kCodeOffset + b x 4 KB.
+  static constexpr int kCodeBlockBytes = kKeysPerTile * 64;
+  static constexpr int kCodeOffset = kTileBytes - kBlocks * kCodeBlockBytes;
 
   // Shared memory from a 1024-byte boundary: [Q | stage 0 | stage 1 ... | the
   // rows' rescale factors (two tiles' worth) | the final row sums | mbarriers].
@@ -112,6 +121,10 @@ struct Fa3MlaTraits {
   static_assert(kKeyGroups == 1 || kGroupBarrier0 + kStages * kKeyGroups <= 16, "named barrier ids 0 .. 15");
   static_assert(kKeysPerTile * 2 == 128 && kKpeDim == 64, "P's row of keys is one 128-byte block, as a kpe row");
   static_assert(!kPairs || kTma, "the pairs kernel loads every tile by TMA");
+  static_assert(std::is_same<KvType, DType>::value || kKvFp8, "the cache holds q's dtype or FP8 codes");
+  static_assert(!kKvFp8 || !kPairs, "an FP8 cache runs the loader kernel at every head count (docs/mla.md)");
+  static_assert(!kKvFp8 || (kCodeOffset == kTileBytes / 2 && kLoaderThreads == 128),
+                "codes in the slot's upper half, four loader threads a row (fa3_mla_fp8.cuh)");
   static_assert(kRowsPerCta * fa3::kStagedRowBytes<DType, kVoDim> <= kKvOffset - kQOffset,
                 "the output rows, staged in Q's shared memory (fa3_mla_store.cuh)");
 };
