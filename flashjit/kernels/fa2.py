@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..spec import DECODE_OPS, PAGED_OPS, KernelSpec
 from . import common
@@ -50,6 +51,8 @@ class Fa2Tiling:
     # Decode only (0: off): with one query head per KV head (MHA), a second
     # instantiation of the kernel under this register cap runs instead.
     mha_min_blocks_per_sm: int = 0
+    # The kernel (attention_fa2.cu.jinja): fa2_attention.cuh's; Fa2ColumnSplitTiling's is the other.
+    column_split: ClassVar[bool] = False
 
     @property
     def rows_per_cta(self) -> int:
@@ -78,6 +81,45 @@ class Fa2Tiling:
         return size
 
 
+@dataclass(frozen=True)
+class Fa2ColumnSplitTiling:
+    """The fa2 kernel for head dims whose O one warp cannot hold (512: 16 rows
+    x 512 fp32 columns are 256 registers a lane; fa2/fa2_column_split.cuh): one
+    m16 fragment of rows per CTA shared by `warps` warps, which split Q.K^T by
+    head dims (their partial logits summed in shared memory) and O by columns;
+    K/V tiles of keys_per_tile keys in `stages`. Decode and prefill alike."""
+    warps: int
+    keys_per_tile: int
+    stages: int
+    min_blocks_per_sm: int
+    column_split: ClassVar[bool] = True
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 16
+
+    def rescales(self, spec: KernelSpec) -> tuple[int, int]:
+        """(keys per rescale, merge rescales): the lazy max moves at most once a
+        tile; every warp runs the same softmax, so there is no merge."""
+        return self.keys_per_tile, 0
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        """Mirror of Fa2ColumnSplitTraits::kSmemBytes: Q (later the logit
+        exchange), the stages (FP8: code rows, head_dim bytes), the widened K/V pair (FP8)."""
+        d, fp8 = spec.head_dim_qk, common.DTYPE_BYTES[spec.dtype_kv] == 1
+        head = max(16 * 2 * d, self.warps * 16 * self.keys_per_tile * 4)
+        stages = self.stages * 2 * self.keys_per_tile * (d if fp8 else 2 * d)
+        return head + stages + (2 * self.keys_per_tile * 2 * d if fp8 else 0)
+
+
+# 512: four warps of 128 O columns (64 registers a lane) and eight Q.K^T
+# k-steps (Q in 32 registers); 16-key tiles in two stages, 80 KB with Q (FP8:
+# code stages and the widened pair, 80 KB too), two CTAs per SM on sm_80 and
+# sm_90a, one on sm_89. Decode, batch-invariant decode and paged prefill take it.
+# Not yet tuned on a GPU.
+FA2_COLUMN_SPLIT_512 = Fa2ColumnSplitTiling(warps=4, keys_per_tile=16, stages=2, min_blocks_per_sm=2)
+
+
 # Per head_dim: tiles that build without spills on sm_80/89/90a and fit
 # SMEM_BUDGET. d64 runs two m16 fragments per warp (32 rows, 128 per CTA), so
 # each K / V fragment read by ldmatrix feeds two mma's. d128 keeps one fragment
@@ -91,6 +133,7 @@ FA2_TILINGS = {
     64: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=2),
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=True, min_blocks_per_sm=2, frags_m=1, one_wait=True),
     256: Fa2Tiling(warps=4, keys_per_tile=32, stages=2, q_in_regs=False, min_blocks_per_sm=2, frags_m=1, one_wait=True),
+    512: FA2_COLUMN_SPLIT_512,
 }
 
 
@@ -109,13 +152,15 @@ FA2_DECODE_TILINGS = {
     128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=2, split_keys=True,
                    mha_min_blocks_per_sm=3),
     256: Fa2Tiling(warps=2, keys_per_tile=32, stages=2, q_in_regs=False, min_blocks_per_sm=2, split_keys=True),
+    512: FA2_COLUMN_SPLIT_512,
 }
 
 
 # The tiling a head dim takes: that of the smallest of 64, 128 and 256 that
 # holds it. Its registers (Q, O and S fragments scale with the head dim) and
 # shared memory (rows padded to whole 128-byte blocks) are at most those of
-# that head dim, which builds without spills (docs/fa2.md, "Head dims").
+# that head dim, which builds without spills (docs/fa2.md, "Head dims"). 512
+# (spec.WIDE_HEAD_DIMS) takes its own.
 def tiling_head_dim(head_dim: int) -> int:
     return next(d for d in sorted(FA2_TILINGS) if d >= head_dim)
 
@@ -172,7 +217,7 @@ def _wide_spills(spec: KernelSpec) -> bool:
     return bool((spec.soft_cap and spec.sliding_window) or (spec.head_dim_qk == 256 and spec.soft_cap and spec.causal))
 
 
-def tiling(spec: KernelSpec, arches=None) -> Fa2Tiling:
+def tiling(spec: KernelSpec, arches=None) -> Fa2Tiling | Fa2ColumnSplitTiling:
     """The fa2 tiling of a spec; `arches` (the build's targets, None when
     unknown) admits FA2_WIDE_TILINGS where all of them are WIDE_TILING_ARCHES
     and fit min_blocks_per_sm of its CTAs per SM."""
