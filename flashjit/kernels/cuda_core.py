@@ -58,9 +58,10 @@ class CudaDecodeTiling:
     min_blocks_per_sm: int = 4
     # The query heads of one KV head that a CTA holds (fewer for smaller groups).
     rows_per_cta: int = 4
-    # Head dims of a key per lane: 8; 16 is for FP8 caches (16 bytes of codes a
-    # key, as a 16-bit lane copies 16 bytes of 8 dims), a variant that
-    # benchmarks/dev/decode_tilings.py times and no shipped tiling uses yet
+    # Head dims of a key per lane: 8; 16 past head dim 256 (512: 8 a lane would
+    # take 64 lanes), and for FP8 caches below it (16 bytes of codes a key, as a
+    # 16-bit lane copies 16 bytes of 8 dims), a variant that
+    # benchmarks/dev/decode_tilings.py times and no shipped tiling uses there
     # (its four rows need 255 registers: docs/fp8.md, "Speed").
     dims_per_lane: int = 8
 
@@ -107,7 +108,23 @@ def cuda_decode_tiling(spec: KernelSpec) -> CudaDecodeTiling:
     # Three stages of 4 KB per warp (16-bit types) leave room for four CTAs,
     # 16 warps, per SM; fp32 rows are twice as wide, so two stages; FP8 rows
     # half as wide, so the same three stages take half the shared memory.
-    stages = 2 if common.DTYPE_BYTES[spec.dtype_kv] == 4 else 3
+    elt = common.DTYPE_BYTES[spec.dtype_kv]
+    if spec.head_dim_qk > 256:
+        return _wide_decode_tiling(spec, elt)
+    stages = 2 if elt == 4 else 3
     tiling = CudaDecodeTiling(warps=4, keys_per_group=4, stages=stages)
     assert tiling.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name
+    return tiling
+
+
+def _wide_decode_tiling(spec: KernelSpec, elt: int) -> CudaDecodeTiling:
+    """Head dim 512: 16 dims a lane, one key per warp instruction (32 lanes).
+    Four rows' queries and accumulators are 128 fp32 registers a lane: 210-254
+    in all on sm_80 / sm_89 / sm_90a, so two CTAs per SM (the register cap of
+    three spilled 52-212 bytes). A warp's chunk is 4 keys of 2 KB (16-bit) in
+    two stages, 64 KB a CTA; fp32 rows are twice as wide, so 2 keys a chunk;
+    FP8 rows half as wide, so three stages in 48 KB. Not yet tuned on a GPU."""
+    tiling = CudaDecodeTiling(warps=4, keys_per_group=2 if elt == 4 else 4, stages=3 if elt == 1 else 2,
+                              min_blocks_per_sm=2, dims_per_lane=16)
+    assert tiling.smem_bytes(spec) <= common.SMEM_BUDGET and tiling.lanes_per_key(spec) <= 32, spec.name
     return tiling

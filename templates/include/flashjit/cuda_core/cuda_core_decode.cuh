@@ -4,7 +4,8 @@
 // The rows of a CTA are the query heads of one KV head (up to kRowsPerCta).
 // Every thread keeps its slice of those queries in registers, so one read of a
 // key from shared memory serves all of them:
-//   - a key is spread over kLanesPerKey lanes, 8 head dims each; a warp works
+//   - a key is spread over kLanesPerKey lanes, 8 head dims each (16 where a
+//     key's dims take more than a warp at 8: head dim 512); a warp works
 //     on kKeyGroups keys side by side, and the rows' partial logits of a key
 //     are reduce-scattered over its lanes, so that each lane ends with the
 //     full logit of one row (reduce_scatter below);
@@ -58,7 +59,8 @@ struct CudaCoreDecodeTraits {
 
   // Head dims of a key per lane: 8, or 16 with an FP8 cache, whose lane then
   // copies and reads 16 bytes of codes a key, as a 16-bit cache's lane does:
-  // half the lanes per key, twice the keys per warp instruction.
+  // half the lanes per key, twice the keys per warp instruction; or 16 past
+  // head dim 256, where 8 a lane would take more than a warp's 32 lanes.
   static constexpr int kDimsPerLane = kDimsPerLane_;
   static constexpr int kLanesActive = kHeadDim / kDimsPerLane;
   static constexpr int kLanesPerKey = pow2_at_least(kLanesActive);
@@ -66,7 +68,8 @@ struct CudaCoreDecodeTraits {
   static constexpr int kKeyGroups = 32 / kLanesPerKey;
   static constexpr int kKeysPerChunk = kKeyGroups * kKeysPerGroup;  // one warp, one pipeline stage
   // Bytes of a lane's dims of one K (or V) row, and the copies that move
-  // them: 16-byte slots (one for 16-bit types, two for fp32), one 8-byte slot for FP8.
+  // them: 16-byte slots (one or two for 16-bit types, two or four for fp32), one
+  // 8-byte slot for FP8 at 8 dims a lane.
   static constexpr int kLaneBytes = kDimsPerLane * int(sizeof(DTypeKV));
   static constexpr int kSlotBytes = kLaneBytes < 16 ? kLaneBytes : 16;
   static constexpr int kSlotElems = kSlotBytes / int(sizeof(DTypeKV));
@@ -77,9 +80,10 @@ struct CudaCoreDecodeTraits {
   // per SM to hide the latency of the shuffles that every logit waits for.
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
 
-  static_assert(kHeadDim % kDimsPerLane == 0 && kLanesPerKey <= 32 && 32 % kLanesPerKey == 0, "head_dim 8..256");
+  static_assert(kHeadDim % kDimsPerLane == 0 && kLanesPerKey <= 32 && 32 % kLanesPerKey == 0,
+                "a key's dims over at most a warp's lanes: head_dim 8..256 (8 a lane), 16..512 (16 a lane)");
   static_assert(kSlotBytes == 16 || (kKvFp8 && kSlotBytes == 8), "a lane's dims fill 16-byte slots, or one 8-byte FP8 slot");
-  static_assert(kDimsPerLane == 8 || (kKvFp8 && kDimsPerLane == 16), "8 dims a lane, or 16 of an FP8 cache");
+  static_assert(kDimsPerLane == 8 || kDimsPerLane == 16, "8 or 16 dims a lane");
   static_assert(kKvFp8 || std::is_same<DType, DTypeKV>::value, "K/V of q's dtype, or FP8");
 
   // Per warp and stage: K then V, kKeysPerGroup keys, kVecsPerKey slots, 32 lanes.
