@@ -12,8 +12,8 @@ import itertools
 from .arch import choose_backend
 from .spec import _DTYPE_ALIASES as DTYPE_ALIASES
 from .spec import DECODE_OPS, DTYPES, FP8_KV_FAMILIES, HEAD_DIMS, KV_ONLY_DTYPES, MASK_ON_CUDA_CORES, MASK_OPS, \
-    MLA_OPS, OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, TENSOR_CORE_DTYPES, UTILITY_OPS, KernelSpec, canonical_dtype, mla_spec, \
-    or_list
+    MLA_OPS, OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, TENSOR_CORE_DTYPES, UTILITY_OPS, WIDE_HEAD_DIMS, KernelSpec, \
+    canonical_dtype, mla_spec, or_list, takes_wide_head_dims, wide_head_dims_text
 
 # Ops whose wrapper always loads the LSE variant (it writes LSE only when asked).
 ALWAYS_LSE = {"batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged"}
@@ -137,6 +137,15 @@ def _left_out(op: str, dtype: str, tc: bool, causal: bool, window: bool, cap: bo
         if not tc and not MASK_ON_CUDA_CORES:
             return (f"--mask custom runs on the fa2 tensor cores with fp16 or bf16 (not {short_dtype(dtype)} on CUDA "
                     f"cores); choose --tensor-cores on or auto")
+    if dims is not None and dims[0] in WIDE_HEAD_DIMS and op not in MLA_OPS and not takes_wide_head_dims(op, tc):
+        wide = f"--head-dim {dims[0]}: {op}"
+        if op in UTILITY_OPS or not takes_wide_head_dims(op, not tc):
+            return f"{wide} is not generated at {dims[0]} ({wide_head_dims_text()})"
+        if tc:
+            return f"{wide} runs it on CUDA cores only; choose --tensor-cores off, auto or both"
+        if dtype not in TENSOR_CORE_DTYPES:
+            return f"{wide} runs it on tensor cores only, with fp16 or bf16 (not {short_dtype(dtype)})"
+        return f"{wide} runs it on tensor cores only; choose --tensor-cores on, auto or both"
     if dims is not None and dims[0] != dims[1] and op not in MLA_OPS:
         if op not in QK_VO_OPS:
             return (f"--head-dim-vo {dims[1]}: {op} takes V as wide as Q and K (--head-dim {dims[0]}); "
@@ -225,7 +234,13 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
     if getattr(args, "batch_invariant", False):
         from .ops import _invariant  # imports torch: only for this flag
 
-        specs = _invariant.prewarm_specs(specs, arches)
+        # Batch-invariant decode runs the prefill kernel: at WIDE_HEAD_DIMS, tensor cores' alone.
+        kept = [s for s in specs if not (s.op in DECODE_OPS and s.head_dim_qk in WIDE_HEAD_DIMS
+                                         and s.dtype_q not in TENSOR_CORE_DTYPES)]
+        if not kept:
+            raise SelectionError(f"the selection is empty: --batch-invariant decode at head dim "
+                                 f"{or_list(WIDE_HEAD_DIMS)} runs on tensor cores (fp16, bf16) only")
+        specs = _invariant.prewarm_specs(kept, arches)
     return list(dict.fromkeys(specs))
 
 

@@ -19,7 +19,8 @@ from .arch import ARCHES, DEFAULT_ARCHES, normalize_arch
 from .errors import ToolchainError
 from .selection import PRESETS, SelectionError, choices_text, dtype_names, head_dim_pairs, short_dtype
 from .spec import BACKENDS, FA3_HEAD_DIMS, HEAD_DIMS, KV_ONLY_DTYPES, MASK_OPS, MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, \
-    MLA_OPS, OPS, PLANNED_OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, canonical_dtype, head_dims_text, nearest_head_dims, qk_vo_pairs
+    MLA_OPS, OPS, PLANNED_OPS, QK_VO_HEAD_DIMS, QK_VO_OPS, WIDE_HEAD_DIMS, canonical_dtype, head_dims_for, \
+    head_dims_text, nearest_head_dims, qk_vo_pairs, wide_head_dims_text
 
 SWITCHES = ("on", "off", "both")
 MASK_CHOICES = ("off", "custom", "both")
@@ -83,8 +84,8 @@ def add_selectors(parser) -> None:
                              f"append_paged")
     parser.add_argument("--head-dim", nargs="+", metavar="D",
                         help=f"the head dims (default: the preset's): {head_dims_text(HEAD_DIMS)} (fa3: "
-                             f"{', '.join(map(str, FA3_HEAD_DIMS))}; the others run fa2); mla_paged has its own (ckv "
-                             f"{MLA_HEAD_DIM_CKV} + kpe {MLA_HEAD_DIM_KPE})")
+                             f"{', '.join(map(str, FA3_HEAD_DIMS))}; the others run fa2); {wide_head_dims_text()}; "
+                             f"mla_paged has its own (ckv {MLA_HEAD_DIM_CKV} + kpe {MLA_HEAD_DIM_KPE})")
     parser.add_argument("--head-dim-vo", nargs="+", metavar="DV",
                         help=f"V's and the output's head dims beside --head-dim's (default: each --head-dim): "
                              f"{qk_vo_pairs_text()}; each pairs with the --head-dim values it is generated with")
@@ -136,9 +137,14 @@ def _check_op(op: str) -> None:
 
 def check_head_dims(values, ops) -> list[int]:
     """The --head-dim values for `ops` as ints; one not generated names the
-    nearest that are (prewarm, numerics, and bench's prefill rows)."""
+    nearest that are (prewarm, numerics, and bench's prefill rows). A head dim
+    of spec.WIDE_HEAD_DIMS passes where some of the ops take it (on some cores);
+    specs_from_args leaves out the combinations that do not. Past HEAD_DIMS'
+    end, where those are among the nearest, the message says where they are generated."""
     mla_only = all(op in MLA_OPS for op in ops)
-    allowed = list(HEAD_DIMS) + ([MLA_HEAD_DIM] if mla_only else [])
+    wide = [d for d in WIDE_HEAD_DIMS if d not in HEAD_DIMS and any(d in head_dims_for(op) for op in ops)]
+    dims = sorted({*HEAD_DIMS, *wide})
+    allowed = dims + ([MLA_HEAD_DIM] if mla_only else [])
     generated = head_dims_text(HEAD_DIMS)
     head_dims = []
     for text in values:
@@ -149,9 +155,11 @@ def check_head_dims(values, ops) -> list[int]:
             raise SelectionError(f"--head-dim: {value} is mla_paged's (ckv {MLA_HEAD_DIM_CKV} + kpe "
                                  f"{MLA_HEAD_DIM_KPE}), which it takes alone; the other ops take {generated}")
         if value not in allowed:
-            raise SelectionError(f"--head-dim: {value} is not generated; choose "
-                                 f"{choices_text(nearest_head_dims(value, HEAD_DIMS))} (the nearest; generated: "
-                                 f"{generated})")
+            ops_text = f" for {choices_text(ops).replace(' or ', ' and ')}" if value in WIDE_HEAD_DIMS else ""
+            past = value > max(HEAD_DIMS) and any(d not in HEAD_DIMS for d in WIDE_HEAD_DIMS)
+            raise SelectionError(f"--head-dim: {value} is not generated{ops_text}; choose "
+                                 f"{choices_text(nearest_head_dims(value, dims))} (the nearest; generated: "
+                                 f"{generated}{f'; {wide_head_dims_text()}' if past else ''})")
         head_dims.append(value)
     return head_dims
 
