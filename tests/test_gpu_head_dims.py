@@ -9,9 +9,11 @@ case, the `auto` choice and the KV append. V narrower than Q and K
 ragged prefill on the fa2 and fa3 tensor cores (fp16, bf16) and CUDA cores
 (bf16, fp32), causal and not, GQA 8/2, with LSE, a split-KV batch whose merge
 combines 128-wide states, sinks, and fa3's batch-invariant fold at 192 and 192/128.
+512 where generated (decode on both cores, paged prefill on fa2; also pages of
+1 token and MQA 32/1); FP8 and batch-invariant mode at 512: test_gpu_head_dim_512.py.
 tests/sweep.py keeps the main sweep at 64/128/256; these configurations are
 built by their own prewarm, in one parallel build. FLASHJIT_TEST_HEAD_DIMS
-(e.g. "48,96") runs a subset of the head dims where a GPU's time is short."""
+(e.g. "48,96", or "512") runs a subset of the head dims where a GPU's time is short."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 import flashjit
 from flashjit.reference import attention_reference, ragged_reference
 from flashjit.ops import _invariant
-from flashjit.spec import FA3_HEAD_DIMS, KernelSpec
+from flashjit.spec import FA3_HEAD_DIMS, HEAD_DIMS, WIDE_HEAD_DIMS, KernelSpec, head_dims_for
 from sweep import build_for_gpu, fa3_runs_here, path_kwargs, spec_for, spec_path
 from test_gpu_attention import RAGGED_BATCHES, check, poison_allocator, randn
 from test_gpu_paged import DECODE_LENS, PREFILL_KV, PREFILL_QO, decode_case, prefill_case
@@ -33,9 +35,11 @@ from test_gpu_sinks import Problem as SinkProblem, check as sink_check
 
 pytestmark = pytest.mark.gpu
 
-NEW_HEAD_DIMS = [32, 48, 80, 96, 112, 160, 192, 240]
+NEW_HEAD_DIMS = [32, 48, 80, 96, 112, 160, 192, 240, 512]
 if os.environ.get("FLASHJIT_TEST_HEAD_DIMS"):
     NEW_HEAD_DIMS = [int(d) for d in os.environ["FLASHJIT_TEST_HEAD_DIMS"].split(",")]
+# The new head dims every op takes (512 only some: dims_of).
+PREFILL_DIMS = [d for d in NEW_HEAD_DIMS if d in HEAD_DIMS]
 HEADS = (8, 2)
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 # (dtype, path) of prefill: CUDA cores ("cc") and the fa2 tensor cores; of decode: (dtype, tensor cores).
@@ -51,11 +55,16 @@ QK, VO = 192, 128
 VO_PATHS = [(F16, "fa2"), (BF16, "fa2"), (BF16, "cc"), (F32, "cc")]
 
 
-def prefill_cases() -> list:
-    """(dtype, path, head_dim) of the prefill tests: every path at every new head
-    dim, and fa3 (on sm_90a) at those of them it generates."""
+def dims_of(op: str, tensor_cores: bool) -> list[int]:
+    """The new head dims `op` takes on those cores."""
+    return [d for d in NEW_HEAD_DIMS if d in head_dims_for(op, tensor_cores)]
+
+
+def prefill_cases(op: str) -> list:
+    """(dtype, path, head_dim) of op's prefill tests: every path at every new head
+    dim it takes there, and fa3 (on sm_90a) at those of them it generates."""
     cases = [pytest.param(dtype, path, d, id=f"{prefill_id((dtype, path))}-{d}")
-             for dtype, path in PREFILL_PATHS for d in NEW_HEAD_DIMS]
+             for dtype, path in PREFILL_PATHS for d in dims_of(op, path != "cc")]
     return cases + [pytest.param(dtype, path, d, id=f"{prefill_id((dtype, path))}-{d}", marks=ON_FA3)
                     for dtype, path in FA3_PATHS for d in NEW_HEAD_DIMS if d in FA3_HEAD_DIMS]
 
@@ -89,10 +98,11 @@ def used_specs() -> list[KernelSpec]:
     for d in NEW_HEAD_DIMS:
         for (dtype, path), causal in ((p, c) for p in PREFILL_PATHS for c in CAUSAL):
             specs += [spec_for(op, dtype, d, causal, "lse" if op == "single_prefill" else "plain", **spec_path(path))
-                      for op in ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")]
+                      for op in ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")
+                      if d in dims_of(op, path != "cc")]
         specs += [spec_for(op, dtype, d, False, "lse" if op == "single_decode" else "plain", tensor_cores=tc)
                   for dtype, tc in DECODE_PATHS for op in ("single_decode", "batch_decode_paged")]
-        specs += [cap_window_spec(d), KernelSpec.make("append_paged", BF16, d)]
+        specs += [cap_window_spec(d), KernelSpec.make("append_paged", BF16, d)] if d in HEAD_DIMS else []
     specs += [vo_spec(op, dtype, path, causal) for op in ("single_prefill", "batch_prefill_ragged")
               for dtype, path in VO_PATHS for causal in CAUSAL]
     if fa3_runs_here():
@@ -111,7 +121,7 @@ def built():
 
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
-@pytest.mark.parametrize("dtype,path,head_dim", prefill_cases())
+@pytest.mark.parametrize("dtype,path,head_dim", prefill_cases("single_prefill"))
 def test_single_prefill(built, error_report, dtype, path, head_dim, causal):
     """(513, 77) causal: rows that see no key (o = 0, LSE -inf); (16, 5000): split keys."""
     num_qo, num_kv = HEADS
@@ -148,7 +158,7 @@ def test_single_decode(built, error_report, dtype, tensor_cores, head_dim):
 
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
-@pytest.mark.parametrize("dtype,path,head_dim", prefill_cases())
+@pytest.mark.parametrize("dtype,path,head_dim", prefill_cases("batch_prefill_ragged"))
 def test_batch_prefill_ragged(built, error_report, dtype, path, head_dim, causal):
     num_qo, num_kv = HEADS
     spec = spec_for("batch_prefill_ragged", dtype, head_dim, causal, **spec_path(path))
@@ -172,33 +182,40 @@ def test_batch_prefill_ragged(built, error_report, dtype, path, head_dim, causal
 
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
-@pytest.mark.parametrize("dtype,path,head_dim", prefill_cases())
+@pytest.mark.parametrize("dtype,path,head_dim", prefill_cases("batch_prefill_paged"))
 def test_batch_prefill_paged(built, error_report, dtype, path, head_dim, causal):
+    """At 512 also MQA 32/1: each token's 32 rows over two CTAs of the fa2 kernel."""
     spec = spec_for("batch_prefill_paged", dtype, head_dim, causal, **spec_path(path))
-    for page_size, layout in [(16, "NHD"), (1, "HND")]:
-        batch, q, out, lse, ref, ref_lse = prefill_case(PREFILL_QO, PREFILL_KV, dtype, path, head_dim, HEADS, causal,
+    cases = [(16, "NHD", HEADS), (1, "HND", HEADS)] + ([(16, "NHD", (32, 1))] if head_dim in WIDE_HEAD_DIMS else [])
+    for page_size, layout, heads in cases:
+        batch, q, out, lse, ref, ref_lse = prefill_case(PREFILL_QO, PREFILL_KV, dtype, path, head_dim, heads, causal,
                                                         page_size, layout)
         check(spec, out, ref, q, batch.k, batch.v, max(PREFILL_KV), 1 / math.sqrt(head_dim), error_report,
-              "batch_prefill_paged", lse=lse, ref_lse=ref_lse, shape=f"page{page_size}_{layout}", heads=HEADS)
+              "batch_prefill_paged", lse=lse, ref_lse=ref_lse, shape=f"page{page_size}_{layout}", heads=heads)
 
 
 @pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
 @pytest.mark.parametrize("dtype,tensor_cores", DECODE_PATHS, ids=[decode_id(p) for p in DECODE_PATHS])
 def test_batch_decode_paged(built, error_report, dtype, tensor_cores, head_dim):
     """DECODE_LENS holds a request without keys (o = 0, LSE -inf); the long
-    requests, split at 40 pages, go through the merge pass."""
+    requests, split at 40 pages, go through the merge pass. At 512 also pages
+    of one token and MQA 32/1 (two fa2 CTAs of 16 rows per KV head)."""
     spec = spec_for("batch_decode_paged", dtype, head_dim, False, tensor_cores=tensor_cores)
-    for kv_lens, plan_kw in [(DECODE_LENS, {}), ([20000, 5, 3001], {"fixed_split_size": 40})]:
-        wrapper, batch, q, out, lse, ref, ref_lse = decode_case(kv_lens, dtype, tensor_cores, head_dim, HEADS,
-                                                                plan_kw=plan_kw)
+    cases = [(DECODE_LENS, {}, 16, HEADS), ([20000, 5, 3001], {"fixed_split_size": 40}, 16, HEADS)]
+    if head_dim in WIDE_HEAD_DIMS:
+        cases += [(DECODE_LENS, {}, 1, HEADS), ([3000, 0, 17], {"fixed_split_size": 512}, 1, (32, 1))]
+    for kv_lens, plan_kw, page_size, heads in cases:
+        wrapper, batch, q, out, lse, ref, ref_lse = decode_case(kv_lens, dtype, tensor_cores, head_dim, heads,
+                                                                page_size=page_size, plan_kw=plan_kw)
         assert wrapper._plan.work.kv_chunk > 0 or not plan_kw, "the plan was meant to split"
         check(spec, out, ref, q, batch.k, batch.v, max(kv_lens), 1 / math.sqrt(head_dim), error_report,
-              "batch_decode_paged", lse=lse, ref_lse=ref_lse, shape="split" if plan_kw else "mixed", heads=HEADS)
+              "batch_decode_paged", lse=lse, ref_lse=ref_lse, heads=heads,
+              shape=("split" if plan_kw else "mixed") + f"_page{page_size}")
         if 0 in kv_lens:
             assert (out[kv_lens.index(0)] == 0).all() and torch.isneginf(lse[kv_lens.index(0)]).all()
 
 
-@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", PREFILL_DIMS)
 def test_sinks(built, error_report, head_dim):
     """Ragged causal prefill on fa2, bf16: random sinks and sinks that dominate
     every row within the profile; sinks of -inf bit for bit no sinks."""
@@ -210,7 +227,7 @@ def test_sinks(built, error_report, head_dim):
     assert torch.equal(out_inf, out) and torch.equal(lse_inf, lse)
 
 
-@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", PREFILL_DIMS)
 def test_soft_cap_with_sliding_window(built, error_report, head_dim):
     num_qo, num_kv = HEADS
     spec = cap_window_spec(head_dim)
@@ -225,7 +242,7 @@ def test_soft_cap_with_sliding_window(built, error_report, head_dim):
           ref_lse=ref_lse, shape="300x1000", heads=HEADS)
 
 
-@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", PREFILL_DIMS)
 def test_auto_runs_its_choice(built, head_dim):
     """`auto` takes fa3 where it generates the head dim on an sm_90a GPU, fa2
     elsewhere: bit for bit the explicit call of that backend."""
@@ -238,7 +255,7 @@ def test_auto_runs_its_choice(built, head_dim):
     assert torch.equal(auto[0], explicit[0]) and torch.equal(auto[1], explicit[1])
 
 
-@pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", PREFILL_DIMS)
 def test_append_writes_every_head_dim(built, head_dim):
     """The append kernel (16-byte vectors of each head) at each new head dim: the
     rows land in their pages and slots bit for bit, and nothing else moves."""

@@ -3,7 +3,8 @@ dims named for one that is not, fa3's own head dims (64, 128, 192, 256) with
 every other one falling back to fa2, the prewarm selection, the op-level
 checks, rendered fa2 sources, and the error model at head dims 32 and 512.
 The GPU sweep of the new dims is tests/test_gpu_head_dims.py; head_dim_vo below
-head_dim (192/128) is tests/test_head_dim_vo.py."""
+head_dim (192/128) is tests/test_head_dim_vo.py; head dim 512, generated for
+decode and paged prefill alone, tests/test_head_dims_512.py."""
 
 from __future__ import annotations
 
@@ -76,8 +77,9 @@ def test_a_head_dim_not_generated_names_the_nearest(field):
     with pytest.raises(ValueError) as info:
         spec.validate()
     assert re.search(rf"{field}=100 is not generated \(nearest: 96 or 112\)\. Supported: head_dim a multiple of 16 "
-                     rf"from 32 to 256\. Nearest working choice: batch_prefill_ragged_bf16_d96_fa2_tc$",
-                     str(info.value))
+                     rf"from 32 to 256; 512 for single_decode and batch_decode_paged \(CUDA or tensor cores\) and "
+                     rf"batch_prefill_paged \(tensor cores, fa2\)\. Nearest working choice: "
+                     rf"batch_prefill_ragged_bf16_d96_fa2_tc$", str(info.value))
 
 
 @pytest.mark.parametrize("head_dim", NEW_HEAD_DIMS)
@@ -219,10 +221,14 @@ def test_every_configuration_has_a_finite_profile(head_dim):
 
 
 def _profile(spec: KernelSpec) -> dict:
-    """The profile of `spec`; at 512 (no prefill tiling generated yet) with the
-    d256 tiling's rescale counts and chains taken for the spec's own head dim."""
+    """The profile of `spec`; at 512, where single prefill is not generated,
+    that of the paged prefill 512 takes on tensor cores (fa2's column-split
+    kernel), and on CUDA cores (which run no prefill at 512) the d256 tiling's
+    rescale counts and chains taken for the spec's own head dim."""
     if spec.head_dim_qk in HEAD_DIMS:
         return profile(spec)
+    if spec.use_tensor_cores:
+        return profile(spec.replace(op="batch_prefill_paged").validate())
     stand_in = kernels.tiling_for(spec.replace(head_dim_qk=256, head_dim_vo=256))[1]
     with mock.patch.object(error_model, "tiling_for", lambda s, arches=None: ("stand-in", stand_in)):
         return profile(spec)
