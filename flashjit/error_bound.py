@@ -99,9 +99,9 @@ def half_ulp(x):
     return torch.where(x < 2.0**-126, torch.full_like(x, 2.0**-150), torch.ldexp(torch.ones_like(x), e - 25))
 
 
-def _dot_error(qs, k, lanes: int):
+def _dot_error(qs, k, lanes: int, dims_per_lane: int = 8):
     """Bound on the fp32 dot products' rounding, per (row, key): prefill
-    (lanes 0) chains fma over all dims; decode chains 8 dims per lane, then
+    (lanes 0) chains fma over all dims; decode chains dims_per_lane dims per lane (8; 16 at head dim 512), then
     halves the `lanes` of a key's group (its idle lanes add exact zeros).
     A first pass with u|S| bounds how far any partial sum can be off; the second
     takes half an ulp of the partial sums moved by that much."""
@@ -110,7 +110,7 @@ def _dot_error(qs, k, lanes: int):
     for j0 in range(0, k.shape[0], step):
         prod = qs[:, None, :] * k[None, j0:j0 + step, :]
         if lanes:
-            prod = prod.unflatten(-1, (-1, 8))
+            prod = prod.unflatten(-1, (-1, dims_per_lane))
             if lanes != prod.shape[-2]:
                 prod = torch.nn.functional.pad(prod, (0, 0, 0, lanes - prod.shape[-2]))
         part = prod.cumsum(-1)
@@ -163,8 +163,8 @@ def chains(spec: KernelSpec, n: int, kv_chunk: int, first: int, device) -> Chain
             split_of.append(c)
     else:
         tiling = cuda_decode_tiling(spec)  # the shipped tiling: its lane groups, padded to a power of two
-        step, groups = DECODE_KEYS_PER_GROUP, tiling.key_groups(spec)
-        chunk, warps = groups * DECODE_KEYS_PER_GROUP, DECODE_WARPS
+        step, groups = tiling.keys_per_group, tiling.key_groups(spec)
+        chunk, warps = groups * step, tiling.warps
         for c, (b, e) in enumerate(_splits(n, kv_chunk)):
             begin = max(first, b)
             rounds = -(-max(e - begin, 0) // (chunk * warps))
@@ -205,7 +205,8 @@ class _Rows:
         self.decode = spec.op in DECODE_OPS
         self.dim = qs.shape[-1]
         z = qs @ k.T
-        e = _dot_error(qs, k, cuda_decode_tiling(spec).lanes_per_key(spec) if self.decode else 0)
+        tiling = cuda_decode_tiling(spec)
+        e = _dot_error(qs, k, tiling.lanes_per_key(spec) if self.decode else 0, tiling.dims_per_lane)
         if soft_cap:   # cap * tanh(z / cap) * fl32(log2 e); tanhf 2 ulp, three roundings
             log2e = float(_f32(torch.tensor(1.0 / LN2, dtype=F64)))
             t = torch.tanh(z / soft_cap)

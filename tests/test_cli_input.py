@@ -32,7 +32,13 @@ BAD = [
     (["--head-dim", "100"], f"--head-dim: 100 is not generated; choose 96 or 112 (the nearest; generated: "
                             f"{GENERATED})"),
     (["--head-dim", "8"], f"--head-dim: 8 is not generated; choose 32 (the nearest; generated: {GENERATED})"),
-    (["--head-dim", "512"], f"--head-dim: 512 is not generated; choose 256 (the nearest; generated: {GENERATED})"),
+    (["--head-dim", "600"], f"--head-dim: 600 is not generated; choose 512 (the nearest; generated: {GENERATED}; 512 "
+                            f"for single_decode and batch_decode_paged (CUDA or tensor cores) and batch_prefill_paged "
+                            f"(tensor cores, fa2))"),
+    (["--op", "single_prefill", "--head-dim", "512"], f"--head-dim: 512 is not generated for single_prefill; choose 256 "
+                                                      f"(the nearest; generated: {GENERATED}; 512 for single_decode and "
+                                                      f"batch_decode_paged (CUDA or tensor cores) and batch_prefill_paged "
+                                                      f"(tensor cores, fa2))"),
     (["--head-dim", "big"], f"--head-dim: big is not a number; choose {GENERATED}"),
     (["--head-dim", "576"], f"--head-dim: 576 is mla_paged's (ckv 512 + kpe 64), which it takes alone; the other ops "
                             f"take {GENERATED}"),

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..spec import HEAD_DIMS, head_dims_text, nearest_head_dims, or_list
+from ..spec import ALL_HEAD_DIMS, HEAD_DIMS, head_dims_text, nearest_head_dims, or_list, wide_head_dims_text
 from . import _scales
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -102,10 +102,13 @@ def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
 
 
 def check_head_dim(name: str, head_dim: int) -> None:
-    """A head dim flashjit generates; another names the nearest that are."""
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"{name}: expected a head_dim that is {head_dims_text()}, got {head_dim} (nearest "
-                         f"generated: {or_list(nearest_head_dims(head_dim))})")
+    """A head dim flashjit generates for some op (spec.ALL_HEAD_DIMS; the spec
+    names where 512 is generated when the call's op or cores do not take it);
+    another names the nearest that are."""
+    if head_dim not in ALL_HEAD_DIMS:
+        wide = f" (or {wide_head_dims_text()})" if head_dim > max(HEAD_DIMS) else ""
+        raise ValueError(f"{name}: expected a head_dim that is {head_dims_text()}{wide}, got {head_dim} (nearest "
+                         f"generated: {or_list(nearest_head_dims(head_dim, ALL_HEAD_DIMS))})")
 
 
 def check_unsupported(**options) -> None:
