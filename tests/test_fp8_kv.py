@@ -175,6 +175,11 @@ def test_profile_terms_of_an_fp8_cache():
     assert fp8["rtol"] == pytest.approx(same["rtol"] + u32, rel=1e-12), "v_scale multiplies the output: one rounding"
     assert fp8["logit_per_s"] > same["logit_per_s"] and fp8["kv_scales"] and fp8["dtype_mma"] == "float16"
     assert fp8["p_rounding"] == 0.0 and fp8["bound"] == "worst_case", "CUDA cores: P stays fp32"
+    # An FP8 cache's CUDA-core decode runs lanes of 16 dims (kernels.cuda_core): its fp32 sums chain
+    # otherwise than the 16-bit kernel's. With the same chains, the one scale rounding is all it adds.
+    chains = ("dot_chain", "pv_chains", "l_chains", "l_tail", "merge_levels", "keys_per_rescale", "merge_rescales")
+    assert fp8["dot_chain"] == 16 + 3 and same["dot_chain"] == 8 + 4, "16 dims a lane, 8 lanes a key at d128"
+    same = {**same, **{key: fp8[key] for key in chains}}
     kw = dict(kv_len=4096, v_absmax=3.0, logit_absmax=40.0)
     a, b = error_model.evaluate(fp8, **kw), error_model.evaluate(same, **kw)
     assert b.atol < a.atol < 1.05 * b.atol, "only the one scale rounding more than the fp16 cache"

@@ -106,10 +106,13 @@ class CudaDecodeTiling:
 
 def cuda_decode_tiling(spec: KernelSpec) -> CudaDecodeTiling:
     # Three stages of 4 KB per warp (16-bit types) leave room for four CTAs,
-    # 16 warps, per SM; fp32 rows are twice as wide, so two stages; FP8 rows
-    # half as wide, so the same three stages take half the shared memory.
+    # 16 warps, per SM; fp32 rows are twice as wide, so two stages. FP8 rows
+    # take the 512 tiling's lanes of 16 dims (16-byte copies of codes, twice
+    # the keys per warp instruction): a lane of 8 codes moved a key with the
+    # instructions of 8 16-bit elements, and 16 dims a lane ran 14-34% faster
+    # on every row of the decode table (docs/fp8.md, "Speed").
     elt = common.DTYPE_BYTES[spec.dtype_kv]
-    if spec.head_dim_qk > 256:
+    if spec.head_dim_qk > 256 or elt == 1:
         return _wide_decode_tiling(spec, elt)
     stages = 2 if elt == 4 else 3
     tiling = CudaDecodeTiling(warps=4, keys_per_group=4, stages=stages)
@@ -118,7 +121,8 @@ def cuda_decode_tiling(spec: KernelSpec) -> CudaDecodeTiling:
 
 
 def _wide_decode_tiling(spec: KernelSpec, elt: int) -> CudaDecodeTiling:
-    """Head dim 512: 16 dims a lane, one key per warp instruction (32 lanes).
+    """Head dim 512, and FP8 caches at every head dim: 16 dims a lane (at 512
+    one key per warp instruction, 32 lanes; at 128 two keys of 8 lanes).
     Four rows' queries and accumulators are 128 fp32 registers a lane: 210-254
     in all on sm_80 / sm_89 / sm_90a, so two CTAs per SM (the register cap of
     three spilled 52-212 bytes). A warp's chunk is 4 keys of 2 KB (16-bit) in

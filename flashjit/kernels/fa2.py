@@ -155,6 +155,15 @@ FA2_DECODE_TILINGS = {
     512: FA2_COLUMN_SPLIT_512,
 }
 
+# An FP8 cache's decode at d128 (and the head dims that take its tiling): three
+# CTAs per SM for every group size. A tile's time is its widening pass
+# (fa2_fp8.cuh), a warp's instructions rather than the bytes in flight, so
+# more warps per SM ran 7-10% faster on the large rows while a third stage did
+# not help (docs/fp8.md, "Speed").
+FA2_FP8_DECODE_TILINGS = {
+    128: Fa2Tiling(warps=4, keys_per_tile=64, stages=2, q_in_regs=False, min_blocks_per_sm=3, split_keys=True),
+}
+
 
 # The tiling a head dim takes: that of the smallest of 64, 128 and 256 that
 # holds it. Its registers (Q, O and S fragments scale with the head dim) and
@@ -223,6 +232,8 @@ def tiling(spec: KernelSpec, arches=None) -> Fa2Tiling | Fa2ColumnSplitTiling:
     and fit min_blocks_per_sm of its CTAs per SM."""
     # Batch-invariant decode splits rows, on the key tiles of paged prefill.
     table = FA2_DECODE_TILINGS if spec.op in DECODE_OPS and not spec.invariant_decode else FA2_TILINGS
+    if table is FA2_DECODE_TILINGS and spec.dtype_kv != spec.dtype_q:
+        table = {**table, **FA2_FP8_DECODE_TILINGS}
     chosen = table[tiling_head_dim(spec.head_dim_qk)]
     assert chosen.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name
     # The wide tilings load K/V by TMA in 128-byte blocks: head dims 64, 128 and 256.
