@@ -5,17 +5,23 @@ compiled by nvcc for sm_80, sm_89 and sm_90a in one build: no register spills
 on any arch (ptxas -v, the manifest's resources), and the SASS converts where
 the source says (codes widened by F2FP ... UNPACK_B in decode and in fa2's tile
 pass; the append packs with saturation; sm_89 and sm_90a have the instructions,
-sm_80 converts in software)."""
+sm_80 converts in software). fa3's FP8 prefill (sm_90a alone): its loader widens
+with F2FP ... UNPACK_B, its wgmma stay in q's dtype (HGMMA), normal mode's kernel
+spills nothing, and its tile loop gives each slot back before the softmax as the
+16-bit kernels' does."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 import flashjit
-from flashjit import render
+from flashjit import kernels, render
 from flashjit.spec import KernelSpec
-from helpers_sass import sass
+from helpers_sass import functions, innermost_loop, sass
 from sweep import fp8_specs, fp8_tensor_core_specs
+from test_fa3_tile_loop import EXP, WAIT, exponentials_before_release
 
 pytestmark = [pytest.mark.nvcc, pytest.mark.slow]
 
@@ -30,12 +36,22 @@ SPECS = [s for s in fp8_specs() if s.head_dim_qk == 128 and s.dtype_q == "bfloat
         s.op == "batch_decode_paged" or (s.op == "batch_prefill_paged" and s.causal and s.dtype_kv == "float8_e4m3fn")
         or s.soft_cap)]
 FORMAT = {"float8_e4m3fn": "E4M3", "float8_e5m2": "E5M2"}
+# fa3 (built for sm_90a alone): paged prefill, the main target, and ragged and single prefill at other head
+# dims, q dtypes and formats.
+FA3_SPECS = [KernelSpec.make("batch_prefill_paged", "bfloat16", 128, dtype_kv="e4m3", use_tensor_cores=True,
+                             backend="fa3", causal=True, return_lse=True),
+             KernelSpec.make("batch_prefill_ragged", "float16", 256, dtype_kv="e5m2", use_tensor_cores=True,
+                             backend="fa3", return_lse=True),
+             KernelSpec.make("single_prefill", "bfloat16", 64, dtype_kv="e5m2", use_tensor_cores=True,
+                             backend="fa3", causal=True)]
+# The batch-invariant chunk-fold kernel (Fa3Traits' kChunkFold) beside normal mode's.
+FA3_FOLD = re.compile(r"ELb1ELi\d+EEE13__nv_fp8")
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8-cache")
-    results = flashjit.build_many(SPECS, ARCHES, root=root)
+    results = flashjit.build_many(SPECS + FA3_SPECS, ARCHES, root=root)
     return {r.spec: r for r in results}
 
 
@@ -86,3 +102,28 @@ def test_sixteen_dim_lanes_build_without_spills(tmp_path, monkeypatch):
         assert "kDimsPerLane=*/16" in render.render(result.spec).text
         usage = [u for u in result.entry.manifest["resources"] if "cuda_core_decode_attention_kernel" in u["kernel"]]
         assert usage and not [u for u in usage if u["spill_stores"] or u["spill_loads"] or u["stack"]], usage
+
+
+@pytest.mark.parametrize("spec", FA3_SPECS, ids=lambda s: s.name)
+def test_fa3_fp8_widens_for_wgmma_in_q_dtype_without_spills(built, spec):
+    result = built[spec]
+    assert result.entry is not None, result.error
+    text = render.render(spec).text
+    assert "Fa3Fp8Traits<" in text and "/*KvType=*/__nv_fp8_" + FORMAT[spec.dtype_kv].lower() in text
+    usage = [u for u in result.entry.manifest["resources"] if "fa3_attention_kernel" in u["kernel"]]
+    assert {u["arch"] for u in usage} == {"sm_90a"} and len(usage) == 2, usage  # normal mode's and the fold's
+    # The fold kernels at d192 and d256 spill, as the 16-bit ones do (docs/fa3.md); normal mode's never.
+    spills = [u for u in usage if (u["spill_stores"] or u["spill_loads"] or u["stack"])
+              and (spec.head_dim_qk <= 128 or not FA3_FOLD.search(u["kernel"]))]
+    assert spills == [], f"{spec.name} spills: {spills}"
+    code = sass(result.entry.artifact)
+    keys = kernels.tiling_for(spec)[1].keys_per_tile
+    assert f"F2FP.F16.{FORMAT[spec.dtype_kv]}.UNPACK_B" in code, "code pairs widened to fp16 pairs by the loader"
+    # Q.K^T's wgmma: fp16 operands print as HGMMA.64xNx16.F32, bf16 ones with .BF16 after it.
+    forms = set(re.findall(rf"HGMMA\.64x{keys}x16\.F32(\.\w+)?", code))
+    assert forms == {".BF16" if spec.dtype_q == "bfloat16" else ""}, f"Q.K^T's wgmma in q's dtype: {forms}"
+    assert "QGMMA" not in code, "no FP8 wgmma: the keys are widened to q's dtype"
+    by_name = functions(code)
+    for name in (n for n in by_name if "fa3_attention_kernel" in n):
+        loop = innermost_loop(by_name[name], must_hold=("HGMMA", WAIT, EXP))
+        assert exponentials_before_release(loop) == [0, 0, 0, 0], name

@@ -130,7 +130,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     if constexpr (Traits::kKvFp8) {  // code slots: every loader thread arrives (the TMA issuer with the bytes)
 #pragma unroll
-      for (int s = 0; s < Traits::kCodeSlots; ++s) tma::mbar_init(base + Traits::kCodeBarOffset + 8 * s, Traits::kLoaderThreads);
+      for (int s = 0; s < Traits::kCodeSlots; ++s)
+        tma::mbar_init(base + Traits::kCodeBarOffset + 8 * s, Traits::kLoaderThreads);
     }
     tma::fence_mbar_init();
   }

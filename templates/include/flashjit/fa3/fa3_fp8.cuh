@@ -104,7 +104,9 @@ __device__ __forceinline__ void load_fp8_kv_tiles(const FlashjitAttentionParams&
     }
   };
 
-  int h = 0;  // the next half-tile to copy
+  // The next half-tile to copy: 2 (seq + t) for tile t of a position, counted
+  // here (seq itself held across the widening spilled at d192).
+  int h = 0;
   if constexpr (Traits::kPaged) {
     const int box_rows = tma_arg.page_box_rows;
     for_each_position([&](const auto& it, int seq) {
