@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -29,7 +30,9 @@ pytestmark = pytest.mark.gpu
 # one long enough that the code slots and the ring wrap many times.
 PREFILL = [(1, 1), (37, 300), (128, 128), (16, 1000), (70, 70), (0, 5), (5, 0), (200, 2100)]
 PAGE_SIZES = [1, 16, 64]  # gathered, gathered, TMA boxes of 64 slots
-HEAD_DIMS = list(FA3_HEAD_DIMS)
+# FLASHJIT_TEST_HEAD_DIMS (a comma list, as tests/test_gpu_head_dims.py reads it) keeps those of fa3's.
+HEAD_DIMS = [d for d in FA3_HEAD_DIMS if not os.environ.get("FLASHJIT_TEST_HEAD_DIMS")
+             or d in {int(x) for x in os.environ["FLASHJIT_TEST_HEAD_DIMS"].split(",")}]
 # (op, causal) the tests plan, at every head dim, q and KV dtype.
 OPS = [("batch_prefill_paged", False), ("batch_prefill_paged", True), ("batch_prefill_ragged", True),
        ("single_prefill", False)]
