@@ -87,23 +87,6 @@ def test_fp8_conversions_in_the_sm90a_sass(built, spec):
         assert "DTypeKV=*/__nv_fp8" in text
 
 
-def test_sixteen_dim_lanes_build_without_spills(tmp_path, monkeypatch):
-    """The CUDA-core FP8 variant benchmarks/dev/decode_tilings.py times (16 dims a lane, two
-    CTAs per SM; no shipped tiling uses it yet): its heaviest flags build without spills."""
-    from flashjit import kernels
-    from flashjit.kernels.cuda_core import CudaDecodeTiling
-
-    variant = CudaDecodeTiling(4, 4, 3, 2, dims_per_lane=16)
-    monkeypatch.setattr(kernels.cuda_core, "cuda_decode_tiling", lambda spec: variant)
-    specs = [KernelSpec.make("batch_decode_paged", "bfloat16", 128, dtype_kv=kv, sliding_window=True, soft_cap=True,
-                             return_lse=True) for kv in ("e4m3", "e5m2")]
-    for result in flashjit.build_many(specs, ("sm_80", "sm_90a"), root=tmp_path):
-        assert result.entry is not None, result.error
-        assert "kDimsPerLane=*/16" in render.render(result.spec).text
-        usage = [u for u in result.entry.manifest["resources"] if "cuda_core_decode_attention_kernel" in u["kernel"]]
-        assert usage and not [u for u in usage if u["spill_stores"] or u["spill_loads"] or u["stack"]], usage
-
-
 @pytest.mark.parametrize("spec", FA3_SPECS, ids=lambda s: s.name)
 def test_fa3_fp8_widens_for_wgmma_in_q_dtype_without_spills(built, spec):
     result = built[spec]

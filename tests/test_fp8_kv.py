@@ -212,3 +212,18 @@ def test_batch_invariant_prewarm_of_an_fp8_cache_runs_fa3_on_sm90a():
     specs = selection.specs_from_args(_args("--batch-invariant", "--op", "batch_prefill_ragged", "--kv-dtype", "e4m3",
                                             "--head-dim", "128", "--arch", "sm_90a"))
     assert specs and {(s.backend, s.dtype_kv) for s in specs} == {("fa3", "float8_e4m3fn")}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_decode_tilings(head_dim):
+    """An FP8 cache's decode: CUDA cores in lanes of 16 dims (16-byte copies of codes), tensor cores
+    at d128 three CTAs per SM; a 16-bit cache's tilings stay as they were (docs/fp8.md, "Speed")."""
+    from flashjit.kernels import cuda_core, fa2
+
+    cc = KernelSpec.make("batch_decode_paged", "bfloat16", head_dim, dtype_kv="e4m3")
+    assert cuda_core.cuda_decode_tiling(cc).dims_per_lane == 16
+    assert "kDimsPerLane=*/16" in render.render(cc).text
+    assert cuda_core.cuda_decode_tiling(cc.replace(dtype_kv="bfloat16")).dims_per_lane == 8
+    tc = cc.replace(use_tensor_cores=True)
+    blocks = fa2.tiling(tc).min_blocks_per_sm, fa2.tiling(tc.replace(dtype_kv="bfloat16")).min_blocks_per_sm
+    assert blocks == ((3, 2) if head_dim == 128 else (2, 2))
