@@ -18,7 +18,7 @@ import torch
 
 import flashjit
 from flashjit.error_model import evaluate_lse, measure_mla, mla_tolerance, profile
-from flashjit.spec import FP8_MAX, canonical_dtype, mla_spec
+from flashjit.spec import FA3_FP8_OPS, FP8_MAX, canonical_dtype, mla_spec
 from sweep import FP8_KV_DTYPES, MLA_BACKENDS, MLA_DTYPES, build_for_gpu, fa3_runs_here
 from test_gpu_attention import poison_allocator, randn
 from test_gpu_mla import CKV, KPE, KV_LENS, MODES, SM_SCALE, mla_wrapper
@@ -39,10 +39,14 @@ def fp8_id(dtype) -> str:
 def f32(x) -> float:
     return float(torch.tensor(float(x), dtype=torch.float32))
 
+# fa3 takes an FP8 MLA cache once spec.FA3_FP8_OPS lists mla_paged (its kernel wrote NaN on an H100:
+# docs/mla.md); until then backend="fa3" would run fa2, and these tests would compare fa2 with itself.
+FP8_MLA_BACKENDS = [b for b in MLA_BACKENDS if b == "fa2" or "mla_paged" in FA3_FP8_OPS]
+
 
 def fp8_mla_specs() -> list:
     return [mla_spec(q, causal=causal, backend=backend, dtype_kv=canonical_dtype(kv))
-            for q in MLA_DTYPES for kv in FP8_KV_DTYPES for causal in (False, True) for backend in MLA_BACKENDS
+            for q in MLA_DTYPES for kv in FP8_KV_DTYPES for causal in (False, True) for backend in FP8_MLA_BACKENDS
             if backend == "fa2" or fa3_runs_here()]
 
 
@@ -118,7 +122,7 @@ class Fp8MlaBatch:
 @pytest.mark.parametrize("num_heads", HEADS, ids=lambda h: f"heads{h}")
 @pytest.mark.parametrize("q_dtype", MLA_DTYPES, ids=str)
 @pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
-@pytest.mark.parametrize("backend", MLA_BACKENDS)
+@pytest.mark.parametrize("backend", FP8_MLA_BACKENDS)
 def test_fp8_mla_against_float64(built, error_report, backend, kv_dtype, q_dtype, num_heads, page_size, mode):
     """Pages of 64 on fa3: whole tiles by TMA boxes of codes, partial last tiles
     gathered between them; pages of 1: every tile gathered. 64 heads on fa2 in
@@ -137,7 +141,7 @@ def test_fp8_mla_against_float64(built, error_report, backend, kv_dtype, q_dtype
 @pytest.mark.parametrize("num_heads", [16, 128], ids=lambda h: f"heads{h}")
 @pytest.mark.parametrize("split", ["fixed", "auto"])
 @pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
-@pytest.mark.parametrize("backend", MLA_BACKENDS)
+@pytest.mark.parametrize("backend", FP8_MLA_BACKENDS)
 def test_fp8_mla_split_kv(built, error_report, backend, kv_dtype, split, num_heads):
     """Split-KV chunks write fp32 partial rows (ckv_scale applied) that the merge pass rounds."""
     kv_lens = [2000, 1, 777, 0, 64] if split == "fixed" else [20000, 9000]
@@ -151,7 +155,7 @@ def test_fp8_mla_split_kv(built, error_report, backend, kv_dtype, split, num_hea
 
 
 @pytest.mark.parametrize(("num_heads", "page_size"), [(16, 1), (128, 64)], ids=["heads16_page1", "heads128_page64"])
-@pytest.mark.parametrize("backend", MLA_BACKENDS)
+@pytest.mark.parametrize("backend", FP8_MLA_BACKENDS)
 def test_fp8_mla_tensor_scales_replay_in_a_cuda_graph(built, error_report, backend, num_heads, page_size):
     """Capture a run whose scales are one-element float32 tensors; write new
     scales (and queries) into them, re-plan new lengths, replay: each replay
@@ -198,7 +202,7 @@ def test_fp8_mla_tensor_scales_replay_in_a_cuda_graph(built, error_report, backe
                     scales=str(scales))
 
 
-@pytest.mark.parametrize("backend", MLA_BACKENDS)
+@pytest.mark.parametrize("backend", FP8_MLA_BACKENDS)
 def test_fp8_mla_float_and_tensor_scales_agree_bit_for_bit(built, backend):
     batch = Fp8MlaBatch([1, 4, 2], [40, 700, 65], 64, 16, torch.float16, torch.float8_e5m2)
     wrapper = mla_wrapper(backend)
@@ -215,7 +219,7 @@ def test_fp8_mla_float_and_tensor_scales_agree_bit_for_bit(built, backend):
 @pytest.mark.parametrize("num_heads", [16, 64], ids=lambda h: f"heads{h}")
 @pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
 @pytest.mark.parametrize("q_dtype", MLA_DTYPES, ids=str)
-@pytest.mark.parametrize("backend", MLA_BACKENDS)
+@pytest.mark.parametrize("backend", FP8_MLA_BACKENDS)
 def test_unit_scales_match_the_16_bit_kernel_over_the_widened_cache(built, backend, q_dtype, kv_dtype, num_heads,
                                                                       mode):
     """Widening is exact, and with ckv_scale = kpe_scale = 1 every scaling is a
