@@ -2,7 +2,7 @@
 # GPU check in one call: info, GPU tests (prewarm + numerical sweep), JIT
 # benchmarks, prefill/decode benchmarks. Run from the repository root; logs and
 # reports go to $OUT (or ./gpu_out); a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla|invariant|fp8|spec]
+#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla|invariant|fp8|spec|sanitize]
 # tests: GPU tests only; prefill: GPU tests and prefill.py --rounds 3;
 # fp8: the FP8 KV-cache GPU tests (tests/test_gpu_*fp8*.py), then decode.py
 # --kv-dtype bf16 e4m3 (decode_fp8.md/.json; $FP8_KV_DTYPES replaces "bf16 e4m3"),
@@ -19,6 +19,10 @@
 # for the shipped tiling's outputs bit for bit (mla_check.py --same-bits);
 # spec: speculative decoding and shared prefixes: the custom-mask and cascade GPU
 # tests, then dev/verification_speed.py and dev/cascade_speed.py beside FlashInfer;
+# sanitize: the GPU tests of $SANITIZE_TESTS (default: custom masks, cascade, fa3 over an FP8
+# cache, head dim 512; FLASHJIT_TEST_HEAD_DIMS defaults to 128,512), once plain (builds the kernels),
+# then under compute-sanitizer memcheck, racecheck and synccheck ($SANITIZE_K: a pytest -k filter;
+# each tool under $SANITIZE_LIMIT seconds, default 240);
 # invariant: the batch-invariant GPU tests, then dev/batch_invariant_cost.py
 # with $INVARIANT_ARGS (default: every prefill and decode row);
 # bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
@@ -53,6 +57,11 @@ targets=(${TEST_FILES:-tests})  # $TEST_FILES: these test files alone; fp8: the 
 [ "$MODE" = fp8 ] && targets=($(ls tests/test_gpu_fp8.py tests/test_gpu_*fp8*.py 2>/dev/null | sort -u)) &&
   export FLASHJIT_PREWARM_FP8=1  # the prewarm fixture builds the FP8 configurations alone
 [ "$MODE" = spec ] && targets=(tests/test_gpu_custom_mask.py tests/test_gpu_cascade.py)
+if [ "$MODE" = sanitize ]; then
+  targets=(${SANITIZE_TESTS:-tests/test_gpu_custom_mask.py tests/test_gpu_cascade.py tests/test_gpu_fp8_fa3.py
+           tests/test_gpu_head_dim_512.py})
+  export FLASHJIT_TEST_HEAD_DIMS=${FLASHJIT_TEST_HEAD_DIMS:-128,512}
+fi
 if [ "$MODE" != bench ] && [ -z "${SKIP_TESTS:-}" ]; then
 selection=()
 [ "$MODE" = mla ] && selection=(-k mla) && export FLASHJIT_PREWARM_OPS=mla_paged
@@ -158,8 +167,16 @@ if [ "$MODE" = fp8 ]; then
   echo "== summary: gpu tests rc=$test_rc, decode rc=$decode_rc, overall status=$status"
   exit $status
 fi
+if [ "$MODE" = sanitize ]; then
+  for tool in memcheck racecheck synccheck; do
+    timeout ${SANITIZE_LIMIT:-240} compute-sanitizer --tool $tool --error-exitcode 1 python3 -m pytest -q -x -m gpu \
+      "${targets[@]}" ${SANITIZE_K:+-k "$SANITIZE_K"} -p no:cacheprovider >"$OUT/sanitizer_$tool.log" 2>&1 || status=1
+    echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -n 1)," \
+      "$(grep -E 'passed|failed' "$OUT/sanitizer_$tool.log" | tail -n 1)"
+  done
+fi
 if [ "$MODE" = tests ] || [ "$MODE" = compare ] || [ "$MODE" = prefill ] || [ "$MODE" = mla ] || [ "$MODE" = invariant ] ||
-   [ "$MODE" = spec ]; then
+   [ "$MODE" = spec ] || [ "$MODE" = sanitize ]; then
   summarize_errors || status=1
   echo "== summary: gpu tests rc=$test_rc, overall status=$status"
   exit $status
