@@ -84,6 +84,77 @@ def check_fp8(spec, out, ref, q, k, v, kv_len, report, what, k_scale=K_SCALE, v_
           report, what, lse=lse, ref_lse=ref_lse, **info)
 
 
+def paged_prefill_reference(q, batch, qo_lens, causal, k_scale=K_SCALE, v_scale=V_SCALE, **kw):
+    """float64 attention of a paged prefill batch's queries over its dequantised codes."""
+    return ragged_reference(q, batch.k, batch.v, indptr_of(qo_lens), batch.kv_indptr, causal=causal,
+                            k_scale=f32(k_scale), v_scale=f32(v_scale), **kw)
+
+
+def check_fp8_ragged_prefill_tensor_scales(wrapper, spec, q_dtype, kv_dtype, head_dim, variant, prefill,
+                                           report, what):
+    """Causal ragged prefill of the (query tokens, keys) requests `prefill` through
+    `wrapper` (a BatchPrefillWithRaggedKVCacheWrapper that plans `spec`), scales as
+    one-element float32 tensors, against float64 attention within the profile."""
+    num_qo, num_kv = 8, 2
+    qo_lens, kv_lens = zip(*prefill)
+    k = codes(sum(kv_lens), num_kv, head_dim, kv_dtype=kv_dtype, scale=K_SCALE)
+    v = codes(sum(kv_lens), num_kv, head_dim, kv_dtype=kv_dtype, scale=V_SCALE)
+    q = randn(sum(qo_lens), num_qo, head_dim, dtype=q_dtype, scale=3.0 if variant == "softcap" else 1.0)
+    kw = {"logits_soft_cap": 30.0} if variant == "softcap" else {}
+    wrapper.plan(torch.tensor(indptr_of(qo_lens), dtype=torch.int32, device="cuda"),
+                 torch.tensor(indptr_of(kv_lens), dtype=torch.int32, device="cuda"), num_qo, num_kv, head_dim,
+                 causal=True, q_data_type=q_dtype, kv_data_type=kv_dtype, **kw)
+    assert wrapper._plan.module.spec == spec
+    scales = torch.tensor([K_SCALE], device="cuda"), torch.tensor([V_SCALE], device="cuda")
+    poison_allocator()
+    out, lse = wrapper.run(q, k.to(kv_dtype), v.to(kv_dtype), k_scale=scales[0], v_scale=scales[1], return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = ragged_reference(q, k, v, indptr_of(qo_lens), indptr_of(kv_lens), causal=True,
+                                    k_scale=f32(K_SCALE), v_scale=f32(V_SCALE), **kw)
+    check_fp8(spec, out, ref, q, k, v, max(kv_lens), report, what, lse=lse, ref_lse=ref_lse, shape="mixed",
+              heads=(num_qo, num_kv))
+
+
+def check_fp8_single_prefill(spec, q_dtype, kv_dtype, head_dim, qo_len, kv_len, report, what, **call_kw):
+    """single_prefill_with_kv_cache (call_kw: its backend) with FlashInfer's
+    scale_k / scale_v, against float64 attention within spec's profile."""
+    num_qo, num_kv = 8, 2
+    q = randn(qo_len, num_qo, head_dim, dtype=q_dtype)
+    k = codes(kv_len, num_kv, head_dim, kv_dtype=kv_dtype, scale=K_SCALE)
+    v = codes(kv_len, num_kv, head_dim, kv_dtype=kv_dtype, scale=V_SCALE)
+    poison_allocator()
+    out = flashjit.single_prefill_with_kv_cache(q, k.to(kv_dtype), v.to(kv_dtype), scale_k=K_SCALE, scale_v=V_SCALE,
+                                                **call_kw)
+    torch.cuda.synchronize()
+    ref, _ = ragged_reference(q, k, v, [0, qo_len], [0, kv_len], k_scale=f32(K_SCALE), v_scale=f32(V_SCALE))
+    check_fp8(spec, out, ref, q, k, v, kv_len, report, what, shape=f"{qo_len}x{kv_len}", heads=(num_qo, num_kv))
+
+
+# The (k_scale, v_scale) a captured call is replayed with: the captured values, then others.
+REPLAY_SCALES = ((K_SCALE, V_SCALE), (0.05, 3.0), (1.5, 0.25))
+
+
+def replay_with_new_scales(wrapper, q, cache, out, check_replay):
+    """Captures wrapper.run(q, cache) into `out` in a CUDA graph, its scales in
+    one-element float32 tensors (two warm-up calls first: they load the kernels
+    and prepare the calls); then, for each pair of REPLAY_SCALES, refills the
+    tensors, fills `out` with NaN, replays and calls check_replay(k_scale, v_scale)."""
+    k_scale, v_scale = torch.tensor([K_SCALE], device="cuda"), torch.tensor([V_SCALE], device="cuda")
+    for _ in range(2):
+        wrapper.run(q, cache, k_scale=k_scale, v_scale=v_scale, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, cache, k_scale=k_scale, v_scale=v_scale, out=out)
+    for ks, vs in REPLAY_SCALES:
+        k_scale.fill_(ks)
+        v_scale.fill_(vs)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_replay(ks, vs)
+
+
 @pytest.mark.parametrize("tensor_cores", [False, True], ids=["cc", "tc"])
 @pytest.mark.parametrize("page_size", FP8_PAGE_SIZES, ids=lambda p: f"page{p}")
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")

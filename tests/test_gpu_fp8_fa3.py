@@ -21,7 +21,9 @@ from flashjit.reference import ragged_reference
 from flashjit.spec import FA3_HEAD_DIMS, canonical_dtype
 from sweep import FP8_KV_DTYPES, FP8_Q_DTYPES, build_for_gpu, fa3_runs_here, spec_for
 from test_gpu_attention import poison_allocator, randn
-from test_gpu_fp8 import K_SCALE, V_SCALE, Fp8PagedBatch, check_fp8, codes, f32, fp8_id
+from test_gpu_fp8 import (K_SCALE, V_SCALE, Fp8PagedBatch, check_fp8, check_fp8_ragged_prefill_tensor_scales,
+                          check_fp8_single_prefill, codes, f32, fp8_id, paged_prefill_reference,
+                          replay_with_new_scales)
 from test_gpu_paged import indptr_of, workspace
 
 pytestmark = pytest.mark.gpu
@@ -72,11 +74,6 @@ def paged_prefill(batch, q, qo_lens, num_qo, num_kv, head_dim, page_size, causal
     return wrapper, out, lse
 
 
-def paged_reference(q, batch, qo_lens, causal, k_scale=K_SCALE, v_scale=V_SCALE):
-    return ragged_reference(q, batch.k, batch.v, indptr_of(qo_lens), batch.kv_indptr, causal=causal,
-                            k_scale=f32(k_scale), v_scale=f32(v_scale))
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda p: f"page{p}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -91,7 +88,7 @@ def test_fa3_fp8_paged_prefill(built, error_report, q_dtype, kv_dtype, head_dim,
                                       kv_dtype, k_scale=K_SCALE, v_scale=V_SCALE)
     spec = fa3_spec("batch_prefill_paged", q_dtype, kv_dtype, head_dim, causal)
     assert wrapper._plan.module.spec == spec  # auto: fa3 on sm_90a
-    ref, ref_lse = paged_reference(q, batch, qo_lens, causal)
+    ref, ref_lse = paged_prefill_reference(q, batch, qo_lens, causal)
     check_fp8(spec, out, ref, q, batch.k, batch.v, max(kv_lens), error_report, "fa3_fp8_paged_prefill", lse=lse,
               ref_lse=ref_lse, shape=f"mixed-page{page_size}", heads=(num_qo, num_kv))
 
@@ -110,7 +107,7 @@ def test_fa3_fp8_paged_prefill_hnd(built, error_report, kv_dtype, form, page_siz
                                       kv_dtype, layout="HND", k_scale=K_SCALE, v_scale=V_SCALE)
     spec = fa3_spec("batch_prefill_paged", q_dtype, kv_dtype, head_dim, causal)
     assert wrapper._plan.module.spec == spec
-    ref, ref_lse = paged_reference(q, batch, qo_lens, causal)
+    ref, ref_lse = paged_prefill_reference(q, batch, qo_lens, causal)
     check_fp8(spec, out, ref, q, batch.k, batch.v, max(kv_lens), error_report, f"fa3_fp8_paged_prefill_hnd_{form}",
               lse=lse, ref_lse=ref_lse, shape=f"mixed-page{page_size}", heads=(num_qo, num_kv))
 
@@ -123,26 +120,10 @@ RAGGED_CASES = [(q, head_dim, "plain") for q in FP8_Q_DTYPES for head_dim in HEA
 @pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
 def test_fa3_fp8_ragged_prefill_tensor_scales(built, error_report, kv_dtype, q_dtype, head_dim, variant):
     """A batch's partial tiles are copied (its tensor maps run on into the next request); scales as tensors."""
-    num_qo, num_kv = 8, 2
-    qo_lens, kv_lens = zip(*PREFILL)
-    k = codes(sum(kv_lens), num_kv, head_dim, kv_dtype=kv_dtype, scale=K_SCALE)
-    v = codes(sum(kv_lens), num_kv, head_dim, kv_dtype=kv_dtype, scale=V_SCALE)
-    q = randn(sum(qo_lens), num_qo, head_dim, dtype=q_dtype, scale=3.0 if variant == "softcap" else 1.0)
-    kw = {"logits_soft_cap": 30.0} if variant == "softcap" else {}
     wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(), "NHD")
-    wrapper.plan(torch.tensor(indptr_of(qo_lens), dtype=torch.int32, device="cuda"),
-                 torch.tensor(indptr_of(kv_lens), dtype=torch.int32, device="cuda"), num_qo, num_kv, head_dim,
-                 causal=True, q_data_type=q_dtype, kv_data_type=kv_dtype, **kw)
     spec = fa3_spec("batch_prefill_ragged", q_dtype, kv_dtype, head_dim, True, variant)
-    assert wrapper._plan.module.spec == spec
-    scales = torch.tensor([K_SCALE], device="cuda"), torch.tensor([V_SCALE], device="cuda")
-    poison_allocator()
-    out, lse = wrapper.run(q, k.to(kv_dtype), v.to(kv_dtype), k_scale=scales[0], v_scale=scales[1], return_lse=True)
-    torch.cuda.synchronize()
-    ref, ref_lse = ragged_reference(q, k, v, indptr_of(qo_lens), indptr_of(kv_lens), causal=True,
-                                    k_scale=f32(K_SCALE), v_scale=f32(V_SCALE), **kw)
-    check_fp8(spec, out, ref, q, k, v, max(kv_lens), error_report, f"fa3_fp8_ragged_prefill_{variant}", lse=lse,
-              ref_lse=ref_lse, shape="mixed", heads=(num_qo, num_kv))
+    check_fp8_ragged_prefill_tensor_scales(wrapper, spec, q_dtype, kv_dtype, head_dim, variant, PREFILL, error_report,
+                                           f"fa3_fp8_ragged_prefill_{variant}")
 
 
 @pytest.mark.parametrize("qo_len,kv_len", [(1, 1), (37, 300), (300, 1000), (16, 5000)])
@@ -151,18 +132,8 @@ def test_fa3_fp8_ragged_prefill_tensor_scales(built, error_report, kv_dtype, q_d
 @pytest.mark.parametrize("q_dtype", FP8_Q_DTYPES, ids=str)
 def test_fa3_fp8_single_prefill(built, error_report, q_dtype, kv_dtype, head_dim, qo_len, kv_len):
     """One request's maps end with its keys: a partial tile comes by TMA, zero-filled; 5000 keys split."""
-    num_qo, num_kv = 8, 2
-    q = randn(qo_len, num_qo, head_dim, dtype=q_dtype)
-    k = codes(kv_len, num_kv, head_dim, kv_dtype=kv_dtype, scale=K_SCALE)
-    v = codes(kv_len, num_kv, head_dim, kv_dtype=kv_dtype, scale=V_SCALE)
-    poison_allocator()
-    out = flashjit.single_prefill_with_kv_cache(q, k.to(kv_dtype), v.to(kv_dtype), scale_k=K_SCALE, scale_v=V_SCALE,
-                                                backend="fa3", strict=True)
-    torch.cuda.synchronize()
-    ref, _ = ragged_reference(q, k, v, [0, qo_len], [0, kv_len], k_scale=f32(K_SCALE), v_scale=f32(V_SCALE))
-    spec = fa3_spec("single_prefill", q_dtype, kv_dtype, head_dim)
-    check_fp8(spec, out, ref, q, k, v, kv_len, error_report, "fa3_fp8_single_prefill", shape=f"{qo_len}x{kv_len}",
-              heads=(num_qo, num_kv))
+    check_fp8_single_prefill(fa3_spec("single_prefill", q_dtype, kv_dtype, head_dim), q_dtype, kv_dtype, head_dim,
+                             qo_len, kv_len, error_report, "fa3_fp8_single_prefill", backend="fa3", strict=True)
 
 
 @pytest.mark.parametrize("page_size", [16, 64], ids=lambda p: f"page{p}")
@@ -185,7 +156,7 @@ def test_fa3_fp8_matches_fa2_fp8(built, q_dtype, kv_dtype, head_dim, page_size):
         tols.append(flashjit.tolerance(wrapper._plan.module.spec, q=q, k=k, v=v, kv_len=max(kv_lens),
                                        sm_scale=1 / math.sqrt(head_dim)))
         outs.append(out)
-    ref, _ = paged_reference(q, batch, qo_lens, True)
+    ref, _ = paged_prefill_reference(q, batch, qo_lens, True)
     bound = sum(t.atol for t in tols) + sum(t.rtol for t in tols) * ref.abs()
     gap = (outs[0].double() - outs[1].double()).abs()
     assert bool((gap <= bound).all()), f"fa3 and fa2 differ by {float((gap - bound).max()):.3g} past the bound"
@@ -207,22 +178,13 @@ def test_fa3_fp8_paged_prefill_graph_replays_with_new_scales(built, error_report
     assert wrapper._plan.module.spec == spec
     q = randn(sum(qo_lens), num_qo, head_dim, dtype=q_dtype)
     out = torch.empty_like(q)
-    k_scale, v_scale = torch.tensor([K_SCALE], device="cuda"), torch.tensor([V_SCALE], device="cuda")
-    for _ in range(2):
-        wrapper.run(q, batch.cache, k_scale=k_scale, v_scale=v_scale, out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        wrapper.run(q, batch.cache, k_scale=k_scale, v_scale=v_scale, out=out)
-    for ks, vs in ((K_SCALE, V_SCALE), (0.05, 3.0), (1.5, 0.25)):
-        k_scale.fill_(ks)
-        v_scale.fill_(vs)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref, _ = paged_reference(q, batch, qo_lens, causal, ks, vs)
+
+    def check_replay(ks, vs):
+        ref, _ = paged_prefill_reference(q, batch, qo_lens, causal, ks, vs)
         check_fp8(spec, out, ref, q, batch.k, batch.v, max(kv_lens), error_report, "fa3_fp8_graph_replay",
                   k_scale=ks, v_scale=vs, shape=str(kv_lens), heads=(num_qo, num_kv))
+
+    replay_with_new_scales(wrapper, q, batch.cache, out, check_replay)
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])

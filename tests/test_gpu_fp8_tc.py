@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import flashjit
-from flashjit.reference import ragged_reference
 from flashjit.spec import canonical_dtype
 from sweep import FP8_KV_DTYPES, FP8_PAGE_SIZES, FP8_Q_DTYPES, HEAD_DIMS, spec_for
 from test_gpu_attention import poison_allocator, randn
-from test_gpu_fp8 import K_SCALE, V_SCALE, Fp8PagedBatch, check_fp8, codes, f32, fp8_id, reference
+from test_gpu_fp8 import (K_SCALE, V_SCALE, Fp8PagedBatch, check_fp8, check_fp8_ragged_prefill_tensor_scales,
+                          check_fp8_single_prefill, f32, fp8_id, paged_prefill_reference, reference,
+                          replay_with_new_scales)
 from test_gpu_paged import indptr_of, workspace
 
 pytestmark = pytest.mark.gpu
@@ -30,11 +31,6 @@ PREFILL = [(1, 1), (37, 300), (128, 128), (16, 1000), (70, 70), (0, 5), (5, 0)]
 def tc_spec(op: str, q_dtype, kv_dtype, head_dim: int, causal: bool = False, variant: str = "plain"):
     return spec_for(op, q_dtype, head_dim, causal, variant, tensor_cores=True).replace(
         dtype_kv=canonical_dtype(kv_dtype))
-
-
-def prefill_reference(q, batch, qo_lens, causal, **kw):
-    return ragged_reference(q, batch.k, batch.v, indptr_of(qo_lens), batch.kv_indptr, causal=causal,
-                            k_scale=f32(K_SCALE), v_scale=f32(V_SCALE), **kw)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -56,7 +52,7 @@ def test_fp8_paged_prefill(prewarmed, error_report, q_dtype, kv_dtype, head_dim,
     poison_allocator()
     out, lse = wrapper.run(q, batch.cache, k_scale=K_SCALE, v_scale=V_SCALE, return_lse=True)
     torch.cuda.synchronize()
-    ref, ref_lse = prefill_reference(q, batch, qo_lens, causal)
+    ref, ref_lse = paged_prefill_reference(q, batch, qo_lens, causal)
     check_fp8(spec, out, ref, q, batch.k, batch.v, max(kv_lens), error_report, "fp8_paged_prefill", lse=lse,
               ref_lse=ref_lse, shape=f"mixed-page{page_size}", heads=(num_qo, num_kv))
 
@@ -70,26 +66,10 @@ RAGGED_CASES = [(q, head_dim, "plain") for q in FP8_Q_DTYPES for head_dim in HEA
 @pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
 def test_fp8_ragged_prefill_tensor_scales(prewarmed, error_report, kv_dtype, q_dtype, head_dim, variant):
     """Causal ragged prefill over FP8 K/V, scales as one-element float32 tensors."""
-    num_qo, num_kv = 8, 2
-    qo_lens, kv_lens = zip(*PREFILL)
-    k = codes(sum(kv_lens), num_kv, head_dim, kv_dtype=kv_dtype, scale=K_SCALE)
-    v = codes(sum(kv_lens), num_kv, head_dim, kv_dtype=kv_dtype, scale=V_SCALE)
-    q = randn(sum(qo_lens), num_qo, head_dim, dtype=q_dtype, scale=3.0 if variant == "softcap" else 1.0)
-    kw = {"logits_soft_cap": 30.0} if variant == "softcap" else {}
     wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(workspace(), "NHD", backend="fa2")
-    wrapper.plan(torch.tensor(indptr_of(qo_lens), dtype=torch.int32, device="cuda"),
-                 torch.tensor(indptr_of(kv_lens), dtype=torch.int32, device="cuda"), num_qo, num_kv, head_dim,
-                 causal=True, q_data_type=q_dtype, kv_data_type=kv_dtype, **kw)
     spec = tc_spec("batch_prefill_ragged", q_dtype, kv_dtype, head_dim, True, variant)
-    assert wrapper._plan.module.spec == spec
-    scales = torch.tensor([K_SCALE], device="cuda"), torch.tensor([V_SCALE], device="cuda")
-    poison_allocator()
-    out, lse = wrapper.run(q, k.to(kv_dtype), v.to(kv_dtype), k_scale=scales[0], v_scale=scales[1], return_lse=True)
-    torch.cuda.synchronize()
-    ref, ref_lse = ragged_reference(q, k, v, indptr_of(qo_lens), indptr_of(kv_lens), causal=True,
-                                    k_scale=f32(K_SCALE), v_scale=f32(V_SCALE), **kw)
-    check_fp8(spec, out, ref, q, k, v, max(kv_lens), error_report, f"fp8_ragged_prefill_{variant}", lse=lse,
-              ref_lse=ref_lse, shape="mixed", heads=(num_qo, num_kv))
+    check_fp8_ragged_prefill_tensor_scales(wrapper, spec, q_dtype, kv_dtype, head_dim, variant, PREFILL, error_report,
+                                           f"fp8_ragged_prefill_{variant}")
 
 
 @pytest.mark.parametrize("qo_len,kv_len", [(1, 1), (37, 300), (300, 1000), (16, 5000)])
@@ -98,18 +78,8 @@ def test_fp8_ragged_prefill_tensor_scales(prewarmed, error_report, kv_dtype, q_d
 @pytest.mark.parametrize("q_dtype", FP8_Q_DTYPES, ids=str)
 def test_fp8_single_prefill(prewarmed, error_report, q_dtype, kv_dtype, head_dim, qo_len, kv_len):
     """FlashInfer's scale_k / scale_v; 5000 keys split across CTAs and merged."""
-    num_qo, num_kv = 8, 2
-    q = randn(qo_len, num_qo, head_dim, dtype=q_dtype)
-    k = codes(kv_len, num_kv, head_dim, kv_dtype=kv_dtype, scale=K_SCALE)
-    v = codes(kv_len, num_kv, head_dim, kv_dtype=kv_dtype, scale=V_SCALE)
-    poison_allocator()
-    out = flashjit.single_prefill_with_kv_cache(q, k.to(kv_dtype), v.to(kv_dtype), scale_k=K_SCALE, scale_v=V_SCALE,
-                                                backend="fa2")
-    torch.cuda.synchronize()
-    ref, _ = ragged_reference(q, k, v, [0, qo_len], [0, kv_len], k_scale=f32(K_SCALE), v_scale=f32(V_SCALE))
-    spec = tc_spec("single_prefill", q_dtype, kv_dtype, head_dim)
-    check_fp8(spec, out, ref, q, k, v, kv_len, error_report, "fp8_single_prefill", shape=f"{qo_len}x{kv_len}",
-              heads=(num_qo, num_kv))
+    check_fp8_single_prefill(tc_spec("single_prefill", q_dtype, kv_dtype, head_dim), q_dtype, kv_dtype, head_dim,
+                             qo_len, kv_len, error_report, "fp8_single_prefill", backend="fa2")
 
 
 @pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES, ids=fp8_id)
@@ -150,20 +120,11 @@ def test_fp8_tensor_core_decode_graph_replays_with_new_scales(prewarmed, error_r
                  kv_data_type=kv_dtype)
     q = randn(len(kv_lens), num_qo, head_dim, dtype=q_dtype)
     out = torch.empty_like(q)
-    k_scale, v_scale = torch.tensor([K_SCALE], device="cuda"), torch.tensor([V_SCALE], device="cuda")
-    for _ in range(2):
-        wrapper.run(q, batch.cache, k_scale=k_scale, v_scale=v_scale, out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        wrapper.run(q, batch.cache, k_scale=k_scale, v_scale=v_scale, out=out)
     spec = tc_spec("batch_decode_paged", q_dtype, kv_dtype, head_dim)
-    for ks, vs in ((K_SCALE, V_SCALE), (0.05, 3.0), (1.5, 0.25)):
-        k_scale.fill_(ks)
-        v_scale.fill_(vs)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+
+    def check_replay(ks, vs):
         ref, _ = reference(q, batch.k, batch.v, kv_lens, ks, vs)
         check_fp8(spec, out, ref, q, batch.k, batch.v, max(kv_lens), error_report, "fp8_tc_graph_replay",
                   k_scale=ks, v_scale=vs, shape=str(kv_lens), heads=(num_qo, num_kv))
+
+    replay_with_new_scales(wrapper, q, batch.cache, out, check_replay)
