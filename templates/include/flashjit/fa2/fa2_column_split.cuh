@@ -31,6 +31,7 @@
 #include "flashjit/common/numeric.cuh"
 #include "flashjit/common/sink_fold.cuh"
 #include "flashjit/common/work.cuh"
+#include "flashjit/fa2/fa2_column_split_common.cuh"
 #include "flashjit/fa2/fa2_epilogue.cuh"
 #include "flashjit/fa2/fa2_fp8.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
@@ -327,33 +328,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         for (int e = 0; e < 4; ++e) s[0][j][e] = 0.f;
 #pragma unroll
       for (int i = 0; i < QK_STEPS; ++i)
-#pragma unroll
-        for (int jn = 0; jn < KEYS / 16; ++jn) {
-          uint32_t b[4];
-          fa2::ldmatrix_x4(b, k_s + jn * 16 * ROW_BYTES + b_warp + L::block(kStepBlocks * i));
-          fa2::mma_16816<T>(s[0][2 * jn], q_frag[i], b[0], b[1]);
-          fa2::mma_16816<T>(s[0][2 * jn + 1], q_frag[i], b[2], b[3]);
-        }
-      float* mine = xchg + warp * Traits::kXchgFloatsPerWarp + lane;
-#pragma unroll
-      for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * 32] = s[0][j][e];
-      __syncthreads();
-      // The full logits, summed over the warps in one fixed order (identical in
-      // every warp; 0 + x is exact).
-#pragma unroll
-      for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float sum = 0.f;
-#pragma unroll
-          for (int v = 0; v < WARPS; ++v) {
-            const float part = xchg[v * Traits::kXchgFloatsPerWarp + (j * 4 + e) * 32 + lane];
-            sum += v == warp ? s[0][j][e] : part;
-          }
-          s[0][j][e] = sum;
-        }
+        fa2::mma_qk_step_over_tile<T, KEYS, ROW_BYTES>(s[0], q_frag[i], k_s, b_warp + L::block(kStepBlocks * i));
+      fa2::sum_logits_across_warps<WARPS, Traits::kXchgFloatsPerWarp>(s[0], xchg, warp, lane);
 
       const bool need_mask = (Traits::kCustomMask && t0 + KEYS > custom.full_keys) || t0 + KEYS > w.kv_len ||
                              (Traits::kCausal && t0 + KEYS - 1 > q_first + offset) ||
@@ -363,15 +339,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       softmax.exp_to_p(s, pa, 0);
 
       // O[:, this warp's columns] += P . V.
-#pragma unroll
-      for (int kk = 0; kk < KSTEPS_PV; ++kk)
-#pragma unroll
-        for (int dn = 0; dn < NT_O / 2; ++dn) {
-          uint32_t b[4];
-          fa2::ldmatrix_x4_trans(b, v_s + kk * 16 * ROW_BYTES + L::pair(v_warp, dn));
-          fa2::mma_16816<T>(o[0][2 * dn], pa[0][kk], b[0], b[1]);
-          fa2::mma_16816<T>(o[0][2 * dn + 1], pa[0][kk], b[2], b[3]);
-        }
+      fa2::mma_pv_columns<T, L, KSTEPS_PV, ROW_BYTES>(o[0], pa[0], v_s, v_warp);
     }
     cp_async_wait<0>();  // only empty groups can still be pending
   }
