@@ -70,6 +70,9 @@ struct MlaCodeLoader : fa2::MlaCacheRows<typename Traits::KvType> {
     }
   }
 
+  // Chunk `chunk` (16 codes) of row `row` of a code block (64 codes a row).
+  __device__ __forceinline__ static uint32_t code_at(int row, int chunk) { return row * 64 + chunk * 16; }
+
   // Codes of blocks kFirst .. kEnd - 1 of this thread's rows into the slot's
   // code blocks; rows past the request zero-filled (zero codes widen to 0).
   template <int kFirst, int kEnd>
@@ -79,7 +82,9 @@ struct MlaCodeLoader : fa2::MlaCacheRows<typename Traits::KvType> {
       const bool ok = rows.page[i] >= 0;
       const char *c_src, *k_src;
       Base::row(uint32_t(ok ? rows.page[i] : 0), uint32_t(rows.slot[i]), c_src, k_src);
-      const uint32_t dst = slot + kCodeOffset + (key0 + i * kRowsPerPass) * 64;
+      // Chunk q of the row, as the source (Base's offset): the four threads of
+      // a row fill its four chunks, each the one widen() reads back.
+      const uint32_t dst = slot + kCodeOffset + code_at(key0 + i * kRowsPerPass, q);
 #pragma unroll
       for (int b = kFirst; b < kEnd; ++b)
         cp_async_16(dst + b * kCodeBlockBytes, b + 1 < kBlocks ? c_src + b * 64 : k_src, ok);
@@ -107,7 +112,7 @@ struct MlaCodeLoader : fa2::MlaCacheRows<typename Traits::KvType> {
       uint4 codes[kPasses];
 #pragma unroll
       for (int i = 0; i < kPasses; ++i)
-        codes[i] = ld_shared_16(slot + kCodeOffset + b * kCodeBlockBytes + (key0 + i * kRowsPerPass) * 64 + q * 16);
+        codes[i] = ld_shared_16(slot + kCodeOffset + b * kCodeBlockBytes + code_at(key0 + i * kRowsPerPass, q));
       if (Tile::block(b + 1) > kCodeOffset) loader_barrier();
 #pragma unroll
       for (int i = 0; i < kPasses; ++i) {
