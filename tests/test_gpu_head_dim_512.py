@@ -21,8 +21,8 @@ from flashjit.spec import KernelSpec, canonical_dtype
 from sweep import FP8_KV_DTYPES, build_for_gpu
 from test_gpu_attention import poison_allocator, randn
 from test_gpu_batch_invariant import Request, assert_same, check_reference, paged_decode, paged_prefill
-from test_gpu_fp8 import K_SCALE, V_SCALE, Fp8PagedBatch, check_fp8, fp8_id, reference
-from test_gpu_fp8_tc import PREFILL, prefill_reference
+from test_gpu_fp8 import K_SCALE, V_SCALE, Fp8PagedBatch, check_fp8, fp8_id, paged_prefill_reference, reference
+from test_gpu_fp8_tc import PREFILL
 from test_gpu_head_dims import NEW_HEAD_DIMS
 from test_gpu_paged import DECODE_LENS, PREFILL_KV, PREFILL_QO, indptr_of, prefill_case, workspace
 from test_gpu_sinks import Case, make_sinks, run_and_check
@@ -96,7 +96,7 @@ def test_fp8_paged_prefill(built, error_report, kv_dtype, causal, page_size):
     poison_allocator()
     out, lse = wrapper.run(q, batch.cache, k_scale=K_SCALE, v_scale=V_SCALE, return_lse=True)
     torch.cuda.synchronize()
-    ref, ref_lse = prefill_reference(q, batch, qo_lens, causal)
+    ref, ref_lse = paged_prefill_reference(q, batch, qo_lens, causal)
     check_fp8(spec, out, ref, q, batch.k, batch.v, max(kv_lens), error_report, "fp8_paged_prefill_512", lse=lse,
               ref_lse=ref_lse, shape=f"mixed-page{page_size}", heads=HEADS)
 
