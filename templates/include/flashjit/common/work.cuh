@@ -250,6 +250,21 @@ struct CustomMask {
   }
 };
 
+// What a kernel built without custom masks holds in a CustomMask's place.
+struct NoCustomMask {
+  int full_keys = 0;  // never read: the condition that reads it starts with kCustomMask
+};
+
+// The request's custom mask where the kernel takes one, else a NoCustomMask.
+template <bool kCustomMask>
+__device__ __forceinline__ auto custom_mask_of(const FlashjitAttentionParams& p, const CtaWork& w) {
+  if constexpr (kCustomMask) {
+    return CustomMask::of(p, w);
+  } else {
+    return NoCustomMask{};
+  }
+}
+
 // Bottom-right aligned masks: query i of a request sees keys j with
 // j <= i + kv_len - qo_len (causal) and j >= that bound - window_left (window).
 template <bool kCausal, bool kWindow>

@@ -125,16 +125,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // of 2^30 keys or more already covers every key.
   const int window_left = Traits::kWindow ? min(p.window_left, 1 << 30) : 0;
   const Mask<Traits::kCausal, Traits::kWindow> mask{offset, window_left};
-  struct NoCustomMask {
-    int full_keys = 0;  // never read: the condition that reads it starts with kCustomMask
-  };
-  const std::conditional_t<Traits::kCustomMask, CustomMask, NoCustomMask> custom = [&] {
-    if constexpr (Traits::kCustomMask) {
-      return CustomMask::of(p, w);
-    } else {
-      return NoCustomMask{};
-    }
-  }();
+  const auto custom = custom_mask_of<Traits::kCustomMask>(p, w);
 
   // Key range any row of the CTA can see, from a KEYS-aligned start, within
   // its split-KV chunk (whose bounds are multiples of KEYS).

@@ -194,16 +194,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int offset = w.kv_len - w.qo_len;
   const int window_left = Traits::kWindow ? min(p.window_left, 1 << 30) : 0;  // as fa2_attention.cuh
   const Mask<Traits::kCausal, Traits::kWindow> mask{offset, window_left};
-  struct NoCustomMask {
-    int full_keys = 0;  // never read: the condition that reads it starts with kCustomMask
-  };
-  const std::conditional_t<Traits::kCustomMask, CustomMask, NoCustomMask> custom = [&] {
-    if constexpr (Traits::kCustomMask) {
-      return CustomMask::of(p, w);
-    } else {
-      return NoCustomMask{};
-    }
-  }();
+  const auto custom = custom_mask_of<Traits::kCustomMask>(p, w);
   // Keys any row of the CTA sees, from a KEYS-aligned start, within its split-KV chunk.
   const int q_first = w.row_begin / w.group, q_last = (min(w.row_begin + ROWS, rows_total) - 1) / w.group;
   const int key_begin = max((mask.key_begin(q_first) / KEYS) * KEYS, w.kv_begin);
