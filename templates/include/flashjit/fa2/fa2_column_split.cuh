@@ -207,15 +207,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   softmax.scale = Traits::kSoftCap ? 1.f : p.sm_scale * k_scale * kLog2e;
   softmax.cap_in = Traits::kSoftCap ? p.sm_scale * k_scale / p.logits_soft_cap : 0.f;
   softmax.cap_out = Traits::kSoftCap ? p.logits_soft_cap * kLog2e : 0.f;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    softmax.m[0][r] = kNegInf;
-    softmax.l[0][r] = 0.f;
-  }
-#pragma unroll
-  for (int n = 0; n < NT_O; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[0][n][e] = 0.f;
+  fa2::start_rows(softmax, o[0]);
 
   if (num_tiles > 0) {
     const auto k_rows = kv_rows<CopyT, Traits::kPaged>(p, w, p.k, p.k_stride_n / kStride, p.k_stride_h / kStride,

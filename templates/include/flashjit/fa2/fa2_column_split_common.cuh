@@ -3,11 +3,27 @@
 // multiplies its own k-steps of S = Q.K^T, the partial logits meet in shared
 // memory, and w owns a band of O's columns in O += P.V.
 #pragma once
+#include <math_constants.h>
 #include <stdint.h>
 #include "flashjit/fa2/fa2_primitives.cuh"
 
 namespace flashjit {
 namespace fa2 {
+
+// The CTA's rows before their first key (softmax: a WarpSoftmax of one m16
+// fragment): running max -inf, row sums 0, this warp's O columns 0.
+template <class Softmax, int NT_O>
+__device__ __forceinline__ void start_rows(Softmax& softmax, float (&o)[NT_O][4]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    softmax.m[0][r] = -CUDART_INF_F;
+    softmax.l[0][r] = 0.f;
+  }
+#pragma unroll
+  for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+}
 
 // One k-step of S = Q.K^T over every key of a tile: s[2 jn], s[2 jn + 1] +=
 // q_frag . K^T of keys 16 jn .. 16 jn + 15, K's B fragments read by ldmatrix

@@ -179,15 +179,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
   softmax.cap_in = 0.f;
   softmax.cap_out = 0.f;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    softmax.m[0][r] = kNegInf;
-    softmax.l[0][r] = 0.f;
-  }
-#pragma unroll
-  for (int n = 0; n < NT_O; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[0][n][e] = 0.f;
+  fa2::start_rows(softmax, o[0]);
 
   if (num_tiles > 0) {
     fa2::copy_mla_q<Traits, L, Traits::kThreads, 3>(p, w, q_smem, rows_total, tid);
