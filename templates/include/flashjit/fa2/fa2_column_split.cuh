@@ -311,7 +311,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         for (int e = 0; e < 4; ++e) s[0][j][e] = 0.f;
 #pragma unroll
       for (int i = 0; i < QK_STEPS; ++i)
-        fa2::mma_qk_step_over_tile<T, KEYS, ROW_BYTES>(s[0], q_frag[i], k_s, b_warp + L::block(kStepBlocks * i));
+        fa2::mma_qk_step_over_tile<T, KEYS, ROW_BYTES>(s[0], q_frag[i], k_s, b_warp,
+                                                       L::block(kStepBlocks * i));
       fa2::sum_logits_across_warps<WARPS, Traits::kXchgFloatsPerWarp>(s[0], xchg, warp, lane);
 
       const bool need_mask = (Traits::kCustomMask && t0 + KEYS > custom.full_keys) || t0 + KEYS > w.kv_len ||
@@ -322,7 +323,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       softmax.exp_to_p(s, pa, 0);
 
       // O[:, this warp's columns] += P . V.
-      fa2::mma_pv_columns<T, L, KSTEPS_PV, ROW_BYTES>(o[0], pa[0], v_s, v_warp);
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS_PV; ++kk)
+#pragma unroll
+        for (int dn = 0; dn < NT_O / 2; ++dn) {
+          uint32_t b[4];
+          fa2::ldmatrix_x4_trans(b, v_s + kk * 16 * ROW_BYTES + L::pair(v_warp, dn));
+          fa2::mma_16816<T>(o[0][2 * dn], pa[0][kk], b[0], b[1]);
+          fa2::mma_16816<T>(o[0][2 * dn + 1], pa[0][kk], b[2], b[3]);
+        }
     }
     cp_async_wait<0>();  // only empty groups can still be pending
   }

@@ -27,14 +27,15 @@ __device__ __forceinline__ void start_rows(Softmax& softmax, float (&o)[NT_O][4]
 
 // One k-step of S = Q.K^T over every key of a tile: s[2 jn], s[2 jn + 1] +=
 // q_frag . K^T of keys 16 jn .. 16 jn + 15, K's B fragments read by ldmatrix
-// from k_tile + jn * 16 rows + k_lane (this lane's offset of the step).
+// from k_tile + jn * 16 rows + k_lane (this lane's offset) + k_step (the step's
+// 128-byte block), summed in that order.
 template <class T, int kKeys, int kRowBytes>
 __device__ __forceinline__ void mma_qk_step_over_tile(float (&s)[kKeys / 8][4], const uint32_t (&q_frag)[4],
-                                                      uint32_t k_tile, uint32_t k_lane) {
+                                                      uint32_t k_tile, uint32_t k_lane, uint32_t k_step) {
 #pragma unroll
   for (int jn = 0; jn < kKeys / 16; ++jn) {
     uint32_t b[4];
-    ldmatrix_x4(b, k_tile + jn * 16 * kRowBytes + k_lane);
+    ldmatrix_x4(b, k_tile + jn * 16 * kRowBytes + k_lane + k_step);
     mma_16816<T>(s[2 * jn], q_frag, b[0], b[1]);
     mma_16816<T>(s[2 * jn + 1], q_frag, b[2], b[3]);
   }
@@ -63,23 +64,6 @@ __device__ __forceinline__ void sum_logits_across_warps(float (&s)[NT][4], float
         sum += v == warp ? s[j][e] : part;
       }
       s[j][e] = sum;
-    }
-}
-
-// O[:, this warp's columns] += P . V over a tile of kKSteps * 16 keys: V's B
-// fragments read by ldmatrix.trans from v_tile (rows kRowBytes apart) at this
-// warp's columns from v_warp (layout L's pair of n8 tiles dn).
-template <class T, class L, int kKSteps, int kRowBytes, int NT_O>
-__device__ __forceinline__ void mma_pv_columns(float (&o)[NT_O][4], const uint32_t (&pa)[kKSteps][4],
-                                               uint32_t v_tile, uint32_t v_warp) {
-#pragma unroll
-  for (int kk = 0; kk < kKSteps; ++kk)
-#pragma unroll
-    for (int dn = 0; dn < NT_O / 2; ++dn) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, v_tile + kk * 16 * kRowBytes + L::pair(v_warp, dn));
-      mma_16816<T>(o[2 * dn], pa[kk], b[0], b[1]);
-      mma_16816<T>(o[2 * dn + 1], pa[kk], b[2], b[3]);
     }
 }
 

@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         if constexpr (Traits::kKvFp8) {
           if (i == QK_STEPS - 1) fa2::scale_ckv_part(s[0], ckv_ratio);
         }
-        fa2::mma_qk_step_over_tile<T, KEYS, ROW_BYTES>(s[0], q_frag[i], tile_k, b_warp + L::block(i));
+        fa2::mma_qk_step_over_tile<T, KEYS, ROW_BYTES>(s[0], q_frag[i], tile_k, b_warp, L::block(i));
       }
       fa2::sum_logits_across_warps<WARPS, Traits::kXchgFloatsPerWarp>(s[0], xchg, warp, lane);
 
@@ -249,7 +249,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       softmax.exp_to_p(s, pa, 0);
 
       // O[:, 128 warp ...] += P . V, V = the ckv part of the tile.
-      fa2::mma_pv_columns<T, L, KSTEPS_PV, ROW_BYTES>(o[0], pa[0], tile_k, v_warp);
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS_PV; ++kk)
+#pragma unroll
+        for (int dn = 0; dn < NT_O / 2; ++dn) {
+          uint32_t b[4];
+          fa2::ldmatrix_x4_trans(b, tile_k + kk * 16 * ROW_BYTES + L::pair(v_warp, dn));
+          fa2::mma_16816<T>(o[0][2 * dn], pa[0][kk], b[0], b[1]);
+          fa2::mma_16816<T>(o[0][2 * dn + 1], pa[0][kk], b[2], b[3]);
+        }
     }
     cp_async_wait<0>();  // only empty groups can still be pending
   }
