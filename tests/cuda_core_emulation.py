@@ -180,11 +180,12 @@ def prefill(q, k, v, *, causal=False, sm_scale=None, window_left=-1, soft_cap=No
     return to_dtype(o.transpose(0, 1), q.dtype), lse.transpose(0, 1).to(torch.float32)
 
 
-def decode_geometry(dim: int) -> dict:
-    """cuda_core_decode.cuh: 8 dims per lane on dim / 8 lanes of a group the
-    next power of two wide (the rest idle), key groups side by side in a warp,
-    4 keys per group and chunk, 4 warps taking chunks in turn."""
-    lanes = 1 << (dim // 8 - 1).bit_length()
+def decode_geometry(dim: int, dims_per_lane: int = 8) -> dict:
+    """cuda_core_decode.cuh: dims_per_lane dims per lane (8 for 16-bit caches;
+    16 for FP8 ones and at 512) on dim / dims_per_lane lanes of a group the next
+    power of two wide (the rest idle), key groups side by side in a warp, 4 keys
+    per group and chunk, 4 warps taking chunks in turn."""
+    lanes = 1 << (dim // dims_per_lane - 1).bit_length()
     groups = 32 // lanes
     return {"lanes": lanes, "groups": groups, "keys_per_group": 4, "warps": 4, "chunk": groups * 4}
 

@@ -59,12 +59,12 @@ def test_decode_lane_groups_follow_the_emulation(head_dim, dtype, dtype_kv):
         active = head_dim // tiling.dims_per_lane
         # The narrowest power of two that holds the key's dims; groups fill the warp.
         assert lanes & (lanes - 1) == 0 and lanes // 2 < active <= lanes and lanes * groups == 32
-        geo = emu.decode_geometry(head_dim)
+        geo = emu.decode_geometry(head_dim, tiling.dims_per_lane)
         assert (geo["lanes"], geo["groups"]) == (lanes, groups)
         assert tiling.rescales(spec) == (geo["chunk"] * geo["warps"], int(math.log2(groups)) + 1)
         levels = int(math.log2(groups))
         assert tiling.chains(spec) == {
-            "dot_chain": 8 + int(math.log2(lanes)), "pv_chains": groups * geo["warps"],
+            "dot_chain": tiling.dims_per_lane + int(math.log2(lanes)), "pv_chains": groups * geo["warps"],
             "l_chains": groups * geo["warps"], "l_tail": 2 * levels + 2 * geo["warps"], "merge_levels": levels + 1}
         text = render.render(spec).text
         assert f"/*kHeadDim=*/{head_dim}," in text and f"/*kDimsPerLane=*/{tiling.dims_per_lane}," in text
