@@ -58,6 +58,28 @@ struct MlaCacheRows {
     c_src = ckv + (pg * ckv_page_bytes + slot * ckv_row_bytes);
     k_src = kpe + (pg * kpe_page_bytes + slot * kpe_row_bytes);
   }
+
+  // Page ids and slots of a thread's rows key0 + i * kRowsPerPass (i < kPasses)
+  // of the tile at k0, page -1 at or past `valid`: looked up a tile ahead, so
+  // that the page-table reads are off the copies' path.
+  template <int kPasses>
+  struct PageRows {
+    int page[kPasses], slot[kPasses];
+  };
+  template <int kPasses, int kRowsPerPass>
+  __device__ __forceinline__ void lookup_rows(PageRows<kPasses>& rows, int key0, int k0, int valid) const {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int key = key0 + i * kRowsPerPass;
+      rows.page[i] = -1;
+      rows.slot[i] = 0;
+      if (key < valid) {
+        const int page_at = page_div.div(k0 + key);
+        rows.slot[i] = page_div.mod(k0 + key, page_at);
+        rows.page[i] = pages[page_at];
+      }
+    }
+  }
 };
 
 // The MLA kernels' Q rows (fa2_mla.cuh, fa3/fa3_mla.cuh; Traits: their shape):

@@ -49,31 +49,16 @@ __device__ __forceinline__ void key_group_sync(int t, int g) {
 template <class Traits>
 struct MlaGather : fa2::MlaCacheRows<typename Traits::DType> {
   using Base = fa2::MlaCacheRows<typename Traits::DType>;
-  using Base::pages, Base::page_div;
   static constexpr int kPasses = Traits::kLoaderPasses, kRowsPerPass = Traits::kLoaderRowsPerPass;
   int key0, sub;
 
   __device__ __forceinline__ MlaGather(const FlashjitAttentionParams& p, const CtaWork& w, int tid)
       : Base(p, w, (tid % 8) * 16), key0(tid / 8), sub(tid % 8) {}
 
-  // This thread's rows of the tile of keys k0 .. k0 + 63: page ids and slots,
-  // page -1 at or past `valid` (looked up a tile ahead, so that the page-table
-  // reads are off the copies' path).
-  struct Rows {
-    int page[kPasses], slot[kPasses];
-  };
+  using Rows = typename Base::template PageRows<kPasses>;
+  // This thread's rows of the tile of keys k0 .. k0 + 63 (MlaCacheRows::lookup_rows).
   __device__ __forceinline__ void lookup(Rows& rows, int k0, int valid) const {
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      const int key = key0 + i * kRowsPerPass;
-      rows.page[i] = -1;
-      rows.slot[i] = 0;
-      if (key < valid) {
-        const int page_at = page_div.div(k0 + key);
-        rows.slot[i] = page_div.mod(k0 + key, page_at);
-        rows.page[i] = pages[page_at];
-      }
-    }
+    Base::template lookup_rows<kPasses, kRowsPerPass>(rows, key0, k0, valid);
   }
 
   // Copies this thread's chunks of blocks kFirst .. kEnd - 1 of the looked-up

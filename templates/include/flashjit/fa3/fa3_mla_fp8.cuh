@@ -41,7 +41,6 @@ namespace fa3 {
 template <class Traits>
 struct MlaCodeLoader : fa2::MlaCacheRows<typename Traits::KvType> {
   using Base = fa2::MlaCacheRows<typename Traits::KvType>;
-  using Base::pages, Base::page_div;
   using Tile = typename Traits::Tile;
   static constexpr int kBlocks = Traits::kBlocks, kRowsPerPass = Traits::kLoaderThreads / 4;
   static constexpr int kPasses = Traits::kKeysPerTile / kRowsPerPass;
@@ -51,23 +50,10 @@ struct MlaCodeLoader : fa2::MlaCacheRows<typename Traits::KvType> {
   __device__ __forceinline__ MlaCodeLoader(const FlashjitAttentionParams& p, const CtaWork& w, int tid)
       : Base(p, w, (tid % 4) * 16), key0(tid / 4), q(tid % 4) {}
 
-  struct Rows {
-    int page[kPasses], slot[kPasses];
-  };
-  // Page ids and slots of this thread's rows of the tile at k0 (page -1 at or
-  // past `valid`), looked up a tile ahead of its copies.
+  using Rows = typename Base::template PageRows<kPasses>;
+  // This thread's rows of the tile at k0 (MlaCacheRows::lookup_rows).
   __device__ __forceinline__ void lookup(Rows& rows, int k0, int valid) const {
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      const int key = key0 + i * kRowsPerPass;
-      rows.page[i] = -1;
-      rows.slot[i] = 0;
-      if (key < valid) {
-        const int page_at = page_div.div(k0 + key);
-        rows.slot[i] = page_div.mod(k0 + key, page_at);
-        rows.page[i] = pages[page_at];
-      }
-    }
+    Base::template lookup_rows<kPasses, kRowsPerPass>(rows, key0, k0, valid);
   }
 
   // Chunk `chunk` (16 codes) of row `row` of a code block (64 codes a row).
