@@ -168,15 +168,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   float o[1][NT_O][4];
   fa2::WarpSoftmax<SoftmaxTraits> softmax;
-  float ckv_ratio = 1.f, out_scale = 1.f;  // an FP8 cache's (fa2_mla_fp8.cuh)
-  if constexpr (Traits::kKvFp8) {
-    const fa2::MlaKvScales scales(p);
-    softmax.scale = scales.softmax_scale(p.sm_scale, kLog2e);
-    ckv_ratio = scales.ratio;
-    out_scale = scales.ckv;
-  } else {
-    softmax.scale = p.sm_scale * kLog2e;
-  }
+  const fa2::MlaScales<Traits::kKvFp8> scales(p, kLog2e);  // an FP8 cache's (fa2_mla_fp8.cuh)
+  const float ckv_ratio = scales.ckv_ratio, out_scale = scales.out;
+  softmax.scale = scales.softmax;
   softmax.cap_in = 0.f;
   softmax.cap_out = 0.f;
   fa2::start_rows(softmax, o[0]);

@@ -64,6 +64,24 @@ struct MlaKvScales {
   }
 };
 
+// The scales an MLA kernel applies: the softmax's (sm_scale x log2 e; with an
+// FP8 cache, MlaKvScales::softmax_scale), the ratio on S's ckv part and the
+// normalised output's (both 1 with a cache of q's dtype).
+template <bool kKvFp8>
+struct MlaScales {
+  float softmax, ckv_ratio = 1.f, out = 1.f;
+  __device__ __forceinline__ MlaScales(const FlashjitAttentionParams& p, float log2e) {
+    if constexpr (kKvFp8) {
+      const MlaKvScales scales(p);
+      softmax = scales.softmax_scale(p.sm_scale, log2e);
+      ckv_ratio = scales.ratio;
+      out = scales.ckv;
+    } else {
+      softmax = p.sm_scale * log2e;
+    }
+  }
+};
+
 // S's ckv part x ratio, once its k-steps have landed and before the kpe ones.
 template <int NT>
 __device__ __forceinline__ void scale_ckv_part(float (&s)[NT][4], float ratio) {

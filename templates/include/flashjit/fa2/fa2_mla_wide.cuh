@@ -62,13 +62,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (!w.valid || w.row_begin >= rows_total) return;  // uniform across the CTA
   const fa2::MlaCtaKeys<Traits::kCausal, ROWS, KEYS> keys(w, rows_total);
   const int key_begin = keys.key_begin, num_tiles = keys.num_tiles;
-  float scale = p.sm_scale * kLog2e, ckv_ratio = 1.f, out_scale = 1.f;  // with an FP8 cache's scales
-  if constexpr (Traits::kKvFp8) {
-    const fa2::MlaKvScales scales(p);
-    scale = scales.softmax_scale(p.sm_scale, kLog2e);
-    ckv_ratio = scales.ratio;
-    out_scale = scales.ckv;
-  }
+  const fa2::MlaScales<Traits::kKvFp8> scales(p, kLog2e);  // with an FP8 cache's scales
+  const float scale = scales.softmax, ckv_ratio = scales.ckv_ratio, out_scale = scales.out;
 
   // Softmax state of this warp's rows 16 rg + g (+ 8): the max (shared by the
   // row group's two warps) and the sums over this warp's keys (lane partials).

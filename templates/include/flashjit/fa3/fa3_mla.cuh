@@ -176,13 +176,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   float* factors = reinterpret_cast<float*>(smem + Traits::kFactorOffset);
   float* row_sums = reinterpret_cast<float*>(smem + Traits::kSumOffset);
   const int row_in_cta[2] = {16 * wq + g, 16 * wq + g + 8};
-  float scale = p.sm_scale * kLog2e, ckv_ratio = 1.f, out_scale = 1.f;  // with an FP8 cache's scales
-  if constexpr (Traits::kKvFp8) {
-    const fa2::MlaKvScales scales(p);
-    scale = scales.softmax_scale(p.sm_scale, kLog2e);
-    ckv_ratio = scales.ratio;
-    out_scale = scales.ckv;
-  }
+  const fa2::MlaScales<Traits::kKvFp8> scales(p, kLog2e);  // with an FP8 cache's scales
+  const float scale = scales.softmax, ckv_ratio = scales.ckv_ratio, out_scale = scales.out;
   float m[2] = {kNegInf, kNegInf}, m_ref[2] = {0.f, 0.f}, l[2] = {0.f, 0.f};
   float o[NT_O][4];
 #pragma unroll
