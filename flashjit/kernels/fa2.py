@@ -231,10 +231,12 @@ def tiling(spec: KernelSpec, arches=None) -> Fa2Tiling | Fa2ColumnSplitTiling:
     unknown) admits FA2_WIDE_TILINGS where all of them are WIDE_TILING_ARCHES
     and fit min_blocks_per_sm of its CTAs per SM."""
     # Batch-invariant decode splits rows, on the key tiles of paged prefill.
-    table = FA2_DECODE_TILINGS if spec.op in DECODE_OPS and not spec.invariant_decode else FA2_TILINGS
-    if table is FA2_DECODE_TILINGS and spec.dtype_kv != spec.dtype_q:
-        table = {**table, **FA2_FP8_DECODE_TILINGS}
-    chosen = table[tiling_head_dim(spec.head_dim_qk)]
+    decode = spec.op in DECODE_OPS and not spec.invariant_decode
+    head_dim = tiling_head_dim(spec.head_dim_qk)
+    if decode and spec.dtype_kv != spec.dtype_q and head_dim in FA2_FP8_DECODE_TILINGS:
+        chosen = FA2_FP8_DECODE_TILINGS[head_dim]
+    else:
+        chosen = (FA2_DECODE_TILINGS if decode else FA2_TILINGS)[head_dim]
     assert chosen.smem_bytes(spec) <= common.SMEM_BUDGET, spec.name
     # The wide tilings load K/V by TMA in 128-byte blocks: head dims 64, 128 and 256.
     wide = FA2_WIDE_TILINGS.get(spec.head_dim_qk)
