@@ -21,7 +21,7 @@
 # tests, then dev/verification_speed.py and dev/cascade_speed.py beside FlashInfer;
 # sanitize: the GPU tests of $SANITIZE_TESTS (default: custom masks, cascade, fa3 over an FP8
 # cache, head dim 512; FLASHJIT_TEST_HEAD_DIMS defaults to 128,512), once plain (builds the kernels),
-# then under compute-sanitizer memcheck, racecheck and synccheck ($SANITIZE_K: a pytest -k filter;
+# then under compute-sanitizer memcheck, racecheck and synccheck at once ($SANITIZE_K: a pytest -k filter;
 # each tool under $SANITIZE_LIMIT seconds, default 240);
 # invariant: the batch-invariant GPU tests, then dev/batch_invariant_cost.py
 # with $INVARIANT_ARGS (default: every prefill and decode row);
@@ -167,10 +167,15 @@ if [ "$MODE" = fp8 ]; then
   echo "== summary: gpu tests rc=$test_rc, decode rc=$decode_rc, overall status=$status"
   exit $status
 fi
-if [ "$MODE" = sanitize ]; then
+if [ "$MODE" = sanitize ]; then  # the three tools at once: each is bound by its own instrumentation, not the GPU
+  pids=()
   for tool in memcheck racecheck synccheck; do
     timeout ${SANITIZE_LIMIT:-240} compute-sanitizer --tool $tool --error-exitcode 1 python3 -m pytest -q -x -m gpu \
-      "${targets[@]}" ${SANITIZE_K:+-k "$SANITIZE_K"} -p no:cacheprovider >"$OUT/sanitizer_$tool.log" 2>&1 || status=1
+      "${targets[@]}" ${SANITIZE_K:+-k "$SANITIZE_K"} -p no:cacheprovider >"$OUT/sanitizer_$tool.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in 0 1 2; do wait ${pids[$i]} || status=1; done
+  for tool in memcheck racecheck synccheck; do
     echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -n 1)," \
       "$(grep -E 'passed|failed' "$OUT/sanitizer_$tool.log" | tail -n 1)"
   done
