@@ -249,16 +249,17 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
     An explicit backend='fa3' that the targets or the op cannot take runs fa2
     with a one-time warning naming the reason; with `strict` (default:
     FLASHJIT_STRICT_BACKEND) it raises ValueError instead. kv_dtype: an FP8
-    KV cache's dtype (None: q's), which fa3 reads for FA3_FP8_OPS only.
-    head_dim: Q's and K's (None: not known yet), which fa3 generates for
-    FA3_HEAD_DIMS only (MLA has its own geometry); head_dim_vo: V's and O's
+    KV cache's dtype (None: q's), which fa3 reads for FA3_FP8_OPS and
+    FA3_FP8_HEAD_DIMS only. head_dim: Q's and K's (None: not known yet), which
+    fa3 generates for FA3_HEAD_DIMS only (MLA has its own geometry) and auto
+    picks it for at FA3_AUTO_HEAD_DIMS; head_dim_vo: V's and O's
     (None: head_dim's), which fa3 generates equal to head_dim or as a pair of
     QK_VO_HEAD_DIMS.
     custom_mask: the call has one, which fa3 does not read (spec.MASK_OPS);
     CUDA cores are the ops' error (ops._masks.check_cores), not a choice here."""
     from .kernels import fa3
-    from .spec import DECODE_OPS, FA3_FP8_OPS, FA3_HEAD_DIMS, FA3_OPS, KV_ONLY_DTYPES, MLA_OPS, QK_VO_HEAD_DIMS, \
-        TENSOR_CORE_DTYPES, TENSOR_CORE_OPS
+    from .spec import DECODE_OPS, FA3_AUTO_HEAD_DIMS, FA3_FP8_HEAD_DIMS, FA3_FP8_OPS, FA3_HEAD_DIMS, FA3_OPS, \
+        KV_ONLY_DTYPES, MLA_OPS, QK_VO_HEAD_DIMS, TENSOR_CORE_DTYPES, TENSOR_CORE_OPS
 
     if backend not in ("auto", "fa2", "fa3"):
         raise ValueError(f"backend: expected 'auto', 'fa2' or 'fa3', got {backend!r}")
@@ -293,7 +294,13 @@ def choose_backend(op: str, dtype: str, use_tensor_cores: bool | None, backend: 
         why_not = f"fa3 does not generate head_dim {head_dim} (it does {', '.join(map(str, FA3_HEAD_DIMS))})"
     elif kv_dtype in KV_ONLY_DTYPES and op not in FA3_FP8_OPS:
         why_not = f"fa3 reads an FP8 KV cache for {', '.join(FA3_FP8_OPS)} only"
+    elif kv_dtype in KV_ONLY_DTYPES and head_dim is not None and op not in MLA_OPS and \
+            head_dim not in FA3_FP8_HEAD_DIMS:
+        why_not = f"fa3 reads an FP8 KV cache at head dims {', '.join(map(str, FA3_FP8_HEAD_DIMS))} only"
     if backend == "auto":
+        if why_not is None and head_dim is not None and op not in MLA_OPS and head_dim not in FA3_AUTO_HEAD_DIMS:
+            # fa3 runs there when asked for; auto waits for a same-run table with it ahead (spec.FA3_AUTO_HEAD_DIMS).
+            why_not = f"fa3 at head_dim {head_dim} is not yet measured ahead of fa2 (backend='fa3' runs it)"
         if why_not is None:
             return "fa3", True, reason + "; fa3 (sm_90a: wgmma, TMA, warp specialization)"
         return "fa2", True, reason + f"; fa2 (mma.sync), as {why_not}"

@@ -74,7 +74,13 @@ ALL_HEAD_DIMS = HEAD_DIMS + WIDE_HEAD_DIMS
 MASK_OPS = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")
 MASK_ON_CUDA_CORES = False
 # The head dims the fa3 backend generates; others run on fa2 (arch.choose_backend).
-FA3_HEAD_DIMS = (64, 128, 192, 256)
+# 96 runs on tiles padded to whole 64-column blocks (docs/fa3.md). FA3_AUTO_HEAD_DIMS:
+# those `auto` picks fa3 for, where a same-run table has it ahead of fa2; at the
+# others fa3 runs when backend="fa3" asks for it. FA3_FP8_HEAD_DIMS: those whose
+# fa3 kernels read an FP8 cache (whole blocks: fa3_fp8.cuh).
+FA3_HEAD_DIMS = (64, 96, 128, 192, 256)
+FA3_AUTO_HEAD_DIMS = (64, 128, 192, 256)
+FA3_FP8_HEAD_DIMS = (64, 128, 192, 256)
 # (head_dim_qk, head_dim_vo) pairs with V and O narrower than Q and K (DeepSeek-V2/V3's
 # prefill), for QK_VO_OPS with K/V of q's dtype: CUDA cores, and fa2's tensor cores
 # (its paged, FP8, TMA and split-keys kernels keep the two equal), and fa3's tensor cores.
@@ -359,6 +365,10 @@ class KernelSpec:
         if self.backend == "fa3" and self.op not in FA3_FP8_OPS:
             fail(f"an FP8 KV cache for {self.op} on backend fa3 is not yet generated",
                  f"{supported} (on fa3: {', '.join(FA3_FP8_OPS)})", self.replace(backend="fa2"))
+        if self.backend == "fa3" and self.op not in MLA_OPS and self.head_dim_qk not in FA3_FP8_HEAD_DIMS:
+            fail(f"an FP8 KV cache at head_dim {self.head_dim_qk} on backend fa3 is not yet generated",
+                 f"{supported} (on fa3: head dims {', '.join(map(str, FA3_FP8_HEAD_DIMS))})",
+                 self.replace(backend="fa2"))
         if self.head_dim_qk != self.head_dim_vo:
             fail(f"an FP8 KV cache with head_dim_qk={self.head_dim_qk} != head_dim_vo={self.head_dim_vo} is not yet "
                  f"generated", f"{supported}, with equal head dims; {qk_vo_text()}", plain)

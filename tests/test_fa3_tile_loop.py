@@ -12,7 +12,8 @@ paged kernel, d256 causal 6-7% slower for it
 (benchmarks/results/2026-11-27-h200-fa3-paged-slot-release.md). The fold kernel
 runs each chunk from tile 0 and the paged kernels order the exponentials after
 the arrival through its token (fa3_attention.cuh); this checks that every fa3
-prefill kernel, normal and fold, gives each slot back before the softmax."""
+prefill kernel, normal and fold, gives each slot back before the softmax, and
+that head dim 96, on d128's tiles, multiplies only its data by Q.K^T."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from helpers_sass import functions, innermost_loop, sass
 
 WAIT, EXP = "WARPGROUP.DEPBAR", "MUFU.EX2"
 OPS = ["batch_prefill_ragged", "batch_prefill_paged"]
-HEAD_DIMS = [64, 128, 192, 256]
+HEAD_DIMS = [64, 96, 128, 192, 256]
 CAUSAL = [False, True]
 # Fa3Traits' last two arguments, kChunkFold and kHeadDimVo: normal mode's kernel and batch-invariant mode's.
 KERNELS = {"normal": re.compile(r"ELb0ELi\d+EEEEEv23FlashjitAttentionParamsNS_14KvMapsPagedArgE$"),
@@ -78,3 +79,19 @@ def test_fa3_gives_each_slot_back_before_the_softmax(libraries, op, head_dim, ca
         # Two tiles per iteration, each with its two waits.
         assert len(counts) == 4, (kind, counts)
         assert counts == [0, 0, 0, 0], f"{kind} kernel: exponentials before a slot is given back, per wait: {counts}"
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+@pytest.mark.parametrize("op", OPS)
+def test_head_dim_96_runs_qk_over_its_data_and_pv_over_whole_blocks(libraries, op):
+    """d96 runs on d128's tiles (fa3_traits.cuh kTileCols): per tile, Q.K^T takes 96 / 16 = 6 k-steps where d128
+    takes 8, P.V the same 128 / 16 = 8 of m64n128k16 (V's second block half data), two tiles an iteration."""
+    def loop_products(head_dim: int) -> int:
+        code = functions(sass(libraries[spec(op, head_dim, True)]))
+        (name,) = [n for n in code if "fa3_attention_kernel" in n and KERNELS["normal"].search(n)]
+        loop = innermost_loop(code[name], must_hold=("HGMMA", WAIT, EXP))
+        assert all("HGMMA.64x128x16.F32.BF16" in x for x in loop if "HGMMA" in x), name
+        return sum("HGMMA" in x for x in loop)
+
+    assert (loop_products(128), loop_products(96)) == (2 * (8 + 8), 2 * (6 + 8))

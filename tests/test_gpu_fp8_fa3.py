@@ -18,7 +18,7 @@ import torch
 
 import flashjit
 from flashjit.reference import ragged_reference
-from flashjit.spec import FA3_HEAD_DIMS, canonical_dtype
+from flashjit.spec import FA3_FP8_HEAD_DIMS, canonical_dtype
 from sweep import FP8_KV_DTYPES, FP8_Q_DTYPES, build_for_gpu, fa3_runs_here, spec_for
 from test_gpu_attention import poison_allocator, randn
 from test_gpu_fp8 import (K_SCALE, V_SCALE, Fp8PagedBatch, check_fp8, check_fp8_ragged_prefill_tensor_scales,
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.gpu
 PREFILL = [(1, 1), (37, 300), (128, 128), (16, 1000), (70, 70), (0, 5), (5, 0), (200, 2100)]
 PAGE_SIZES = [1, 16, 64]  # gathered, gathered, TMA boxes of 64 slots
 # FLASHJIT_TEST_HEAD_DIMS (a comma list, as tests/test_gpu_head_dims.py reads it) keeps those of fa3's.
-HEAD_DIMS = [d for d in FA3_HEAD_DIMS if not os.environ.get("FLASHJIT_TEST_HEAD_DIMS")
+HEAD_DIMS = [d for d in FA3_FP8_HEAD_DIMS if not os.environ.get("FLASHJIT_TEST_HEAD_DIMS")
              or d in {int(x) for x in os.environ["FLASHJIT_TEST_HEAD_DIMS"].split(",")}]
 # (op, causal) the tests plan, at every head dim, q and KV dtype.
 OPS = [("batch_prefill_paged", False), ("batch_prefill_paged", True), ("batch_prefill_ragged", True),

@@ -1,14 +1,14 @@
 """Head dims beyond 64/128/256 on a GPU: single prefill and decode, ragged and
 paged prefill, paged decode on CUDA cores (fp16, bf16, fp32) and on the fa2
 tensor cores (fp16, bf16), prefill on fa3 (sm_90a) at the head dims it
-generates (192), causal and not, GQA 8/2, each against the float64 reference
+generates (96, 192), causal and not, GQA 8/2, each against the float64 reference
 within its own tolerance profile (LSE too), on fresh random inputs with
 poisoned outputs; per head dim one sinks case, one soft-cap + sliding window
 case, the `auto` choice and the KV append. V narrower than Q and K
 (head_dim_qk 192, head_dim_vo 128, DeepSeek-V2/V3's prefill): single and
 ragged prefill on the fa2 and fa3 tensor cores (fp16, bf16) and CUDA cores
 (bf16, fp32), causal and not, GQA 8/2, with LSE, a split-KV batch whose merge
-combines 128-wide states, sinks, and fa3's batch-invariant fold at 192 and 192/128.
+combines 128-wide states, sinks, and fa3's batch-invariant fold at 192, 192/128 and 96.
 512 where generated (decode on both cores, paged prefill on fa2; also pages of
 1 token and MQA 32/1); FP8 and batch-invariant mode at 512: test_gpu_head_dim_512.py.
 tests/sweep.py keeps the main sweep at 64/128/256; these configurations are
@@ -26,7 +26,7 @@ import torch
 import flashjit
 from flashjit.reference import attention_reference, ragged_reference
 from flashjit.ops import _invariant
-from flashjit.spec import FA3_HEAD_DIMS, HEAD_DIMS, WIDE_HEAD_DIMS, KernelSpec, head_dims_for
+from flashjit.spec import FA3_AUTO_HEAD_DIMS, FA3_HEAD_DIMS, HEAD_DIMS, WIDE_HEAD_DIMS, KernelSpec, head_dims_for
 from sweep import build_for_gpu, fa3_runs_here, path_kwargs, spec_for, spec_path
 from test_gpu_attention import RAGGED_BATCHES, check, poison_allocator, randn
 from test_gpu_paged import DECODE_LENS, PREFILL_KV, PREFILL_QO, decode_case, prefill_case
@@ -249,7 +249,7 @@ def test_auto_runs_its_choice(built, head_dim):
     q = randn(300, HEADS[0], head_dim, dtype=BF16)
     k, v = (randn(700, HEADS[1], head_dim, dtype=BF16) for _ in range(2))
     auto = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True)
-    backend = "fa3" if head_dim in FA3_HEAD_DIMS and fa3_runs_here() else "fa2"
+    backend = "fa3" if head_dim in FA3_AUTO_HEAD_DIMS and fa3_runs_here() else "fa2"
     explicit = flashjit.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True, backend=backend,
                                                      use_tensor_cores=True)
     assert torch.equal(auto[0], explicit[0]) and torch.equal(auto[1], explicit[1])
@@ -376,12 +376,13 @@ def test_sinks_v_narrower(built, error_report, path):
 
 
 @ON_FA3
-@pytest.mark.parametrize("vo", [QK, VO], ids=["192", "192-128"])
-def test_batch_invariant_fa3_folds_chunks(built, error_report, monkeypatch, vo):
-    """Batch-invariant ragged prefill on fa3 at 192 (and V 128 wide): the long
-    request's CTAs fold its chunks (the chunk-fold kernel, asked for with
-    fold_policy "always"), within the profile; the request alone gives the same
-    bits as beside the others."""
+@pytest.mark.parametrize("qk,vo", [(QK, QK), (QK, VO), (96, 96)], ids=["192", "192-128", "96"])
+def test_batch_invariant_fa3_folds_chunks(built, error_report, monkeypatch, qk, vo):
+    """Batch-invariant ragged prefill on fa3 at 192 (and V 128 wide) and at 96
+    (the output's columns of a padded accumulator): the long request's CTAs fold
+    its chunks (the chunk-fold kernel, asked for with fold_policy "always"),
+    within the profile; the request alone gives the same bits as beside the
+    others."""
     num_qo, num_kv = HEADS
     monkeypatch.setattr(_invariant, "fold_policy", "always")
 
@@ -390,7 +391,7 @@ def test_batch_invariant_fa3_folds_chunks(built, error_report, monkeypatch, vo):
         kv_indptr = torch.tensor([0, *kv_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         w = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 26, dtype=torch.uint8, device="cuda"),
                                                           backend="fa3")
-        w.plan(qo_indptr, kv_indptr, num_qo, num_kv, QK, head_dim_vo=vo, causal=True, q_data_type=BF16,
+        w.plan(qo_indptr, kv_indptr, num_qo, num_kv, qk, head_dim_vo=vo, causal=True, q_data_type=BF16,
                batch_invariant=True)
         assert w._plan.module.spec.backend == "fa3" and w._plan.work.folds
         poison_allocator()
@@ -399,13 +400,13 @@ def test_batch_invariant_fa3_folds_chunks(built, error_report, monkeypatch, vo):
         return res
 
     qo_lens, kv_lens = [40, 3, 1], [9000, 300, 20]
-    q = randn(sum(qo_lens), num_qo, QK, dtype=BF16)
-    k, v = randn(sum(kv_lens), num_kv, QK, dtype=BF16), randn(sum(kv_lens), num_kv, vo, dtype=BF16)
+    q = randn(sum(qo_lens), num_qo, qk, dtype=BF16)
+    k, v = randn(sum(kv_lens), num_kv, qk, dtype=BF16), randn(sum(kv_lens), num_kv, vo, dtype=BF16)
     out, lse = run(qo_lens, kv_lens, q, k, v)
     ref, ref_lse = ragged_reference(q, k, v, [0, 40, 43, 44], [0, 9000, 9300, 9320], causal=True)
-    spec = KernelSpec.make("batch_prefill_ragged", BF16, QK, head_dim_vo=vo, backend="fa3", use_tensor_cores=True,
+    spec = KernelSpec.make("batch_prefill_ragged", BF16, qk, head_dim_vo=vo, backend="fa3", use_tensor_cores=True,
                            causal=True, return_lse=True)
-    check(spec, out, ref, q, k, v, max(kv_lens), 1 / math.sqrt(QK), error_report, "ragged_invariant_fa3", lse=lse,
+    check(spec, out, ref, q, k, v, max(kv_lens), 1 / math.sqrt(qk), error_report, "ragged_invariant_fa3", lse=lse,
           ref_lse=ref_lse, shape="fold", heads=HEADS)
     alone, alone_lse = run(qo_lens[:1], kv_lens[:1], q[:40], k[:9000], v[:9000])
     assert torch.equal(alone, out[:40]) and torch.equal(alone_lse, lse[:40])

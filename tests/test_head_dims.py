@@ -23,8 +23,8 @@ from flashjit.ops import _checks, _launch
 from flashjit.ops.prefill import plan_spec
 from flashjit.reference import attention_reference
 from flashjit.selection import SelectionError
-from flashjit.spec import (ATTENTION_OPS, FA3_HEAD_DIMS, FA3_OPS, HEAD_DIMS, KernelSpec, head_dims_text,
-                           nearest_head_dim, nearest_head_dims)
+from flashjit.spec import (ATTENTION_OPS, FA3_AUTO_HEAD_DIMS, FA3_HEAD_DIMS, FA3_OPS, HEAD_DIMS, KernelSpec,
+                           head_dims_text, nearest_head_dim, nearest_head_dims)
 from test_tolerance_reference import emulate_kernel, make_inputs, one_thread  # noqa: F401 (fixture)
 
 FA3_TEXT = ", ".join(map(str, FA3_HEAD_DIMS))  # as the messages list them
@@ -109,13 +109,39 @@ def test_auto_falls_back_to_fa2_for_head_dims_fa3_lacks(op, head_dim):
 
 
 def test_fa3_head_dims_and_mla_keep_fa3():
-    for d in FA3_HEAD_DIMS:
+    for d in FA3_AUTO_HEAD_DIMS:
         assert arch.choose_backend("batch_prefill_paged", "bfloat16", None, "auto", targets=("sm_90a",),
                                    head_dim=d)[0] == "fa3"
     assert arch.choose_backend("mla_paged", "bfloat16", None, "auto", targets=("sm_90a",), head_dim=576)[0] == "fa3"
     # Without wgmma the arch is the reason, whatever the head dim.
     assert "fa3 needs wgmma" in arch.choose_backend("single_prefill", "bfloat16", None, "auto", targets=("sm_80",),
                                                     head_dim=96)[2]
+
+
+@pytest.mark.parametrize("op", PREFILL_OPS)
+def test_fa3_head_dims_auto_leaves_run_when_asked_for(op):
+    """fa3 generates 96 (tiles of whole 64-column blocks) and runs it for backend="fa3"; auto keeps fa2 there,
+    with the reason, until a same-run table has fa3 ahead (spec.FA3_AUTO_HEAD_DIMS)."""
+    for d in sorted(set(FA3_HEAD_DIMS) - set(FA3_AUTO_HEAD_DIMS)):
+        backend, tc, reason = arch.choose_backend(op, "bfloat16", None, "auto", targets=("sm_90a",), head_dim=d)
+        assert (backend, tc) == ("fa2", True)
+        assert reason.endswith(f"as fa3 at head_dim {d} is not yet measured ahead of fa2 (backend='fa3' runs it)")
+        assert arch.choose_backend(op, "bfloat16", True, "fa3", targets=("sm_90a",), head_dim=d,
+                                   strict=True)[0] == "fa3"
+        KernelSpec.make(op, "bfloat16", d, backend="fa3", use_tensor_cores=True).validate()
+    assert set(FA3_AUTO_HEAD_DIMS) < set(FA3_HEAD_DIMS) and 96 in FA3_HEAD_DIMS
+
+
+def test_fa3_reads_no_fp8_cache_at_head_dim_96():
+    """fa3's FP8 loader widens whole 64-column blocks: an FP8 cache at 96 runs fa2, with the reason."""
+    spec = KernelSpec.make("batch_prefill_paged", "bfloat16", 96, dtype_kv="float8_e4m3fn", backend="fa3",
+                           use_tensor_cores=True)
+    with pytest.raises(ValueError, match="an FP8 KV cache at head_dim 96 on backend fa3 is not yet generated") as info:
+        spec.validate()
+    assert str(info.value).endswith(spec.replace(backend="fa2").validate().name)
+    backend, _, reason = arch.choose_backend("batch_prefill_paged", "bfloat16", None, "auto", targets=("sm_90a",),
+                                             kv_dtype="float8_e4m3fn", head_dim=96)
+    assert backend == "fa2" and reason.endswith("fa3 reads an FP8 KV cache at head dims 64, 128, 192, 256 only")
 
 
 def test_explicit_fa3_for_another_head_dim_warns_and_runs_fa2_or_raises_when_strict():

@@ -15,6 +15,11 @@ MLA_TEMPLATE = "attention_mla_fa3.cu.jinja"
 ARCHES = frozenset({"sm_90a"})
 
 
+def _whole_blocks(head_dim: int) -> int:
+    """Columns of a shared-memory tile: whole 64-column blocks (Fa3Traits::kTileCols)."""
+    return -(-head_dim // 64) * 64
+
+
 @dataclass(frozen=True)
 class Fa3Tiling:
     """A CTA of one loader and `consumers` consumer warpgroups of 64 query rows
@@ -42,7 +47,7 @@ class Fa3Tiling:
     def smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of Fa3Traits::kSmemBytes (and Fa3Fp8Traits'): alignment slack,
         K/V ring, Q, FP8 code slots, mbarriers."""
-        row, v_row = 2 * spec.head_dim_qk, 2 * spec.head_dim_vo
+        row, v_row = 2 * _whole_blocks(spec.head_dim_qk), 2 * _whole_blocks(spec.head_dim_vo)
         codes = 2 * self.code_stages * (self.keys_per_tile * spec.head_dim_qk + 8)
         return 1024 + self.stages * self.keys_per_tile * (row + v_row) + self.rows_per_cta * row + 32 * self.stages \
             + codes
@@ -55,10 +60,12 @@ class Fa3Tiling:
 # gets. d64 takes a third stage; d128's third would leave no gain for 230 KB.
 # d64 and d128 run a persistent grid; d256, one CTA per position, lets the
 # hardware assign its longer positions. d192 (and 192/128) takes d256's tiling
-# with the third stage its smaller rows leave room for. Measurements:
-# docs/fa3.md, "Tilings and why".
+# with the third stage its smaller rows leave room for. d96 runs on d128's
+# tiles (its last 64-column block half data: fa3_traits.cuh), so it takes d128's
+# tiling. Measurements: docs/fa3.md, "Tilings and why".
 FA3_TILINGS = {
     64: Fa3Tiling(keys_per_tile=128, stages=3, overlap=True, persistent=True),
+    96: Fa3Tiling(keys_per_tile=128, stages=2, overlap=True, persistent=True),
     128: Fa3Tiling(keys_per_tile=128, stages=2, overlap=True, persistent=True),
     192: Fa3Tiling(keys_per_tile=64, stages=3, overlap=True),
     256: Fa3Tiling(keys_per_tile=64, stages=2, overlap=True),
@@ -72,6 +79,7 @@ FA3_TILINGS = {
 # memory it frees (docs/fa3.md, "What it generates").
 FA3_DECODE_TILINGS = {
     64: Fa3Tiling(keys_per_tile=128, stages=4, overlap=True, persistent=True, consumers=1),
+    96: Fa3Tiling(keys_per_tile=128, stages=3, overlap=True, persistent=True, consumers=1),
     128: Fa3Tiling(keys_per_tile=128, stages=3, overlap=True, persistent=True, consumers=1),
     192: Fa3Tiling(keys_per_tile=64, stages=3, overlap=True, persistent=True, consumers=1),
     256: Fa3Tiling(keys_per_tile=64, stages=3, overlap=True, persistent=True, consumers=1),

@@ -201,6 +201,7 @@ template <int kPitch_, int kBlockBytes_>
 struct SwizzledTile {
   static constexpr int kPitch = kPitch_;
   static constexpr int kBlockBytes = kBlockBytes_;
+  static constexpr bool kSwizzled = true;
 
   __device__ __forceinline__ static uint32_t at(int row, int chunk) { return at(row, chunk, row & 7); }
   // The same, given row % 8 where the caller has it in a simpler form.
@@ -228,6 +229,7 @@ using BlockedTile = SwizzledTile<128, kRows * 128>;
 template <int kPitch_>
 struct PlainTile {
   static constexpr int kPitch = kPitch_;
+  static constexpr bool kSwizzled = false;
   __device__ __forceinline__ static uint32_t at(int row, int chunk) { return static_cast<uint32_t>(row * kPitch + chunk * 16); }
   __device__ __forceinline__ static uint32_t at(int row, int chunk, int) { return at(row, chunk); }
   __host__ __device__ static constexpr int block(int b) { return b * 128; }
@@ -243,7 +245,10 @@ struct PlainTile {
 //
 // A span of a whole row whose chunk count is not a power of two (head dims
 // 80, 96, 112, 144, ...) takes the next power of two of threads, and the
-// threads past the row's chunks copy nothing (active()).
+// threads past the row's chunks copy nothing (active()). Spans of 64 bytes
+// (half lines: 4 threads a row, e.g. fa3's paged loader at head dim 96, whose
+// 16 threads a row would hold 16 rows' pages each) go into swizzled tiles only:
+// see span_at.
 template <int kRows, int kDim, int kThreads, int kSpanBytes>
 struct TileRows {
   static constexpr int kDataChunks = kSpanBytes / 16;  // 16-byte chunks of a span
@@ -255,7 +260,7 @@ struct TileRows {
   static constexpr int kPerThread = kRows >= kRowsPerPass ? kRows / kRowsPerPass : 1;
   // Whole 128-byte lines, or one span of a whole row (e.g. 64-byte rows of
   // FP8 codes at head_dim 64, into a PlainTile; 160-byte rows at head_dim 80).
-  static_assert((kSpanBytes % 128 == 0 || kSpanBytes == kDim * 2) && kDim * 2 % kSpanBytes == 0 &&
+  static_assert((kSpanBytes % 128 == 0 || kSpanBytes == kDim * 2 || kSpanBytes == 64) && kDim * 2 % kSpanBytes == 0 &&
                     kSpanBytes % 16 == 0 && kThreads % kChunks == 0 &&
                     (kRows % kRowsPerPass == 0 || kRowsPerPass % kRows == 0),
                 "whole 16-byte chunks, spans and passes");
@@ -267,7 +272,21 @@ struct TileRows {
   // Shared-memory offset of span j of a row from span 0, in a tile of layout L.
   template <class L>
   __host__ __device__ static constexpr int span_off(int j) {
+    static_assert(kSpanBytes % 128 == 0 || kSpans == 1, "64-byte spans: span_at");
     return L::block(j * kSpanBytes / 128);
+  }
+  // Offset of span j of a row whose span 0 is at `off`. A 64-byte span's
+  // chunks (c < 4, + 4 for an odd span) differ from span 0's in chunk bit 2,
+  // which the swizzle XORs and no row or block offset sets: an XOR of byte
+  // bit 6, then whole blocks.
+  template <class L>
+  __device__ __forceinline__ static uint32_t span_at(uint32_t off, int j) {
+    if constexpr (kSpanBytes % 128 == 0 || kSpans == 1) {
+      return off + span_off<L>(j);
+    } else {
+      static_assert(L::kSwizzled && L::kPitch % 128 == 0, "64-byte spans into 128-byte swizzled lines");
+      return (off ^ uint32_t((j & 1) << 6)) + L::block(j / 2);
+    }
   }
 };
 
@@ -413,8 +432,8 @@ struct PagedTileCopy {
       const char* src = base + (uint64_t(uint32_t(page[i])) * page_bytes + slot * row_bytes);
 #pragma unroll
       for (int j = 0; j < R::kSpans; ++j)
-        cp_async_16(dst + tile_row_off<R, L>(row0, chunk, i) + R::template span_off<L>(j), ok ? src + j * kSpanBytes : base,
-                    ok);
+        cp_async_16(dst + R::template span_at<L>(tile_row_off<R, L>(row0, chunk, i), j),
+                    ok ? src + j * kSpanBytes : base, ok);
     }
   }
 };

@@ -43,9 +43,10 @@ struct WarpSoftmax {
 
   // Soft-cap, mask (need_mask: mask(s[f], f, k0) for keys from k0) and the
   // rows' new max; m_ref set, O and l rescaled. o_zero: this warp's O and l
-  // are still 0 (its first step), so the rescale can leave them alone.
-  template <class Mask>
-  __device__ __forceinline__ void update_max(float (&s)[FM][NT_S][4], float (&o)[FM][NT_O][4], int k0,
+  // are still 0 (its first step), so the rescale can leave them alone. O may
+  // hold more n8 tiles than the output's (fa3 at head dim 96: whole blocks).
+  template <class Mask, int kNtO>
+  __device__ __forceinline__ void update_max(float (&s)[FM][NT_S][4], float (&o)[FM][kNtO][4], int k0,
                                              bool need_mask, bool o_zero, const Mask& mask) {
     const float kNegInf = -CUDART_INF_F;
     float mx[FM][2];  // the step's new running max per row
@@ -91,7 +92,7 @@ struct WarpSoftmax {
       }
       if (!o_zero && (kLazyMax || __any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f))) {
 #pragma unroll
-        for (int n = 0; n < NT_O; ++n)
+        for (int n = 0; n < kNtO; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) o[f][n][e] *= rescale[e >> 1];
       }

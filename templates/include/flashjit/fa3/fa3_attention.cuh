@@ -42,6 +42,33 @@
 #include "flashjit/fa3/fa3_wgmma.cuh"
 
 namespace flashjit {
+namespace fa3 {
+
+// The output's kOut column fragments of an accumulator of kAcc (P.V runs on
+// whole 64-column blocks, fa3_traits.cuh): of(acc) copies the first kOut and
+// returns the copy, which last(acc) returns again (after an in-place merge);
+// where they are all of the accumulator, both return it.
+template <int kOut, int kAcc>
+struct OutputColumns {
+  using Out = float[1][kOut][4];
+  Out o;
+  __device__ __forceinline__ Out& of(const float (&acc)[1][kAcc][4]) {
+#pragma unroll
+    for (int n = 0; n < kOut; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[0][n][e] = acc[0][n][e];
+    return o;
+  }
+  __device__ __forceinline__ Out& last(const float (&)[1][kAcc][4]) { return o; }
+};
+template <int kCols>
+struct OutputColumns<kCols, kCols> {
+  using Out = float[1][kCols][4];
+  __device__ __forceinline__ Out& of(Out& acc) { return acc; }
+  __device__ __forceinline__ Out& last(Out& acc) { return acc; }
+};
+
+}  // namespace fa3
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
@@ -53,7 +80,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int D = Traits::kHeadDim, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
   constexpr int ROWS = Traits::kRowsPerCta, WG_ROWS = Traits::kRowsPerWarpgroup;
   constexpr int DV = Traits::kHeadDimVo;
-  constexpr int NT_S = KEYS / 8, NT_O = DV / 8, KSTEPS_QK = D / 16, KSTEPS_PV = KEYS / 16;
+  // O's accumulator spans whole 64-column blocks (NT_ACC n8 tiles), the output its first NT_O.
+  constexpr int NT_S = KEYS / 8, NT_O = DV / 8, NT_ACC = Traits::kVoTileCols / 8, KSTEPS_QK = D / 16,
+                KSTEPS_PV = KEYS / 16;
   constexpr float kLog2e = 1.4426950408889634f;
   const float kNegInf = -CUDART_INF_F;
 
@@ -186,7 +215,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fa3::warpgroup_barrier(1 + c);
       CtaWork wq = w;
       wq.row_begin = wg_row0;
-      fa2::copy_q_tile<QTile, WG_ROWS, D, 128, 128>(p, wq, static_cast<const T*>(p.q), q_wg, rows_total, ctid);
+      fa2::copy_q_tile<QTile, WG_ROWS, D, 128, Traits::kCopySpan>(p, wq, static_cast<const T*>(p.q), q_wg, rows_total,
+                                                                  ctid);
       cp_async_commit();
       cp_async_wait<0>();
       fa3::fence_async_shared();
@@ -201,14 +231,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     softmax.scale = Traits::kSoftCap ? 1.f : sm_scale * kLog2e;
     softmax.cap_in = Traits::kSoftCap ? sm_scale / p.logits_soft_cap : 0.f;
     softmax.cap_out = Traits::kSoftCap ? p.logits_soft_cap * kLog2e : 0.f;
-    float o[1][NT_O][4];
+    float o[1][NT_ACC][4];
     // The state before a row's first key: the position's, and each chunk's
     // in batch-invariant mode's fold kernel.
     auto fresh_state = [&] {
       softmax.m[0][0] = softmax.m[0][1] = kNegInf;
       softmax.l[0][0] = softmax.l[0][1] = 0.f;
 #pragma unroll
-      for (int n = 0; n < NT_O; ++n)
+      for (int n = 0; n < NT_ACC; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[0][n][e] = 0.f;
     };
@@ -250,7 +280,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto issue_pv = [&](const uint32_t (&pa)[1][KSTEPS_PV][4], int t) {
       const uint64_t v_desc = fa3::smem_desc(k_slot(seq + t) + Traits::kKTileBytes, KEYS * 128, 1024);
 #pragma unroll
-      for (int kk = 0; kk < KSTEPS_PV; ++kk) fa3::mma_rs<T, DV>(o[0], pa[0][kk], fa3::advance(v_desc, kk * 16 * 128), 1);
+      for (int kk = 0; kk < KSTEPS_PV; ++kk)
+        fa3::mma_rs<T, Traits::kVoTileCols>(o[0], pa[0][kk], fa3::advance(v_desc, kk * 16 * 128), 1);
       fa3::commit();
     };
     // The softmax of tile t's S up to its exponentials: the row maxima, and
@@ -355,7 +386,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
           if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) {
 #pragma unroll
-            for (int n = 0; n < NT_O; ++n)
+            for (int n = 0; n < NT_ACC; ++n)
 #pragma unroll
               for (int e = 0; e < 4; ++e) o[0][n][e] *= factor[e >> 1];
           }
@@ -393,11 +424,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
 
     // An FP8 cache's v_scale (values are codes x v_scale) on the tiles' O, which is linear in V.
+    // (Its head dims are whole blocks: O's accumulator is the output's columns.)
+    static_assert(!Traits::kKvFp8 || NT_ACC == NT_O, "an FP8 cache at head dims of whole 64-column blocks");
     auto scale_values = [&] {
       if constexpr (Traits::kKvFp8) {
         const float v_scale = kv_scale_value(p.v_scale_ptr, p.v_scale);
 #pragma unroll
-        for (int n = 0; n < NT_O; ++n)
+        for (int n = 0; n < NT_ACC; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) o[0][n][e] *= v_scale;
       }
@@ -424,10 +457,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       constexpr int kConsumerThreads = Traits::kConsumerWarps * 32;
       using Merge = fa2::ChunkMerge<Traits>;
       static_assert(kConsumerThreads * (NT_O + 1) * 4 == ROWS * Merge::kFloatsPerRow, "a CTA's scratch slot");
+      // The last fold leaves the merge in the output's columns (out.last(o)).
+      fa3::OutputColumns<NT_O, NT_ACC> out;
       auto fold = [&](bool folded, bool keep, float (&inv)[1][2], float (&lse)[1][2]) {
         float* const slot = p.partial_o + size_t(blockIdx.x) * ROWS * Merge::kFloatsPerRow;
-        Merge::template fold<kConsumerThreads>(o, softmax.m, softmax.l, softmax.scale, slot, tid - 128, folded, keep,
-                                               inv, lse);
+        Merge::template fold<kConsumerThreads>(out.of(o), softmax.m, softmax.l, softmax.scale, slot, tid - 128,
+                                               folded, keep, inv, lse);
       };
       int left = num_tiles, folded = 0;  // tiles not yet run, chunks folded
       int tiles = min(left, ((key_begin / p.invariant_chunk + 1) * p.invariant_chunk - key_begin) / KEYS);
@@ -447,11 +482,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         float inv[1][2], lse[1][2];
         fold(true, false, inv, lse);
         scale_values();  // the merge is linear in each chunk's O: once, after it
-        fa2::write_rows<Traits>(p, w, o, inv, lse, smem + Traits::kStoreBase, warp_row0, rows_total);
+        fa2::write_rows<Traits>(p, w, out.last(o), inv, lse, smem + Traits::kStoreBase, warp_row0, rows_total);
       } else {
         scale_values();
-        fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0, rows_total,
-                                softmax.scale);
+        fa2::store_rows<Traits>(p, w, out.of(o), softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0,
+                                rows_total, softmax.scale);
       }
       continue;  // seq is past the position's tiles already
     } else {
@@ -459,7 +494,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       scale_values();
     }
     // Rows past rows_total (a whole warpgroup's, past the request) are not stored.
-    fa2::store_rows<Traits>(p, w, o, softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0, rows_total,
+    fa3::OutputColumns<NT_O, NT_ACC> out;
+    fa2::store_rows<Traits>(p, w, out.of(o), softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0, rows_total,
                             softmax.scale);
     seq += num_tiles;
   }

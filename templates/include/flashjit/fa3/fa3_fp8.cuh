@@ -46,6 +46,7 @@ struct Fa3Fp8Traits : Base {
 
   static_assert(sizeof(KvType_) == 1, "FP8 codes");
   static_assert(Base::kHeadDimVo == Base::kHeadDim, "an FP8 cache with K and V of one width");
+  static_assert(Base::kHeadDim % 64 == 0, "an FP8 cache at head dims of whole 64-column blocks");
   static_assert(kCodeStages_ >= 1, "at least one (K, V) pair of code slots");
   static_assert(Base::kLoaderThreads * (kLoaderRegs + Base::kConsumerWarpgroups * kConsumerRegs) <= 65536,
                 "the SM's registers");

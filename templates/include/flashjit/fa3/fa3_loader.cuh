@@ -27,7 +27,10 @@ __device__ __forceinline__ void load_kv_tiles(const FlashjitAttentionParams& p, 
                                               const EmptyV& empty_v, const KSlot& k_slot) {
   using T = typename Traits::DType;
   using KvLayout = typename Traits::KvLayout;
-  constexpr int D = Traits::kHeadDim, DV = Traits::kHeadDimVo, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
+  constexpr int D = Traits::kHeadDim, KEYS = Traits::kKeysPerTile, STAGES = Traits::kStages;
+  // TMA tiles: whole 64-column blocks of K and of V (fa3_traits.cuh).
+  using KCols = std::integral_constant<int, Traits::kTileCols>;
+  using VCols = std::integral_constant<int, Traits::kVoTileCols>;
   const int lane = tid % 32;
   fa3::set_max_registers_dec<Traits::kLoaderRegs>();
   // Before tile gt reuses its slot: the slot's previous tile (gt - STAGES)
@@ -46,7 +49,7 @@ __device__ __forceinline__ void load_kv_tiles(const FlashjitAttentionParams& p, 
       if (tid < 32) wait_empty(empty, gt);
       fa3::loader_barrier();
     };
-    using Copy = fa2::PagedTileCopy<T, KvLayout, KEYS, D, Traits::kLoaderThreads, 128>;
+    using Copy = fa2::PagedTileCopy<T, KvLayout, KEYS, D, Traits::kLoaderThreads, Traits::kGatherSpan>;
     const int box_rows = tma_arg.page_box_rows;
     // A whole tile by TMA (the first warp reads the boxes' page ids at once,
     // lane j box j's, and lane 0 issues the boxes, counted on `full`; every
@@ -63,12 +66,12 @@ __device__ __forceinline__ void load_kv_tiles(const FlashjitAttentionParams& p, 
             slot = copy.page_div.mod(key, page_at);
             page = p.kv_page_indices[w.kv_start + page_at];
           }
-          if (lane == 0) tma::mbar_arrive_expect_tx(full, Traits::kKTileBytes);  // K's and V's: D == DV
+          if (lane == 0) tma::mbar_arrive_expect_tx(full, Traits::kKTileBytes);  // K's and V's: of one width
           for (int j = 0; j < boxes; ++j) {
             const int box_page = __shfl_sync(0xffffffffu, page, j), box_slot = __shfl_sync(0xffffffffu, slot, j);
             if (lane == 0) {
 #pragma unroll
-              for (int b = 0; b < D / 64; ++b)
+              for (int b = 0; b < Traits::kTileCols / 64; ++b)
                 tma::load_4d(dst + KvLayout::block(b) + j * box_rows * 128, map, 64 * b,
                              heads_outer ? box_slot : w.kv_head, heads_outer ? w.kv_head : box_slot, box_page, full);
             }
@@ -104,7 +107,9 @@ __device__ __forceinline__ void load_kv_tiles(const FlashjitAttentionParams& p, 
     return;
   }
   if (tid >= 32) return;
-  // One whole K (width D) or V (DV) tile by TMA into `dst`, its bytes counted on `bar`.
+  // One whole K or V tile by TMA into `dst`, its bytes counted on `bar`: W
+  // columns, whole 64-column blocks (a block past the data's last column
+  // lands as zeros and counts in full).
   auto load = [&](auto width, uint32_t dst, const CUtensorMap* map, int heads_outer, uint32_t bar, int head,
                   int token) {
     constexpr int W = decltype(width)::value;
@@ -120,13 +125,12 @@ __device__ __forceinline__ void load_kv_tiles(const FlashjitAttentionParams& p, 
       const bool whole = w.kv_len - k0 >= KEYS || tma::single_request_maps(p);  // else a partial tile, copied
       wait_empty(empty_k(gt), gt);
       if (whole && lane == 0)
-        load(std::integral_constant<int, D>{}, k_slot(gt), &tma_arg.maps.k, tma_arg.maps.heads_outer_k, full_k(gt),
-             w.kv_head, token);
+        load(KCols{}, k_slot(gt), &tma_arg.maps.k, tma_arg.maps.heads_outer_k, full_k(gt), w.kv_head, token);
       wait_empty(empty_v(gt), gt);
       if (whole) {
         if (lane == 0)
-          load(std::integral_constant<int, DV>{}, k_slot(gt) + Traits::kKTileBytes, &tma_arg.maps.v,
-               tma_arg.maps.heads_outer_v, full_v(gt), w.kv_head, token);
+          load(VCols{}, k_slot(gt) + Traits::kKTileBytes, &tma_arg.maps.v, tma_arg.maps.heads_outer_v, full_v(gt),
+               w.kv_head, token);
       } else {
         fa3::copy_partial_tile<Traits>(p, w, smem + (gt % STAGES) * Traits::kStageBytes, k0, lane);
         if (lane == 0) {

@@ -76,18 +76,32 @@ struct Fa3Traits {
   static constexpr int kRowsPerWarp = 16;
   static constexpr int kKeysPerStep = kKeysPerTile;
   static constexpr bool kSplitKeys = false;
-  static constexpr int kRowBytes = kHeadDim * 2;
-  static constexpr int kVoRowBytes = kHeadDimVo * 2;
-  using QLayout = fa2::RowMajorTile<kRowBytes>;  // the output staging of fa2::store_rows
   // Q, K and V as TMA's 128-byte swizzle writes them: 64-column blocks of
   // 128-byte rows, the layout the wgmma descriptors (fa3_wgmma.cuh) describe.
+  // A head dim that is not whole blocks (96) takes a last block that is only
+  // partly data: Q.K^T stops at the data's last k-step, P.V runs on the whole
+  // block (an MN-major operand with the 128-byte swizzle spans 64 columns) and
+  // the output columns past the data are never stored, so what the padding
+  // holds (zeros from TMA, or stale bytes) reaches no stored value.
+  static constexpr int kTileCols = (kHeadDim + 63) / 64 * 64;
+  static constexpr int kVoTileCols = (kHeadDimVo + 63) / 64 * 64;
+  static constexpr int kPitchBytes = kTileCols * 2;
+  static constexpr int kVoPitchBytes = kVoTileCols * 2;
+  using QLayout = fa2::RowMajorTile<kPitchBytes>;  // the output staging of fa2::store_rows
   using QTile = fa2::BlockedTile<kRowsPerWarpgroup>;
   using KvLayout = fa2::BlockedTile<kKeysPerTile>;
+  // What each copy of a row moves (fa2::TileRows): 128-byte lines, or where a
+  // row is not whole lines, the whole row (Q) or 64-byte halves (the paged
+  // gather, whose threads hold a page per row they copy: 4 threads a row
+  // instead of 16 keep the loader's 56 registers clear of spills).
+  static constexpr bool kWholeLines = kHeadDim * 2 % 128 == 0;
+  static constexpr int kCopySpan = kWholeLines ? 128 : kHeadDim * 2;
+  static constexpr int kGatherSpan = kWholeLines ? 128 : 64;
 
   static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
                 "fa3 attention takes __half or __nv_bfloat16");
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
-                "fa3 head_dim: 64, 128, 192 or 256 (whole 64-column blocks)");
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
+                "fa3 head_dim: 64, 96, 128, 192 or 256");
   static_assert(kHeadDimVo == kHeadDim || (kHeadDim == 192 && kHeadDimVo == 128 && !kPaged),
                 "fa3 head_dim_vo: head_dim, or 128 beside 192 (not paged)");
   static_assert(kKeysPerTile == 64 || kKeysPerTile == 128, "fa3 keys per tile: 64 or 128 (S's wgmma N)");
@@ -96,18 +110,18 @@ struct Fa3Traits {
   // Shared memory, in bytes, from a 1024-byte boundary (the swizzle's period):
   // [stage 0: K, V | stage 1: K, V | ... | Q of warpgroup 1, 2 | mbarriers].
   // A slot's V starts kKTileBytes after its K.
-  static constexpr int kKTileBytes = kKeysPerTile * kRowBytes;
-  static constexpr int kVTileBytes = kKeysPerTile * kVoRowBytes;
+  static constexpr int kKTileBytes = kKeysPerTile * kPitchBytes;
+  static constexpr int kVTileBytes = kKeysPerTile * kVoPitchBytes;
   static constexpr int kStageBytes = kKTileBytes + kVTileBytes;
   static constexpr int kQOffset = kStages * kStageBytes;
-  static constexpr int kQWarpgroupBytes = kRowsPerWarpgroup * kRowBytes;
+  static constexpr int kQWarpgroupBytes = kRowsPerWarpgroup * kPitchBytes;
   static constexpr int kBarOffset = kQOffset + kConsumerWarpgroups * kQWarpgroupBytes;
   // Per stage, for K and V each: "full" (its tile landed) and "empty" (every
   // consumer warp is done with it).
   static constexpr size_t kSmemBytes = 1024 + size_t(kBarOffset) + 32 * kStages;
   // fa2::store_rows stages a warp's output rows at smem + warp * 16 rows: the
   // consumer warps (4 .. 11) land on their own warpgroup's Q rows from this base.
-  static constexpr int kStoreBase = kQOffset - 4 * kRowsPerWarp * kRowBytes;
+  static constexpr int kStoreBase = kQOffset - 4 * kRowsPerWarp * kPitchBytes;
   static_assert(kStoreBase >= 0, "the output staging base lies inside shared memory");
 };
 
