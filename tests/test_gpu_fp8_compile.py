@@ -1,10 +1,10 @@
-"""FP8 decode under torch.compile(fullgraph=True) on a GPU: paged decode
+"""FP8 caches under torch.compile(fullgraph=True) on a GPU: paged decode
 (CUDA cores) and single decode with k_scale / v_scale in one-element CUDA
-tensors. The graph is compiled once; each call after new values are written
-into the same tensors reads those values: its outputs are within the profile
-of float64 attention over the cache dequantised with them, and bit-identical
-to eager calls. (The operators' schemas and tracing on the CPU:
-test_torch_ops_fp8.py.)"""
+tensors, and MLA with ckv_scale / kpe_scale in them. The graph is compiled
+once; each call after new values are written into the same tensors reads those
+values: its outputs are within the profile of float64 attention over the cache
+dequantised with them, and bit-identical to eager calls. (The operators'
+schemas and tracing on the CPU: test_torch_ops_fp8.py, test_torch_ops_mla_fp8.py.)"""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ import torch._dynamo
 import torch._dynamo.testing
 
 import flashjit
+from flashjit.spec import canonical_dtype, mla_spec
 from test_gpu_attention import poison_allocator, randn
 from test_gpu_fp8 import DECODE_LENS, K_SCALE, V_SCALE, Fp8PagedBatch, check_fp8, codes, fp8_id, fp8_spec, reference
-from sweep import FP8_KV_DTYPES
+from test_gpu_mla import mla_wrapper
+from test_gpu_mla_fp8 import FP8_MLA_BACKENDS, Fp8MlaBatch
+from sweep import FP8_KV_DTYPES, build_for_gpu
 from test_gpu_paged import workspace
 
 pytestmark = pytest.mark.gpu
@@ -67,4 +70,36 @@ def test_fp8_decode_compiled_reads_new_scale_tensors(prewarmed, error_report, kv
                   heads=(num_qo, num_kv))
         eager = step(*args)
         assert all(torch.equal(a, b) for a, b in zip(eager, (out, lse, single), strict=True)), (ks, vs)
+    assert counter.frame_count == 1, "a new value in the scale tensors recompiled the graph"
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("mla_backend", FP8_MLA_BACKENDS)
+def test_fp8_mla_compiled_reads_new_scale_tensors(error_report, mla_backend, backend):
+    kv_dtype, q_dtype = torch.float8_e4m3fn, torch.bfloat16
+    build_for_gpu([mla_spec(q_dtype, backend=mla_backend, dtype_kv=canonical_dtype(kv_dtype))])
+    batch = Fp8MlaBatch([1, 1, 1], [40, 700, 65], 64, 16, q_dtype, kv_dtype)
+    wrapper = mla_wrapper(mla_backend)
+    batch.plan(wrapper, False)
+    ckv_scale, kpe_scale = (torch.tensor([s], device="cuda") for s in (batch.ckv_scale, batch.kpe_scale))
+
+    def step(q_nope, q_pe, ckv, kpe, ckv_scale, kpe_scale):
+        out, lse = wrapper.run(q_nope, q_pe, ckv, kpe, ckv_scale=ckv_scale, kpe_scale=kpe_scale, return_lse=True)
+        into = torch.empty_like(q_nope)
+        wrapper.run(q_nope, q_pe, ckv, kpe, out=into, ckv_scale=ckv_scale, kpe_scale=kpe_scale)
+        return out, lse, into
+
+    args = (batch.q_nope, batch.q_pe, batch.ckv, batch.kpe, ckv_scale, kpe_scale)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for scales in ((batch.ckv_scale, batch.kpe_scale), (0.125, 4.0), (1.5, 0.25)):
+        batch.ckv_scale, batch.kpe_scale = scales
+        ckv_scale.fill_(scales[0])
+        kpe_scale.fill_(scales[1])
+        poison_allocator()
+        out, lse, into = compiled(*args)
+        batch.check(out, lse, False, error_report, f"fp8_mla_compiled_{backend}", mla_backend, scales=str(scales))
+        eager = step(*args)
+        assert all(torch.equal(a, b) for a, b in zip(eager, (out, lse, into), strict=True)), scales
     assert counter.frame_count == 1, "a new value in the scale tensors recompiled the graph"

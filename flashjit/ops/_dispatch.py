@@ -82,13 +82,14 @@ def cache_of(k, v):
 RUN_OPS: dict = {}
 
 
-def scale_operands(k_scale, v_scale) -> tuple:
+def scale_operands(k_scale, v_scale, names: tuple[str, str] = ("k_scale", "v_scale")) -> tuple:
     """(k_scale, v_scale, k_scale_tensor, v_scale_tensor) as the operators take an
     FP8 cache's scales: a tensor is a graph input (its value is read when the graph
     runs, so it may change between calls); a number is a float operand, which
-    dynamo guards on (a new value recompiles)."""
+    dynamo guards on (a new value recompiles). names: the two in errors (MLA's
+    ckv_scale / kpe_scale)."""
     numbers, tensors = [], []
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+    for name, scale in zip(names, (k_scale, v_scale)):
         if isinstance(scale, torch.Tensor):
             numbers.append(None)
             tensors.append(scale)
@@ -119,9 +120,12 @@ def run_batch(wrapper, q, k, v, out, lse, return_lse: bool, window_left=None, k_
     return _run_traced(wrapper, (q, k, v), extra, out, lse, return_lse)
 
 
-def run_mla(wrapper, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse: bool):
-    """The traced run() of BatchMLAPagedAttentionWrapper."""
-    return _run_traced(wrapper, (q_nope, q_pe, ckv_cache, kpe_cache), (), out, lse, return_lse)
+def run_mla(wrapper, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse: bool, ckv_scale=None,
+            kpe_scale=None):
+    """The traced run() of BatchMLAPagedAttentionWrapper (ckv_scale / kpe_scale: an FP8
+    cache's, operands as scale_operands gives them, under FlashInfer's names)."""
+    scales = scale_operands(ckv_scale, kpe_scale, _scales.MLA_SCALE_NAMES)
+    return _run_traced(wrapper, (q_nope, q_pe, ckv_cache, kpe_cache), scales, out, lse, return_lse)
 
 
 def _run_traced(wrapper, inputs: tuple, extra: tuple, out, lse, return_lse: bool):

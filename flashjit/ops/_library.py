@@ -18,6 +18,8 @@ operators (_SCALES): k_scale / v_scale as floats, or k_scale_tensor /
 v_scale_tensor as one-element tensors, which are graph inputs: the kernel reads
 the value a tensor holds when the graph runs, so it may change between calls
 without a recompile (ops._dispatch.scale_operands splits what run() was given).
+The MLA operators take an FP8 cache's scales the same way, under FlashInfer's
+names: ckv_scale / kpe_scale and their tensor forms (_MLA_SCALES).
 Attention sinks are the operand after them, `Tensor? sinks`, a graph input as
 well: the kernel reads its values when the graph runs (ops._sinks).
 """
@@ -28,7 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import _checks, _dispatch, _scales, _sinks, append, decode, merge, prefill
+from . import _checks, _dispatch, _scales, _sinks, append, decode, merge, mla, prefill
 from ._batch import check_out_buffer, out_shape_words
 from ._dispatch import cache_of as _cache_of, wrapper_of
 from ._launch import check_qkv
@@ -50,20 +52,22 @@ def _scale_keys(k_scale=None, v_scale=None, k_scale_tensor=None, v_scale_tensor=
             _scales.scale_key(v_scale if v_scale_tensor is None else v_scale_tensor))
 
 
-def _check_scales(kv, device, k_scale=None, v_scale=None, k_scale_tensor=None, v_scale_tensor=None) -> None:
+def _check_scales(kv, device, k_scale=None, v_scale=None, k_scale_tensor=None, v_scale_tensor=None, *,
+                  names: tuple[str, str] = ("k_scale", "v_scale")) -> tuple:
     """The fake kernels' scale checks, as the eager ones read without tensor data: scales
     belong to an FP8 cache (kv's dtype); a tensor is one float32 element on q's device
     (a one-element CPU tensor is read as a number); a number, where it is not symbolic, is
-    finite and positive."""
-    tensors = (("k_scale", k_scale_tensor), ("v_scale", v_scale_tensor))
-    _scales.check_scales_for(kv.dtype, k_scale if k_scale_tensor is None else k_scale_tensor,
-                             v_scale if v_scale_tensor is None else v_scale_tensor)
-    for name, t in tensors:
+    finite and positive. Returns the two scales, each a number, a tensor or None."""
+    scales = (k_scale if k_scale_tensor is None else k_scale_tensor,
+              v_scale if v_scale_tensor is None else v_scale_tensor)
+    _scales.check_scales_for(kv.dtype, *scales, names=names)
+    for name, t in zip(names, (k_scale_tensor, v_scale_tensor)):
         if t is not None and not (t.device.type == "cpu" and t.numel() == 1 and t.dtype.is_floating_point):
             _scales.scale_arg(name, _scales.TensorScale(0, t.dtype, t.device, t.numel()), device)
-    for name, number in (("k_scale", k_scale), ("v_scale", v_scale)):
+    for name, number in zip(names, (k_scale, v_scale)):
         if isinstance(number, (int, float)):
             _scales.scale_arg(name, number, device)
+    return scales
 
 
 # The eager bodies the real kernels run, looked up at each call (tests replace them
@@ -204,33 +208,41 @@ def _ragged_run_out_fake(handle, q, k, v, out, lse, *operands):
     _run_out_fake(handle, q, k, v, out, lse, None, *operands)
 
 
-def _mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache, return_lse):
+def _mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache, return_lse, *scales):
     wrapper = wrapper_of(handle)
-    known, check, call = wrapper._launches.fast  # run()'s fast slot
-    if known == return_lse and check(q_nope, q_pe, ckv_cache, kpe_cache):
+    scales = _scale_keys(*scales) if scales else (None, None)
+    known, check, call = wrapper._launches.fast  # run()'s fast slot, which holds runs without scales
+    if scales == (None, None) and known == return_lse and check(q_nope, q_pe, ckv_cache, kpe_cache):
         res = call(q_nope, q_pe, ckv_cache, kpe_cache, None, None)
     else:
-        res = wrapper._run(q_nope, q_pe, ckv_cache, kpe_cache, None, None, return_lse)
+        res = wrapper._run(q_nope, q_pe, ckv_cache, kpe_cache, None, None, return_lse, scales)
     return list(res) if return_lse else [res]
 
 
-def _mla_run_out(handle, q_nope, q_pe, ckv_cache, kpe_cache, out, lse):
-    wrapper_of(handle)._run(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, lse is not None)
+def _mla_run_out(handle, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, *scales):
+    scales = _scale_keys(*scales) if scales else (None, None)
+    wrapper_of(handle)._run(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, lse is not None, scales)
 
 
-def _check_mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None) -> None:
+def _check_mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, scales=()) -> None:
+    """What the eager run() checks without tensor data; of the scales (ckv_scale, kpe_scale,
+    their tensor forms), also the ratio of two numbers that are not symbolic."""
     wrapper, plan = _planned(handle)
     wrapper._check_mla(q_nope, q_pe, ckv_cache, kpe_cache, plan)
     _check_out_lse(q_nope, plan, out, lse)
+    ckv, kpe = _check_scales(ckv_cache, q_nope.device, *scales, names=mla.SCALE_NAMES)
+    numbers = [1.0 if s is None else s for s in (ckv, kpe)]
+    if all(isinstance(n, (int, float)) for n in numbers):
+        mla.check_scale_ratio(*map(float, numbers))
 
 
-def _mla_run_fake(handle, q_nope, q_pe, ckv_cache, kpe_cache, return_lse):
-    _check_mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache)
+def _mla_run_fake(handle, q_nope, q_pe, ckv_cache, kpe_cache, return_lse, *scales):
+    _check_mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache, scales=scales)
     return _outputs(q_nope, return_lse, 2)
 
 
-def _mla_run_out_fake(handle, q_nope, q_pe, ckv_cache, kpe_cache, out, lse):
-    _check_mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache, out, lse)
+def _mla_run_out_fake(handle, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, *scales):
+    _check_mla_run(handle, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, scales)
 
 
 def _append(append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr,
@@ -284,6 +296,9 @@ _SCALES = "float? k_scale=None, float? v_scale=None, Tensor? k_scale_tensor=None
 # Attention sinks (ops._sinks): after the scales, a tensor read when the graph runs.
 _SINKS = "Tensor? sinks=None"
 _MLA_RUN = "int handle, Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache"
+# MLA's scales as _SCALES, under FlashInfer's names (ckv for k, kpe for v).
+_MLA_SCALES = ("float? ckv_scale=None, float? kpe_scale=None, Tensor? ckv_scale_tensor=None, "
+               "Tensor? kpe_scale_tensor=None")
 _SCHEMAS = {
     "single_prefill": ("single_prefill(Tensor q, Tensor k, Tensor v, str kv_layout, bool causal, float? sm_scale, "
                        "int? window_left, float? logits_soft_cap, str backend, bool return_lse, "
@@ -302,9 +317,10 @@ _SCHEMAS = {
     **{f"{op}_run_out": (f"{op}_run_out({_PAGED_RUN}, Tensor(a!) out, Tensor(b!)? lse, int? window_left, "
                          f"{_SCALES}, {_SINKS}) -> ()", _run_out, _run_out_fake)
        for op in ("batch_prefill_paged", "batch_decode_paged")},
-    "mla_paged_run": (f"mla_paged_run({_MLA_RUN}, bool return_lse) -> Tensor[]", _mla_run, _mla_run_fake),
-    "mla_paged_run_out": (f"mla_paged_run_out({_MLA_RUN}, Tensor(a!) out, Tensor(b!)? lse) -> ()", _mla_run_out,
-                          _mla_run_out_fake),
+    "mla_paged_run": (f"mla_paged_run({_MLA_RUN}, bool return_lse, {_MLA_SCALES}) -> Tensor[]", _mla_run,
+                      _mla_run_fake),
+    "mla_paged_run_out": (f"mla_paged_run_out({_MLA_RUN}, Tensor(a!) out, Tensor(b!)? lse, {_MLA_SCALES}) -> ()",
+                          _mla_run_out, _mla_run_out_fake),
     "append_paged_kv_cache": ("append_paged_kv_cache(Tensor append_key, Tensor append_value, Tensor batch_indices, "
                               "Tensor positions, Tensor(a!) k_cache, Tensor(b!)? v_cache, Tensor kv_indices, "
                               "Tensor kv_indptr, Tensor kv_last_page_len, str kv_layout) -> ()", _append,

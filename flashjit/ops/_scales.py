@@ -37,6 +37,8 @@ class ScaleArg(NamedTuple):
 
 
 UNIT = ScaleArg(1.0, 0)
+# FlashInfer's names of an MLA cache's scales (ckv, kpe), in the place of (k_scale, v_scale).
+MLA_SCALE_NAMES = ("ckv_scale", "kpe_scale")
 _FLOAT32_MAX = 3.4028234663852886e38
 
 

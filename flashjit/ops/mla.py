@@ -33,7 +33,7 @@ from ._launch import PER_CALL, check_kv_strides, fill_params, select_spec
 _Q_PE = struct.Struct("=Q")
 assert AttentionParams.q_pe.offset + _Q_PE.size == ctypes.sizeof(AttentionParams)
 # FlashInfer's names of an FP8 cache's scales, as _scales names them in errors.
-SCALE_NAMES = ("ckv_scale", "kpe_scale")
+SCALE_NAMES = _scales.MLA_SCALE_NAMES
 _FLOAT32_MIN_NORMAL, _FLOAT32_MAX = 2.0**-126, 3.4028234663852886e38
 
 
@@ -113,7 +113,8 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
         a ckv value is code x ckv_scale, a kpe value code x kpe_scale. Python
         floats (checked: finite, positive, a ratio within float32's range), or
         one-element float32 tensors on q's device, which the kernel reads (a
-        CUDA graph replays with the values they hold then; ops._scales)."""
+        CUDA graph replays with the values they hold then; ops._scales; under
+        torch.compile a graph input, so a new value needs no recompile)."""
         if profiler_buffer is not None or kv_len is not None or page_table is not None:
             raise NotImplementedError("profiler_buffer / kv_len / page_table: flashjit's MLA run() reads the "
                                       "batch from plan() only")
@@ -122,13 +123,10 @@ class BatchMLAPagedAttentionWrapper(BatchAttention):
         if ckv_scale_arr is not None:
             raise NotImplementedError("ckv_scale_arr: per-token scales of each 128 ckv columns are not supported; "
                                       "flashjit takes per-tensor scales (ckv_scale=, kpe_scale=)")
-        scaled = ckv_scale is not None or kpe_scale is not None
         if is_compiling() or dispatch_modes():  # _dispatch.tracing()
-            if scaled:
-                raise NotImplementedError("ckv_scale / kpe_scale under torch.compile or a dispatch mode: the MLA "
-                                          "operators take no scales yet; call run() eagerly")
-            return _dispatch.run_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse)
-        if scaled:
+            return _dispatch.run_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, ckv_scale,
+                                     kpe_scale)
+        if ckv_scale is not None or kpe_scale is not None:
             scales = (_scales.scale_key(ckv_scale), _scales.scale_key(kpe_scale))
             return self._run(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, scales)
         if lse is None:  # the last run, if these tensors are its signature (ops._calls.Signatures)
@@ -252,8 +250,13 @@ def check_scales(kv_dtype, scales: tuple, device) -> tuple:
     checked = _scales.checked(kv_dtype, scales, device, SCALE_NAMES)
     ckv, kpe = checked
     if not ckv.address and not kpe.address:
-        ratio = ckv.value / kpe.value
-        if not _FLOAT32_MIN_NORMAL <= ratio <= _FLOAT32_MAX:
-            raise ValueError(f"ckv_scale: expected ckv_scale / kpe_scale within float32's normal range (the kernel "
-                             f"scales S's ckv part by it), got {ckv.value} / {kpe.value} = {ratio}")
+        check_scale_ratio(ckv.value, kpe.value)
     return checked
+
+
+def check_scale_ratio(ckv_scale: float, kpe_scale: float) -> None:
+    """Two numbers, each checked (ops._scales.scale_arg): their ratio in float32's normal range."""
+    ratio = ckv_scale / kpe_scale
+    if not _FLOAT32_MIN_NORMAL <= ratio <= _FLOAT32_MAX:
+        raise ValueError(f"ckv_scale: expected ckv_scale / kpe_scale within float32's normal range (the kernel "
+                         f"scales S's ckv part by it), got {ckv_scale} / {kpe_scale} = {ratio}")
