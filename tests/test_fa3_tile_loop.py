@@ -17,11 +17,12 @@ that head dim 96, on d128's tiles, multiplies only its data by Q.K^T."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
-from flashjit import jit
+from flashjit import jit, kernels
 from flashjit.spec import KernelSpec
 from helpers_cache import needs_nvcc, set_cache_env
 from helpers_sass import functions, innermost_loop, sass
@@ -30,9 +31,10 @@ WAIT, EXP = "WARPGROUP.DEPBAR", "MUFU.EX2"
 OPS = ["batch_prefill_ragged", "batch_prefill_paged"]
 HEAD_DIMS = [64, 96, 128, 192, 256]
 CAUSAL = [False, True]
-# Fa3Traits' last two arguments, kChunkFold and kHeadDimVo: normal mode's kernel and batch-invariant mode's.
-KERNELS = {"normal": re.compile(r"ELb0ELi\d+EEEEEv23FlashjitAttentionParamsNS_14KvMapsPagedArgE$"),
-           "fold": re.compile(r"ELb1ELi\d+EEEEEv23FlashjitAttentionParamsNS_14KvMapsPagedArgE$")}
+# Fa3Traits' last two arguments, kChunkFold and kHeadDimVo: normal mode's kernel and batch-invariant mode's
+# (one E more where Fa3QPrefetchTraits wraps them).
+KERNELS = {"normal": re.compile(r"ELb0ELi\d+EEEEE(?:EE)?v23FlashjitAttentionParamsNS_14KvMapsPagedArgE$"),
+           "fold": re.compile(r"ELb1ELi\d+EEEEE(?:EE)?v23FlashjitAttentionParamsNS_14KvMapsPagedArgE$")}
 
 
 def spec(op: str, head_dim: int, causal: bool) -> KernelSpec:
@@ -95,3 +97,28 @@ def test_head_dim_96_runs_qk_over_its_data_and_pv_over_whole_blocks(libraries, o
         return sum("HGMMA" in x for x in loop)
 
     assert (loop_products(128), loop_products(96)) == (2 * (8 + 8), 2 * (6 + 8))
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+def test_a_second_q_buffer_leaves_the_tile_loop_alone(libraries, monkeypatch, tmp_path):
+    """Fa3Tiling(q_buffers=2) (Fa3QPrefetchTraits: the next position's Q copied while this one runs) changes the
+    position's start, not the tile loop: same order, same products, the same length within a few instructions,
+    no spills."""
+    shipped = spec("batch_prefill_ragged", 128, True)
+    monkeypatch.setitem(kernels.fa3.FA3_TILINGS, 128, dataclasses.replace(kernels.fa3.FA3_TILINGS[128], q_buffers=2))
+    set_cache_env(monkeypatch, tmp_path)
+    (result,) = jit.build_many([shipped], arches=("sm_90a",))
+    assert all(u["spill_stores"] == 0 for u in result.entry.manifest["resources"])
+    loops = {}
+    for name, library in (("shipped", libraries[shipped]), ("q_buffers=2", result.entry.artifact)):
+        code = functions(sass(library))
+        for kind, suffix in KERNELS.items():
+            (fn,) = [n for n in code if "fa3_attention_kernel" in n and suffix.search(n)]
+            assert ("Fa3QPrefetchTraits" in fn) == (name != "shipped")
+            loops[name, kind] = innermost_loop(code[fn], must_hold=("HGMMA", WAIT, EXP))
+    for kind in KERNELS:
+        variant, base = loops["q_buffers=2", kind], loops["shipped", kind]
+        assert exponentials_before_release(variant) == [0, 0, 0, 0], kind
+        assert sum("HGMMA" in x for x in variant) == sum("HGMMA" in x for x in base) == 2 * (8 + 8)
+        assert abs(len(variant) - len(base)) <= 8, (kind, len(variant), len(base))

@@ -60,9 +60,13 @@ VARIANTS = {
     },
 }
 # fa3 (--backend fa3): the same per head_dim, for FA3_TILINGS.
+# "next Q prefetched": a second Q buffer per consumer warpgroup (Fa3QPrefetchTraits).
 FA3_VARIANTS = {
-    64: {"one CTA per position": Fa3Tiling(128, 3, overlap=True), "persistent": Fa3Tiling(128, 3, True, True)},
-    128: {"one CTA per position": Fa3Tiling(128, 2, overlap=True), "persistent": Fa3Tiling(128, 2, True, True)},
+    64: {"one CTA per position": Fa3Tiling(128, 3, overlap=True), "persistent": Fa3Tiling(128, 3, True, True),
+         "next Q prefetched": Fa3Tiling(128, 3, True, True, q_buffers=2)},
+    96: {"next Q prefetched": Fa3Tiling(128, 2, True, True, q_buffers=2)},
+    128: {"one CTA per position": Fa3Tiling(128, 2, overlap=True), "persistent": Fa3Tiling(128, 2, True, True),
+          "next Q prefetched": Fa3Tiling(128, 2, True, True, q_buffers=2)},
     256: {"one CTA per position": Fa3Tiling(64, 2, overlap=True), "persistent": Fa3Tiling(64, 2, True, True)},
 }
 ROWS = [(16, 1024, False), (16, 1024, True), (4, 4096, False), (4, 4096, True), (1, 16384, False),
@@ -162,7 +166,8 @@ def main() -> int:
     sources[:0] = [(f"default, sources from {folder.name}", None, folder.resolve())
                    for folder in args.baseline_templates]
     if not args.no_variants:
-        sources += [(name, tiling, None) for name, tiling in (FA3_VARIANTS if BACKEND == "fa3" else VARIANTS)[d].items()]
+        variants = (FA3_VARIANTS if BACKEND == "fa3" else VARIANTS).get(d, {})
+        sources += [(name, tiling, None) for name, tiling in variants.items()]
     sources += [(text, eval(text, {"Fa2Tiling": Fa2Tiling, "Fa3Tiling": Fa3Tiling}), None) for text in args.variant]
     budget = kernels.common.SMEM_BUDGET
     # Build, check and plan every source; its wrappers keep their own modules.

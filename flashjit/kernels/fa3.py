@@ -35,6 +35,13 @@ class Fa3Tiling:
     # An FP8 cache: (K, V) pairs of code slots the loader copies into and
     # widens from (fa3_fp8.cuh Fa3Fp8Traits); 0 for K/V of q's dtype.
     code_stages: int = 0
+    # Q buffers per consumer warpgroup: 2 copies a persistent CTA's next
+    # position's Q while the current one runs (fa3_traits.cuh Fa3QPrefetchTraits).
+    q_buffers: int = 1
+
+    def __post_init__(self):
+        if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and (not self.persistent or self.code_stages)):
+            raise ValueError(f"Fa3Tiling.q_buffers: 1, or 2 on a persistent grid of 16-bit K/V; got {self}")
 
     @property
     def rows_per_cta(self) -> int:
@@ -45,12 +52,12 @@ class Fa3Tiling:
         return self.keys_per_tile, 0
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        """Mirror of Fa3Traits::kSmemBytes (and Fa3Fp8Traits'): alignment slack,
-        K/V ring, Q, FP8 code slots, mbarriers."""
+        """Mirror of Fa3Traits::kSmemBytes (and Fa3Fp8Traits', Fa3QPrefetchTraits'):
+        alignment slack, K/V ring, Q (q_buffers of it), FP8 code slots, mbarriers."""
         row, v_row = 2 * _whole_blocks(spec.head_dim_qk), 2 * _whole_blocks(spec.head_dim_vo)
         codes = 2 * self.code_stages * (self.keys_per_tile * spec.head_dim_qk + 8)
-        return 1024 + self.stages * self.keys_per_tile * (row + v_row) + self.rows_per_cta * row + 32 * self.stages \
-            + codes
+        return 1024 + self.stages * self.keys_per_tile * (row + v_row) + self.q_buffers * self.rows_per_cta * row \
+            + 32 * self.stages + codes
 
 
 # Per head_dim: every head_dim overlaps tile t's Q.K^T with tile t - 1's P.V

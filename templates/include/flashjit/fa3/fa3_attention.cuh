@@ -191,7 +191,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // ---- Consumers: warpgroup c = 0, 1 owns rows wg_row0 .. wg_row0 + 63.
   fa3::set_max_registers_inc<Traits::kConsumerRegs>();
   const int c = warpgroup - 1, ctid = tid - 128 * warpgroup, warp_in_wg = ctid / 32;
-  const uint32_t q_wg = q_smem + c * Traits::kQWarpgroupBytes;
+  // Round r's Q buffer, where its output is staged too: buffer r % kQBuffers of
+  // [buffer 0: warpgroup 1, 2 | buffer 1: ...] (Fa3QPrefetchTraits).
+  constexpr uint32_t kQBufferBytes = Traits::kConsumerWarpgroups * Traits::kQWarpgroupBytes;
+  const uint32_t q_wg0 = q_smem + c * Traits::kQWarpgroupBytes;
+  auto q_buffer = [&](unsigned r) { return Traits::kQBuffers == 1 ? q_wg0 : q_wg0 + (r % 2) * kQBufferBytes; };
+  auto stage = [&](unsigned r) {
+    return Traits::kQBuffers == 1 ? smem + Traits::kStoreBase : smem + Traits::kStoreBase + (r % 2) * kQBufferBytes;
+  };
   int seq = 0;  // tiles of earlier positions: see the loader
   for (unsigned round = 0; round * gridDim.x < positions; ++round) {
     const unsigned position = round_position(round);
@@ -209,9 +216,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int num_tiles = it.num_tiles;
     const int wg_row0 = w.row_begin + c * WG_ROWS;
     const int warp_row0 = wg_row0 + 16 * warp_in_wg;
-    {
-      // This warpgroup's Q rows by cp.async (rows past the request zero-filled),
-      // once every warp has read back the previous position's output staged there.
+    const uint32_t q_wg = q_buffer(round);
+    // This warpgroup's Q rows of position `at` by cp.async into `dst` (rows past the request zero-filled).
+    auto copy_q = [&](const Item& at, uint32_t dst) {
+      CtaWork wq = at.w;
+      wq.row_begin = at.w.row_begin + c * WG_ROWS;
+      fa2::copy_q_tile<QTile, WG_ROWS, D, 128, Traits::kCopySpan>(p, wq, static_cast<const T*>(p.q), dst,
+                                                                  at.active ? at.rows_total : 0, ctid);
+      cp_async_commit();
+    };
+    if constexpr (Traits::kQBuffers == 1) {
+      // Once every warp has read back the previous position's output staged there.
       fa3::warpgroup_barrier(1 + c);
       CtaWork wq = w;
       wq.row_begin = wg_row0;
@@ -219,6 +234,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                                                   ctid);
       cp_async_commit();
       cp_async_wait<0>();
+      fa3::fence_async_shared();
+      fa3::warpgroup_barrier(1 + c);
+    } else {
+      // This round's Q was copied during the last one (round 0's here); the next
+      // round's goes into the other buffer once every warp has read back the
+      // last round's output staged there, and lands while this round runs.
+      fa3::warpgroup_barrier(1 + c);
+      if (round == 0) copy_q(it, q_wg);
+      if ((round + 1) * gridDim.x < positions) {
+        copy_q(item_at(round_position(round + 1)), q_buffer(round + 1));
+      } else {
+        cp_async_commit();  // an empty group: this round's copy is always the second newest
+      }
+      cp_async_wait<1>();
       fa3::fence_async_shared();
       fa3::warpgroup_barrier(1 + c);
     }
@@ -482,10 +511,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         float inv[1][2], lse[1][2];
         fold(true, false, inv, lse);
         scale_values();  // the merge is linear in each chunk's O: once, after it
-        fa2::write_rows<Traits>(p, w, out.last(o), inv, lse, smem + Traits::kStoreBase, warp_row0, rows_total);
+        fa2::write_rows<Traits>(p, w, out.last(o), inv, lse, stage(round), warp_row0, rows_total);
       } else {
         scale_values();
-        fa2::store_rows<Traits>(p, w, out.of(o), softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0,
+        fa2::store_rows<Traits>(p, w, out.of(o), softmax.m, softmax.l, stage(round), warp_row0,
                                 rows_total, softmax.scale);
       }
       continue;  // seq is past the position's tiles already
@@ -495,7 +524,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     // Rows past rows_total (a whole warpgroup's, past the request) are not stored.
     fa3::OutputColumns<NT_O, NT_ACC> out;
-    fa2::store_rows<Traits>(p, w, out.of(o), softmax.m, softmax.l, smem + Traits::kStoreBase, warp_row0, rows_total,
+    fa2::store_rows<Traits>(p, w, out.of(o), softmax.m, softmax.l, stage(round), warp_row0, rows_total,
                             softmax.scale);
     seq += num_tiles;
   }

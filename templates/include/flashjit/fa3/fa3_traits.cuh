@@ -115,6 +115,8 @@ struct Fa3Traits {
   static constexpr int kStageBytes = kKTileBytes + kVTileBytes;
   static constexpr int kQOffset = kStages * kStageBytes;
   static constexpr int kQWarpgroupBytes = kRowsPerWarpgroup * kPitchBytes;
+  // Q buffers a consumer warpgroup cycles through (Fa3QPrefetchTraits: 2).
+  static constexpr int kQBuffers = 1;
   static constexpr int kBarOffset = kQOffset + kConsumerWarpgroups * kQWarpgroupBytes;
   // Per stage, for K and V each: "full" (its tile landed) and "empty" (every
   // consumer warp is done with it).
@@ -123,6 +125,19 @@ struct Fa3Traits {
   // consumer warps (4 .. 11) land on their own warpgroup's Q rows from this base.
   static constexpr int kStoreBase = kQOffset - 4 * kRowsPerWarp * kPitchBytes;
   static_assert(kStoreBase >= 0, "the output staging base lies inside shared memory");
+};
+
+// A persistent grid's consumers with a second Q buffer each: a position's Q is
+// copied while the position before it runs (fa3_attention.cuh), so the copy's
+// latency leaves each position's start. One more Q's worth of shared memory
+// before the mbarriers (Fa3Tiling.q_buffers mirrors it).
+template <class Base>
+struct Fa3QPrefetchTraits : Base {
+  static constexpr int kQBuffers = 2;
+  static constexpr int kBarOffset = Base::kQOffset + kQBuffers * Base::kConsumerWarpgroups * Base::kQWarpgroupBytes;
+  static constexpr size_t kSmemBytes = 1024 + size_t(kBarOffset) + 32 * Base::kStages;
+  using WithChunkFold = Fa3QPrefetchTraits<typename Base::WithChunkFold>;
+  static_assert(Base::kPersistent && !Base::kKvFp8, "a second Q buffer: persistent grids of 16-bit K/V");
 };
 
 }  // namespace flashjit
