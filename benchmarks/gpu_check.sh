@@ -2,7 +2,7 @@
 # GPU check in one call: info, GPU tests (prewarm + numerical sweep), JIT
 # benchmarks, prefill/decode benchmarks. Run from the repository root; logs and
 # reports go to $OUT (or ./gpu_out); a short summary is printed last.
-#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla|invariant|fp8|spec|sanitize]
+#   bash benchmarks/gpu_check.sh [quick|medium|full|tests|bench|compare|prefill|mla|invariant|fp8|spec|sanitize|verify]
 # tests: GPU tests only; prefill: GPU tests and prefill.py --rounds 3;
 # fp8: the FP8 KV-cache GPU tests (tests/test_gpu_*fp8*.py), then decode.py
 # --kv-dtype bf16 e4m3 (decode_fp8.md/.json; $FP8_KV_DTYPES replaces "bf16 e4m3"),
@@ -23,6 +23,12 @@
 # cache, head dim 512; FLASHJIT_TEST_HEAD_DIMS defaults to 128,512), once plain (builds the kernels),
 # then under compute-sanitizer memcheck, racecheck and synccheck at once ($SANITIZE_K: a pytest -k filter;
 # each tool under $SANITIZE_LIMIT seconds, default 240);
+# verify: the kernels built and not yet run on a GPU, step by step ($VERIFY_STEPS, default all of
+# "d96 fp8fa3 compile fp8mla prefill96 tilings"; each step under $VERIFY_LIMIT seconds, default 300):
+# fa3 at head dim 96 (tests/test_gpu_head_dims.py at 96), fa3 over an FP8 cache at every head dim,
+# the FP8 operators under torch.compile (MLA's scales), fa3's FP8 MLA kernel (dev/pytest_fa3_fp8_mla.py),
+# then prefill at 96 beside fa2, cuDNN and FlashInfer (dev/head_dims_sinks.py) and fa3's tilings at
+# $VERIFY_HEAD_DIMS (default 128; the second Q buffer among them, dev/fa2_tilings.py); a table last;
 # invariant: the batch-invariant GPU tests, then dev/batch_invariant_cost.py
 # with $INVARIANT_ARGS (default: every prefill and decode row);
 # bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
@@ -179,6 +185,34 @@ if [ "$MODE" = sanitize ]; then  # the three tools at once: each is bound by its
     echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -n 1)," \
       "$(grep -E 'passed|failed' "$OUT/sanitizer_$tool.log" | tail -n 1)"
   done
+fi
+if [ "$MODE" = verify ]; then
+  rows=()
+  step() {  # step NAME COMMAND...: its log in $OUT/verify_NAME.log, its last line in the table
+    local name=$1; shift
+    case " ${VERIFY_STEPS:-d96 fp8fa3 compile fp8mla prefill96 tilings} " in *" $name "*) ;; *) return 0 ;; esac
+    local t0=$(date +%s)
+    timeout ${VERIFY_LIMIT:-300} "$@" >"$OUT/verify_$name.log" 2>&1
+    local rc=$?
+    [ "$rc" = 0 ] || status=1
+    rows+=("| $name | rc=$rc in $(( $(date +%s) - t0 )) s: $(grep -v '^\s*$' "$OUT/verify_$name.log" | tail -n 1) |")
+    echo "${rows[-1]}"
+  }
+  gpu_tests=(python3 -m pytest -q --maxfail=20 --tb=short -m gpu -p no:cacheprovider)
+  step d96 env FLASHJIT_TEST_HEAD_DIMS=96 "${gpu_tests[@]}" tests/test_gpu_head_dims.py
+  step fp8fa3 "${gpu_tests[@]}" tests/test_gpu_fp8_fa3.py
+  step compile "${gpu_tests[@]}" tests/test_gpu_fp8_compile.py
+  step fp8mla python3 benchmarks/dev/pytest_fa3_fp8_mla.py "${gpu_tests[@]:3}" tests/test_gpu_mla_fp8.py
+  step prefill96 python3 benchmarks/dev/head_dims_sinks.py --only prefill --prefill-head-dims 96 --rounds 3 \
+    --out "$OUT/prefill96.md"
+  for d in ${VERIFY_HEAD_DIMS:-128}; do
+    step tilings python3 benchmarks/dev/fa2_tilings.py --backend fa3 --head-dim "$d" --out "$OUT/fa3_tilings_d$d.md"
+  done
+  summarize_errors || status=1
+  grep "|" "$OUT"/prefill96.md "$OUT"/fa3_tilings_d*.md 2>/dev/null | tail -n 40
+  printf '%s\n' "" "| verify step | result |" "|---|---|" "${rows[@]}"
+  echo "== summary: overall status=$status"
+  exit $status
 fi
 if [ "$MODE" = tests ] || [ "$MODE" = compare ] || [ "$MODE" = prefill ] || [ "$MODE" = mla ] || [ "$MODE" = invariant ] ||
    [ "$MODE" = spec ] || [ "$MODE" = sanitize ]; then
