@@ -4,7 +4,8 @@ per-tensor quantisation of the cases, the pages of codes, the two references
 end-to-end error), the calls handing each wrapper the codes and scales (a
 stand-in launch), the report's FP8 column and summary line, and the command's
 selection, where configurations not generated for FP8 are skipped rows; on a
-GPU, the FP8 configurations the GPU tests build, measured within their profiles."""
+GPU, the FP8 configurations the GPU tests build and MLA over an FP8 cache, measured
+within their profiles (MLA's CPU tests: test_numerics_mla_fp8.py)."""
 
 from __future__ import annotations
 
@@ -333,3 +334,17 @@ def test_gpu_fp8_tensor_core_configurations_within_their_profiles(prewarmed):
     if not specs:
         pytest.skip("no tensor-core FP8 configuration is generated yet")
     check_gpu_rows(specs, ["normal", "peaked", "near_empty"], "float8_e4m3fn")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_gpu_fp8_mla_within_its_profile(kv_dtype):
+    """MLA over an FP8 ckv / kpe cache (fa2 on every GPU: spec.FA3_FP8_OPS leaves mla_paged out)."""
+    from flashjit import arch
+    from sweep import build_for_gpu
+
+    specs = cli.specs_from_args(cli.build_parser().parse_args(
+        ["numerics", "--op", "mla_paged", "--dtype", "bf16", "fp16", "--kv-dtype", kv_dtype]), (arch.device_arch(),))
+    assert len(specs) == 4 and {(s.op, s.dtype_kv) for s in specs} == {("mla_paged", kv_dtype)}
+    build_for_gpu(specs)
+    check_gpu_rows(specs, ["normal", "peaked", "v_outliers", "skewed", "near_empty"], kv_dtype)

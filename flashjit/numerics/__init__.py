@@ -5,9 +5,9 @@ float64 reference, each call within the configuration's own tolerance profile.
 
 Soundness is every row's max err/bound <= 1; tightness is each configuration's
 worst row above 1/20 (docs/numerics.md, "Measuring it"). An FP8 KV-cache
-configuration (--kv-dtype) is measured against float64 over its dequantised
-cache, and reports beside it its end-to-end error against the unquantised K/V
-(runner.py); one that is not generated yet is a skipped row saying so.
+configuration (--kv-dtype; MLA's too) is measured against float64 over its
+dequantised cache, and reports beside it its end-to-end error against the
+unquantised K/V (runner.py); one that is not generated yet is a skipped row saying so.
 
 Importing this package imports no torch (the CLI builds its parser from
 catalog.CASES); measure() and run() load the GPU parts.
@@ -68,7 +68,8 @@ def measure(specs, cases=None, seeds: int = 3, *, long: bool = False, seed: int 
     one row with status "skipped", as is an FP8 KV-cache configuration that is
     not generated yet; a case that raised, status "error". FP8 rows also hold
     e2e_max_err, e2e_p999_err and e2e_mean_err: the errors against float64 over
-    the unquantised K/V. progress(line) is called once per configuration."""
+    the unquantised K/V (MLA: ckv / kpe). progress(line) is called once per
+    configuration."""
     import torch
 
     from ..spec import UTILITY_OPS

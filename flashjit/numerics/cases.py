@@ -125,12 +125,17 @@ def per_tensor_scale(x: torch.Tensor, kv_dtype: torch.dtype) -> float:
     return float(torch.tensor(amax / FP8_MAX[kv_dtype], dtype=torch.float32))
 
 
-def quantise(x: torch.Tensor, kv_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-    """(FP8 codes, per-tensor scale) of x: x / scale rounded to the format, saturated
-    at its largest finite value (the float32 scale may leave amax / scale a hair past it)."""
-    scale = per_tensor_scale(x, kv_dtype)
+def fp8_codes(x: torch.Tensor, scale: float, kv_dtype: torch.dtype) -> torch.Tensor:
+    """x / scale rounded to the FP8 format, saturated at its largest finite value
+    (the float32 scale may leave amax / scale a hair past it)."""
     limit = FP8_MAX[kv_dtype]
-    return (x.float() / scale).clamp(-limit, limit).to(kv_dtype), scale
+    return (x.float() / scale).clamp(-limit, limit).to(kv_dtype)
+
+
+def quantise(x: torch.Tensor, kv_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """(FP8 codes, per-tensor scale) of x (per_tensor_scale(), fp8_codes())."""
+    scale = per_tensor_scale(x, kv_dtype)
+    return fp8_codes(x, scale, kv_dtype), scale
 
 
 def make_problems(case: str, op: str, head_dim: int, dtype: torch.dtype, *, generator: torch.Generator,

@@ -75,7 +75,7 @@ def by_dtype_path(rows: list[dict]) -> dict[str, tuple[float, float]]:
 
 def table(rows: list[dict]) -> str:
     """A row per (configuration, case); where any FP8 row was measured, a column of
-    the end-to-end max error against the unquantised K/V ('-' for other rows)."""
+    the end-to-end max error against the unquantised K/V, MLA's ckv / kpe ('-' for other rows)."""
     fp8 = bool(fp8_rows(rows))
     lines = ["| configuration | case | calls | max err | p99.9 err | mean err | max err/bound | LSE err/bound | "
              + ("FP8: max err vs unquantised K/V | " if fp8 else "") + "|",
@@ -162,9 +162,9 @@ def markdown(results: dict) -> str:
     head = "; ".join(version_text(meta) if k == "flashjit" else f"{k} {v}" for k, v in meta.items()
                      if k not in ("argv", "commit") and v is not None)
     data = data_section(results["rows"])
-    fp8 = (". FP8 KV caches: ref is over the dequantised cache (codes times k_scale / v_scale), which the bound "
-           "covers; the FP8 column is against float64 over the unquantised K/V instead (what FP8 costs; no bound)."
-           if fp8_rows(results["rows"]) else "")
+    fp8 = (". FP8 KV caches: ref is over the dequantised cache (codes times k_scale / v_scale; MLA: ckv_scale / "
+           "kpe_scale), which the bound covers; the FP8 column is against float64 over the unquantised K/V (MLA: "
+           "ckv / kpe) instead (what FP8 costs; no bound)." if fp8_rows(results["rows"]) else "")
     return "\n".join(["# flashjit numerics", "", head, "",
                       "err: |out - ref| elementwise against the float64 reference; bound: atol + rtol*|ref| of the "
                       "configuration's profile for each call's inputs; calls: seeds x calls per case" + fp8, "",

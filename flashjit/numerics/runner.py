@@ -4,10 +4,11 @@ reference within the configuration's own tolerance profile (MLA's inputs,
 call, reference and bound: numerics.mla).
 
 An FP8 KV-cache configuration runs on K/V quantised per tensor (cases.quantise)
-with its scales as k_scale / v_scale. Its pass/fail error is against float64
-attention over the dequantised cache (codes times scales), which the profile
-bounds; beside it, the end-to-end error against float64 attention over the
-unquantised K/V says what the quantisation costs (no bound: it is the user's choice)."""
+with its scales as k_scale / v_scale (MLA: ckv and kpe, as ckv_scale / kpe_scale).
+Its pass/fail error is against float64 attention over the dequantised cache
+(codes times scales), which the profile bounds; beside it, the end-to-end error
+against float64 attention over the unquantised K/V (ckv / kpe) says what the
+quantisation costs (no bound: it is the user's choice)."""
 
 from __future__ import annotations
 
@@ -98,11 +99,11 @@ def applies_to(case: str, spec: KernelSpec) -> bool:
 def problems(spec: KernelSpec, case: str, generator, device="cuda") -> list:
     """Fresh inputs for each call `case` makes on spec's op."""
     dtype = TORCH_DTYPES[spec.dtype_q]
+    kv_dtype = TORCH_DTYPES[spec.dtype_kv] if is_fp8(spec) else None
     if spec.op in MLA_OPS:
-        return mla.make_problems(case, spec.causal, dtype, generator=generator, device=device)
+        return mla.make_problems(case, spec.causal, dtype, generator=generator, device=device, kv_dtype=kv_dtype)
     made = make_problems(case, spec.op, spec.head_dim_qk, dtype, generator=generator, device=device, heads=HEADS,
-                         kv_dtype=TORCH_DTYPES[spec.dtype_kv] if is_fp8(spec) else None,
-                         head_dim_vo=spec.head_dim_vo)
+                         kv_dtype=kv_dtype, head_dim_vo=spec.head_dim_vo)
     for p in made if spec.custom_mask else ():
         add_mask(p, generator)
     return made
@@ -180,9 +181,9 @@ def run_op(spec: KernelSpec, p: Problem, workspace: torch.Tensor, generator) -> 
 
 def reference(spec: KernelSpec, p: Problem, unquantised: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 attention over p's K/V: an FP8 cache's codes times its scales, or
-    with `unquantised` the K/V in q's dtype that were quantised into them."""
+    with `unquantised` the K/V in q's dtype that were quantised into them (MLA: ckv / kpe)."""
     if spec.op in MLA_OPS:
-        return mla.reference(spec, p)
+        return mla.reference(spec, p, unquantised)
     var = _variant(spec)
     causal = spec.causal and spec.op not in ("single_decode", "batch_decode_paged")
     k, v = (p.k_full, p.v_full) if unquantised else (p.k, p.v)
@@ -309,8 +310,7 @@ def measure_spec(spec: KernelSpec, cases, seeds: int, base_seed: int, workspace)
                     out, lse, kv_chunk = run_op(spec, p, workspace, generator)
                     torch.cuda.synchronize()
                     ref, ref_lse = reference(spec, p)
-                    fp8 = getattr(p, "fp8", False)  # MLA's problems have no FP8 cache
-                    unquantised = reference(spec, p, unquantised=True)[0] if fp8 else None
+                    unquantised = reference(spec, p, unquantised=True)[0] if p.fp8 else None
                     acc.add(spec, p, out, lse, ref, ref_lse if lse is not None else None, kv_chunk, unquantised)
             row = acc.row()
         except Exception as exc:  # the other cases and configurations still run; the row says what failed
