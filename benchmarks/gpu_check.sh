@@ -24,11 +24,12 @@
 # then under compute-sanitizer memcheck, racecheck and synccheck at once ($SANITIZE_K: a pytest -k filter;
 # each tool under $SANITIZE_LIMIT seconds, default 240);
 # verify: the kernels built and not yet run on a GPU, step by step ($VERIFY_STEPS, default all of
-# "d96 fp8fa3 compile fp8mla prefill96 tilings"; each step under $VERIFY_LIMIT seconds, default 300):
+# "d96 fp8fa3 compile fp8mla prefill96 sinks tilings"; each under $VERIFY_LIMIT seconds, default 300):
 # fa3 at head dim 96 (tests/test_gpu_head_dims.py at 96), fa3 over an FP8 cache at every head dim,
 # the FP8 operators under torch.compile (MLA's scales), fa3's FP8 MLA kernel (dev/pytest_fa3_fp8_mla.py),
-# then prefill at 96 beside fa2, cuDNN and FlashInfer (dev/head_dims_sinks.py) and fa3's tilings at
-# $VERIFY_HEAD_DIMS (default 128; the second Q buffer among them, dev/fa2_tilings.py); a table last;
+# then prefill at 96 beside fa2, cuDNN and FlashInfer and what sinks cost (dev/head_dims_sinks.py),
+# and fa3's tilings at $VERIFY_HEAD_DIMS (default 128; the second Q buffer among them,
+# dev/fa2_tilings.py; $VERIFY_BASELINE: a templates/ folder of other sources timed beside); a table last;
 # invariant: the batch-invariant GPU tests, then dev/batch_invariant_cost.py
 # with $INVARIANT_ARGS (default: every prefill and decode row);
 # bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
@@ -190,7 +191,7 @@ if [ "$MODE" = verify ]; then
   rows=()
   step() {  # step NAME COMMAND...: its log in $OUT/verify_NAME.log, its last line in the table
     local name=$1; shift
-    case " ${VERIFY_STEPS:-d96 fp8fa3 compile fp8mla prefill96 tilings} " in *" $name "*) ;; *) return 0 ;; esac
+    case " ${VERIFY_STEPS:-d96 fp8fa3 compile fp8mla prefill96 sinks tilings} " in *" $name "*) ;; *) return 0 ;; esac
     local t0=$(date +%s)
     timeout ${VERIFY_LIMIT:-300} "$@" >"$OUT/verify_$name.log" 2>&1
     local rc=$?
@@ -205,11 +206,13 @@ if [ "$MODE" = verify ]; then
   step fp8mla python3 benchmarks/dev/pytest_fa3_fp8_mla.py "${gpu_tests[@]:3}" tests/test_gpu_mla_fp8.py
   step prefill96 python3 benchmarks/dev/head_dims_sinks.py --only prefill --prefill-head-dims 96 --rounds 3 \
     --out "$OUT/prefill96.md"
+  step sinks python3 benchmarks/dev/head_dims_sinks.py --only sinks --rounds 3 --out "$OUT/sinks.md"
   for d in ${VERIFY_HEAD_DIMS:-128}; do
-    step tilings python3 benchmarks/dev/fa2_tilings.py --backend fa3 --head-dim "$d" --out "$OUT/fa3_tilings_d$d.md"
+    step tilings python3 benchmarks/dev/fa2_tilings.py --backend fa3 --head-dim "$d" --out "$OUT/fa3_tilings_d$d.md" \
+      ${VERIFY_BASELINE:+--baseline-templates $VERIFY_BASELINE}
   done
   summarize_errors || status=1
-  grep "|" "$OUT"/prefill96.md "$OUT"/fa3_tilings_d*.md 2>/dev/null | tail -n 40
+  grep -h "|\|sinks cost" "$OUT"/prefill96.md "$OUT"/sinks.md "$OUT"/fa3_tilings_d*.md 2>/dev/null | tail -n 60
   printf '%s\n' "" "| verify step | result |" "|---|---|" "${rows[@]}"
   echo "== summary: overall status=$status"
   exit $status

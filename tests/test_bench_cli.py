@@ -97,16 +97,16 @@ def test_head_dims_choose_the_prefill_rows_and_fa3_only_where_it_generates_them(
     monkeypatch.setattr(arch, "_warned_fallbacks", set())  # the prewarm's warning, seen anew
     monkeypatch.delenv("FLASHJIT_STRICT_BACKEND", raising=False)
     assert parse("--head-dim", "96", "192").head_dim == ["96", "192"] and parse().head_dim is None
-    rows = prefill.rows(head_dims=[96, 128], seqlens=[1024], skewed=False)
+    rows = prefill.rows(head_dims=[80, 96, 128], seqlens=[1024], skewed=False)
     assert [(r["head_dim"], r["heads"], r["causal"]) for r in rows] == [
-        (96, 21, False), (96, 21, True), (128, 16, False), (128, 16, True)]
+        (80, 25, False), (80, 25, True), (96, 21, False), (96, 21, True), (128, 16, False), (128, 16, True)]
     built = set(prefill.specs(rows, {"flashjit fa2": None, "flashjit fa3": None}))
     assert {s.name for s in built if s.backend == "fa3"} == {
-        f"batch_prefill_ragged_bf16_d128_fa3_tc{c}_lse" for c in ("", "_causal")}
+        f"batch_prefill_ragged_bf16_d{d}_fa3_tc{c}_lse" for d in (96, 128) for c in ("", "_causal")}
     args = cli.build_parser().parse_args(["prewarm", "--op", "batch_prefill_ragged", "--dtype", "bf16", "--head-dim",
-                                          "96", "128", "--backend", "fa2", "fa3", "--tensor-cores", "on", "--arch",
-                                          "sm_90a"])
-    with pytest.warns(UserWarning, match="fa3 does not generate head_dim 96"):
+                                          "80", "96", "128", "--backend", "fa2", "fa3", "--tensor-cores", "on",
+                                          "--arch", "sm_90a"])
+    with pytest.warns(UserWarning, match="fa3 does not generate head_dim 80"):
         assert built == set(cli.specs_from_args(args))
 
 

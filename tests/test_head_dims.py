@@ -1,5 +1,5 @@
 """Head dims 32 to 256 in steps of 16 without a GPU: the nearest generated
-dims named for one that is not, fa3's own head dims (64, 128, 192, 256) with
+dims named for one that is not, fa3's own head dims (64, 96, 128, 192, 256) with
 every other one falling back to fa2, the prewarm selection, the op-level
 checks, rendered fa2 sources, and the error model at head dims 32 and 512.
 The GPU sweep of the new dims is tests/test_gpu_head_dims.py; head_dim_vo below

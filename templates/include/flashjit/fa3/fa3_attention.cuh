@@ -42,33 +42,6 @@
 #include "flashjit/fa3/fa3_wgmma.cuh"
 
 namespace flashjit {
-namespace fa3 {
-
-// The output's kOut column fragments of an accumulator of kAcc (P.V runs on
-// whole 64-column blocks, fa3_traits.cuh): of(acc) copies the first kOut and
-// returns the copy, which last(acc) returns again (after an in-place merge);
-// where they are all of the accumulator, both return it.
-template <int kOut, int kAcc>
-struct OutputColumns {
-  using Out = float[1][kOut][4];
-  Out o;
-  __device__ __forceinline__ Out& of(const float (&acc)[1][kAcc][4]) {
-#pragma unroll
-    for (int n = 0; n < kOut; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[0][n][e] = acc[0][n][e];
-    return o;
-  }
-  __device__ __forceinline__ Out& last(const float (&)[1][kAcc][4]) { return o; }
-};
-template <int kCols>
-struct OutputColumns<kCols, kCols> {
-  using Out = float[1][kCols][4];
-  __device__ __forceinline__ Out& of(Out& acc) { return acc; }
-  __device__ __forceinline__ Out& last(Out& acc) { return acc; }
-};
-
-}  // namespace fa3
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
@@ -227,6 +200,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
     if constexpr (Traits::kQBuffers == 1) {
       // Once every warp has read back the previous position's output staged there.
+      // (Spelled out rather than through copy_q: with it, ptxas assigned the d192
+      // fold kernel's registers otherwise.)
       fa3::warpgroup_barrier(1 + c);
       CtaWork wq = w;
       wq.row_begin = wg_row0;
@@ -251,6 +226,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fa3::fence_async_shared();
       fa3::warpgroup_barrier(1 + c);
     }
+
+    // The epilogue reads each row's sink (p.sinks, one per query head) after the
+    // tile loop: the line is fetched into L1 now, off that path. A KV head's
+    // query heads are adjacent; their first and last sink cover group <= 32.
+    // (Not in the fold kernel, whose spills at d192 and d256 it moved.)
+    if (!Traits::kChunkFold && p.sinks != nullptr && c == 0 && ctid < 2)
+      fa3::prefetch_l1(p.sinks + w.kv_head * w.group + ctid * (w.group - 1));
 
     // Logits leave Q.K^T in natural units; the softmax applies sm_scale (or the
     // soft-cap) in log2 units (fa2_softmax.cuh), and an FP8 cache's k_scale

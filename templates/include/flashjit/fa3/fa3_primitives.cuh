@@ -1,7 +1,8 @@
 // What the fa3 kernel's warpgroups coordinate with (fa3_attention.cuh):
 // register reallocation between the loader and the consumers, the proxy fence
-// between plain shared-memory stores and wgmma/TMA, named barriers, and the
-// loader's copy of a ragged request's partial last tile.
+// between plain shared-memory stores and wgmma/TMA, named barriers, the
+// loader's copy of a ragged request's partial last tile, and the output's
+// columns of an accumulator padded to whole blocks.
 #pragma once
 #include <stdint.h>
 #include "flashjit/common/async_copy.cuh"
@@ -23,6 +24,9 @@ __device__ __forceinline__ void set_max_registers_inc() {
 // Orders this thread's generic-proxy shared-memory writes before async-proxy
 // reads (wgmma, TMA) that a later barrier lets start.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Fetches the line holding `p` into L1 (a hint: nothing waits for it).
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
 
 // A barrier among the 128 threads of one warpgroup (ids 1.. ; 0 is __syncthreads).
 __device__ __forceinline__ void warpgroup_barrier(int id) {
@@ -77,6 +81,30 @@ __device__ __forceinline__ void copy_partial_tile(const FlashjitAttentionParams&
   fence_async_shared();
   __syncwarp();
 }
+
+// The output's kOut column fragments of an accumulator of kAcc (P.V runs on
+// whole 64-column blocks, fa3_traits.cuh): of(acc) copies the first kOut and
+// returns the copy, which last(acc) returns again (after an in-place merge);
+// where they are all of the accumulator, both return it.
+template <int kOut, int kAcc>
+struct OutputColumns {
+  using Out = float[1][kOut][4];
+  Out o;
+  __device__ __forceinline__ Out& of(const float (&acc)[1][kAcc][4]) {
+#pragma unroll
+    for (int n = 0; n < kOut; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[0][n][e] = acc[0][n][e];
+    return o;
+  }
+  __device__ __forceinline__ Out& last(const float (&)[1][kAcc][4]) { return o; }
+};
+template <int kCols>
+struct OutputColumns<kCols, kCols> {
+  using Out = float[1][kCols][4];
+  __device__ __forceinline__ Out& of(Out& acc) { return acc; }
+  __device__ __forceinline__ Out& last(Out& acc) { return acc; }
+};
 
 // x itself, through an instruction that reads `token`, so that whatever uses
 // the result is scheduled after whatever produced the token: ptxas cannot see
