@@ -32,7 +32,7 @@ OPS = ["batch_prefill_ragged", "batch_prefill_paged"]
 HEAD_DIMS = [64, 96, 128, 192, 256]
 CAUSAL = [False, True]
 # Fa3Traits' last two arguments, kChunkFold and kHeadDimVo: normal mode's kernel and batch-invariant mode's
-# (one E more where Fa3QPrefetchTraits wraps them).
+# (two E more where a variant's traits wrapper, Fa3QPrefetchTraits or Fa3PingPongTraits, wraps them).
 KERNELS = {"normal": re.compile(r"ELb0ELi\d+EEEEE(?:EE)?v23FlashjitAttentionParamsNS_14KvMapsPagedArgE$"),
            "fold": re.compile(r"ELb1ELi\d+EEEEE(?:EE)?v23FlashjitAttentionParamsNS_14KvMapsPagedArgE$")}
 
@@ -99,26 +99,38 @@ def test_head_dim_96_runs_qk_over_its_data_and_pv_over_whole_blocks(libraries, o
     assert (loop_products(128), loop_products(96)) == (2 * (8 + 8), 2 * (6 + 8))
 
 
+# Fa3Tiling variants (fa3_traits.cuh): field values, the traits wrapper that names the kernel, and the barrier
+# instructions they add to the tile loop (none, or a turn's sync and arrival per step).
+VARIANTS = {"q_buffers": (2, "Fa3QPrefetchTraits", 0), "pingpong": (True, "Fa3PingPongTraits", 2)}
+NAMED_BARRIER = re.compile(r"(^|[\s}])BAR\.(SYNC|ARV)")
+
+
 @pytest.mark.nvcc
 @needs_nvcc
-def test_a_second_q_buffer_leaves_the_tile_loop_alone(libraries, monkeypatch, tmp_path):
-    """Fa3Tiling(q_buffers=2) (Fa3QPrefetchTraits: the next position's Q copied while this one runs) changes the
-    position's start, not the tile loop: same order, same products, the same length within a few instructions,
-    no spills."""
+@pytest.mark.parametrize("field", VARIANTS)
+def test_a_variant_keeps_the_tile_loop(libraries, monkeypatch, tmp_path, field):
+    """Fa3Tiling(q_buffers=2) (the next position's Q copied while this one runs) changes the position's start;
+    Fa3Tiling(pingpong=True) (the consumers' turns) adds a named-barrier sync and arrival around each step's
+    products. Neither changes the tile loop otherwise: the same order, the same products, not serialized (two
+    waits a step), the same length within a few instructions, no spills."""
+    value, wrapper, turn_barriers = VARIANTS[field]
     shipped = spec("batch_prefill_ragged", 128, True)
-    monkeypatch.setitem(kernels.fa3.FA3_TILINGS, 128, dataclasses.replace(kernels.fa3.FA3_TILINGS[128], q_buffers=2))
+    monkeypatch.setitem(kernels.fa3.FA3_TILINGS, 128,
+                        dataclasses.replace(kernels.fa3.FA3_TILINGS[128], **{field: value}))
     set_cache_env(monkeypatch, tmp_path)
     (result,) = jit.build_many([shipped], arches=("sm_90a",))
     assert all(u["spill_stores"] == 0 for u in result.entry.manifest["resources"])
     loops = {}
-    for name, library in (("shipped", libraries[shipped]), ("q_buffers=2", result.entry.artifact)):
+    for name, library in (("shipped", libraries[shipped]), ("variant", result.entry.artifact)):
         code = functions(sass(library))
         for kind, suffix in KERNELS.items():
             (fn,) = [n for n in code if "fa3_attention_kernel" in n and suffix.search(n)]
-            assert ("Fa3QPrefetchTraits" in fn) == (name != "shipped")
+            assert (wrapper in fn) == (name == "variant")
             loops[name, kind] = innermost_loop(code[fn], must_hold=("HGMMA", WAIT, EXP))
     for kind in KERNELS:
-        variant, base = loops["q_buffers=2", kind], loops["shipped", kind]
+        variant, base = loops["variant", kind], loops["shipped", kind]
         assert exponentials_before_release(variant) == [0, 0, 0, 0], kind
         assert sum("HGMMA" in x for x in variant) == sum("HGMMA" in x for x in base) == 2 * (8 + 8)
+        barriers = [sum(bool(NAMED_BARRIER.search(x)) for x in loop) for loop in (variant, base)]
+        assert barriers == [2 * turn_barriers, 0], kind
         assert abs(len(variant) - len(base)) <= 8, (kind, len(variant), len(base))

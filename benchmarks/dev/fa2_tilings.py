@@ -60,14 +60,21 @@ VARIANTS = {
     },
 }
 # fa3 (--backend fa3): the same per head_dim, for FA3_TILINGS.
-# "next Q prefetched": a second Q buffer per consumer warpgroup (Fa3QPrefetchTraits).
+# "next Q prefetched": a second Q buffer per consumer warpgroup (Fa3QPrefetchTraits);
+# "turns": the consumers take turns issuing their products (Fa3PingPongTraits).
 FA3_VARIANTS = {
     64: {"one CTA per position": Fa3Tiling(128, 3, overlap=True), "persistent": Fa3Tiling(128, 3, True, True),
-         "next Q prefetched": Fa3Tiling(128, 3, True, True, q_buffers=2)},
-    96: {"next Q prefetched": Fa3Tiling(128, 2, True, True, q_buffers=2)},
+         "next Q prefetched": Fa3Tiling(128, 3, True, True, q_buffers=2),
+         "turns": Fa3Tiling(128, 3, True, True, pingpong=True),
+         "next Q prefetched, turns": Fa3Tiling(128, 3, True, True, q_buffers=2, pingpong=True)},
+    96: {"next Q prefetched": Fa3Tiling(128, 2, True, True, q_buffers=2),
+         "turns": Fa3Tiling(128, 2, True, True, pingpong=True)},
     128: {"one CTA per position": Fa3Tiling(128, 2, overlap=True), "persistent": Fa3Tiling(128, 2, True, True),
-          "next Q prefetched": Fa3Tiling(128, 2, True, True, q_buffers=2)},
-    256: {"one CTA per position": Fa3Tiling(64, 2, overlap=True), "persistent": Fa3Tiling(64, 2, True, True)},
+          "next Q prefetched": Fa3Tiling(128, 2, True, True, q_buffers=2),
+          "turns": Fa3Tiling(128, 2, True, True, pingpong=True),
+          "next Q prefetched, turns": Fa3Tiling(128, 2, True, True, q_buffers=2, pingpong=True)},
+    256: {"one CTA per position": Fa3Tiling(64, 2, overlap=True), "persistent": Fa3Tiling(64, 2, True, True),
+          "turns": Fa3Tiling(64, 2, overlap=True, pingpong=True)},
 }
 ROWS = [(16, 1024, False), (16, 1024, True), (4, 4096, False), (4, 4096, True), (1, 16384, False),
         (1, 16384, True)]

@@ -38,10 +38,15 @@ class Fa3Tiling:
     # Q buffers per consumer warpgroup: 2 copies a persistent CTA's next
     # position's Q while the current one runs (fa3_traits.cuh Fa3QPrefetchTraits).
     q_buffers: int = 1
+    # The two consumer warpgroups take turns issuing their products
+    # (fa3_traits.cuh Fa3PingPongTraits): overlapped tilings of 16-bit K/V.
+    pingpong: bool = False
 
     def __post_init__(self):
         if self.q_buffers not in (1, 2) or (self.q_buffers == 2 and (not self.persistent or self.code_stages)):
             raise ValueError(f"Fa3Tiling.q_buffers: 1, or 2 on a persistent grid of 16-bit K/V; got {self}")
+        if self.pingpong and (not self.overlap or self.consumers != 2 or self.code_stages):
+            raise ValueError(f"Fa3Tiling.pingpong: two overlapped consumer warpgroups over 16-bit K/V; got {self}")
 
     @property
     def rows_per_cta(self) -> int:

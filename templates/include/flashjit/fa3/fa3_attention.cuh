@@ -173,6 +173,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     return Traits::kQBuffers == 1 ? smem + Traits::kStoreBase : smem + Traits::kStoreBase + (r % 2) * kQBufferBytes;
   };
   int seq = 0;  // tiles of earlier positions: see the loader
+  // Turns (Fa3PingPongTraits): a warpgroup's products wait at its barrier (4 +
+  // c) for the other's arrival, and arrive at the other's once issued. Both
+  // issue the same products (every tile of every position), so the turns pair
+  // up; warpgroup 1 goes first. The second's last arrival is left unmatched.
+  auto take_turn = [&] {
+    if constexpr (Traits::kPingPong) fa3::named_barrier_sync(4 + c, 256);
+  };
+  auto pass_turn = [&] {
+    if constexpr (Traits::kPingPong) fa3::named_barrier_arrive(5 - c, 256);
+  };
+  if constexpr (Traits::kPingPong) {
+    if (c == 1) pass_turn();
+  }
   for (unsigned round = 0; round * gridDim.x < positions; ++round) {
     const unsigned position = round_position(round);
     // Neither an inactive position (an empty work slot: no tiles, no rows) nor
@@ -365,9 +378,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           wait_full(false, t);
           wait_full(true, t - 1);
           float s[1][NT_S][4], factor[2];
+          take_turn();
           fa3::fence();
           issue_qk(s, t);
           issue_pv(pa_prev, t - 1);
+          pass_turn();
           fa3::wait<1>();
           fa3::fence_operands(s[0]);
           release(empty_k(seq + t));
@@ -406,8 +421,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           wait_full(false, 0);
           {
             float s[1][NT_S][4], factor[2];
+            take_turn();
             fa3::fence();
             issue_qk(s, 0);
+            pass_turn();
             fa3::wait<0>();
             fa3::fence_operands(s[0]);
             release(empty_k(seq));
@@ -421,12 +438,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           const bool last_in_pa1 = t < count;
           if (last_in_pa1) step(t, pa0, pa1);
           wait_full(true, count - 1);
+          take_turn();
           fa3::fence();
           if (last_in_pa1) {
             issue_pv(pa1, count - 1);
           } else {
             issue_pv(pa0, count - 1);
           }
+          pass_turn();
           fa3::wait<0>();
           fa3::fence_operands(o[0]);
           release(empty_v(seq + count - 1));

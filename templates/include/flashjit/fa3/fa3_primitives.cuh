@@ -34,6 +34,17 @@ __device__ __forceinline__ void warpgroup_barrier(int id) {
 }
 // The loader warpgroup's barrier (id 3; 1 and 2 are the consumer warpgroups').
 __device__ __forceinline__ void loader_barrier() { warpgroup_barrier(3); }
+// A barrier of `count` threads, some of which only arrive (ids 4 and 5: the
+// consumers' turns, Fa3PingPongTraits). They order issue, not memory: no
+// memory clobber, so that ptxas keeps its freedom with the registers (with
+// one, the paged d128 kernel spilled); volatile asm keeps their place among
+// the wgmma instructions.
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count));
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count));
+}
 
 // The loader's first warp: a partial tile of keys k0 .. kv_len - 1 of K and V
 // into ring slot `dst` (K, then V kKTileBytes on). Every copy is in flight at

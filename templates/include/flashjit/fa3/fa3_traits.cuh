@@ -117,6 +117,8 @@ struct Fa3Traits {
   static constexpr int kQWarpgroupBytes = kRowsPerWarpgroup * kPitchBytes;
   // Q buffers a consumer warpgroup cycles through (Fa3QPrefetchTraits: 2).
   static constexpr int kQBuffers = 1;
+  // The consumers take turns issuing their products (Fa3PingPongTraits).
+  static constexpr bool kPingPong = false;
   static constexpr int kBarOffset = kQOffset + kConsumerWarpgroups * kQWarpgroupBytes;
   // Per stage, for K and V each: "full" (its tile landed) and "empty" (every
   // consumer warp is done with it).
@@ -138,6 +140,19 @@ struct Fa3QPrefetchTraits : Base {
   static constexpr size_t kSmemBytes = 1024 + size_t(kBarOffset) + 32 * Base::kStages;
   using WithChunkFold = Fa3QPrefetchTraits<typename Base::WithChunkFold>;
   static_assert(Base::kPersistent && !Base::kKvFp8, "a second Q buffer: persistent grids of 16-bit K/V");
+};
+
+// The two consumer warpgroups take turns issuing their products, each turn
+// handed over by a named barrier (fa3_attention.cuh), so that one's softmax
+// runs while the other's products hold the tensor cores, instead of both
+// drifting freely. Ragged and single prefill only: in the paged kernels ptxas
+// then serialized every wgmma (C7520, the gathered tiles' proxy fence before
+// the turn), so they keep the free-running consumers.
+template <class Base>
+struct Fa3PingPongTraits : Base {
+  static constexpr bool kPingPong = !Base::kPaged;
+  using WithChunkFold = Fa3PingPongTraits<typename Base::WithChunkFold>;
+  static_assert(Base::kOverlap && Base::kConsumerWarpgroups == 2, "turns: two overlapped consumer warpgroups");
 };
 
 }  // namespace flashjit
