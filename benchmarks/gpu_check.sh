@@ -24,11 +24,12 @@
 # then under compute-sanitizer memcheck, racecheck and synccheck at once ($SANITIZE_K: a pytest -k filter;
 # each tool under $SANITIZE_LIMIT seconds, default 240);
 # verify: the kernels built and not yet run on a GPU, step by step ($VERIFY_STEPS, default all of
-# "d96 fp8fa3 compile fp8mla prefill96 sinks tilings"; each under $VERIFY_LIMIT seconds, default 300):
+# "d96 fp8fa3 compile fp8mla prefill96 sinks tilings"; each under $VERIFY_LIMIT seconds, default 300,
+# the tilings under $TILINGS_LIMIT, default 480):
 # fa3 at head dim 96 (tests/test_gpu_head_dims.py at 96), fa3 over an FP8 cache at every head dim,
 # the FP8 operators under torch.compile (MLA's scales), fa3's FP8 MLA kernel (dev/pytest_fa3_fp8_mla.py),
 # then prefill at 96 beside fa2, cuDNN and FlashInfer and what sinks cost (dev/head_dims_sinks.py),
-# and fa3's tilings at $VERIFY_HEAD_DIMS (default 128; the second Q buffer among them,
+# and fa3's tilings at $VERIFY_HEAD_DIMS (default 128; the second Q buffer and the turns among them,
 # dev/fa2_tilings.py; $VERIFY_BASELINE: a templates/ folder of other sources timed beside); a table last;
 # invariant: the batch-invariant GPU tests, then dev/batch_invariant_cost.py
 # with $INVARIANT_ARGS (default: every prefill and decode row);
@@ -192,8 +193,9 @@ if [ "$MODE" = verify ]; then
   step() {  # step NAME COMMAND...: its log in $OUT/verify_NAME.log, its last line in the table
     local name=$1; shift
     case " ${VERIFY_STEPS:-d96 fp8fa3 compile fp8mla prefill96 sinks tilings} " in *" $name "*) ;; *) return 0 ;; esac
-    local t0=$(date +%s)
-    timeout ${VERIFY_LIMIT:-300} "$@" >"$OUT/verify_$name.log" 2>&1
+    local t0=$(date +%s) limit=${VERIFY_LIMIT:-300}
+    [ "$name" = tilings ] && limit=${TILINGS_LIMIT:-480}  # six tilings of fa3, each built and checked first
+    timeout $limit "$@" >"$OUT/verify_$name.log" 2>&1
     local rc=$?
     [ "$rc" = 0 ] || status=1
     rows+=("| $name | rc=$rc in $(( $(date +%s) - t0 )) s: $(grep -v '^\s*$' "$OUT/verify_$name.log" | tail -n 1) |")
