@@ -293,3 +293,14 @@ def test_bench_quick_writes_three_reports(tmp_path):
         assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     else:
         assert report.MATPLOTLIB_MISSING in run.stderr and not (out / "bench.png").exists()
+
+
+def test_gpu_check_parses_and_names_files_that_exist():
+    """benchmarks/gpu_check.sh (the one GPU call) is valid bash, and every script and test file its commands
+    name exists: a renamed test or instrument fails here, not on a GPU machine's clock."""
+    script = REPO / "benchmarks" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    commands = "\n".join(line for line in script.read_text().splitlines() if not line.lstrip().startswith("#"))
+    named = set(re.findall(r"(?:benchmarks|tests)/[\w/.-]+\.(?:py|sh)", commands))
+    assert {"benchmarks/dev/pytest_fa3_fp8_mla.py", "tests/test_gpu_head_dims.py"} <= named
+    assert [path for path in sorted(named) if not (REPO / path).is_file()] == []
