@@ -77,10 +77,10 @@ MASK_ON_CUDA_CORES = False
 # 96 runs on tiles padded to whole 64-column blocks (docs/fa3.md). FA3_AUTO_HEAD_DIMS:
 # those `auto` picks fa3 for, where a same-run table has it ahead of fa2; at the
 # others fa3 runs when backend="fa3" asks for it. FA3_FP8_HEAD_DIMS: those whose
-# fa3 kernels read an FP8 cache (whole blocks: fa3_fp8.cuh).
+# fa3 kernels read an FP8 cache: whole 64-column blocks (fa3_fp8.cuh's loader).
 FA3_HEAD_DIMS = (64, 96, 128, 192, 256)
 FA3_AUTO_HEAD_DIMS = (64, 128, 192, 256)
-FA3_FP8_HEAD_DIMS = (64, 128, 192, 256)
+FA3_FP8_HEAD_DIMS = tuple(d for d in FA3_HEAD_DIMS if d % 64 == 0)
 # (head_dim_qk, head_dim_vo) pairs with V and O narrower than Q and K (DeepSeek-V2/V3's
 # prefill), for QK_VO_OPS with K/V of q's dtype: CUDA cores, and fa2's tensor cores
 # (its paged, FP8, TMA and split-keys kernels keep the two equal), and fa3's tensor cores.

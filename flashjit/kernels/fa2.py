@@ -69,7 +69,7 @@ class Fa2Tiling:
         and with an FP8 cache stages of codes and the widened K/V pair; 16-bit
         rows take whole 128-byte blocks (kPitchBytes), FP8 code rows head_dim bytes."""
         d, dv = spec.head_dim_qk, spec.head_dim_vo
-        pitch, v_pitch = (-(-2 * x // 128) * 128 for x in (d, dv))
+        pitch, v_pitch = common.row_pitch(d), common.row_pitch(dv)
         kv_bytes = common.DTYPE_BYTES[spec.dtype_kv]
         stage_rows = d + dv if kv_bytes == 1 else pitch + v_pitch
         size = self.rows_per_cta * pitch + self.stages * self.keys_per_tile * stage_rows

@@ -15,11 +15,6 @@ MLA_TEMPLATE = "attention_mla_fa3.cu.jinja"
 ARCHES = frozenset({"sm_90a"})
 
 
-def _whole_blocks(head_dim: int) -> int:
-    """Columns of a shared-memory tile: whole 64-column blocks (Fa3Traits::kTileCols)."""
-    return -(-head_dim // 64) * 64
-
-
 @dataclass(frozen=True)
 class Fa3Tiling:
     """A CTA of one loader and `consumers` consumer warpgroups of 64 query rows
@@ -59,7 +54,7 @@ class Fa3Tiling:
     def smem_bytes(self, spec: KernelSpec) -> int:
         """Mirror of Fa3Traits::kSmemBytes (and Fa3Fp8Traits', Fa3QPrefetchTraits'):
         alignment slack, K/V ring, Q (q_buffers of it), FP8 code slots, mbarriers."""
-        row, v_row = 2 * _whole_blocks(spec.head_dim_qk), 2 * _whole_blocks(spec.head_dim_vo)
+        row, v_row = common.row_pitch(spec.head_dim_qk), common.row_pitch(spec.head_dim_vo)
         codes = 2 * self.code_stages * (self.keys_per_tile * spec.head_dim_qk + 8)
         return 1024 + self.stages * self.keys_per_tile * (row + v_row) + self.q_buffers * self.rows_per_cta * row \
             + 32 * self.stages + codes

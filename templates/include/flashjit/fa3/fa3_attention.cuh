@@ -203,17 +203,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int wg_row0 = w.row_begin + c * WG_ROWS;
     const int warp_row0 = wg_row0 + 16 * warp_in_wg;
     const uint32_t q_wg = q_buffer(round);
-    // This warpgroup's Q rows of position `at` by cp.async into `dst` (rows past the request zero-filled).
-    auto copy_q = [&](const Item& at, uint32_t dst) {
-      CtaWork wq = at.w;
-      wq.row_begin = at.w.row_begin + c * WG_ROWS;
-      fa2::copy_q_tile<QTile, WG_ROWS, D, 128, Traits::kCopySpan>(p, wq, static_cast<const T*>(p.q), dst,
-                                                                  at.active ? at.rows_total : 0, ctid);
-      cp_async_commit();
-    };
     if constexpr (Traits::kQBuffers == 1) {
-      // Once every warp has read back the previous position's output staged there.
-      // (Spelled out rather than through copy_q: with it, ptxas assigned the d192
+      // This warpgroup's Q rows by cp.async (rows past the request zero-filled),
+      // once every warp has read back the previous position's output staged there.
+      // (Not through the second buffer's copy_q: with it, ptxas assigned the d192
       // fold kernel's registers otherwise.)
       fa3::warpgroup_barrier(1 + c);
       CtaWork wq = w;
@@ -228,6 +221,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // This round's Q was copied during the last one (round 0's here); the next
       // round's goes into the other buffer once every warp has read back the
       // last round's output staged there, and lands while this round runs.
+      // copy_q: this warpgroup's Q rows of position `at` into `dst`.
+      auto copy_q = [&](const Item& at, uint32_t dst) {
+        CtaWork wq = at.w;
+        wq.row_begin = at.w.row_begin + c * WG_ROWS;
+        fa2::copy_q_tile<QTile, WG_ROWS, D, 128, Traits::kCopySpan>(p, wq, static_cast<const T*>(p.q), dst,
+                                                                    at.active ? at.rows_total : 0, ctid);
+        cp_async_commit();
+      };
       fa3::warpgroup_barrier(1 + c);
       if (round == 0) copy_q(it, q_wg);
       if ((round + 1) * gridDim.x < positions) {
