@@ -16,7 +16,7 @@ from pathlib import Path
 from .errors import FlashjitError, KernelLaunchError
 from .spec import UTILITY_OPS, KernelSpec
 
-ABI_VERSION = 11  # FLASHJIT_ABI_VERSION in templates/include/flashjit/common/attention_params.cuh
+ABI_VERSION = 12  # FLASHJIT_ABI_VERSION in templates/include/flashjit/common/attention_params.cuh
 
 # A launch block's head: the stream, in front of the params (FlashjitAttentionLaunch).
 LAUNCH_HEAD = struct.Struct("=Q")
@@ -43,7 +43,7 @@ class AttentionParams(ctypes.Structure):
         ("sm_scale", ctypes.c_float), ("logits_soft_cap", ctypes.c_float), ("window_left", _i32),
         ("invariant_chunk", _i32),
         ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float), ("k_scale_ptr", _p), ("v_scale_ptr", _p),
-        ("sinks", _p), ("custom_mask", _p), ("mask_indptr", _p), ("mask_full_keys", _p),
+        ("sinks", _p), ("custom_mask", _p), ("mask_indptr", _p), ("mask_full_keys", _p), ("cta_walk", _p),
         ("q_pe_stride_n", _i64), ("q_pe_stride_h", _i64), ("q_pe", _p),
     ]
 

@@ -26,9 +26,10 @@ import torch
 from .. import jit
 from ..loader import KernelModule
 from . import _checks, _dispatch, _invariant, _masks, _scales
-from ._calls import PER_CALL, Signatures, batch_call, check_placement, resident_ctas
+from ._calls import (PER_CALL, Signatures, batch_call, check_placement, multiprocessors, resident_ctas,
+                     walks_positions)
 from ._launch import fill_params
-from ._plan import WorkPlan, ceil_div, plan_work
+from ._plan import WorkPlan, ceil_div, plan_work, walk_section
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class BatchPlan:
     invariant_chunk: int = 0        # batch-invariant mode's chunk of keys (params.invariant_chunk), 0: normal mode
     # A custom mask's packed bits, byte offsets and full-key counts per request (0: none).
     mask: tuple = (0, 0, 0)
+    walk: int = 0                   # a persistent grid's positions per CTA (ops._plan.walk_section), 0: its rounds
 
 
 _EMPTY_ITEM = (-1, 0, -1, 0)
@@ -176,8 +178,12 @@ class BatchAttention:
             merge = (merge or [0] * (tokens + 1)) + [merge[-1] if merge else 0] * (cap_tokens - tokens)
             items = items + [_EMPTY_ITEM] * (cap_items - len(items))
             merge_tokens = cap_tokens
+        walk = []
+        if walks_positions(module.spec) and not work.folds:
+            ctas = min(len(items) * num_kv_heads, multiprocessors(self._device))
+            walk = walk_section(work, len(items), num_kv_heads, ctas, self._use_cuda_graph)
         sections = [qo_indptr, kv_indptr, last_page_len or [], merge or [], [x for item in items for x in item],
-                    mask[1] if mask is not None else []]
+                    mask[1] if mask is not None else [], walk]
         host, offsets = [], []
         for values in sections:
             offsets.append(len(host))
@@ -217,7 +223,7 @@ class BatchAttention:
         self._plan = BatchPlan(module, num_qo_heads, num_kv_heads, head_dim, dim_vo, q_dtype, tokens, page_size,
                                max_page, kv_indptr[-1] if page_indices is None else 0, scalars, pointers, partials, len(items),
                                merge_tokens, work, graph_tokens=self._capacity[1] if self._use_cuda_graph else 0,
-                               invariant_chunk=chunk, mask=mask_pointers)
+                               invariant_chunk=chunk, mask=mask_pointers, walk=addr + 4 * offsets[6] if walk else 0)
         self._launches = Signatures()
 
     def _plan_mask(self, custom_mask, packed_custom_mask, qo_indptr: list[int], kv_lens: list[int],
@@ -347,6 +353,7 @@ class BatchAttention:
                              kv_element_size=k.element_size(), scales=scales, sinks=sinks, mask=plan.mask)
         # Negative: no CTA spans two chunks, the plain kernel runs (attention_params.cuh).
         params.invariant_chunk = plan.invariant_chunk if plan.work.folds else -plan.invariant_chunk
+        params.cta_walk = plan.walk or None
         head = PER_CALL.pack(0, 0, 0, 0, 0, *plan.pointers, *plan.partials, plan.num_work, plan.merge_tokens, 0, 1,
                              0, plan.work.band_items)
         call = batch_call(plan.module, head + bytes(params)[PER_CALL.size:], self._device.index, v_offset, q,

@@ -31,7 +31,8 @@ import struct
 import torch
 
 from ..loader import LAUNCH_HEAD, AttentionParams, KernelModule
-from ..spec import KernelSpec
+from ..kernels import fa3 as fa3_kernels
+from ..spec import MLA_OPS, KernelSpec
 from . import _checks, _guards, _invariant
 from ._plan import CHUNK_ALIGN, MIN_CHUNK_KEYS, ceil_div, single_request_band_items
 
@@ -200,12 +201,23 @@ def launch_elsewhere(launcher, block: bytes, device_index: int) -> int:
 _SM_COUNTS: dict = {}
 
 
-def resident_ctas(module: KernelModule, device: torch.device) -> int:
-    """CTAs of the module's kernel that run at once on the device: one full wave."""
+def multiprocessors(device: torch.device) -> int:
     if device.index not in _SM_COUNTS:
         _SM_COUNTS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device.index]
+
+
+def resident_ctas(module: KernelModule, device: torch.device) -> int:
+    """CTAs of the module's kernel that run at once on the device: one full wave."""
+    sms = multiprocessors(device)
     with torch.cuda.device(device):  # the occupancy query asks the current device
-        return _SM_COUNTS[device.index] * module.ctas_per_sm(device.index)
+        return sms * module.ctas_per_sm(device.index)
+
+
+def walks_positions(spec: KernelSpec) -> bool:
+    """Whether the configuration's kernel runs a persistent grid of one CTA per
+    SM that takes a plan's walk (p.cta_walk; fa3_launch.cuh)."""
+    return spec.backend == "fa3" and spec.op not in MLA_OPS and fa3_kernels.tiling(spec).persistent
 
 
 def single_request_split(kv_len: int, ctas: int, split_ctas: int, invariant_chunk: int = 0,

@@ -15,6 +15,7 @@ not run a nearly empty last wave. A merge pass then combines the chunks.
 from __future__ import annotations
 
 import functools
+import heapq
 from dataclasses import dataclass
 
 # A chunk covers at least this many keys: below it, writing and merging fp32
@@ -48,6 +49,7 @@ class WorkPlan:
     # Batch-invariant mode: some item's keys span several chunks, which its CTA
     # folds itself (ops._invariant.plan); the launch needs scratch at partial_o.
     folds: bool = False
+    costs: tuple = ()      # per item, in the planner's units (keys seen, plus _ITEM_OVERHEAD); () where unknown
 
 
 def _item_cost(qo_len: int, kv_len: int, tile: int, rows_per_cta: int, group: int, causal: bool) -> int:
@@ -171,8 +173,9 @@ def unsplit_plan(base, heads: int, slots: int, kv_chunk: int = 0, folds: bool = 
     (kv_chunk, folds: a batch-invariant plan whose CTAs fold their chunks)."""
     ordered = sorted(base, key=lambda b: -b[0])
     shared = any(b[2] > 0 for b in base)  # a request with several query tiles
+    costs = tuple(b[0] for b in ordered)
     return WorkPlan([(r, t, -1, 0) for _, r, t, _, _ in ordered], None, 0, kv_chunk,
-                    choose_band_items([b[0] for b in ordered], heads, slots, shared), folds)
+                    choose_band_items(costs, heads, slots, shared), folds, costs)
 
 
 def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, resident_ctas: int,
@@ -227,5 +230,80 @@ def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: 
         per_token = n if n > 1 else 0
         for _ in range(qo_len):
             merge_indptr.append(merge_indptr[-1] + per_token)
-    return WorkPlan(items, merge_indptr, merge_indptr[-1], chunk,
-                    choose_band_items([e[0] for e in expanded], heads, slots, shared))
+    costs = tuple(e[0] for e in expanded)
+    return WorkPlan(items, merge_indptr, merge_indptr[-1], chunk, choose_band_items(costs, heads, slots, shared),
+                    costs=costs)
+
+
+def launch_costs(costs, heads: int, band_items: int) -> list:
+    """The cost of each launch position x: work slots in bands of band_items
+    (0: one band), each band's slots for KV head 0, then head 1, ... (work.cuh
+    decode_work_at). costs: per work slot."""
+    per_band = band_items if 0 < band_items < len(costs) else max(len(costs), 1)
+    by_position = []
+    for first in range(0, len(costs), per_band):
+        by_position.extend(list(costs[first:first + per_band]) * heads)
+    return by_position
+
+
+# A persistent grid takes the plan's walk (deal_positions) only where its own
+# rounds would end more than this fraction past the balanced bound.
+_DEAL_SLACK = 0.01
+
+
+def rounds_time(by_position, ctas: int) -> int:
+    """When the kernel's own rounds end (work.cuh CtaWalk without a walk): CTA j
+    takes position j of even rounds and ctas - 1 - j of odd ones."""
+    step = 2 * ctas
+    return max(sum(by_position[j::step]) + sum(by_position[step - 1 - j::step]) for j in range(ctas))
+
+
+def deal_positions(costs, heads: int, band_items: int, ctas: int) -> list | None:
+    """A persistent grid's walk (work.cuh CtaWalk), or None where the kernel's
+    own rounds are within _DEAL_SLACK of the balanced bound: the launch
+    positions in launch order, each to the CTA whose positions so far cost
+    least (ties: the lower CTA), as a work counter would hand them out, so
+    that the CTAs that read one KV head's keys together (the bands) still run
+    together. In the planner's costs the rounds end 3-46% past the bound on
+    causal batches (most with grouped query heads), this within 2%
+    (tests/test_plan_walk.py). Positions of zero cost (a CUDA graph's empty
+    slots) are left out: no CTA visits them. Returns [ctas, ctas + 1 offsets,
+    CTA 0's positions, CTA 1's, ...]."""
+    by_position = launch_costs(costs, heads, band_items)
+    if ctas <= 0 or len(by_position) <= ctas or min(costs) == max(costs):
+        return None  # one position each, or equal ones: the rounds are as short as any walk
+    rounds = rounds_time(by_position, ctas)
+    if rounds <= (1 + _DEAL_SLACK) * max(sum(by_position) / ctas, max(by_position)):
+        return None
+    loads = [(0, cta) for cta in range(ctas)]  # sorted, so already a heap
+    dealt = [[] for _ in range(ctas)]
+    replace = heapq.heapreplace
+    for x, cost in enumerate(by_position):
+        if cost > 0:
+            load, cta = loads[0]
+            dealt[cta].append(x)
+            replace(loads, (load + cost, cta))
+    if max(loads)[0] * (1 + _DEAL_SLACK) >= rounds:
+        return None
+    walk, first = [ctas], 0
+    for positions in dealt:
+        walk.append(first)
+        first += len(positions)
+    walk.append(first)
+    for positions in dealt:
+        walk.extend(positions)
+    return walk
+
+
+def walk_section(work: WorkPlan, items: int, heads: int, ctas: int, fixed: bool) -> list:
+    """The plan's p.cta_walk ints for a persistent grid of `ctas` CTAs over
+    `items` work slots (the plan's, then a CUDA graph's empty ones): [] where
+    the kernel's rounds do (deal_positions). fixed (a CUDA graph, whose launch
+    keeps the address): always the section's full length, [0, ...] when the
+    rounds do, which no grid takes for a walk."""
+    costs = list(work.costs) + [0] * (items - len(work.costs))
+    walk = deal_positions(costs, heads, work.band_items, ctas) if len(work.costs) == len(work.items) else None
+    if not fixed:
+        return walk or []
+    size = 2 + ctas + items * heads
+    return (walk or [0]) + [0] * (size - len(walk or [0]))

@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FLASHJIT_ABI_VERSION 11
+#define FLASHJIT_ABI_VERSION 12
 
 extern "C" {
 
@@ -93,6 +93,9 @@ struct FlashjitAttentionParams {
   // [batch]: keys [0, n) of a request are visible to each of its queries, so
   // that key tiles below n skip the mask's test (plan() counts them); null: 0.
   const int32_t* mask_full_keys;
+  // fa3's persistent grids: the positions each CTA takes, dealt out by the
+  // plan (work.cuh CtaWalk), or null: rounds of the grid.
+  const int32_t* cta_walk;
 
   // MLA only (mla_paged): the rotary part of the query, [tokens, num_qo_heads,
   // 64]; q then holds the 512-wide latent part, k the ckv cache and v the kpe

@@ -150,6 +150,40 @@ __device__ __forceinline__ CtaWork decode_work_at(const FlashjitAttentionParams&
   return w;
 }
 
+// The launch positions a persistent CTA takes, in order. A plan may deal them
+// out itself (p.cta_walk, ops/_plan.py deal_positions: longest first, each to
+// the CTA that ends soonest in the plan's costs): cta_walk = [ctas, ctas + 1
+// offsets, the positions of CTA 0, CTA 1, ...], taken when ctas is this
+// grid's size. Otherwise rounds of gridDim.x, CTA j the j-th of even rounds and
+// the j-th from the end of odd ones: the plan orders positions longest first,
+// so the rounds' long and short ones pair up on each SM. A grid of one CTA per
+// position gets one round, its own. A position at or past `positions` is
+// inactive (the last round's). kPlanWalk false: the rounds alone (batch-
+// invariant mode's fold kernel, whose plans give no walk).
+template <bool kPlanWalk>
+struct CtaWalk {
+  const int32_t* list;  // this CTA's positions, or null: rounds of gridDim.x
+  unsigned count;       // the list's length, or the launch's positions
+  __device__ __forceinline__ CtaWalk(const FlashjitAttentionParams& p, unsigned positions) {
+    const int32_t* walk = p.cta_walk;
+    list = nullptr;
+    count = positions;
+    if (kPlanWalk && walk != nullptr && unsigned(walk[0]) == gridDim.x) {
+      const int first = walk[1 + blockIdx.x];
+      list = walk + 2 + gridDim.x + first;
+      count = unsigned(walk[2 + blockIdx.x] - first);
+    }
+  }
+  // Whether the CTA has a round `round` (each one before it has).
+  __device__ __forceinline__ bool has(unsigned round) const {
+    return kPlanWalk && list != nullptr ? round < count : round * gridDim.x < count;
+  }
+  __device__ __forceinline__ unsigned position(unsigned round) const {
+    if (kPlanWalk && list != nullptr) return unsigned(list[round]);
+    return round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+  }
+};
+
 // Every attention kernel starts here, fa3's MLA kernels too, except
 // fa3_attention_kernel, whose persistent CTAs wait once before their first
 // position; see grid_dependency.cuh. The work item and its request's offsets

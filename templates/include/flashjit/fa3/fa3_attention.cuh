@@ -85,11 +85,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int window_left = Traits::kWindow ? min(p.window_left, 1 << 30) : 0;
   // What one launch position (work slot, KV head, split) computes: its rows
   // and the key range any of them can see, from a KEYS-aligned start, within
-  // its split-KV chunk (whose bounds are multiples of KEYS). A persistent grid
-  // takes the positions in rounds of gridDim.x, CTA j the j-th of even rounds
-  // and the j-th from the end of odd ones: the plan orders positions longest
-  // first, so the rounds' long and short ones pair up on each SM. Otherwise
-  // each CTA takes one. A position past the last is inactive.
+  // its split-KV chunk (whose bounds are multiples of KEYS). A persistent CTA
+  // takes its positions in the order CtaWalk gives (work.cuh); otherwise each
+  // CTA takes one. A position past the last is inactive.
   struct Item {
     CtaWork w;
     int rows_total, offset, key_begin, num_tiles;
@@ -113,9 +111,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     it.num_tiles = it.active && key_end > it.key_begin ? (key_end - it.key_begin + KEYS - 1) / KEYS : 0;
     return it;
   };
-  auto round_position = [&](unsigned round) {
-    return round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
-  };
+  const CtaWalk<!Traits::kChunkFold> walk(p, positions);
 
   if (tid == 0) {
 #pragma unroll
@@ -145,8 +141,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // the consumers finish the last one's.
     auto for_each_position = [&](auto&& load_position) {
       int seq = 0;
-      for (unsigned round = 0; round * gridDim.x < positions; ++round) {
-        const Item it = item_at(round_position(round));
+      for (unsigned round = 0; walk.has(round); ++round) {
+        const Item it = item_at(walk.position(round));
         if (!it.active) continue;
         load_position(it, seq);
         seq += it.num_tiles;
@@ -186,8 +182,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if constexpr (Traits::kPingPong) {
     if (c == 1) pass_turn();
   }
-  for (unsigned round = 0; round * gridDim.x < positions; ++round) {
-    const unsigned position = round_position(round);
+  for (unsigned round = 0; walk.has(round); ++round) {
+    const unsigned position = walk.position(round);
     // Neither an inactive position (an empty work slot: no tiles, no rows) nor
     // a warpgroup whose rows all lie past the request (the last CTA of a
     // request with 64 rows or fewer left) skips code by a branch: ptxas takes
@@ -231,8 +227,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       };
       fa3::warpgroup_barrier(1 + c);
       if (round == 0) copy_q(it, q_wg);
-      if ((round + 1) * gridDim.x < positions) {
-        copy_q(item_at(round_position(round + 1)), q_buffer(round + 1));
+      if (walk.has(round + 1)) {
+        copy_q(item_at(walk.position(round + 1)), q_buffer(round + 1));
       } else {
         cp_async_commit();  // an empty group: this round's copy is always the second newest
       }
