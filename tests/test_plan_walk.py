@@ -23,9 +23,10 @@ def cta_lists(walk: list) -> list[list[int]]:
     return [walk[2 + ctas + walk[1 + j]:2 + ctas + walk[2 + j]] for j in range(ctas)]
 
 
-def plan(lens, group, kv_heads, causal=True):
+def plan(lens, group, kv_heads, causal=True, key_tile=128):
+    """fa3's plan (128 rows, tiles of 128 keys) on an H100's SMS CTAs."""
     return plan_work(lens, lens, group=group, rows_per_cta=128, num_kv_heads=kv_heads, resident_ctas=SMS,
-                     split_align=128, causal=causal, allow_split=False)
+                     split_align=128, causal=causal, allow_split=False, key_tile=key_tile)
 
 
 # (query/key lengths, query heads per KV head, KV heads): the prefill table's
@@ -45,9 +46,10 @@ def test_launch_costs_follow_the_kernels_launch_order(band_items):
         assert 0 <= head < heads and cost == costs[slot]
 
 
+@pytest.mark.parametrize("key_tile", [1, 128])
 @pytest.mark.parametrize("lens, group, kv_heads", CAUSAL_BATCHES)
-def test_walk_takes_every_position_once_and_balances(lens, group, kv_heads):
-    work = plan(lens, group, kv_heads)
+def test_walk_takes_every_position_once_and_balances(lens, group, kv_heads, key_tile):
+    work = plan(lens, group, kv_heads, key_tile=key_tile)
     by_position = launch_costs(work.costs, kv_heads, work.band_items)
     ctas = min(len(by_position), SMS)
     walk = deal_positions(work.costs, kv_heads, work.band_items, ctas)

@@ -166,7 +166,8 @@ class BatchAttention:
             work = plan_work(qo_lens, kv_lens, group=group, rows_per_cta=module.rows_per_cta,
                              num_kv_heads=num_kv_heads, resident_ctas=wave, split_align=module.split_align,
                              causal=spec.causal, fixed_chunk=fixed_chunk, allow_split=allow_split,
-                             max_items=max_items, max_partial_rows=rows_fit)
+                             max_items=max_items, max_partial_rows=rows_fit,
+                             key_tile=module.split_align if walks_positions(module.spec) else 1)
             base = self._workspace.data_ptr()
         partials = (base, base + 4 * rows_fit * num_qo_heads * dim_vo)
 

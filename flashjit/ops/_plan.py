@@ -52,12 +52,14 @@ class WorkPlan:
     costs: tuple = ()      # per item, in the planner's units (keys seen, plus _ITEM_OVERHEAD); () where unknown
 
 
-def _item_cost(qo_len: int, kv_len: int, tile: int, rows_per_cta: int, group: int, causal: bool) -> int:
-    """Keys the tile's last row can see (plus a constant for the tile's own work)."""
+def _item_cost(qo_len: int, kv_len: int, tile: int, rows_per_cta: int, group: int, causal: bool,
+               key_tile: int = 1) -> int:
+    """Keys the tile's last row can see, in whole tiles of key_tile keys (plus a
+    constant for the tile's own work)."""
     if causal:
         last_query = min((tile + 1) * rows_per_cta, qo_len * group) // group
         kv_len = max(0, min(kv_len, kv_len - qo_len + last_query))
-    return kv_len + _ITEM_OVERHEAD
+    return ceil_div(kv_len, key_tile) * key_tile + _ITEM_OVERHEAD
 
 
 def _estimate(columns, chunk: int, slots: int, heads: int) -> float:
@@ -158,13 +160,14 @@ def single_request_band_items(qo_len: int, kv_len: int, *, group: int, rows_per_
     return choose_band_items(costs, max(num_kv_heads, 1), max(1, resident_ctas), tiles > 1)
 
 
-def tile_items(qo_lens, kv_lens, *, group: int, rows_per_cta: int, causal: bool) -> list:
+def tile_items(qo_lens, kv_lens, *, group: int, rows_per_cta: int, causal: bool, key_tile: int = 1) -> list:
     """(cost, request, tile, kv_len, query rows) of every query tile, each over all its keys."""
     base = []
     for request, (qo_len, kv_len) in enumerate(zip(qo_lens, kv_lens)):
         for tile in range(ceil_div(qo_len * group, rows_per_cta)):
             rows = min(rows_per_cta, qo_len * group - tile * rows_per_cta)
-            base.append((_item_cost(qo_len, kv_len, tile, rows_per_cta, group, causal), request, tile, kv_len, rows))
+            cost = _item_cost(qo_len, kv_len, tile, rows_per_cta, group, causal, key_tile)
+            base.append((cost, request, tile, kv_len, rows))
     return base
 
 
@@ -181,16 +184,18 @@ def unsplit_plan(base, heads: int, slots: int, kv_chunk: int = 0, folds: bool = 
 def plan_work(qo_lens, kv_lens, *, group: int, rows_per_cta: int, num_kv_heads: int, resident_ctas: int,
               split_align: int, causal: bool = False, fixed_chunk: int | None = None,
               allow_split: bool = True, max_items: int | None = None,
-              max_partial_rows: int | None = None) -> WorkPlan:
+              max_partial_rows: int | None = None, key_tile: int = 1) -> WorkPlan:
     """Items sorted longest first (the tail of the grid is then short).
 
     fixed_chunk: split every request with more keys than this into chunks of
     this many keys (rounded up to split_align). max_items: the grid the plan
     must fit (CUDA-graph capacity); max_partial_rows: the partial states the
     workspace holds. Chunks grow until both hold (the unsplit plan needs no
-    partial state); ValueError if even the unsplit plan has too many items."""
+    partial state); ValueError if even the unsplit plan has too many items.
+    key_tile: a tile's keys cost alike, seen or not (fa3's persistent grids,
+    whose walk deal_positions balances in these costs); 1: by the key."""
     align = max(split_align, 1)
-    base = tile_items(qo_lens, kv_lens, group=group, rows_per_cta=rows_per_cta, causal=causal)
+    base = tile_items(qo_lens, kv_lens, group=group, rows_per_cta=rows_per_cta, causal=causal, key_tile=key_tile)
     if max_items is not None and len(base) > max_items:
         raise ValueError(f"the batch needs {len(base)} CTAs per KV head, more than the {max_items} this wrapper's "
                          f"CUDA graph was sized for; create a new wrapper for the larger batch")
@@ -264,7 +269,7 @@ def deal_positions(costs, heads: int, band_items: int, ctas: int) -> list | None
     positions in launch order, each to the CTA whose positions so far cost
     least (ties: the lower CTA), as a work counter would hand them out, so
     that the CTAs that read one KV head's keys together (the bands) still run
-    together. In the planner's costs the rounds end 3-46% past the bound on
+    together. In the planner's costs the rounds end 3-45% past the bound on
     causal batches (most with grouped query heads), this within 2%
     (tests/test_plan_walk.py). Positions of zero cost (a CUDA graph's empty
     slots) are left out: no CTA visits them. Returns [ctas, ctas + 1 offsets,
