@@ -163,11 +163,13 @@ __device__ __forceinline__ CtaWork decode_work_at(const FlashjitAttentionParams&
 template <bool kPlanWalk>
 struct CtaWalk {
   const int32_t* list;  // this CTA's positions, or null: rounds of gridDim.x
-  unsigned count;       // the list's length, or the launch's positions
+  // kPlanWalk: the CTA's rounds (the list's length); else the launch's positions.
+  // (The fold kernel keeps the rounds' own test: ptxas placed its spills otherwise.)
+  unsigned count;
   __device__ __forceinline__ CtaWalk(const FlashjitAttentionParams& p, unsigned positions) {
     const int32_t* walk = p.cta_walk;
     list = nullptr;
-    count = positions;
+    count = kPlanWalk ? (positions + gridDim.x - 1) / gridDim.x : positions;
     if (kPlanWalk && walk != nullptr && unsigned(walk[0]) == gridDim.x) {
       const int first = walk[1 + blockIdx.x];
       list = walk + 2 + gridDim.x + first;
@@ -176,7 +178,7 @@ struct CtaWalk {
   }
   // Whether the CTA has a round `round` (each one before it has).
   __device__ __forceinline__ bool has(unsigned round) const {
-    return kPlanWalk && list != nullptr ? round < count : round * gridDim.x < count;
+    return kPlanWalk ? round < count : round * gridDim.x < count;
   }
   __device__ __forceinline__ unsigned position(unsigned round) const {
     if (kPlanWalk && list != nullptr) return unsigned(list[round]);
