@@ -57,7 +57,10 @@ def estimate(w, kv_heads) -> str:
     ctas = min(len(by_position), torch.cuda.get_device_properties(0).multi_processor_count)
     bound = max(sum(by_position) / ctas, max(by_position))
     walk = _plan.deal_positions(plan.work.costs, kv_heads, plan.work.band_items, ctas)
-    dealt = "none" if walk is None else f"{max(sum(by_position[x] for x in walk[2 + ctas + walk[1 + j]:2 + ctas + walk[2 + j]]) for j in range(ctas)) / bound - 1:+.1%}"
+    dealt = "none"
+    if walk is not None:
+        ends = [sum(by_position[x] for x in walk[2 + ctas + walk[1 + j]:2 + ctas + walk[2 + j]]) for j in range(ctas)]
+        dealt = f"{max(ends) / bound - 1:+.1%}"
     return f"{_plan.rounds_time(by_position, ctas) / bound - 1:+.1%} / {dealt}"
 
 
