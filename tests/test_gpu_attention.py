@@ -177,6 +177,38 @@ def test_launch_bands_change_only_the_order(prewarmed, error_report, monkeypatch
           bands=band_items)
 
 
+@pytest.mark.parametrize("head_dim", [d for d in HEAD_DIMS if d in (64, 96, 128)])  # fa3's persistent grids
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fa3_walk_changes_only_the_order(prewarmed, error_report, monkeypatch, dtype, head_dim):
+    """A plan's walk (ops._plan.deal_positions, work.cuh CtaWalk) runs every
+    launch position once: forced on a causal GQA batch of 286 positions (more
+    than a grid of one CTA per SM), the output matches the kernel's own rounds
+    bit for bit, and the float64 reference within the profile."""
+    skip_unless_runs("fa3")
+    num_qo, num_kv = 8, 2
+    lens = [2048, 1500, 700, 300]
+    indptr = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = randn(sum(lens), num_qo, head_dim, dtype=dtype)
+    k, v = (randn(sum(lens), num_kv, head_dim, dtype=dtype) for _ in range(2))
+
+    def run(slack: float):
+        monkeypatch.setattr(_plan, "_DEAL_SLACK", slack)
+        wrapper = flashjit.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
+                                                                backend="fa3")
+        wrapper.plan(indptr, indptr, num_qo, num_kv, head_dim, causal=True, q_data_type=dtype)
+        out = wrapper.run(q, k, v, out=torch.full_like(q, float("nan")))
+        torch.cuda.synchronize()
+        return out, wrapper._plan.walk
+
+    walked, walk = run(-1.0)  # a walk whatever the rounds' balance
+    rounds, no_walk = run(float("inf"))
+    assert walk != 0 and no_walk == 0
+    assert torch.equal(walked, rounds)
+    ref, _ = ragged_reference(q, k, v, indptr.tolist(), indptr.tolist(), causal=True)
+    spec = spec_for("batch_prefill_ragged", dtype, head_dim, True, **spec_path("fa3"))
+    check(spec, walked, ref, q, k, v, max(lens), 1 / math.sqrt(head_dim), error_report, "fa3_walk")
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype,path", DTYPE_PATHS, ids=[path_id(p) for p in DTYPE_PATHS])
 def test_extreme_inputs_stay_finite(prewarmed, error_report, dtype, path, head_dim):
