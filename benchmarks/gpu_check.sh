@@ -23,14 +23,15 @@
 # cache, head dim 512; FLASHJIT_TEST_HEAD_DIMS defaults to 128,512), once plain (builds the kernels),
 # then under compute-sanitizer memcheck, racecheck and synccheck at once ($SANITIZE_K: a pytest -k filter;
 # each tool under $SANITIZE_LIMIT seconds, default 240);
-# verify: the kernels built and not yet run on a GPU, step by step ($VERIFY_STEPS, default all of
-# "d96 fp8fa3 compile fp8mla prefill96 sinks tilings"; each under $VERIFY_LIMIT seconds, default 300,
-# the tilings under $TILINGS_LIMIT, default 480):
+# verify: the newest fa3 and FP8 kernels, step by step, without the whole GPU suite ($VERIFY_STEPS,
+# default all of "d96 fp8fa3 compile fp8mla walk prefill96 sinks tilings"; each under $VERIFY_LIMIT
+# seconds, default 300, the tilings under $TILINGS_LIMIT, default 480):
 # fa3 at head dim 96 (tests/test_gpu_head_dims.py at 96), fa3 over an FP8 cache at every head dim,
-# the FP8 operators under torch.compile (MLA's scales), fa3's FP8 MLA kernel (dev/pytest_fa3_fp8_mla.py),
-# then prefill at 96 beside fa2, cuDNN and FlashInfer and what sinks cost (dev/head_dims_sinks.py),
-# and fa3's tilings at $VERIFY_HEAD_DIMS (default 128; the second Q buffer and the turns among them,
-# dev/fa2_tilings.py; $VERIFY_BASELINE: a templates/ folder of other sources timed beside); a table last;
+# the FP8 operators under torch.compile (MLA's scales), FP8 MLA on fa2 and fa3, the persistent
+# grid's walk against its rounds (dev/fa3_walk.py), prefill at 96 beside fa2, cuDNN and FlashInfer
+# and what sinks cost (dev/head_dims_sinks.py), and fa3's tilings at $VERIFY_HEAD_DIMS (default 128;
+# the second Q buffer and the turns among them, dev/fa2_tilings.py; $VERIFY_BASELINE: a templates/
+# folder of other sources timed beside); a table last;
 # invariant: the batch-invariant GPU tests, then dev/batch_invariant_cost.py
 # with $INVARIANT_ARGS (default: every prefill and decode row);
 # bench: JIT, prefill (S = 1k, 4k) and decode benchmarks only;
@@ -70,7 +71,7 @@ if [ "$MODE" = sanitize ]; then
            tests/test_gpu_head_dim_512.py})
   export FLASHJIT_TEST_HEAD_DIMS=${FLASHJIT_TEST_HEAD_DIMS:-128,512}
 fi
-if [ "$MODE" != bench ] && [ -z "${SKIP_TESTS:-}" ]; then
+if [ "$MODE" != bench ] && [ "$MODE" != verify ] && [ -z "${SKIP_TESTS:-}" ]; then
 selection=()
 [ "$MODE" = mla ] && selection=(-k mla) && export FLASHJIT_PREWARM_OPS=mla_paged
 if [ "$MODE" = invariant ]; then  # its tests load kernels outside the sweep's prewarm: build them in one run first
@@ -192,7 +193,7 @@ if [ "$MODE" = verify ]; then
   rows=()
   step() {  # step NAME COMMAND...: its log in $OUT/verify_NAME.log, its last line in the table
     local name=$1; shift
-    case " ${VERIFY_STEPS:-d96 fp8fa3 compile fp8mla prefill96 sinks tilings} " in *" $name "*) ;; *) return 0 ;; esac
+    case " ${VERIFY_STEPS:-d96 fp8fa3 compile fp8mla walk prefill96 sinks tilings} " in *" $name "*) ;; *) return 0 ;; esac
     local t0=$(date +%s) limit=${VERIFY_LIMIT:-300}
     [ "$name" = tilings ] && limit=${TILINGS_LIMIT:-480}  # six tilings of fa3, each built and checked first
     timeout $limit "$@" >"$OUT/verify_$name.log" 2>&1
@@ -205,7 +206,8 @@ if [ "$MODE" = verify ]; then
   step d96 env FLASHJIT_TEST_HEAD_DIMS=96 "${gpu_tests[@]}" tests/test_gpu_head_dims.py
   step fp8fa3 "${gpu_tests[@]}" tests/test_gpu_fp8_fa3.py
   step compile "${gpu_tests[@]}" tests/test_gpu_fp8_compile.py
-  step fp8mla python3 benchmarks/dev/pytest_fa3_fp8_mla.py "${gpu_tests[@]:3}" tests/test_gpu_mla_fp8.py
+  step fp8mla env FLASHJIT_PREWARM_OPS=mla_paged "${gpu_tests[@]}" tests/test_gpu_mla_fp8.py
+  step walk python3 benchmarks/dev/fa3_walk.py --out "$OUT/fa3_walk.md"
   step prefill96 python3 benchmarks/dev/head_dims_sinks.py --only prefill --prefill-head-dims 96 --rounds 3 \
     --out "$OUT/prefill96.md"
   step sinks python3 benchmarks/dev/head_dims_sinks.py --only sinks --rounds 3 --out "$OUT/sinks.md"
@@ -214,7 +216,8 @@ if [ "$MODE" = verify ]; then
       ${VERIFY_BASELINE:+--baseline-templates $VERIFY_BASELINE}
   done
   summarize_errors || status=1
-  grep -h "|\|sinks cost" "$OUT"/prefill96.md "$OUT"/sinks.md "$OUT"/fa3_tilings_d*.md 2>/dev/null | tail -n 60
+  grep -h "|\|sinks cost" "$OUT"/fa3_walk.md "$OUT"/prefill96.md "$OUT"/sinks.md "$OUT"/fa3_tilings_d*.md \
+    2>/dev/null | tail -n 80
   printf '%s\n' "" "| verify step | result |" "|---|---|" "${rows[@]}"
   echo "== summary: overall status=$status"
   exit $status

@@ -38,9 +38,7 @@ FNUZ_DTYPES = ("float8_e4m3fnuz", "float8_e5m2fnuz")
 FP8_KV_FAMILIES = (("single_decode", False), ("batch_decode_paged", False), ("append_paged", False),
                    ("single_decode", True), ("batch_decode_paged", True), ("single_prefill", True),
                    ("batch_prefill_ragged", True), ("batch_prefill_paged", True), ("mla_paged", True))
-# mla_paged is not among them: its fa3 kernel's FP8 build wrote NaN on an H100
-# (docs/mla.md, "FP8 cache"), so an FP8 MLA cache runs on fa2.
-FA3_FP8_OPS: tuple[str, ...] = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged")
+FA3_FP8_OPS: tuple[str, ...] = ("single_prefill", "batch_prefill_ragged", "batch_prefill_paged", "mla_paged")
 
 ATTENTION_OPS = ("single_prefill", "single_decode", "batch_prefill_ragged", "batch_prefill_paged",
                  "batch_decode_paged")
@@ -79,7 +77,7 @@ MASK_ON_CUDA_CORES = False
 # others fa3 runs when backend="fa3" asks for it. FA3_FP8_HEAD_DIMS: those whose
 # fa3 kernels read an FP8 cache: whole 64-column blocks (fa3_fp8.cuh's loader).
 FA3_HEAD_DIMS = (64, 96, 128, 192, 256)
-FA3_AUTO_HEAD_DIMS = (64, 128, 192, 256)
+FA3_AUTO_HEAD_DIMS = FA3_HEAD_DIMS  # 96: 1.7-2.0x fa2 (2026-12-07-h100-head-dims-sinks-speed.md)
 FA3_FP8_HEAD_DIMS = tuple(d for d in FA3_HEAD_DIMS if d % 64 == 0)
 # (head_dim_qk, head_dim_vo) pairs with V and O narrower than Q and K (DeepSeek-V2/V3's
 # prefill), for QK_VO_OPS with K/V of q's dtype: CUDA cores, and fa2's tensor cores

@@ -302,5 +302,5 @@ def test_gpu_check_parses_and_names_files_that_exist():
     subprocess.run(["bash", "-n", str(script)], check=True)
     commands = "\n".join(line for line in script.read_text().splitlines() if not line.lstrip().startswith("#"))
     named = set(re.findall(r"(?:benchmarks|tests)/[\w/.-]+\.(?:py|sh)", commands))
-    assert {"benchmarks/dev/pytest_fa3_fp8_mla.py", "tests/test_gpu_head_dims.py"} <= named
+    assert {"benchmarks/dev/fa3_walk.py", "tests/test_gpu_head_dims.py"} <= named
     assert [path for path in sorted(named) if not (REPO / path).is_file()] == []

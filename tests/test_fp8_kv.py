@@ -117,12 +117,12 @@ def test_kv_dtype_selector_aliases(words, canonical):
 def test_kv_dtype_selection_on_the_default_preset():
     specs = selection.specs_from_args(_args("--kv-dtype", "e4m3", "e5m2", "--arch", "sm_90a"))
     names = {s.name for s in specs}
-    # On sm_90a the prefill parts run fa3 with an FP8 cache, decode and MLA fa2 (docs/mla.md).
+    # On sm_90a the prefill parts and MLA run fa3 with an FP8 cache, decode fa2.
     assert names == {f"{op}_bf16_kv{kv}_d{d}{suffix}" for kv in ("e4m3", "e5m2") for d in (64, 128, 256)
                      for op, suffix in (("batch_decode_paged", "_fa2_cc_lse"), ("batch_decode_paged", "_fa2_tc_lse"),
                                         ("batch_prefill_paged", "_fa3_tc_causal_lse"),
                                         ("batch_prefill_ragged", "_fa3_tc_causal_lse"), ("append_paged", ""))} | \
-        {f"mla_paged_bf16_kv{kv}_qk576_vo512_fa2_tc{causal}_lse" for kv in ("e4m3", "e5m2") for causal in ("", "_causal")}
+        {f"mla_paged_bf16_kv{kv}_qk576_vo512_fa3_tc{causal}_lse" for kv in ("e4m3", "e5m2") for causal in ("", "_causal")}
     assert not any(s.dtype_kv.startswith("float8") for s in selection.specs_from_args(_args("--arch", "sm_90a"))), \
         "the default preset stays without FP8"
     specs = selection.specs_from_args(_args("--op", "single_decode", "--dtype", "fp16", "bf16", "--kv-dtype", "e5m2",

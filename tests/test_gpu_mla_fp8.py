@@ -39,8 +39,8 @@ def fp8_id(dtype) -> str:
 def f32(x) -> float:
     return float(torch.tensor(float(x), dtype=torch.float32))
 
-# fa3 takes an FP8 MLA cache once spec.FA3_FP8_OPS lists mla_paged (its kernel wrote NaN on an H100:
-# docs/mla.md); until then backend="fa3" would run fa2, and these tests would compare fa2 with itself.
+# fa3 where spec.FA3_FP8_OPS lists mla_paged (otherwise backend="fa3" would run fa2, and these tests
+# would compare fa2 with itself).
 FP8_MLA_BACKENDS = [b for b in MLA_BACKENDS if b == "fa2" or "mla_paged" in FA3_FP8_OPS]
 
 

@@ -339,7 +339,7 @@ def test_gpu_fp8_tensor_core_configurations_within_their_profiles(prewarmed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_gpu_fp8_mla_within_its_profile(kv_dtype):
-    """MLA over an FP8 ckv / kpe cache (fa2 on every GPU: spec.FA3_FP8_OPS leaves mla_paged out)."""
+    """MLA over an FP8 ckv / kpe cache (fa3 on sm_90a, fa2 elsewhere)."""
     from flashjit import arch
     from sweep import build_for_gpu
 

@@ -214,19 +214,18 @@ def test_the_table_and_summary_report_an_fp8_mla_row():
 
 
 def test_fp8_mla_configurations_are_measured_not_skipped(no_compile, monkeypatch):
-    """Selected (fa2, also on sm_90a), generated, and run exactly by the ops: no
+    """Selected (fa2; fa3 on sm_90a), generated, and run exactly by the ops: no
     configuration of them is a skipped row."""
     from flashjit import arch
     from flashjit.selectors import check_selectors
 
-    for targets in (("sm_80",), ("sm_90a",)):
+    for targets, backend in ((("sm_80",), "fa2"), (("sm_90a",), "fa3")):
         args = parse("--op", "mla_paged", "--dtype", "bf16", "fp16", "--kv-dtype", "e4m3", "e5m2")
         check_selectors(args)
         specs = cli.specs_from_args(args, targets)
-        # fa2 on every GPU: spec.FA3_FP8_OPS leaves mla_paged out.
         assert sorted(specs, key=lambda s: s.name) == sorted(
-            (mla_spec(q, causal=c, dtype_kv=kv) for q in ("bfloat16", "float16") for c in (False, True)
-             for kv in ("float8_e4m3fn", "float8_e5m2")), key=lambda s: s.name)
+            (mla_spec(q, causal=c, dtype_kv=kv, backend=backend) for q in ("bfloat16", "float16")
+             for c in (False, True) for kv in ("float8_e4m3fn", "float8_e5m2")), key=lambda s: s.name)
         assert numerics.fp8_left_out(args, targets, specs) == []
         monkeypatch.setattr(arch, "backend_targets", lambda: targets)
         assert all(numerics.not_generated_row(s) is None and runner.not_runnable(s) is None for s in specs)

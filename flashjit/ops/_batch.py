@@ -26,8 +26,7 @@ import torch
 from .. import jit
 from ..loader import KernelModule
 from . import _checks, _dispatch, _invariant, _masks, _scales
-from ._calls import (PER_CALL, Signatures, batch_call, check_placement, multiprocessors, resident_ctas,
-                     walks_positions)
+from ._calls import PER_CALL, Signatures, batch_call, check_placement, resident_ctas, walks_positions
 from ._launch import fill_params
 from ._plan import WorkPlan, ceil_div, plan_work, walk_section
 
@@ -180,8 +179,10 @@ class BatchAttention:
             items = items + [_EMPTY_ITEM] * (cap_items - len(items))
             merge_tokens = cap_tokens
         walk = []
-        if walks_positions(module.spec) and not work.folds:
-            ctas = min(len(items) * num_kv_heads, multiprocessors(self._device))
+        if work.costs and walks_positions(module.spec):
+            # The launch's grid (fa3_launch.cuh): one CTA per SM, which is the wave of a kernel that
+            # fits once per SM; a grid of another size takes its rounds (work.cuh CtaWalk).
+            ctas = min(len(items) * num_kv_heads, wave)
             walk = walk_section(work, len(items), num_kv_heads, ctas, self._use_cuda_graph)
         sections = [qo_indptr, kv_indptr, last_page_len or [], merge or [], [x for item in items for x in item],
                     mask[1] if mask is not None else [], walk]

@@ -201,17 +201,12 @@ def launch_elsewhere(launcher, block: bytes, device_index: int) -> int:
 _SM_COUNTS: dict = {}
 
 
-def multiprocessors(device: torch.device) -> int:
-    if device.index not in _SM_COUNTS:
-        _SM_COUNTS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNTS[device.index]
-
-
 def resident_ctas(module: KernelModule, device: torch.device) -> int:
     """CTAs of the module's kernel that run at once on the device: one full wave."""
-    sms = multiprocessors(device)
+    if device.index not in _SM_COUNTS:
+        _SM_COUNTS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     with torch.cuda.device(device):  # the occupancy query asks the current device
-        return sms * module.ctas_per_sm(device.index)
+        return _SM_COUNTS[device.index] * module.ctas_per_sm(device.index)
 
 
 def walks_positions(spec: KernelSpec) -> bool:
