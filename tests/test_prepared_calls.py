@@ -9,6 +9,7 @@ fixture, which test_prepared_runs uses for the wrappers)."""
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -237,3 +238,33 @@ def test_a_failed_launch_raises_naming_the_configuration(gpu):
     gpu.code = 700
     with pytest.raises(KernelLaunchError, match=r"single_decode_bf16_d128.*: CUDA error 700 \(an injected error\)"):
         flashjit.single_decode_with_kv_cache(q, k, v)
+
+
+def test_a_long_grouped_causal_prompt_on_fa3_takes_a_walk(gpu, monkeypatch):
+    """fa3's persistent grid (ops._walk): a single causal GQA prompt whose rounds
+    would not balance gets a walk on the device, named by p.cta_walk in the
+    launch's params, made once per shape; a balanced (non-causal) one keeps the
+    rounds (cta_walk null)."""
+    from flashjit import arch
+    from flashjit.ops import _plan, _walk
+
+    monkeypatch.setattr(arch, "backend_targets", lambda: ("sm_90a",))
+    monkeypatch.setattr(_walk, "_WALKS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build's torch lacks it
+    walk_at = loader.AttentionParams.cta_walk.offset
+    q, k, v = bf16(2048, 32, 128), bf16(2048, 8, 128), bf16(2048, 8, 128)  # 128 tiles of 64 rows x 8 KV heads
+
+    def launched_walk(causal: bool) -> int:
+        flashjit.single_prefill_with_kv_cache(q, k, v, causal=causal, backend="fa3")
+        return struct.unpack_from("=Q", gpu.launches[-1][0], walk_at)[0]
+
+    address = launched_walk(True)
+    assert address != 0 and launched_walk(True) == address and len(_walk._WALKS) == 1
+    (_, buffer), = _walk._WALKS.values()
+    assert buffer.data_ptr() == address
+    values = _calls.PER_CALL.unpack_from(gpu.launches[-1][0])
+    bands = values[18]
+    costs = [_plan._item_cost(2048, 2048, t, 64, 4, True, 64) for t in reversed(range(128))]
+    assert bands > 0 and buffer.tolist() == _plan.deal_positions(costs, 8, bands, 132)
+    assert buffer.tolist()[0] == 132  # the grid it is for: one CTA per SM of the stand-in's wave
+    assert launched_walk(False) == 0

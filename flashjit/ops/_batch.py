@@ -26,9 +26,10 @@ import torch
 from .. import jit
 from ..loader import KernelModule
 from . import _checks, _dispatch, _invariant, _masks, _scales
-from ._calls import PER_CALL, Signatures, batch_call, check_placement, resident_ctas, walks_positions
+from ._calls import PER_CALL, Signatures, batch_call, check_placement, resident_ctas
 from ._launch import fill_params
 from ._plan import WorkPlan, ceil_div, plan_work, walk_section
+from ._walk import walks_positions
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,10 @@ import struct
 import torch
 
 from ..loader import LAUNCH_HEAD, AttentionParams, KernelModule
-from ..kernels import fa3 as fa3_kernels
-from ..spec import MLA_OPS, KernelSpec
+from ..spec import KernelSpec
 from . import _checks, _guards, _invariant
 from ._plan import CHUNK_ALIGN, MIN_CHUNK_KEYS, ceil_div, single_request_band_items
+from ._walk import single_request_walk, walks_positions
 
 # FlashjitAttentionParams starts with thirteen pointers and six per-call counts
 # (num_work, qo_len, kv_len, num_splits, kv_chunk, band_items); everything after them is fixed
@@ -209,12 +209,6 @@ def resident_ctas(module: KernelModule, device: torch.device) -> int:
         return _SM_COUNTS[device.index] * module.ctas_per_sm(device.index)
 
 
-def walks_positions(spec: KernelSpec) -> bool:
-    """Whether the configuration's kernel runs a persistent grid of one CTA per
-    SM that takes a plan's walk (p.cta_walk; fa3_launch.cuh)."""
-    return spec.backend == "fa3" and spec.op not in MLA_OPS and fa3_kernels.tiling(spec).persistent
-
-
 def single_request_split(kv_len: int, ctas: int, split_ctas: int, invariant_chunk: int = 0,
                          fold: bool = False) -> tuple[int, int]:
     """(num_splits, kv_chunk) of a single-request launch of `ctas` CTAs: enough
@@ -275,6 +269,8 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
     # Fewer keys in one row tile: never split, no bands.
     split_keys = invariant_chunk + 1 if invariant_chunk else _SPLIT_KEYS
     fold = bool(invariant_chunk) and _invariant.folds(module.spec)
+    walks = not invariant_chunk and walks_positions(module.spec)
+    walk_tails: dict = {}  # walk address -> the params tail that carries it
 
     def split_and_bands(num_work: int, qo_len: int, kv_len: int, device) -> tuple:
         """(partial buffer or None, partial_o, partial_lse, num_splits, kv_chunk, band_items, params tail)."""
@@ -300,6 +296,16 @@ def single_request_call(module: KernelModule, params: AttentionParams, q: torch.
                 bands = band_memo[(qo_len, kv_len)] = single_request_band_items(
                     qo_len, kv_len, group=group, rows_per_cta=rows_per_cta, num_kv_heads=num_kv_heads,
                     resident_ctas=split_ctas, causal=causal)
+            if walks and splits == 1:  # a persistent grid of one CTA per SM (the wave: fa3_launch.cuh)
+                walk = single_request_walk(qo_len, kv_len, group=group, rows_per_cta=rows_per_cta,
+                                           key_tile=module.split_align, num_kv_heads=num_kv_heads, band_items=bands,
+                                           ctas=min(ctas, split_ctas), causal=causal, device=device)
+                if walk:
+                    tail_of = walk_tails.get(walk)
+                    if tail_of is None:
+                        params.cta_walk = walk
+                        tail_of = walk_tails[walk] = bytes(params)[PER_CALL.size:]
+                        params.cta_walk = None
         return partial, partial_o, partial_lse, splits, chunk, bands, tail_of
 
     def call(q, k, v):
