@@ -49,7 +49,7 @@ class WorkPlan:
     # Batch-invariant mode: some item's keys span several chunks, which its CTA
     # folds itself (ops._invariant.plan); the launch needs scratch at partial_o.
     folds: bool = False
-    costs: tuple = ()      # per item, in the planner's units (keys seen, plus _ITEM_OVERHEAD); () where unknown
+    costs: tuple = ()      # per item, in the planner's units (_item_cost); () where unknown
 
 
 def _item_cost(qo_len: int, kv_len: int, tile: int, rows_per_cta: int, group: int, causal: bool,

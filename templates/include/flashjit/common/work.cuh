@@ -151,7 +151,7 @@ __device__ __forceinline__ CtaWork decode_work_at(const FlashjitAttentionParams&
 }
 
 // The launch positions a persistent CTA takes, in order. A plan may deal them
-// out itself (p.cta_walk, ops/_plan.py deal_positions: longest first, each to
+// out itself (p.cta_walk, ops/_plan.py deal_positions: in launch order, each to
 // the CTA that ends soonest in the plan's costs): cta_walk = [ctas, ctas + 1
 // offsets, the positions of CTA 0, CTA 1, ...], taken when ctas is this
 // grid's size. Otherwise rounds of gridDim.x, CTA j the j-th of even rounds and
