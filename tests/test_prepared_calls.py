@@ -244,7 +244,7 @@ def test_a_long_grouped_causal_prompt_on_fa3_takes_a_walk(gpu, monkeypatch):
     """fa3's persistent grid (ops._walk): a single causal GQA prompt whose rounds
     would not balance gets a walk on the device, named by p.cta_walk in the
     launch's params, made once per shape; a balanced (non-causal) one keeps the
-    rounds (cta_walk null)."""
+    rounds (cta_walk null), as does any once the walks kept fill their budget."""
     from flashjit import arch
     from flashjit.ops import _plan, _walk
 
@@ -268,3 +268,7 @@ def test_a_long_grouped_causal_prompt_on_fa3_takes_a_walk(gpu, monkeypatch):
     assert bands > 0 and buffer.tolist() == _plan.deal_positions(costs, 8, bands, 132)
     assert buffer.tolist()[0] == 132  # the grid it is for: one CTA per SM of the stand-in's wave
     assert launched_walk(False) == 0
+    # Once the walks kept hold their budget, a new shape runs the rounds.
+    monkeypatch.setattr(_walk, "_WALKS", {})
+    monkeypatch.setattr(_walk, "_walk_bytes", _walk._WALKS_BYTES)
+    assert launched_walk(True) == 0 and _walk._WALKS == {}

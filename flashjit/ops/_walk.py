@@ -13,20 +13,23 @@ from ._plan import _item_cost, ceil_div, deal_positions
 
 # Single requests' walks on the device, by everything a walk depends on:
 # (address, the tensor holding it). Never freed: a captured CUDA graph may hold
-# the address. Past the limit new shapes take the kernel's rounds.
+# the address. Once they hold _WALKS_BYTES (a 16k-token prompt's walk at four
+# query heads per KV head: 17 KB), new shapes take the kernel's rounds.
 _WALKS: dict = {}
-_WALKS_LIMIT = 1024
+_WALKS_BYTES = 16 << 20
+_walk_bytes = 0
 
 
 def single_request_walk(qo_len: int, kv_len: int, *, group: int, rows_per_cta: int, key_tile: int,
                         num_kv_heads: int, band_items: int, ctas: int, causal: bool, device: torch.device) -> int:
     """The device address of a single request's walk (p.cta_walk), 0 for the
-    kernel's rounds: where they balance, past _WALKS_LIMIT shapes, or while a
-    CUDA graph is being captured (no copy to the device then)."""
+    kernel's rounds: where they balance, once the walks kept hold _WALKS_BYTES,
+    or while a CUDA graph is being captured (no copy to the device then)."""
+    global _walk_bytes
     key = (device.index, qo_len, kv_len, group, rows_per_cta, key_tile, num_kv_heads, band_items, ctas, causal)
     if key in _WALKS:
         return _WALKS[key][0]
-    if len(_WALKS) >= _WALKS_LIMIT or torch.cuda.is_current_stream_capturing():
+    if _walk_bytes >= _WALKS_BYTES or torch.cuda.is_current_stream_capturing():
         return 0
     tiles = ceil_div(qo_len * group, rows_per_cta)
     # The launch's slots: its last query tiles first (work.cuh decode_work_at without a plan).
@@ -36,6 +39,7 @@ def single_request_walk(qo_len: int, kv_len: int, *, group: int, rows_per_cta: i
     if walk is not None:
         buffer = torch.empty(len(walk), dtype=torch.int32, device=device)
         buffer.copy_(torch.tensor(walk, dtype=torch.int32))
+        _walk_bytes += 4 * len(walk)
     _WALKS[key] = (0 if buffer is None else buffer.data_ptr(), buffer)
     return _WALKS[key][0]
 
