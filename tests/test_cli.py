@@ -114,12 +114,14 @@ def test_default_preset_is_the_serving_set_and_flags_replace_its_switches():
         f"batch_prefill_ragged_bf16_d{d}_{b}_tc{c}_lse" for d in (64, 128, 256) for b in ("fa2", "fa3")
         for c in ("", "_causal")}
     full = names("--preset", "full")
-    assert len(full) == 461
+    assert len(full) == 473
     # fa3 builds its head dims; every other head dim's tensor-core prefill is fa2's alone.
-    assert {re.search(r"_d(\d+)_", n).group(1) for n in full if "_fa3_" in n and "_d" in n} == {"64", "128", "192",
-                                                                                              "256"}
+    assert {re.search(r"_d(\d+)_", n).group(1) for n in full if "_fa3_" in n and "_d" in n} == {"64", "96", "128",
+                                                                                              "192", "256"}
     assert {n for n in full if n.startswith("batch_prefill_ragged_bf16_d96_") and "_tc" in n} == {
-        f"batch_prefill_ragged_bf16_d96_fa2_tc{c}_lse" for c in ("", "_causal")}
+        f"batch_prefill_ragged_bf16_d96_{b}_tc{c}_lse" for b in ("fa2", "fa3") for c in ("", "_causal")}
+    assert {n for n in full if n.startswith("batch_prefill_ragged_bf16_d112_") and "_tc" in n} == {
+        f"batch_prefill_ragged_bf16_d112_fa2_tc{c}_lse" for c in ("", "_causal")}
 
 
 @pytest.mark.parametrize("flags,expected_count", [
