@@ -182,6 +182,24 @@ def fake_gpu(monkeypatch, tmp_path, build_many, measure) -> None:
     monkeypatch.setattr(numerics, "_meta", lambda args, seeds: {"device": "Fake GPU", "seeds": seeds})
 
 
+def recording_gpu(monkeypatch, tmp_path, rows_for) -> dict:
+    """fake_gpu whose build and measurement succeed and record the names they
+    were given, in {"built": [...], "measured": [...]}; rows_for(spec): the
+    row measured for each configuration."""
+    seen = {"built": [], "measured": []}
+
+    def build_many(specs, **kw):
+        seen["built"] += [s.name for s in specs]
+        return [types.SimpleNamespace(spec=s, error=None) for s in specs]
+
+    def measure(specs, cases, seeds, seed=0, progress=None):
+        seen["measured"] += [s.name for s in specs]
+        return [rows_for(s) for s in specs]
+
+    fake_gpu(monkeypatch, tmp_path, build_many, measure)
+    return seen
+
+
 def test_cli_writes_the_reports_and_exits_1_naming_the_case(tmp_path, monkeypatch, capsys):
     """The command's wiring on CPU: GPU, build and measurement replaced by synthetic ones."""
 

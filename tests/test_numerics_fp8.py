@@ -25,7 +25,7 @@ from flashjit.reference import ragged_reference
 from flashjit.spec import KernelSpec
 import helpers_cache
 from helpers_cache import REPO, subprocess_env
-from test_numerics_cli import ROWS, draw, fake_gpu, row
+from test_numerics_cli import ROWS, draw, recording_gpu, row
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = {E4M3: (448.0, 2.0**-4), E5M2: (57344.0, 2.0**-3)}  # largest finite value, unit roundoff
@@ -237,20 +237,9 @@ def test_summary_groups_fp8_apart_and_states_its_cost():
 def cli_without_gpu(tmp_path, monkeypatch):
     """The command's wiring on the CPU: GPU, build and measurement replaced; the FP8
     families pinned to CUDA_CORE_FAMILIES. Returns what was built and measured."""
-    seen = {"built": [], "measured": []}
-
-    def build_many(specs, **kw):
-        seen["built"] += [s.name for s in specs]
-        return [types.SimpleNamespace(spec=s, error=None) for s in specs]
-
-    def measure(specs, cases, seeds, seed=0, progress=None):
-        seen["measured"] += [s.name for s in specs]
-        return [{**FP8_ROW, "config": s.name} for s in specs]
-
     for module in (spec_module, selection):
         monkeypatch.setattr(module, "FP8_KV_FAMILIES", CUDA_CORE_FAMILIES)
-    fake_gpu(monkeypatch, tmp_path, build_many, measure)
-    return seen
+    return recording_gpu(monkeypatch, tmp_path, lambda s: {**FP8_ROW, "config": s.name})
 
 
 def test_kv_dtype_measures_the_fp8_configurations_and_skips_the_rest(cli_without_gpu, tmp_path, capsys):

@@ -23,7 +23,7 @@ from flashjit.ops import _scales
 from flashjit.reference import attention_reference
 from flashjit.spec import mla_spec
 import helpers_cache
-from test_numerics_cli import fake_gpu, parse, row
+from test_numerics_cli import parse, recording_gpu, row
 from test_numerics_fp8 import FP8, FP8_ROW, f32
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -232,17 +232,7 @@ def test_fp8_mla_configurations_are_measured_not_skipped(no_compile, monkeypatch
 
 
 def test_the_command_builds_and_measures_fp8_mla(tmp_path, monkeypatch, capsys):
-    seen = {"built": [], "measured": []}
-
-    def build_many(specs, **kw):
-        seen["built"] += [s.name for s in specs]
-        return [types.SimpleNamespace(spec=s, error=None) for s in specs]
-
-    def measure(specs, cases_run, seeds, seed=0, progress=None):
-        seen["measured"] += [s.name for s in specs]
-        return [{**MLA_ROW, **catalog.describe(s)} for s in specs]
-
-    fake_gpu(monkeypatch, tmp_path, build_many, measure)
+    seen = recording_gpu(monkeypatch, tmp_path, lambda s: {**MLA_ROW, **catalog.describe(s)})
     out_json = tmp_path / "r.json"
     code = cli.main(["numerics", "--op", "mla_paged", "--dtype", "bf16", "--kv-dtype", "e4m3", "e5m2",
                      "--json", str(out_json)])
