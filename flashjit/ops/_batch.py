@@ -129,6 +129,7 @@ class BatchAttention:
         qo_lens = [qo_indptr[i + 1] - qo_indptr[i] for i in range(batch)]
         tokens = qo_indptr[-1]
         wave = resident_ctas(module, self._device)
+        walks = walks_positions(module.spec)  # a persistent grid that takes a plan's walk
         max_items = None
         chunk = _invariant.chunk_keys(fixed_chunk, allow_split, module.split_align) if batch_invariant else 0
         if self._use_cuda_graph:
@@ -167,7 +168,7 @@ class BatchAttention:
                              num_kv_heads=num_kv_heads, resident_ctas=wave, split_align=module.split_align,
                              causal=spec.causal, fixed_chunk=fixed_chunk, allow_split=allow_split,
                              max_items=max_items, max_partial_rows=rows_fit,
-                             key_tile=module.split_align if walks_positions(module.spec) else 1)
+                             key_tile=module.split_align if walks else 1)
             base = self._workspace.data_ptr()
         partials = (base, base + 4 * rows_fit * num_qo_heads * dim_vo)
 
@@ -180,7 +181,7 @@ class BatchAttention:
             items = items + [_EMPTY_ITEM] * (cap_items - len(items))
             merge_tokens = cap_tokens
         walk = []
-        if work.costs and walks_positions(module.spec):
+        if work.costs and walks:
             # The launch's grid (fa3_launch.cuh): one CTA per SM, which is the wave of a kernel that
             # fits once per SM; a grid of another size takes its rounds (work.cuh CtaWalk).
             ctas = min(len(items) * num_kv_heads, wave)
