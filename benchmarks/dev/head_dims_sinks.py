@@ -17,10 +17,13 @@ Sinks (--sink-head-dims, default prefill.py's): each prefill.py row with
 flashjit fa2 and fa3 with and without a sink per head; each decode.py row
 (head_dim 128) on CUDA cores and tensor cores with and without (the with-sinks
 output checked against the reference with the sinks). Cost: the extra time with
-sinks (target <= 3%).
+sinks (target <= 3%). --graphs: every sinks cell replays a CUDA graph of one call,
+so that the cost is the kernel's alone, not the host's (a call with sinks takes
+the wrapper's full run() path, one without its fast slot).
 
 Usage: python benchmarks/dev/head_dims_sinks.py [--only prefill decode sinks] [--prefill-head-dims 96 192/128]
-       [--decode-head-dims 96 192] [--sink-head-dims 64 128 256] [--rounds 3] [--reps 30] [--out FILE] [--json FILE]
+       [--decode-head-dims 96 192] [--sink-head-dims 64 128 256] [--graphs] [--rounds 3] [--reps 30]
+       [--out FILE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -43,6 +46,24 @@ from flashjit.kernels import fa3  # noqa: E402
 from flashjit.spec import KernelSpec  # noqa: E402
 
 DECODE_ROW = dec.ROWS[0]  # ("GQA 64x4k 32/8", 64, 4096, 32, 8)
+
+
+def graphed(make):
+    """A maker whose call replays a CUDA graph of one call of make's (captured at
+    the first call, after one eager call that builds and checks everything)."""
+    def make_graphed(*args, **kwargs):
+        fn, graphs = make(*args, **kwargs), []
+
+        def run(q, k, v):
+            if not graphs:
+                fn(q, k, v)
+                torch.cuda.synchronize()
+                graphs.append(torch.cuda.CUDAGraph())
+                with torch.cuda.graph(graphs[0]):
+                    fn(q, k, v)
+            graphs[0].replay()
+        return run
+    return make_graphed
 
 
 def dims(text: str) -> tuple[int, int | None]:
@@ -160,6 +181,8 @@ def main() -> int:
     parser.add_argument("--fa3-tiling", action="append", default=[], metavar="D=Fa3Tiling(...)",
                         help="replaces kernels.fa3.FA3_TILINGS[D] for this run (an A/B of a tiling, one process each)")
     parser.add_argument("--impls", nargs="+", help="the prefill table's implementations (default: all available)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="time the sinks table's cells as CUDA graph replays (the kernel's cost alone)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out")
@@ -207,10 +230,13 @@ def main() -> int:
     if "sinks" in args.only:
         impls = {name: pre.flashjit_ragged(b, sinks=s) for b in ("fa2", "fa3") for s in (False, True)
                  for name in [f"flashjit {b}{' +sinks' if s else ''}"]}
+        if args.graphs:
+            impls = {name: graphed(make) for name, make in impls.items()}
         sink_prefill = [dict(qk=r["head_dim"], vo=None, lens=r["qo_lens"], **{k: r[k] for k in
                              ("label", "causal", "heads", "flops", "reps")}) for r in sink_rows]
         part, records["sinks_prefill"] = prefill_section(sink_prefill, impls, args.rounds,
-                                                         "## Sinks on prefill.py's rows (TFLOP/s)")
+                                                         "## Sinks on prefill.py's rows (TFLOP/s"
+                                                         + (", CUDA graph replays)" if args.graphs else ")"))
         lines += ["", *part, "", *sink_cost_lines(records["sinks_prefill"])]
         lines += ["", "## Sinks on decode.py's rows (head_dim 128; µs · GB/s · fraction of copy and read bandwidth)",
                   ""]
