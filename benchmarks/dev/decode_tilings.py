@@ -8,7 +8,9 @@ measured against the code before it in the same run; `--no-variants` keeps the
 shipped tiling alone. `--kv-dtype e4m3` (or e5m2) times an FP8 cache instead:
 the bf16 cache quantised per tensor, checked against the reference over the
 dequantised values, GB/s of FP8 bytes, and the FP8 variants (deeper rings,
-16-dim lanes on CUDA cores: docs/fp8.md, "Speed").
+codes read straight into the mma fragments on tensor cores, 16-dim lanes on
+CUDA cores: docs/fp8.md, "Speed"); on tensor cores the shipped FP8 tiling is
+kernels.fa2.FA2_FP8_DECODE_TILINGS, which the variants replace.
 
 Usage: python benchmarks/dev/decode_tilings.py [--cores tensor|cuda] [--kv-dtype bf16|e4m3|e5m2]
        [--baseline-templates DIR ...] [--no-variants] [--out FILE]
@@ -47,8 +49,12 @@ CUDA_CORE_VARIANTS = {
     "2 warps, 4 keys per lane group x 3 stages, 8 CTAs/SM": CudaDecodeTiling(2, 4, 3, 8),
 }
 # FP8 caches: the shipped tilings beside rings that keep a 16-bit cache's bytes in
-# flight, and (CUDA cores) lanes of 16 dims, whose four rows need 255 registers.
+# flight, codes widened in registers (fp8_in_registers: no 16-bit tiles, no
+# ldmatrix; fa2/fa2_fp8_frags.cuh), and (CUDA cores) lanes of 16 dims, whose four
+# rows need 255 registers.
 FP8_TENSOR_CORE_VARIANTS = {
+    "codes into mma fragments, 64 keys x 2 stages, 3 CTAs/SM": Fa2Tiling(4, 64, 2, False, 3, split_keys=True,
+                                                                         fp8_in_registers=True),
     "keys split over 4 warps, 64 keys x 3 stages, 2 CTAs/SM": Fa2Tiling(4, 64, 3, False, 2, split_keys=True),
     "keys split over 4 warps, 64 keys x 4 stages, 2 CTAs/SM": Fa2Tiling(4, 64, 4, False, 2, split_keys=True),
     "keys split over 4 warps, 64 keys x 2 stages, 3 CTAs/SM": Fa2Tiling(4, 64, 2, False, 3, split_keys=True),
@@ -75,7 +81,8 @@ def main() -> int:
     tensor_cores = args.cores == "tensor"
     fp8 = decode_fp8.is_fp8(args.kv_dtype)
     kv_dtype = decode_fp8.torch_dtype(args.kv_dtype) if fp8 else BF16
-    shipped = kernels.fa2.FA2_DECODE_TILINGS[D] if tensor_cores else kernels.cuda_core.cuda_decode_tiling(
+    tilings = kernels.fa2.FA2_FP8_DECODE_TILINGS if fp8 else kernels.fa2.FA2_DECODE_TILINGS  # the table decode reads
+    shipped = tilings[D] if tensor_cores else kernels.cuda_core.cuda_decode_tiling(
         flashjit.KernelSpec.make("batch_decode_paged", "bfloat16", D, dtype_kv=kv_dtype))
     runs = [(f"shipped, sources from {folder.name}", shipped, folder.resolve()) for folder in args.baseline_templates]
     runs.append(("shipped", shipped, None))
@@ -105,7 +112,7 @@ def main() -> int:
     scaled = (lambda scale: {"k_scale": scale, "v_scale": scale}) if fp8 else (lambda scale: {})
     for name, tiling, templates in runs:
         if tensor_cores:
-            kernels.fa2.FA2_DECODE_TILINGS[D] = tiling
+            tilings[D] = tiling
         else:
             kernels.cuda_core.cuda_decode_tiling = lambda spec, tiling=tiling: tiling
         use_templates(templates)
@@ -129,7 +136,7 @@ def main() -> int:
         lines.append(f"| {name} | {tiling.smem_bytes(spec)} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     if tensor_cores:
-        kernels.fa2.FA2_DECODE_TILINGS[D] = shipped
+        tilings[D] = shipped
     kernels.cuda_core.cuda_decode_tiling = cuda_decode_tiling
     use_templates(None)
     if "flashinfer" in libraries():
