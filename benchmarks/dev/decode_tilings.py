@@ -8,9 +8,8 @@ measured against the code before it in the same run; `--no-variants` keeps the
 shipped tiling alone. `--kv-dtype e4m3` (or e5m2) times an FP8 cache instead:
 the bf16 cache quantised per tensor, checked against the reference over the
 dequantised values, GB/s of FP8 bytes, and the FP8 variants (deeper rings,
-codes read straight into the mma fragments on tensor cores, 16-dim lanes on
-CUDA cores: docs/fp8.md, "Speed"); on tensor cores the shipped FP8 tiling is
-kernels.fa2.FA2_FP8_DECODE_TILINGS, which the variants replace.
+16-dim lanes on CUDA cores: docs/fp8.md, "Speed"), which on tensor cores replace
+kernels.fa2.FA2_FP8_DECODE_TILINGS (the table FP8 decode reads).
 
 Usage: python benchmarks/dev/decode_tilings.py [--cores tensor|cuda] [--kv-dtype bf16|e4m3|e5m2]
        [--baseline-templates DIR ...] [--no-variants] [--out FILE]
@@ -49,12 +48,8 @@ CUDA_CORE_VARIANTS = {
     "2 warps, 4 keys per lane group x 3 stages, 8 CTAs/SM": CudaDecodeTiling(2, 4, 3, 8),
 }
 # FP8 caches: the shipped tilings beside rings that keep a 16-bit cache's bytes in
-# flight, codes widened in registers (fp8_in_registers: no 16-bit tiles, no
-# ldmatrix; fa2/fa2_fp8_frags.cuh), and (CUDA cores) lanes of 16 dims, whose four
-# rows need 255 registers.
+# flight, and (CUDA cores) lanes of 16 dims, whose four rows need 255 registers.
 FP8_TENSOR_CORE_VARIANTS = {
-    "codes into mma fragments, 64 keys x 2 stages, 3 CTAs/SM": Fa2Tiling(4, 64, 2, False, 3, split_keys=True,
-                                                                         fp8_in_registers=True),
     "keys split over 4 warps, 64 keys x 3 stages, 2 CTAs/SM": Fa2Tiling(4, 64, 3, False, 2, split_keys=True),
     "keys split over 4 warps, 64 keys x 4 stages, 2 CTAs/SM": Fa2Tiling(4, 64, 4, False, 2, split_keys=True),
     "keys split over 4 warps, 64 keys x 2 stages, 3 CTAs/SM": Fa2Tiling(4, 64, 2, False, 3, split_keys=True),

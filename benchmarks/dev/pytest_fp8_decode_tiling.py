@@ -5,7 +5,7 @@ a cache of its own (one per tiling, kept in the temporary folder for the next
 run). The arguments after the tiling go to pytest.
 
 Usage: python benchmarks/dev/pytest_fp8_decode_tiling.py \\
-           'Fa2Tiling(4, 64, 2, False, 3, split_keys=True, fp8_in_registers=True)' -m gpu tests/test_gpu_fp8_tc.py
+           'Fa2Tiling(4, 64, 3, False, 2, split_keys=True)' -m gpu tests/test_gpu_fp8_tc.py
 """
 
 from __future__ import annotations

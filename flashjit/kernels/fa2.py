@@ -51,12 +51,6 @@ class Fa2Tiling:
     # Decode only (0: off): with one query head per KV head (MHA), a second
     # instantiation of the kernel under this register cap runs instead.
     mha_min_blocks_per_sm: int = 0
-    # An FP8 cache's split-keys decode at head dim 128 (fa2_traits.cuh
-    # kFp8InRegs): each warp reads its codes straight into its mma fragments
-    # (fa2/fa2_fp8_frags.cuh), Q held in registers, instead of widening each
-    # tile into 16-bit tiles for ldmatrix. Ignored elsewhere: 16-bit caches,
-    # rows-split tilings and the other head dims keep the widening pass.
-    fp8_in_registers: bool = False
     # The kernel (attention_fa2.cu.jinja): fa2_attention.cuh's; Fa2ColumnSplitTiling's is the other.
     column_split: ClassVar[bool] = False
 
@@ -79,21 +73,12 @@ class Fa2Tiling:
         kv_bytes = common.DTYPE_BYTES[spec.dtype_kv]
         stage_rows = d + dv if kv_bytes == 1 else pitch + v_pitch
         size = self.rows_per_cta * pitch + self.stages * self.keys_per_tile * stage_rows
-        if kv_bytes == 1 and self._fp8_fragments(spec):
-            # No widened tiles; the warps' merge may need bytes past the stages.
-            merge = self.warps * (d // 8 * 4 + 4) * 32 * 4
-            return self.rows_per_cta * pitch + max(self.stages * self.keys_per_tile * stage_rows, merge)
         if kv_bytes == 1:
             return size + self.keys_per_tile * (pitch + v_pitch)
         if self.tma_kv and spec.op not in PAGED_OPS and not self.split_keys:
             # The stages' 1024-byte alignment, and their mbarriers (two each with slot_release).
             size += 1024 - 128 + 8 * (2 if self.slot_release else 1) * self.stages
         return size
-
-    def _fp8_fragments(self, spec: KernelSpec) -> bool:
-        """Mirror of Fa2Traits::kFp8InRegs."""
-        return (self.fp8_in_registers and self.split_keys and spec.head_dim_qk == 128
-                and common.DTYPE_BYTES[spec.dtype_kv] == 1)
 
 
 @dataclass(frozen=True)

@@ -91,10 +91,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // V rows, as wide as K's but for DeepSeek's 192 / 128 (then ragged, 16-bit, whole rows a span).
   constexpr int COPY_DV = kFp8 ? DV / 2 : DV, V_COPY_SPAN = DV == D ? KV_COPY_SPAN : DV * 2;
   constexpr int kStride = kFp8 ? 2 : 1;
-  // FP8 codes read straight into the mma fragments (fa2_fp8_frags.cuh): no
-  // widened tiles, Q in registers in the permuted head-dim order.
-  constexpr bool kFp8Regs = Traits::kFp8InRegs;
-  using Frags = fa2::Fp8Frags<typename Traits::KvType, T>;
   using StageLayout = typename Traits::KvStageLayout;
   using VStageLayout = typename Traits::VStageLayout;
   // Commit groups are [Q + K_0], [V_0], [K_1], [V_1], ...; see the main loop.
@@ -305,9 +301,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
       __syncthreads();          // ... and for every thread (Q rows come from all of them)
     }
-    if constexpr (kFp8Regs) {
-      Frags::template load_q<QLayout>(q_frag[0], q_warp, lane);
-    } else if constexpr (kQInRegs) {
+    if constexpr (kQInRegs) {
 #pragma unroll
       for (int f = 0; f < FM; ++f)
 #pragma unroll
@@ -410,7 +404,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       for (int j = 0; j < NT_S; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = k0 + (kFp8Regs ? Frags::key_row(8 * j + 2 * tq + (e & 1)) : 8 * j + 2 * tq + (e & 1));
+          const int key = k0 + 8 * j + 2 * tq + (e & 1);
           const int qo = q_off[e >> 1];
           bool hidden = key >= w.kv_len || (Traits::kCausal && key > qo) || (Traits::kWindow && key < qo - window_left);
           if constexpr (Traits::kCustomMask) hidden = hidden || !custom.visible(qo - offset, key);
@@ -451,8 +445,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // loop ran no faster once the softmax was one basic block.)
     for (int t = 0; t < num_tiles; ++t) {
       const uint32_t slot = kv_smem + (t % STAGES) * Traits::kStageBytes;
-      const uint32_t k_s = kFp8 && !kFp8Regs ? widened_k : slot;
-      const uint32_t v_s = kFp8 && !kFp8Regs ? widened_v : slot + Traits::kStageTileBytes;
+      const uint32_t k_s = kFp8 ? widened_k : slot, v_s = kFp8 ? widened_v : slot + Traits::kStageTileBytes;
       const uint32_t k_lane = kLeanLoop ? fa2::opaque(k_s + b_off0) : 0, v_lane = kLeanLoop ? fa2::opaque(v_s + v_off0) : 0;
       const int t0 = key_begin + t * KEYS;
 
@@ -477,7 +470,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         issue_k(t + STAGES - 1);
         issue_v(t + STAGES - 1);
         lookup(t + STAGES);
-        if constexpr (kFp8 && !kFp8Regs) {
+        if constexpr (kFp8) {
           // Tile t's codes -> the widened K/V pair: the barrier above proved
           // every reader done with tile t - 1's; with split keys each warp
           // widens its own rows.
@@ -498,11 +491,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         uint32_t pa[FM][KSTEPS_PV][4];  // P in T, A-operand layout, per m16 fragment
         float s[FM][NT_S][4];
         if (!step.skip) {
-          if constexpr (kFp8Regs) {
-            Frags::scores(s[0], q_frag[0], k_s + load_off, lane);
-          } else {
-            compute_s(s, k_s, k_lane, kofs);
-          }
+          compute_s(s, k_s, k_lane, kofs);
           softmax.update_max(s, o, t0 + kofs, step.mask, t == 0 && h == 0, mask_fragment);
 #pragma unroll
           for (int f = 0; f < FM; ++f) softmax.exp_to_p(s, pa, f);
@@ -518,13 +507,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         // one wait per tile), that interleave is what keeps the tensor pipe
         // busy (the d64 wide tiling runs unfenced; docs/fa2.md, "Tilings and why").
         if constexpr (Traits::kFencePv) __syncwarp();
-        if (!step.skip) {
-          if constexpr (kFp8Regs) {
-            Frags::accumulate(o[0], pa[0][0], v_s + load_off, lane);
-          } else {
-            accumulate_pv(pa, v_s, v_lane, kofs);
-          }
-        }
+        if (!step.skip) accumulate_pv(pa, v_s, v_lane, kofs);
       }  // steps
       if constexpr (Traits::kSlotRelease) ring.release(t);
     }

@@ -124,19 +124,10 @@ __device__ __forceinline__ void write_rows(const FlashjitAttentionParams& p, con
         packed.locate(row, token, head);
         const int64_t idx = partial_row(p, token, w.split) * p.num_qo_heads + head;
         float* dst = p.partial_o + idx * D + 2 * tq;
-        if constexpr (Traits::kFp8InRegs) {  // o[n][e]: column Fp8Frags::o_dim(n, tq, e), pairs of n
 #pragma unroll
-          for (int e = 0; e < 2; ++e)
-#pragma unroll
-            for (int n = 0; n < NT_O; n += 2)
-              *reinterpret_cast<float2*>(p.partial_o + idx * D + 16 * (2 * tq + e) + n) =
-                  make_float2(o[f][n][2 * r + e] * inv_l[f][r], o[f][n + 1][2 * r + e] * inv_l[f][r]);
-        } else {
-#pragma unroll
-          for (int n = 0; n < NT_O; ++n)
-            *reinterpret_cast<float2*>(dst + 8 * n) =
-                make_float2(o[f][n][2 * r] * inv_l[f][r], o[f][n][2 * r + 1] * inv_l[f][r]);
-        }
+        for (int n = 0; n < NT_O; ++n)
+          *reinterpret_cast<float2*>(dst + 8 * n) =
+              make_float2(o[f][n][2 * r] * inv_l[f][r], o[f][n][2 * r + 1] * inv_l[f][r]);
         if (tq == 0) p.partial_lse[idx] = lse[f][r];
       }
     return;
@@ -163,33 +154,15 @@ __device__ __forceinline__ void write_rows(const FlashjitAttentionParams& p, con
   };
   unsigned char* stage = smem + warp * WROWS * PITCH;
   __syncwarp();  // all lanes' last reads of the warp's Q rows are done
-  if constexpr (Traits::kFp8InRegs) {
-    // o[n][e] is column 16 * (2tq + e % 2) + n (fa2_fp8_frags.cuh): eight n
-    // of one e are a 16-byte chunk, 2 * (2tq + e % 2) + n / 8, of the row.
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
+  for (int f = 0; f < FM; ++f)
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
-#pragma unroll
-        for (int n = 0; n < NT_O; n += 8) {
-          uint32_t w[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            w[i] = pack2<T>(out(o[0][n + 2 * i][2 * r + e], 0, r), out(o[0][n + 2 * i + 1][2 * r + e], 0, r));
-          const int at = (g + 8 * r) * PITCH + (((2 * (2 * tq + e) + n / 8) ^ g) << 4);
-          *reinterpret_cast<uint4*>(stage + at) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-  } else {
-#pragma unroll
-    for (int f = 0; f < FM; ++f)
-#pragma unroll
-      for (int n = 0; n < NT_O; ++n) {
-        // Row 16f + g (and + 8), logical chunk n, word tq; (16f + g + 8) % 8 == g.
-        const int at = (16 * f + g) * PITCH + ((n ^ g) << 4) + tq * 4;
-        *reinterpret_cast<uint32_t*>(stage + at) = pack2<T>(out(o[f][n][0], f, 0), out(o[f][n][1], f, 0));
-        *reinterpret_cast<uint32_t*>(stage + at + 8 * PITCH) = pack2<T>(out(o[f][n][2], f, 1), out(o[f][n][3], f, 1));
-      }
-  }
+    for (int n = 0; n < NT_O; ++n) {
+      // Row 16f + g (and + 8), logical chunk n, word tq; (16f + g + 8) % 8 == g.
+      const int at = (16 * f + g) * PITCH + ((n ^ g) << 4) + tq * 4;
+      *reinterpret_cast<uint32_t*>(stage + at) = pack2<T>(out(o[f][n][0], f, 0), out(o[f][n][1], f, 0));
+      *reinterpret_cast<uint32_t*>(stage + at + 8 * PITCH) = pack2<T>(out(o[f][n][2], f, 1), out(o[f][n][3], f, 1));
+    }
   __syncwarp();
   {
     // Lane l stores chunk l % kLanes of rows l / kLanes + kRowStep * i: a

@@ -6,7 +6,6 @@
 #include <cuda_fp16.h>
 #include <stddef.h>
 #include <type_traits>
-#include "flashjit/fa2/fa2_fp8_frags.cuh"
 #include "flashjit/fa2/fa2_primitives.cuh"
 
 namespace flashjit {
@@ -14,7 +13,7 @@ namespace flashjit {
 template <class DType_, class KvType_, int kHeadDim_, int kHeadDimVo_, int kWarps_, int kFragsM_, int kKeysPerTile_, int kSubTiles_, int kStages_,
           bool kOneWait_, bool kFencePv_, bool kTmaKv_, bool kSlotRelease_, bool kQInRegs_, int kMinBlocksPerSm_,
           bool kSplitKeys_, bool kPaged_, bool kCausal_, bool kWindow_, bool kSoftCap_, bool kLse_,
-          bool kCustomMask_, bool kFp8InRegs_ = false>
+          bool kCustomMask_>
 struct Fa2Traits {
   using DType = DType_;
   // The K/V cache's element type: DType, or an FP8 format whose tiles land in
@@ -59,7 +58,7 @@ struct Fa2Traits {
   // Q fragments held in registers for the whole KV loop (D/4 registers per
   // thread); else re-read from shared memory with ldmatrix every tile, which
   // D = 256 needs to stay clear of spills next to its 128 O registers.
-  static constexpr bool kQInRegs = kQInRegs_ || (kFp8InRegs_ && kKvFp8 && kSplitKeys_ && kHeadDim_ == 128);
+  static constexpr bool kQInRegs = kQInRegs_;
   // Second __launch_bounds__ argument: caps registers at 64K / (kThreads * it)
   // so that this many CTAs fit on one SM (1: no cap beyond 255 per thread).
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
@@ -67,17 +66,11 @@ struct Fa2Traits {
   template <int kOtherMinBlocksPerSm>
   using WithMinBlocks = Fa2Traits<DType_, KvType_, kHeadDim_, kHeadDimVo_, kWarps_, kFragsM_, kKeysPerTile_, kSubTiles_, kStages_, kOneWait_,
                                   kFencePv_, kTmaKv_, kSlotRelease_, kQInRegs_, kOtherMinBlocksPerSm, kSplitKeys_, kPaged_, kCausal_, kWindow_, kSoftCap_,
-                                  kLse_, kCustomMask_, kFp8InRegs_>;
+                                  kLse_, kCustomMask_>;
   // Warps split each tile's keys instead of the rows (decode: the rows are
   // only one KV head's query heads, so one warp would do all the math while
   // the others wait at the barriers); their states merge at the end.
   static constexpr bool kSplitKeys = kSplitKeys_;
-  // An FP8 cache's split-keys decode at head dim 128 reads each warp's codes
-  // straight into its mma fragments (fa2_fp8_frags.cuh) instead of widening
-  // tiles for ldmatrix: Q then stays in registers, in the permuted head-dim
-  // order the K fragments take, and the code tiles are Fp8FragTile. Other
-  // head dims keep the widening pass.
-  static constexpr bool kFp8InRegs = kFp8InRegs_ && kKvFp8 && kSplitKeys_ && kHeadDim_ == 128;
   static constexpr bool kPaged = kPaged_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kWindow = kWindow_;
@@ -114,10 +107,8 @@ struct Fa2Traits {
   // tile widens into a single K/V pair of KvLayout tiles after the ring.
   static constexpr int kKvRowBytes = kKvFp8 ? kHeadDim : kPitchBytes;
   static constexpr int kVStageRowBytes = kKvFp8 ? kHeadDimVo : kVPitchBytes;
-  using CodeTile = std::conditional_t<kFp8InRegs, fa2::Fp8FragTile, fa2::PlainTile<kKvRowBytes>>;
-  using KvStageLayout = std::conditional_t<kKvFp8, CodeTile, KvLayout>;
-  using VStageLayout = std::conditional_t<kKvFp8, std::conditional_t<kFp8InRegs, CodeTile, fa2::PlainTile<kVStageRowBytes>>,
-                                          VLayout>;
+  using KvStageLayout = std::conditional_t<kKvFp8, fa2::PlainTile<kKvRowBytes>, KvLayout>;
+  using VStageLayout = std::conditional_t<kKvFp8, fa2::PlainTile<kVStageRowBytes>, VLayout>;
 
   static_assert(std::is_same<DType, __half>::value || std::is_same<DType, __nv_bfloat16>::value,
                 "fa2 tensor-core attention takes __half or __nv_bfloat16");
@@ -146,25 +137,19 @@ struct Fa2Traits {
   static constexpr int kVTileBytes = kKeysPerTile * kVPitchBytes;
   static constexpr int kStageTileBytes = kKeysPerTile * kKvRowBytes;  // K's part of a stage; V's follows
   static constexpr int kStageBytes = kStageTileBytes + kKeysPerTile * kVStageRowBytes;
-  static constexpr int kWidenedBytes = kKvFp8 && !kFp8InRegs ? kKvTileBytes + kVTileBytes : 0;
+  static constexpr int kWidenedBytes = kKvFp8 ? kKvTileBytes + kVTileBytes : 0;
   // With TMA the K/V stages start at a 1024-byte boundary (the swizzle's
   // period), and 8-byte mbarriers follow them: per stage, its tile landed,
   // and with kSlotRelease every warp is done with it.
   static constexpr int kKvAlign = kTmaKv ? 1024 : 128;
   static constexpr int kStageBarriers = kTmaKv ? (kSlotRelease ? 2 : 1) : 0;
-  // Split keys: each lane's O, m and l per warp, exchanged through the stages
-  // (and the widened tiles after them; with kFp8InRegs, whose stages of codes
-  // are smaller than the exchange, the bytes it needs past them).
-  static constexpr int kMergeValues = kFragsM * (kHeadDimVo / 8) * 4 + kFragsM * 4;
-  static constexpr int kMergeBytes = kWarps * kMergeValues * 32 * 4;
-  static constexpr int kMergeTail =
-      kFp8InRegs && kMergeBytes > kStages * kStageBytes ? (kMergeBytes - kStages * kStageBytes + 127) / 128 * 128 : 0;
-  static constexpr size_t kSmemBytes = size_t(kQBytes) + size_t(kStages) * kStageBytes + kWidenedBytes + kMergeTail +
+  static constexpr size_t kSmemBytes = size_t(kQBytes) + size_t(kStages) * kStageBytes + kWidenedBytes +
                                        (kTmaKv ? kKvAlign - 128 + 8 * kStageBarriers * kStages : 0);
-  static_assert(!kSplitKeys || size_t(kMergeBytes) <= size_t(kStages) * kStageBytes + kWidenedBytes + kMergeTail,
+  // Split keys: each lane's O, m and l per warp, exchanged through the stages
+  // (and the widened tiles after them).
+  static constexpr int kMergeValues = kFragsM * (kHeadDimVo / 8) * 4 + kFragsM * 4;
+  static_assert(!kSplitKeys || size_t(kWarps) * kMergeValues * 32 * 4 <= size_t(kStages) * kStageBytes + kWidenedBytes,
                 "the warps' states must fit in the K/V stages to merge");
-  static_assert(!kFp8InRegs || (kFragsM == 1 && kSubTiles == 1 && kKeysPerWarp == 16 && kHeadDimVo == 128),
-                "FP8 fragments: one m16 fragment, 16 keys a warp, head dim 128");
 };
 
 }  // namespace flashjit
