@@ -33,6 +33,10 @@ NO_CAUSAL = set(DECODE_OPS)
 #   full:    every op, dtype, head dim and causal choice (449 builds for sm_80,
 #            sm_89 and sm_90a).
 _PRESET_OPS = [op for op in OPS if op not in MLA_OPS]
+# The FP8 KV cache engines serve by default (vLLM's and SGLang's "fp8" is e4m3)
+# at the head dim most served models have; one head dim, so that the README's
+# first command stays within its time (benchmarks/results/*-cpu-build-times.md).
+_FP8_SERVING = dict(kv_dtypes=["float8_e4m3fn"], head_dims=[128])
 SWITCH_DEFAULTS = {"tensor_cores": "auto", "causal": "both"}
 PRESETS = {
     "default": dict(ops=["batch_prefill_ragged", "batch_prefill_paged", "batch_decode_paged", "append_paged",
@@ -40,7 +44,9 @@ PRESETS = {
                     dtypes=["bfloat16"], head_dims=[64, 128, 256],
                     parts=[dict(ops=["batch_prefill_ragged", "batch_prefill_paged"], causal="on"),
                            dict(ops=["batch_decode_paged"], tensor_cores="both"),
-                           dict(ops=["append_paged", "mla_paged"])]),
+                           dict(ops=["append_paged", "mla_paged"]),
+                           dict(ops=["batch_prefill_paged"], causal="on", **_FP8_SERVING),
+                           dict(ops=["batch_decode_paged", "append_paged"], tensor_cores="both", **_FP8_SERVING)]),
     "minimal": dict(ops=_PRESET_OPS, dtypes=["bfloat16"], head_dims=[128]),
     "full": dict(ops=list(OPS), dtypes=["float16", "bfloat16", "float32"], head_dims=list(HEAD_DIMS)),
 }
@@ -52,7 +58,7 @@ def preset_parts(args) -> list[dict]:
     command line replaces every part's."""
     preset = PRESETS[args.preset]
     parts = [dict(ops=args.op)] if args.op else preset.get("parts", [dict(ops=preset["ops"])])
-    return [dict(ops=part["ops"],
+    return [dict(ops=part["ops"], kv_dtypes=part.get("kv_dtypes"), head_dims=part.get("head_dims"),
                  **{switch: getattr(args, switch) or part.get(switch, default)
                     for switch, default in SWITCH_DEFAULTS.items()})
             for part in parts]
@@ -197,16 +203,16 @@ def specs_from_args(args, arches=None) -> list[KernelSpec]:
     arches = arches or jit.resolve_arches(args.arch)
     preset = PRESETS[args.preset]
     dtypes = [canonical_dtype(d) for d in (args.dtype or preset["dtypes"])]
-    # None: K/V of q's dtype; else the FP8 KV-cache dtypes of --kv-dtype.
-    kv_dtypes = [canonical_dtype(d) for d in getattr(args, "kv_dtype", None) or ()] or [None]
-    head_dims = [int(h) for h in args.head_dim] if args.head_dim else preset["head_dims"]
+    # None: K/V of q's dtype; else the FP8 KV-cache dtypes of --kv-dtype (or of a preset's part).
+    given_kv_dtypes = [canonical_dtype(d) for d in getattr(args, "kv_dtype", None) or ()]
+    given_head_dims = [int(h) for h in args.head_dim] if args.head_dim else None
     dims_vo = [int(h) for h in getattr(args, "head_dim_vo", None) or ()]
-    dim_pairs = head_dim_pairs(head_dims, dims_vo)
     specs, reasons = [], []
     combos = itertools.chain.from_iterable(itertools.product(
-        part["ops"], dtypes, kv_dtypes, dim_pairs, args.backend, _switch(part["tensor_cores"]),
-        _switch(part["causal"]), _switch(getattr(args, "mask", None) or "off"), _switch(args.window),
-        _switch(args.soft_cap), _switch(args.lse))
+        part["ops"], dtypes, given_kv_dtypes or part["kv_dtypes"] or [None],
+        head_dim_pairs(given_head_dims or part["head_dims"] or preset["head_dims"], dims_vo), args.backend,
+        _switch(part["tensor_cores"]), _switch(part["causal"]), _switch(getattr(args, "mask", None) or "off"),
+        _switch(args.window), _switch(args.soft_cap), _switch(args.lse))
         for part in preset_parts(args))
     for op, dtype, kv_dtype, (head_dim, head_dim_vo), backend, tc, causal, mask, window, cap, lse in combos:
         if tc is None:

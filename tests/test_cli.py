@@ -99,7 +99,13 @@ def test_default_preset_is_the_serving_set_and_flags_replace_its_switches():
             ["prewarm", *flags, "--arch", "sm_80", "sm_89", "sm_90a"]))}
 
     default = names()
-    assert len(default) == 25
+    assert len(default) == 30
+    # The FP8 (e4m3) cache at head dim 128: paged prefill, decode on both core types, the append into it.
+    assert {n for n in default if "_kv" in n} == {
+        "batch_prefill_paged_bf16_kve4m3_d128_fa2_tc_causal_lse", "batch_prefill_paged_bf16_kve4m3_d128_fa3_tc_causal_lse",
+        "batch_decode_paged_bf16_kve4m3_d128_fa2_cc_lse", "batch_decode_paged_bf16_kve4m3_d128_fa2_tc_lse",
+        "append_paged_bf16_kve4m3_d128"}
+    default_fp8, default = {n for n in default if "_kv" in n}, {n for n in default if "_kv" not in n}
     assert {n for n in default if "prefill" in n} == {
         f"batch_prefill_{kind}_bf16_d{d}_{b}_tc_causal_lse" for kind in ("ragged", "paged")
         for d in (64, 128, 256) for b in ("fa2", "fa3")}
@@ -108,8 +114,11 @@ def test_default_preset_is_the_serving_set_and_flags_replace_its_switches():
     assert {n for n in default if n.startswith("mla_paged")} == {
         f"mla_paged_bf16_qk576_vo512_{b}_tc{c}_lse" for b in ("fa2", "fa3") for c in ("", "_causal")}
     both = names("--causal", "both")
-    assert default < both and {n for n in both - default if "_causal" in n} == set()
-    assert names("--dtype", "fp16") == {n.replace("_bf16_", "_f16_") for n in default}
+    assert default | default_fp8 < both and {n for n in both - default - default_fp8 if "_causal" in n} == set()
+    assert names("--dtype", "fp16") == {n.replace("_bf16_", "_f16_") for n in default | default_fp8}
+    # --kv-dtype and --head-dim replace the FP8 part's too, as every part's.
+    assert {n for n in names("--kv-dtype", "e5m2") if "_kve4m3_" in n} == set()
+    assert {n for n in names("--head-dim", "64") if "_kv" in n} == {n.replace("_d128", "_d64") for n in default_fp8}
     assert names("--op", "batch_prefill_ragged") == {
         f"batch_prefill_ragged_bf16_d{d}_{b}_tc{c}_lse" for d in (64, 128, 256) for b in ("fa2", "fa3")
         for c in ("", "_causal")}
