@@ -22,20 +22,24 @@ NO_CAUSAL = set(DECODE_OPS)
 
 # A preset names the ops, dtypes and head dims that --op, --dtype and --head-dim
 # leave unnamed, as one or more parts, each with the variant switches it builds
-# where --tensor-cores and --causal are not given. A named --op replaces the
-# parts: one selection over the preset's dtypes and head dims with the switches'
-# own defaults. MLA (DeepSeek-style models) is built where a target is sm_90a,
-# the GPUs such models are served on; elsewhere --op mla_paged.
+# where --tensor-cores and --causal are not given (and a part may name its own
+# KV dtypes and head dims, where --kv-dtype and --head-dim are not given). A
+# named --op replaces the parts: one selection over the preset's dtypes and head
+# dims with the switches' own defaults. MLA (DeepSeek-style models) is built
+# where a target is sm_90a, the GPUs such models are served on; elsewhere --op
+# mla_paged.
 #   default: what a served model needs, in bf16, for the three common head dims:
 #            causal ragged and paged prefill, paged decode on both core types,
-#            the KV append and MLA (the README's first command; 25 builds).
+#            the KV append and MLA; and an e4m3 cache at head dim 128: paged
+#            decode, causal paged prefill and the append (the README's first
+#            command; 30 builds).
 #   minimal: every non-MLA op in bf16 at head dim 128.
-#   full:    every op, dtype, head dim and causal choice (449 builds for sm_80,
+#   full:    every op, dtype, head dim and causal choice (473 builds for sm_80,
 #            sm_89 and sm_90a).
 _PRESET_OPS = [op for op in OPS if op not in MLA_OPS]
 # The FP8 KV cache engines serve by default (vLLM's and SGLang's "fp8" is e4m3)
 # at the head dim most served models have; one head dim, so that the README's
-# first command stays within its time (benchmarks/results/*-cpu-build-times.md).
+# first command stays within its time (benchmarks/results/2026-12-08-cpu-build-times.md).
 _FP8_SERVING = dict(kv_dtypes=["float8_e4m3fn"], head_dims=[128])
 SWITCH_DEFAULTS = {"tensor_cores": "auto", "causal": "both"}
 PRESETS = {
