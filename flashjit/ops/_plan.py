@@ -280,15 +280,17 @@ def deal_positions(costs, heads: int, band_items: int, ctas: int) -> list | None
     rounds = rounds_time(by_position, ctas)
     if rounds <= (1 + _DEAL_SLACK) * max(sum(by_position) / ctas, max(by_position)):
         return None
-    loads = [(0, cta) for cta in range(ctas)]  # sorted, so already a heap
+    # A CTA's load and index as one int, load * ctas + cta, which orders as the
+    # pair (load, cta) does: the heap then compares ints, not tuples (docs/fa3.md).
+    loads = list(range(ctas))  # every load 0: sorted, so already a heap
     dealt = [[] for _ in range(ctas)]
     replace = heapq.heapreplace
     for x, cost in enumerate(by_position):
         if cost > 0:
-            load, cta = loads[0]
-            dealt[cta].append(x)
-            replace(loads, (load + cost, cta))
-    if max(loads)[0] * (1 + _DEAL_SLACK) >= rounds:
+            top = loads[0]
+            dealt[top % ctas].append(x)
+            replace(loads, top + cost * ctas)
+    if max(loads) // ctas * (1 + _DEAL_SLACK) >= rounds:
         return None
     walk, first = [ctas], 0
     for positions in dealt:
