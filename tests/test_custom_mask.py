@@ -367,8 +367,9 @@ def _selection(*argv):
 
 def test_the_mask_selector():
     names = [s.name for s in _selection("--mask", "custom")]
+    # The default preset's causal prefill, as a mask holds its own, its e4m3 part's too.
     assert names == [f"batch_prefill_{kind}_bf16_d{d}_fa2_tc_mask_lse" for kind in ("ragged", "paged")
-                     for d in (64, 128, 256)]  # the default preset's causal prefill, as a mask holds its own
+                     for d in (64, 128, 256)] + ["batch_prefill_paged_bf16_kve4m3_d128_fa2_tc_mask_lse"]
     both = {s.name for s in _selection("--mask", "both", "--op", "single_prefill", "--dtype", "fp16",
                                        "--head-dim", "64", "--causal", "off")}
     assert both == {"single_prefill_f16_d64_fa2_tc", "single_prefill_f16_d64_fa3_tc", "single_prefill_f16_d64_fa2_tc_mask"}

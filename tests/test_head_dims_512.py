@@ -140,8 +140,8 @@ def _names(*flags, arches=("sm_80", "sm_90a")):
 def test_prewarm_builds_512_where_it_is_generated():
     names = _names("--head-dim", "512")  # the default preset: ragged prefill and the append are left out
     assert {n for n in names if not n.startswith("mla_paged")} == {
-        "batch_prefill_paged_bf16_d512_fa2_tc_causal_lse", "batch_decode_paged_bf16_d512_fa2_cc_lse",
-        "batch_decode_paged_bf16_d512_fa2_tc_lse"}
+        f"batch_{op}_bf16{kv}_d512_fa2_{suffix}" for kv in ("", "_kve4m3")  # and its e4m3 part
+        for op, suffix in (("prefill_paged", "tc_causal_lse"), ("decode_paged", "cc_lse"), ("decode_paged", "tc_lse"))}
     assert _names("--op", "single_decode", "--dtype", "fp32", "bf16", "--kv-dtype", "e4m3", "--head-dim", "512",
                   "--tensor-cores", "both") == {"single_decode_bf16_kve4m3_d512_fa2_cc",
                                                 "single_decode_bf16_kve4m3_d512_fa2_tc"}
