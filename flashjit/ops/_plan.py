@@ -150,14 +150,20 @@ def choose_band_items(costs, heads: int, slots: int, shared_keys: bool) -> int:
     return 0 if per_band >= len(costs) else per_band
 
 
+def single_request_costs(qo_len: int, kv_len: int, *, group: int, rows_per_cta: int, causal: bool,
+                         key_tile: int = 1) -> list:
+    """The costs of a launch without a plan (one request) by work slot: its last
+    query tiles first (work.cuh decode_work_at)."""
+    tiles = ceil_div(qo_len * group, rows_per_cta)
+    return [_item_cost(qo_len, kv_len, t, rows_per_cta, group, causal, key_tile) for t in reversed(range(tiles))]
+
+
 @functools.lru_cache(maxsize=1024)
 def single_request_band_items(qo_len: int, kv_len: int, *, group: int, rows_per_cta: int, num_kv_heads: int,
                               resident_ctas: int, causal: bool) -> int:
-    """choose_band_items for a launch without a plan (one request, its last
-    query tiles first; see work.cuh)."""
-    tiles = ceil_div(qo_len * group, rows_per_cta)
-    costs = [_item_cost(qo_len, kv_len, t, rows_per_cta, group, causal) for t in reversed(range(tiles))]
-    return choose_band_items(costs, max(num_kv_heads, 1), max(1, resident_ctas), tiles > 1)
+    """choose_band_items for a launch without a plan (one request)."""
+    costs = single_request_costs(qo_len, kv_len, group=group, rows_per_cta=rows_per_cta, causal=causal)
+    return choose_band_items(costs, max(num_kv_heads, 1), max(1, resident_ctas), len(costs) > 1)
 
 
 def tile_items(qo_lens, kv_lens, *, group: int, rows_per_cta: int, causal: bool, key_tile: int = 1) -> list:

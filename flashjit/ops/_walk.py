@@ -9,7 +9,7 @@ import torch
 
 from ..kernels import fa3 as fa3_kernels
 from ..spec import MLA_OPS, KernelSpec
-from ._plan import _item_cost, ceil_div, deal_positions
+from ._plan import deal_positions, single_request_costs
 
 # Single requests' walks on the device, by everything a walk depends on:
 # (address, the tensor holding it). Never freed: a captured CUDA graph may hold
@@ -31,9 +31,8 @@ def single_request_walk(qo_len: int, kv_len: int, *, group: int, rows_per_cta: i
         return _WALKS[key][0]
     if _walk_bytes >= _WALKS_BYTES or torch.cuda.is_current_stream_capturing():
         return 0
-    tiles = ceil_div(qo_len * group, rows_per_cta)
-    # The launch's slots: its last query tiles first (work.cuh decode_work_at without a plan).
-    costs = [_item_cost(qo_len, kv_len, t, rows_per_cta, group, causal, key_tile) for t in reversed(range(tiles))]
+    costs = single_request_costs(qo_len, kv_len, group=group, rows_per_cta=rows_per_cta, causal=causal,
+                                 key_tile=key_tile)
     walk = deal_positions(costs, num_kv_heads, band_items, ctas)
     buffer = None
     if walk is not None:
